@@ -1,0 +1,123 @@
+"""The module-level API: one active session per process, and the calls that reach it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from .session import Session
+
+_lock = threading.Lock()
+_session: "Session | None" = None
+_fork_handler_installed = False
+
+
+def _after_fork_in_child() -> None:
+    s = _session
+    if s is not None:
+        s.after_fork_in_child()
+
+
+def init(**config: Any) -> "Session":
+    """Start stepwatch in this process (idempotent).
+
+    Keyword arguments are :class:`~stepwatch.Config` fields; they override ``STEPWATCH_*``
+    variables. A second call with the same configuration returns the running session; with a
+    different one it raises :class:`ConfigError` (call :func:`shutdown` first).
+    """
+    global _session, _fork_handler_installed
+    cfg = Config.from_env(**config)
+    with _lock:
+        if _session is not None and not _session._closed:
+            if _session.config != cfg:
+                raise ConfigError(
+                    "stepwatch.init() called again with a different configuration; "
+                    "call stepwatch.shutdown() first (running: "
+                    f"{_diff(_session.config, cfg)})"
+                )
+            return _session
+        from .session import Session
+
+        if not _fork_handler_installed:
+            # Forked DataLoader workers must start no threads and write no records.
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_handler_installed = True
+        _session = Session(cfg)
+        return _session
+
+
+def _diff(a: Config, b: Config) -> str:
+    import dataclasses
+
+    out = [
+        f"{f.name}={getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
+        for f in dataclasses.fields(a)
+        if getattr(a, f.name) != getattr(b, f.name)
+    ]
+    return ", ".join(out)
+
+
+def get_session() -> "Session | None":
+    """The running session, or None."""
+    s = _session
+    return s if s is not None and not s._closed else None
+
+
+def shutdown() -> None:
+    """Finish the last step, flush every exporter, remove every hook. Also runs at exit."""
+    global _session
+    with _lock:
+        s, _session = _session, None
+    if s is not None:
+        s.shutdown()
+
+
+def step() -> None:
+    """Explicit step boundary, for loops without a torch optimizer (or to end a step early)."""
+    s = _session
+    if s is not None:
+        s.step()
+
+
+def set_step(n: int) -> None:
+    """Number the next step ``n`` (e.g. after resuming from a checkpoint)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"stepwatch.set_step(n={n!r}): n must be an integer >= 0")
+    s = _session
+    if s is not None:
+        s.set_step(n)
+
+
+def log(**scalars: Any) -> None:
+    """Attach scalars (loss, lr, ...) to the current step. Tensors are read later, off the
+    training thread; nothing here waits for the device."""
+    s = _session
+    if s is not None:
+        s.log(scalars)
+
+
+class phase:
+    """``with stepwatch.phase("name"):`` times a block into the record's ``phases`` and opens an
+    NVTX range of that name. Reentrant; exceptions from the block pass through untouched."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"stepwatch.phase(name={name!r}): name must be a non-empty string")
+        self.name = name
+
+    def __enter__(self) -> "phase":
+        s = _session
+        if s is not None and s.tracker is not None:
+            s.tracker.phase_begin(self.name)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        s = _session
+        if s is not None and s.tracker is not None:
+            s.tracker.phase_end(self.name)

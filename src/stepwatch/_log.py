@@ -1,0 +1,53 @@
+"""stepwatch's logger and the 'count it, log it once' helper for internal failures."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+logger = logging.getLogger("stepwatch")
+if not logger.handlers:
+    _h = logging.StreamHandler()
+    _h.setFormatter(logging.Formatter("[stepwatch] %(levelname)s: %(message)s"))
+    logger.addHandler(_h)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+class FailureLog:
+    """Counts internal failures per place; logs the first one of each place with its traceback."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+
+    def record(self, where: str, exc: BaseException) -> bool:
+        """Count a failure; return True the first time this place fails."""
+        with self._lock:
+            n = self.counts.get(where, 0) + 1
+            self.counts[where] = n
+        if n == 1:
+            logger.warning(
+                "internal error in %s (disabled; training continues): %s: %s",
+                where,
+                type(exc).__name__,
+                exc,
+                exc_info=(type(exc), exc, exc.__traceback__),
+            )
+        return n == 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, msg: str, *args: object) -> None:
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logger.warning(msg, *args)

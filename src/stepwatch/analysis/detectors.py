@@ -1,0 +1,72 @@
+"""Detectors: consume step records on the background thread, emit findings.
+
+A detector has ``observe(record) -> list[Finding]``. Each judges non-overlapping windows of
+``window`` steps, raises a finding when a window turns bad, and repeats it at most every
+``repeat_windows`` windows while it stays bad, so a persistent problem is not log spam.
+"""
+
+from __future__ import annotations
+
+from ..record import Finding, StepRecord
+from .kinds import make_finding
+
+
+class WindowedDetector:
+    def __init__(self, window: int, repeat_windows: int = 20) -> None:
+        self.window = window
+        self.repeat_windows = repeat_windows
+        self._buf: list[StepRecord] = []
+        self._bad_windows = 0  # consecutive bad windows (0 = healthy)
+
+    def observe(self, rec: StepRecord) -> list[Finding]:
+        self._buf.append(rec)
+        if len(self._buf) < self.window:
+            return []
+        buf, self._buf = self._buf, []
+        finding = self.judge(buf)
+        if finding is None:
+            self._bad_windows = 0
+            return []
+        self._bad_windows += 1
+        if (self._bad_windows - 1) % self.repeat_windows == 0:
+            return [finding]
+        return []
+
+    def judge(self, window: list[StepRecord]) -> Finding | None:  # pragma: no cover - interface
+        return None
+
+
+class DataLoadingDetector(WindowedDetector):
+    """Reference B.9: mean DataLoader wait per step above 10 ms means data loading is the bottleneck."""
+
+    def __init__(self, window: int, threshold_ms: float, repeat_windows: int = 20) -> None:
+        super().__init__(window, repeat_windows)
+        self.threshold_s = threshold_ms / 1000.0
+
+    def judge(self, window: list[StepRecord]) -> Finding | None:
+        waits = [r.data_wait_s for r in window]
+        mean = sum(waits) / len(waits)
+        if mean <= self.threshold_s:
+            return None
+        steps = [r.step_s for r in window]
+        share = sum(waits) / max(sum(steps), 1e-12)
+        last = window[-1]
+        return make_finding(
+            "data_loading",
+            rank=last.rank,
+            step=last.step,
+            when=last.time,
+            summary=(
+                f"rank {last.rank} waited {mean * 1e3:.1f} ms per step on data over steps "
+                f"{window[0].step}-{last.step} ({share:.0%} of step time; threshold "
+                f"{self.threshold_s * 1e3:g} ms)"
+            ),
+            data={
+                "mean_wait_ms": mean * 1e3,
+                "max_wait_ms": max(waits) * 1e3,
+                "share_of_step": share,
+                "first_step": window[0].step,
+                "last_step": last.step,
+                "threshold_ms": self.threshold_s * 1e3,
+            },
+        )

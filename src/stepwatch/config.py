@@ -1,0 +1,316 @@
+"""Configuration: one dataclass, every field also settable as a ``STEPWATCH_*`` variable.
+
+Each variable is declared once, here, next to its field (``metadata["env"]``), with its doc and
+its parser. Explicit arguments to ``stepwatch.init(...)`` beat the environment. A bad value fails
+at ``init`` with a message that names the variable (or argument) and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the variable or argument."""
+
+
+# -- parsers: str (from the environment) -> value; raise ValueError with what would be valid --
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse_bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _int_at_least(lo: int) -> Callable[[Any], int]:
+    def parse(s: Any) -> int:
+        if isinstance(s, bool):
+            raise ValueError(f"expected an integer >= {lo}")
+        try:
+            v = int(s)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected an integer >= {lo}") from None
+        if isinstance(s, float) and s != v:
+            raise ValueError(f"expected an integer >= {lo}")
+        if v < lo:
+            raise ValueError(f"expected an integer >= {lo}")
+        return v
+
+    parse.__doc__ = f"integer >= {lo}"
+    return parse
+
+
+def _float_above(lo: float, *, optional: bool = False) -> Callable[[Any], float | None]:
+    def parse(s: Any) -> float | None:
+        if optional and (s is None or (isinstance(s, str) and s.strip() == "")):
+            return None
+        if isinstance(s, bool):
+            raise ValueError(f"expected a number > {lo}")
+        try:
+            v = float(s)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number > {lo}") from None
+        if not math.isfinite(v) or v <= lo:
+            raise ValueError(f"expected a finite number > {lo}")
+        return v
+
+    return parse
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def parse(s: Any) -> str:
+        v = str(s).strip().lower()
+        if v not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return v
+
+    return parse
+
+
+def _opt_str(s: Any) -> str | None:
+    if s is None:
+        return None
+    v = str(s)
+    return v if v.strip() else None
+
+
+def _opt_port(s: Any) -> int | None:
+    """Optional TCP port: empty/None = off."""
+    if s is None or (isinstance(s, str) and s.strip() == ""):
+        return None
+    if isinstance(s, bool):
+        raise ValueError("expected a TCP port 1-65535 (or empty for off)")
+    try:
+        v = int(s)
+    except (TypeError, ValueError):
+        raise ValueError("expected a TCP port 1-65535 (or empty for off)") from None
+    if not 1 <= v <= 65535:
+        raise ValueError("expected a TCP port 1-65535 (or empty for off)")
+    return v
+
+
+def _bool_value(s: Any) -> bool:
+    if isinstance(s, bool):
+        return s
+    if isinstance(s, str):
+        return _parse_bool(s)
+    raise ValueError("expected True or False")
+
+
+def _gpu_hz(s: Any) -> float:
+    v = _float_above(0.0)(s)
+    # NVML GPM: metrics come from two samples at least 100 ms apart (nvml.h, nvmlGpmMetricsGet).
+    if v is None or v > 10.0:
+        raise ValueError("expected a number > 0 and <= 10 (samples per second)")
+    return v
+
+
+def _opt(env: str | None, doc: str, parse: Callable[[Any], Any]) -> dict[str, Any]:
+    return {"env": env, "doc": doc, "parse": parse}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """stepwatch's settings. Field docs are the README's variable table."""
+
+    enabled: bool = field(
+        default=True,
+        metadata=_opt("STEPWATCH_ENABLED", "Master switch. `0` makes every stepwatch call a no-op.", _bool_value),
+    )
+    dir: str | None = field(
+        default=None,
+        metadata=_opt(
+            "STEPWATCH_DIR",
+            "Run directory. Default `./stepwatch-runs/<run id>/` (see 'Run directory').",
+            _opt_str,
+        ),
+    )
+    run_id: str | None = field(
+        default=None,
+        metadata=_opt(
+            "STEPWATCH_RUN_ID",
+            "Run id used in the default run directory. Default: torchrun's `TORCHELASTIC_RUN_ID`, "
+            "else derived from `MASTER_ADDR`/`MASTER_PORT`, else a timestamp and pid.",
+            _opt_str,
+        ),
+    )
+    step_offset: int = field(
+        default=0,
+        metadata=_opt("STEPWATCH_STEP_OFFSET", "Number of the first step (set it when a job resumes).", _int_at_least(0)),
+    )
+    records: bool = field(
+        default=True,
+        metadata=_opt("STEPWATCH_RECORDS", "Write `steps.rank<R>.jsonl` and `findings.rank<R>.jsonl`.", _bool_value),
+    )
+    disk_budget_mb: int = field(
+        default=1024,
+        metadata=_opt(
+            "STEPWATCH_DISK_BUDGET_MB",
+            "Disk budget for the whole run directory (all ranks); each rank's records rotate within its share.",
+            _int_at_least(1),
+        ),
+    )
+    console: str = field(
+        default="auto",
+        metadata=_opt(
+            "STEPWATCH_CONSOLE",
+            "Live console on the console rank: `auto` (a refreshing line on a terminal, one line a "
+            "minute otherwise), `on` (every interval, even when not a terminal), `off`.",
+            _choice("auto", "on", "off"),
+        ),
+    )
+    console_rank: int = field(
+        default=0,
+        metadata=_opt("STEPWATCH_CONSOLE_RANK", "Which rank prints the live console.", _int_at_least(0)),
+    )
+    console_interval_s: float = field(
+        default=5.0,
+        metadata=_opt("STEPWATCH_CONSOLE_INTERVAL", "Seconds between console updates on a terminal.", _float_above(0.0)),
+    )
+    nvtx: bool = field(
+        default=True,
+        metadata=_opt(
+            "STEPWATCH_NVTX",
+            "Open NVTX ranges `step_N`, `forward`, `backward`, `optimizer` and user phases "
+            "(a cheap no-op unless a profiler such as nsys listens).",
+            _bool_value,
+        ),
+    )
+    window: int = field(
+        default=50,
+        metadata=_opt("STEPWATCH_WINDOW", "Steps per analysis window (percentiles, detectors).", _int_at_least(2)),
+    )
+    data_wait_threshold_ms: float = field(
+        default=10.0,
+        metadata=_opt(
+            "STEPWATCH_DATA_WAIT_MS",
+            "Mean data wait per step over a window above which a `data_loading` finding is raised "
+            "(reference B.9: 10 ms).",
+            _float_above(0.0),
+        ),
+    )
+    queue_size: int = field(
+        default=4096,
+        metadata=_opt(
+            "STEPWATCH_QUEUE_SIZE",
+            "Bound of the training-thread -> background-thread queue; when full, records are dropped and counted.",
+            _int_at_least(16),
+        ),
+    )
+    flush_interval_s: float = field(
+        default=0.25,
+        metadata=_opt(
+            "STEPWATCH_FLUSH_INTERVAL",
+            "Seconds between background passes (records written and flushed each pass).",
+            _float_above(0.0),
+        ),
+    )
+    prometheus_port: int | None = field(
+        default=None,
+        metadata=_opt(
+            "STEPWATCH_PROMETHEUS_PORT",
+            "Base port of the per-rank Prometheus endpoint (text format 0.0.4 on /metrics); the rank with "
+            "local rank L serves base + L. Unset: no endpoint. A taken port is a warning, not an error.",
+            _opt_port,
+        ),
+    )
+    prometheus_host: str = field(
+        default="127.0.0.1",
+        metadata=_opt(
+            "STEPWATCH_PROMETHEUS_HOST",
+            "Address the Prometheus endpoint binds to (`0.0.0.0` to be scraped from other hosts).",
+            lambda s: (str(s).strip() or "127.0.0.1"),
+        ),
+    )
+    otel: bool = field(
+        default=True,
+        metadata=_opt(
+            "STEPWATCH_OTEL",
+            "OTLP metrics export when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `_METRICS_ENDPOINT`) is set; "
+            "`0` keeps OTLP off even then. Protocol, headers, timeout: the standard `OTEL_EXPORTER_OTLP_*` variables.",
+            _bool_value,
+        ),
+    )
+    gpu_telemetry: bool = field(
+        default=True,
+        metadata=_opt(
+            "STEPWATCH_GPU_TELEMETRY",
+            "GPU health sampler (NVML + GPM on NVIDIA, amdsmi on AMD) on a side thread, under the DCGM "
+            "exporter's field names. Without a GPU or driver it logs one line and stays off.",
+            _bool_value,
+        ),
+    )
+    gpu_sample_hz: float = field(
+        default=1.0,
+        metadata=_opt(
+            "STEPWATCH_GPU_SAMPLE_HZ",
+            "GPU samples per second, at most 10 (NVML GPM needs two samples at least 100 ms apart).",
+            _gpu_hz,
+        ),
+    )
+    gpu_device: str | None = field(
+        default=None,
+        metadata=_opt(
+            "STEPWATCH_GPU_DEVICE",
+            "Which GPU this rank samples: a `GPU-...` UUID, a PCI bus id or an NVML index. Default: "
+            "the rank's device, matched by UUID (see docs/telemetry.md).",
+            _opt_str,
+        ),
+    )
+    exporters: tuple[Any, ...] = field(
+        default=(),
+        metadata=_opt(None, "Extra exporters (objects with `export`, `force_flush`, `shutdown`); argument only.", tuple),
+    )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+        """Build a config: environment first, explicit keyword arguments on top."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        for f in names.values():
+            var = f.metadata.get("env")
+            if var and var in env:
+                raw = env[var]
+                try:
+                    values[f.name] = f.metadata["parse"](raw)
+                except ValueError as e:
+                    raise ConfigError(f"{var}={raw!r} is not valid: {e}") from None
+        for key, raw in overrides.items():
+            f = names.get(key)
+            if f is None:
+                valid = ", ".join(sorted(names))
+                raise ConfigError(f"stepwatch.init() got an unknown argument {key!r}; valid arguments: {valid}")
+            try:
+                values[key] = f.metadata["parse"](raw)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"stepwatch.init({key}={raw!r}) is not valid: {e}") from None
+        return cls(**values)
+
+    def as_manifest(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = [getattr(e, "name", type(e).__name__) for e in v] if f.name == "exporters" else v
+        return out
+
+
+def env_table() -> list[tuple[str, str, str]]:
+    """(variable, default, doc) for every ``STEPWATCH_*`` variable, in declaration order."""
+    rows = []
+    for f in dataclasses.fields(Config):
+        var = f.metadata.get("env")
+        if var:
+            rows.append((var, repr(f.default), f.metadata["doc"]))
+    return rows

@@ -1,0 +1,72 @@
+"""Who this process is in the job: rank, local rank, world size, host, run id and run directory.
+
+Read from the torchrun environment at init; refreshed from ``torch.distributed`` once a process
+group exists (a script launched without torchrun learns its rank only then).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(slots=True)
+class RunContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    run_id: str
+    run_dir: str
+    # torchrun's restart counter: an elastic restart writes new files beside the old ones.
+    attempt: int = 0
+    pid: int = 0
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        return int(env.get(name, default))
+    except ValueError:
+        return default
+
+
+def resolve_run_id(env: Mapping[str, str], explicit: str | None = None) -> str:
+    """The id every rank of one launch agrees on, without talking to each other.
+
+    torchrun sets ``TORCHELASTIC_RUN_ID`` per launch (``--rdzv-id``; a fresh uuid under
+    ``--standalone``). Its static-rendezvous default is the literal ``none``, which is no id. Then
+    the master address and port name the job (the same for every rank of a launch), and a lone
+    process falls back to a timestamp and its pid.
+    """
+    if explicit:
+        return _safe(explicit)
+    rid = env.get("TORCHELASTIC_RUN_ID", "")
+    if rid and rid.lower() != "none":
+        return _safe(rid)
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if addr and port:
+        return _safe(f"job-{addr}-{port}")
+    return time.strftime("run-%Y%m%d-%H%M%S", time.localtime()) + f"-{os.getpid()}"
+
+
+def _safe(s: str) -> str:
+    """Keep a path component safe: ids come from the environment."""
+    out = "".join(c if (c.isalnum() or c in "-_.") else "_" for c in s).strip(".")
+    return out or "run"
+
+
+def from_env(env: Mapping[str, str], *, run_dir: str | None, run_id: str | None) -> RunContext:
+    rid = resolve_run_id(env, run_id)
+    return RunContext(
+        rank=_env_int(env, "RANK", 0),
+        local_rank=_env_int(env, "LOCAL_RANK", 0),
+        world_size=max(1, _env_int(env, "WORLD_SIZE", 1)),
+        host=socket.gethostname(),
+        run_id=rid,
+        run_dir=os.path.abspath(run_dir or os.path.join("stepwatch-runs", rid)),
+        attempt=_env_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        pid=os.getpid(),
+    )

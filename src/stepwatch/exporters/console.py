@@ -1,0 +1,114 @@
+"""The live console: one compact line on the console rank.
+
+On a terminal, a line every ``console_interval_s``; when stderr is not a terminal (a log file,
+a batch system), one line a minute, so logs are not flooded. Findings print when they happen,
+and a summary line at shutdown.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from typing import IO, Callable
+
+from ..config import Config
+from ..context import RunContext
+from ..record import StepRecord
+from .base import Batch, Exporter
+
+NON_TTY_INTERVAL_S = 60.0
+
+
+def _pct(sorted_vals: list[float], q: float) -> float:
+    if not sorted_vals:
+        return float("nan")
+    i = min(len(sorted_vals) - 1, max(0, int(round(q * (len(sorted_vals) - 1)))))
+    return sorted_vals[i]
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}ms" if s < 10 else f"{s:.1f}s"
+
+
+def format_line(window: list[StepRecord], elapsed_s: float | None = None) -> str:
+    """The console line for a window of records (also used by tests and the report)."""
+    if not window:
+        return "stepwatch | waiting for the first step"
+    live = [r for r in window if not r.skipped] or window
+    steps = sorted(r.step_s for r in live)
+    total = sum(steps) or 1e-12
+    share = {
+        name: sum(getattr(r, f"{name}_s") for r in live) / total
+        for name in ("data_wait", "forward", "backward", "optimizer", "other")
+    }
+    last = window[-1]
+    parts = [
+        f"stepwatch | step {last.step}",
+        f"step p50 {_ms(_pct(steps, 0.5))} p99 {_ms(_pct(steps, 0.99))}",
+        "data {data_wait:.0%} fwd {forward:.0%} bwd {backward:.0%} opt {optimizer:.0%} other {other:.0%}".format(
+            **share
+        ),
+        f"data wait {_ms(sum(r.data_wait_s for r in live) / len(live))}",
+        f"{len(live) / total:.1f} steps/s",
+    ]
+    tokens = [r.tokens for r in live if r.tokens is not None]
+    if len(tokens) == len(live):
+        parts.append(f"{sum(tokens) / total:,.0f} tok/s")
+    mfu = [r.mfu for r in live if r.mfu is not None]
+    if mfu:
+        parts.append(f"MFU {sum(mfu) / len(mfu):.1%}")
+    gn = last.grad_norm
+    if gn is not None:
+        parts.append(f"grad-norm {gn:.3g}")
+    ov = [r.overlap for r in live if r.overlap is not None]
+    if ov:
+        parts.append(f"overlap {sum(ov) / len(ov):.0%}")
+    skipped = sum(1 for r in window if r.skipped)
+    if skipped:
+        parts.append(f"{skipped} skipped")
+    return " | ".join(parts)
+
+
+class ConsoleExporter(Exporter):
+    name = "console"
+
+    def __init__(
+        self,
+        config: Config,
+        ctx: RunContext,
+        *,
+        stream: IO[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stream = stream or sys.stderr
+        self.clock = clock
+        tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        if config.console == "on" or tty:
+            self.interval = config.console_interval_s
+        else:
+            self.interval = max(NON_TTY_INTERVAL_S, config.console_interval_s)
+        self.window: deque[StepRecord] = deque(maxlen=config.window)
+        self._last_print = clock()
+        self.total_steps = 0
+
+    def _write(self, line: str) -> None:
+        try:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+        except (OSError, ValueError):  # a closed stream at interpreter exit
+            pass
+
+    def export(self, batch: Batch) -> None:
+        self.window.extend(batch.records)
+        self.total_steps += len(batch.records)
+        for f in batch.findings:
+            self._write(f"stepwatch | {f.severity.upper()} {f.kind}: {f.summary} -> {f.action}")
+        now = self.clock()
+        if batch.records and now - self._last_print >= self.interval:
+            self._last_print = now
+            self._write(format_line(list(self.window)))
+
+    def shutdown(self) -> None:
+        if self.window:
+            self._write(format_line(list(self.window)) + f" | done: {self.total_steps} steps")

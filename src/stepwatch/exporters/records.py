@@ -1,0 +1,117 @@
+"""The run directory's per-rank JSON Lines files: ``steps.rank<R>.jsonl`` and ``findings.rank<R>.jsonl``.
+
+Files are created readable by the job's user only (0600, directories 0700). A name that already
+exists (an elastic restart, or a second launch with the same run id) is never overwritten: the
+new file is ``steps.rank<R>.<K>.jsonl`` with the first free K. Each file rotates to ``<name>.1``
+when it reaches its cap, so a rank's records never exceed its share of the run directory's disk
+budget. Written and flushed on every background pass: a crash loses at most one pass of steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import IO, Any
+
+from ..context import RunContext
+from .base import Batch, Exporter
+
+# Share of a rank's budget per file kind; each keeps one rotated segment beside the live one.
+_STEPS_SHARE = 0.35
+_FINDINGS_SHARE = 0.10
+
+
+def make_private_dir(path: str) -> None:
+    """Create ``path`` (and missing parents) with mode 0700."""
+    path = os.path.abspath(path)
+    missing = []
+    p = path
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+
+
+def open_private(path: str, *, exclusive: bool = True) -> IO[str]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_EXCL if exclusive else 0)
+    fd = os.open(path, flags, 0o600)
+    return os.fdopen(fd, "a", encoding="utf-8", buffering=1 << 16)
+
+
+def free_name(run_dir: str, stem: str, ext: str) -> str:
+    """``stem.ext`` if unused, else ``stem.K.ext`` with the first free K."""
+    path = os.path.join(run_dir, f"{stem}.{ext}")
+    k = 1
+    while os.path.exists(path):
+        path = os.path.join(run_dir, f"{stem}.{k}.{ext}")
+        k += 1
+    return path
+
+
+def _clean(v: Any) -> Any:
+    """JSON has no NaN/Infinity: non-finite floats are written as the strings "nan"/"inf"/"-inf"."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+def dumps(d: dict[str, Any]) -> str:
+    return json.dumps(_clean(d), separators=(",", ":"), default=str)
+
+
+class _RotatingFile:
+    def __init__(self, path: str, cap_bytes: int) -> None:
+        self.path = path
+        self.cap = max(cap_bytes, 4096)
+        self.f = open_private(path)
+        self.size = 0
+
+    def write_lines(self, lines: list[str]) -> None:
+        data = "".join(line + "\n" for line in lines)
+        if self.size and self.size + len(data) > self.cap:
+            self.f.close()
+            os.replace(self.path, self.path + ".1")
+            self.f = open_private(self.path)
+            self.size = 0
+        self.f.write(data)
+        self.f.flush()
+        self.size += len(data)
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class RecordsExporter(Exporter):
+    name = "records"
+
+    def __init__(self, ctx: RunContext, *, budget_bytes: int) -> None:
+        self.ctx = ctx
+        self.share = budget_bytes // max(ctx.world_size, 1)
+        make_private_dir(ctx.run_dir)
+        stem = f"rank{ctx.rank}"
+        self.steps = _RotatingFile(free_name(ctx.run_dir, f"steps.{stem}", "jsonl"), int(self.share * _STEPS_SHARE))
+        self.findings = _RotatingFile(
+            free_name(ctx.run_dir, f"findings.{stem}", "jsonl"), int(self.share * _FINDINGS_SHARE)
+        )
+
+    def export(self, batch: Batch) -> None:
+        if batch.records:
+            self.steps.write_lines([dumps(r.to_dict()) for r in batch.records])
+        if batch.findings:
+            self.findings.write_lines([dumps(f.to_dict()) for f in batch.findings])
+
+    def shutdown(self) -> None:
+        self.steps.close()
+        self.findings.close()

@@ -1,0 +1,244 @@
+"""Wire the step tracker into PyTorch without a code change in the training script.
+
+What is hooked, and why this way:
+- Optimizer steps: torch's *global* optimizer step pre/post hooks (every optimizer, no wrapping).
+- Backward: ``torch.autograd.backward`` (what ``Tensor.backward`` calls), replaced by a timing wrapper.
+- Data wait: ``_BaseDataLoaderIter.__next__`` (single- and multi-process DataLoader iterators).
+- GradScaler: ``torch.amp.GradScaler.step``, to see a step the scaler skips.
+- Checkpoints: ``torch.save`` and ``torch.distributed.checkpoint``'s save functions.
+- Forward: only the *root* modules (modules that are nobody's child: the DDP wrapper, the
+  ``torch.compile`` wrapper, a loss module). Global per-module hooks cost 190-370 us per forward
+  on a 49-module GPT and make torch.compile guard on them, so roots are found once by scanning
+  the live modules (``gc``) when training starts and get per-module hooks. A module compiled in
+  place (``model.compile()``) runs its own hooks inside the compiled region; there the compiled
+  callable is wrapped instead, so timing stays outside compiled code.
+
+Everything is undone by :meth:`Instrumentation.uninstall`.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import sys
+import time
+import weakref
+from typing import Any, Callable
+
+from .phases import StepTracker
+
+# Bounded number of root scans (each is one pass over the garbage collector's objects).
+MAX_SCANS = 8
+
+
+class Instrumentation:
+    def __init__(self, tracker: StepTracker, on_error: Callable[[str, BaseException], None]) -> None:
+        self.tracker = tracker
+        self._on_error = on_error
+        self._patches: list[tuple[Any, str, Any]] = []
+        self._handles: list[Any] = []
+        self._hooked: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._seen_optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._scans = 0
+        self._dcp_patched = False
+        self.scan_s = 0.0
+        self.roots: list[str] = []
+
+    # -- install / uninstall ----------------------------------------------------------------
+
+    def install(self) -> None:
+        import torch
+        import torch.optim.optimizer as optim_mod
+        from torch.utils.data import dataloader
+
+        tr = self.tracker
+        self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._opt_pre))
+        self._handles.append(optim_mod.register_optimizer_step_post_hook(self._opt_post))
+
+        orig_backward = torch.autograd.backward
+
+        @functools.wraps(orig_backward)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if tr.enabled and self._scans == 0:
+                self._scan("first backward")
+            tr.backward_begin()
+            try:
+                return orig_backward(*args, **kwargs)
+            finally:
+                tr.backward_end()
+
+        self._patch(torch.autograd, "backward", backward)
+
+        it_cls = dataloader._BaseDataLoaderIter
+        orig_next = it_cls.__next__
+
+        @functools.wraps(orig_next)
+        def __next__(it: Any) -> Any:
+            if self._scans == 0 and tr.enabled:
+                self._scan("first data fetch")
+            t0 = tr.data_begin()
+            try:
+                return orig_next(it)
+            finally:
+                tr.data_end(t0)
+
+        self._patch(it_cls, "__next__", __next__)
+
+        scaler_cls = torch.amp.GradScaler
+        orig_scaler_step = scaler_cls.step
+
+        @functools.wraps(orig_scaler_step)
+        def scaler_step(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+            t0 = tr.scaler_begin()
+            try:
+                return orig_scaler_step(scaler, *args, **kwargs)
+            finally:
+                tr.scaler_end(t0)
+
+        self._patch(scaler_cls, "step", scaler_step)
+
+        orig_save = torch.serialization.save
+        wrapped_save = self._checkpoint_wrapper(orig_save)
+        self._patch(torch.serialization, "save", wrapped_save)
+        self._patch(torch, "save", wrapped_save)
+        self._patch_dcp()
+
+    def uninstall(self) -> None:
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:  # a handle whose module is gone
+                pass
+        self._handles.clear()
+        for obj, name, orig in reversed(self._patches):
+            if orig is _MISSING:
+                try:
+                    delattr(obj, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(obj, name, orig)
+        self._patches.clear()
+
+    def _patch(self, obj: Any, name: str, new: Any) -> None:
+        orig = obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name, _MISSING)
+        self._patches.append((obj, name, orig))
+        setattr(obj, name, new)
+
+    def _checkpoint_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        tr = self.tracker
+
+        @functools.wraps(orig)
+        def save(*args: Any, **kwargs: Any) -> Any:
+            t0 = tr.checkpoint_begin()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                tr.checkpoint_end(t0)
+
+        return save
+
+    def _patch_dcp(self) -> None:
+        """Patch torch.distributed.checkpoint's savers if the user imported it (it is heavy)."""
+        if self._dcp_patched:
+            return
+        dcp = sys.modules.get("torch.distributed.checkpoint")
+        if dcp is None:
+            return
+        self._dcp_patched = True
+        for name in ("save", "async_save", "save_state_dict"):
+            fn = getattr(dcp, name, None)
+            if callable(fn):
+                self._patch(dcp, name, self._checkpoint_wrapper(fn))
+
+    # -- optimizer hooks --------------------------------------------------------------------------
+
+    def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        tr = self.tracker
+        if not tr.enabled:
+            return
+        if optimizer not in self._seen_optimizers:
+            try:
+                self._seen_optimizers.add(optimizer)
+                self._scan("new optimizer")
+                self._patch_dcp()
+            except Exception as e:
+                self._on_error("hooks.discovery", e)
+        tr.optimizer_begin()
+
+    def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.tracker.optimizer_end()
+
+    # -- root module discovery ------------------------------------------------------------------
+
+    def _scan(self, why: str) -> None:
+        if self._scans >= MAX_SCANS:
+            return
+        self._scans += 1
+        t0 = time.perf_counter()
+        try:
+            import torch.nn as nn
+
+            # type() rather than isinstance(): some objects warn when their __class__ is read.
+            modules = [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
+            children: set[int] = set()
+            for m in modules:
+                for c in m._modules.values():
+                    if c is not None:
+                        children.add(id(c))
+            for m in modules:
+                if id(m) not in children and m not in self._hooked:
+                    self._hook_root(m)
+        except Exception as e:
+            self._on_error("hooks.discovery", e)
+        finally:
+            dt = time.perf_counter() - t0
+            self.scan_s += dt
+            self.tracker.exclude(int(dt * 1e9))
+
+    def _hook_root(self, m: Any) -> None:
+        self._hooked.add(m)
+        self.roots.append(type(m).__name__)
+        tr = self.tracker
+        compiled = getattr(m, "_compiled_call_impl", None)
+        if compiled is not None:
+            # model.compile(): the module's hooks would run inside the compiled region.
+            @functools.wraps(compiled)
+            def timed_call(*args: Any, **kwargs: Any) -> Any:
+                import torch
+
+                tr.forward_begin(torch.is_grad_enabled())
+                try:
+                    return compiled(*args, **kwargs)
+                finally:
+                    tr.forward_end()
+
+            m._compiled_call_impl = timed_call
+            self._patches.append((m, "_compiled_call_impl", compiled))
+            return
+
+        import torch
+
+        is_compiling = torch.compiler.is_compiling
+        is_grad_enabled = torch.is_grad_enabled
+
+        def pre(mod: Any, args: Any) -> None:
+            if is_compiling():  # constant-folded by dynamo: no graph break, no timing inside
+                return
+            tr.forward_begin(is_grad_enabled())
+
+        def post(mod: Any, args: Any, out: Any) -> None:
+            if is_compiling():
+                return
+            tr.forward_end()
+
+        self._handles.append(m.register_forward_pre_hook(pre))
+        self._handles.append(m.register_forward_hook(post, always_call=True))
+
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()

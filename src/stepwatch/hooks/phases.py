@@ -1,0 +1,426 @@
+"""The step tracker: the training thread's side of stepwatch.
+
+Hooks call the tracker's ``*_begin``/``*_end`` methods; the tracker keeps a handful of integer
+accumulators (nanoseconds, host clock) and, when a step ends, hands one plain tuple to ``emit``
+(the bounded queue). It knows nothing of files, metrics or analysis.
+
+Step boundaries. A step ends at the *last* ``optimizer.step()`` of an iteration: the end is only
+*pending* after an optimizer step, and becomes final when the next iteration's work starts (a
+data fetch, a forward, a backward, a checkpoint, a user phase) or on ``stepwatch.step()`` or at
+shutdown. A second optimizer stepping before that extends the same step. A GradScaler step that
+skips the optimizer still ends a step, marked ``skipped``.
+
+Evaluation. A forward of a hooked root module with grad disabled opens an *eval span*; the data
+fetch right before it and every fetch inside the span belong to it. The span closes at the next
+training work. Its length goes to ``eval_s``, never to ``step_s``. Checkpoint saves go to
+``checkpoint_s`` likewise.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from .nvtx import Nvtx
+
+_now = time.perf_counter_ns
+
+# Field order of the raw tuple handed to ``emit`` (decoded by the session's pipeline).
+RAW_FIELDS = (
+    "step",
+    "t_end_ns",
+    "step_ns",
+    "data_ns",
+    "forward_ns",
+    "backward_ns",
+    "optimizer_ns",
+    "eval_ns",
+    "checkpoint_ns",
+    "phases",
+    "scalars",
+    "skipped",
+    "mem_peak_bytes",
+)
+
+
+class StepTracker:
+    """Lives on the training thread. Every public method is cheap and never raises."""
+
+    def __init__(
+        self,
+        emit: Callable[[tuple], None],
+        *,
+        step_offset: int = 0,
+        nvtx: Nvtx | None = None,
+        mem_probe: Callable[[], int | None] | None = None,
+        on_error: Callable[[str, BaseException], None] | None = None,
+    ) -> None:
+        self.enabled = True
+        self._emit = emit
+        self._nvtx = nvtx or Nvtx(False)
+        self._mem_probe = mem_probe
+        self._on_error = on_error
+        self.step = step_offset
+        self._t_start = _now()
+        self._reset_step()
+        self._prev_end: int | None = None  # end of the previous step (ns); None before any work
+        self._pending_end: int | None = None
+        self._pending_skipped = False
+        self._step_open = False  # NVTX step range pushed
+        # Nesting depths: only the outermost call of each kind is timed.
+        self._fwd_depth = 0
+        self._fwd_t0 = 0
+        self._fwd_grad = True
+        self._bwd_depth = 0
+        self._bwd_t0 = 0
+        self._opt_depth = 0
+        self._opt_t0 = 0
+        self._ckpt_depth = 0
+        self._ckpt_t0 = 0
+        self._phase_depth: dict[str, int] = {}
+        self._phase_t0: dict[str, int] = {}
+        # Eval span bookkeeping.
+        self._eval_open = False
+        self._eval_t0 = 0
+        self._eval_last = 0
+        self._last_fetch_t0: int | None = None
+        self._last_fetch_ns = 0
+        # GradScaler: did an optimizer step run inside scaler.step()?
+        self._in_scaler = 0
+        self._scaler_fired = False
+
+    def _reset_step(self) -> None:
+        self._data = self._fwd = self._bwd = self._opt = self._eval = self._ckpt = 0
+        self._own = 0  # stepwatch's own one-off work inside the step (module discovery)
+        self._phases: dict[str, int] = {}
+        self._scalars: dict[str, Any] = {}
+
+    # -- internal ---------------------------------------------------------------------------
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        # State may be half-updated: stop tracking rather than emit wrong numbers.
+        self.enabled = False
+        if self._on_error is not None:
+            self._on_error(f"tracker.{where}", exc)
+
+    def _start_work(self, t: int) -> None:
+        """Training work begins at ``t``: finalize a pending step, open the next one."""
+        if self._pending_end is not None:
+            self._finalize(self._pending_end, self._pending_skipped)
+        if self._prev_end is None:
+            self._prev_end = t
+        if not self._step_open:
+            self._step_open = True
+            self._nvtx.push_step(self.step)
+
+    def _close_eval(self) -> None:
+        if self._eval_open:
+            self._eval += self._eval_last - self._eval_t0
+            self._eval_open = False
+
+    def _finalize(self, t_end: int, skipped: bool) -> None:
+        self._close_eval()
+        self._pending_end = None
+        self._pending_skipped = False
+        prev = self._prev_end if self._prev_end is not None else t_end
+        step_ns = max(t_end - prev - self._eval - self._ckpt - self._own, 0)
+        mem = self._mem_probe() if self._mem_probe is not None else None
+        if self._step_open:
+            self._nvtx.pop()
+            self._step_open = False
+        self._emit(
+            (
+                self.step,
+                t_end,
+                step_ns,
+                self._data,
+                self._fwd,
+                self._bwd,
+                self._opt,
+                self._eval,
+                self._ckpt,
+                self._phases,
+                self._scalars,
+                skipped,
+                mem,
+            )
+        )
+        self.step += 1
+        self._prev_end = t_end
+        self._reset_step()
+
+    # -- data loading -------------------------------------------------------------------------
+
+    def data_begin(self) -> int:
+        if not self.enabled:
+            return 0
+        try:
+            t = _now()
+            if self._pending_end is not None or self._prev_end is None:
+                self._start_work(t)
+            return t
+        except Exception as e:  # never raise into the training loop
+            self._fail("data_begin", e)
+            return 0
+
+    def data_end(self, t0: int) -> None:
+        if not self.enabled or not t0:
+            return
+        try:
+            d = _now() - t0
+            self._data += d
+            self._last_fetch_t0 = t0
+            self._last_fetch_ns = d
+        except Exception as e:
+            self._fail("data_end", e)
+
+    # -- forward of the root modules ---------------------------------------------------------
+
+    def forward_begin(self, grad_enabled: bool) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._fwd_depth += 1
+            if self._fwd_depth > 1:
+                return
+            t = _now()
+            self._fwd_grad = grad_enabled
+            self._fwd_t0 = t
+            if self._pending_end is not None or self._prev_end is None:
+                self._start_work(t)
+            self._nvtx.push("forward" if grad_enabled else "eval")
+            if grad_enabled:
+                self._close_eval()
+                self._last_fetch_t0 = None
+                return
+            # Evaluation: the fetch right before this forward, and fetches inside the span, are eval.
+            if not self._eval_open:
+                self._eval_open = True
+                self._eval_t0 = t
+            if self._last_fetch_t0 is not None:
+                if self._last_fetch_t0 < self._eval_t0:
+                    self._eval_t0 = self._last_fetch_t0
+                self._data -= self._last_fetch_ns
+                self._last_fetch_t0 = None
+        except Exception as e:
+            self._fail("forward_begin", e)
+
+    def forward_end(self) -> None:
+        if not self.enabled or self._fwd_depth == 0:
+            return
+        try:
+            self._fwd_depth -= 1
+            if self._fwd_depth:
+                return
+            t = _now()
+            self._nvtx.pop()
+            if self._fwd_grad:
+                self._fwd += t - self._fwd_t0
+            else:
+                self._eval_last = t
+        except Exception as e:
+            self._fail("forward_end", e)
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def backward_begin(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._bwd_depth += 1
+            if self._bwd_depth > 1:
+                return
+            t = _now()
+            if self._pending_end is not None or self._prev_end is None:
+                self._start_work(t)
+            self._close_eval()
+            self._last_fetch_t0 = None
+            self._bwd_t0 = t
+            self._nvtx.push("backward")
+        except Exception as e:
+            self._fail("backward_begin", e)
+
+    def backward_end(self) -> None:
+        if not self.enabled or self._bwd_depth == 0:
+            return
+        try:
+            self._bwd_depth -= 1
+            if self._bwd_depth:
+                return
+            self._bwd += _now() - self._bwd_t0
+            self._nvtx.pop()
+        except Exception as e:
+            self._fail("backward_end", e)
+
+    # -- optimizer -----------------------------------------------------------------------------
+
+    def optimizer_begin(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._opt_depth += 1
+            if self._opt_depth > 1:
+                return
+            t = _now()
+            if self._prev_end is None:
+                self._start_work(t)
+            elif not self._step_open:
+                self._step_open = True
+                self._nvtx.push_step(self.step)
+            # A pending end stays pending: a second optimizer in the same iteration extends it.
+            self._pending_end = None
+            self._close_eval()
+            self._last_fetch_t0 = None
+            self._opt_t0 = t
+            self._nvtx.push("optimizer")
+        except Exception as e:
+            self._fail("optimizer_begin", e)
+
+    def optimizer_end(self) -> None:
+        if not self.enabled or self._opt_depth == 0:
+            return
+        try:
+            self._opt_depth -= 1
+            if self._opt_depth:
+                return
+            t = _now()
+            self._opt += t - self._opt_t0
+            self._nvtx.pop()
+            self._pending_end = t
+            self._pending_skipped = False
+            if self._in_scaler:
+                self._scaler_fired = True
+        except Exception as e:
+            self._fail("optimizer_end", e)
+
+    def scaler_begin(self) -> int:
+        if not self.enabled:
+            return 0
+        self._in_scaler += 1
+        self._scaler_fired = False
+        return _now()
+
+    def scaler_end(self, t0: int) -> None:
+        """After ``GradScaler.step``: no optimizer step inside means the step was skipped."""
+        if not self.enabled or not t0:
+            return
+        try:
+            self._in_scaler = max(self._in_scaler - 1, 0)
+            if self._in_scaler or self._scaler_fired:
+                return
+            t = _now()
+            if self._prev_end is None:
+                self._start_work(t0)
+            self._opt += t - t0
+            self._pending_end = t
+            self._pending_skipped = True
+        except Exception as e:
+            self._fail("scaler_end", e)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def checkpoint_begin(self) -> int:
+        if not self.enabled:
+            return 0
+        try:
+            self._ckpt_depth += 1
+            if self._ckpt_depth > 1:
+                return 0
+            t = _now()
+            if self._pending_end is not None:
+                self._finalize(self._pending_end, self._pending_skipped)
+            self._close_eval()
+            self._ckpt_t0 = t
+            return t
+        except Exception as e:
+            self._fail("checkpoint_begin", e)
+            return 0
+
+    def checkpoint_end(self, t0: int) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._ckpt_depth = max(self._ckpt_depth - 1, 0)
+            if t0:
+                self._ckpt += _now() - t0
+        except Exception as e:
+            self._fail("checkpoint_end", e)
+
+    # -- user API --------------------------------------------------------------------------------
+
+    def phase_begin(self, name: str) -> None:
+        if not self.enabled:
+            return
+        try:
+            depth = self._phase_depth.get(name, 0) + 1
+            self._phase_depth[name] = depth
+            if depth > 1:
+                return
+            t = _now()
+            if self._pending_end is not None or self._prev_end is None:
+                self._start_work(t)
+            self._phase_t0[name] = t
+            self._nvtx.push(name)
+        except Exception as e:
+            self._fail("phase_begin", e)
+
+    def phase_end(self, name: str) -> None:
+        if not self.enabled:
+            return
+        try:
+            depth = self._phase_depth.get(name, 0) - 1
+            if depth < 0:
+                return
+            self._phase_depth[name] = depth
+            if depth:
+                return
+            d = _now() - self._phase_t0.pop(name)
+            self._phases[name] = self._phases.get(name, 0) + d
+            self._nvtx.pop()
+        except Exception as e:
+            self._fail("phase_end", e)
+
+    def log(self, scalars: dict[str, Any]) -> None:
+        """Attach scalars to the step in progress (or to the one that just ended)."""
+        if not self.enabled:
+            return
+        try:
+            self._scalars.update(scalars)
+        except Exception as e:
+            self._fail("log", e)
+
+    def end_step(self) -> None:
+        """Explicit boundary: finalize the pending step, or end one now."""
+        if not self.enabled:
+            return
+        try:
+            if self._pending_end is not None:
+                self._finalize(self._pending_end, self._pending_skipped)
+            else:
+                if self._prev_end is None:
+                    # Nothing hooked ran yet: the first explicit step counts from the session start.
+                    self._prev_end = self._t_start
+                self._finalize(_now(), False)
+        except Exception as e:
+            self._fail("end_step", e)
+
+    def flush(self) -> None:
+        """At shutdown: a pending step is complete; a step with no optimizer yet is dropped."""
+        if not self.enabled:
+            return
+        try:
+            if self._pending_end is not None:
+                self._finalize(self._pending_end, self._pending_skipped)
+            if self._step_open:
+                self._step_open = False
+                self._nvtx.pop()
+        except Exception as e:
+            self._fail("flush", e)
+
+    def exclude(self, ns: int) -> None:
+        """Time stepwatch itself spent inside the step (one-off discovery): kept out of step_s."""
+        if self._prev_end is not None:
+            self._own += ns
+
+    def set_step(self, n: int) -> None:
+        self.step = int(n)

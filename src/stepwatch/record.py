@@ -1,0 +1,84 @@
+"""The per-step record and the finding: one schema for the records file, the metrics and the report.
+
+Every field here is documented in the README's "Record schema" table. Fields that a later
+feature fills (FLOPs, communication, ...) are ``None`` until something measures them: unknown is
+shown as unknown, never as a plausible number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+SEVERITIES = ("info", "warning", "critical")
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One optimizer step on one rank. Times are seconds; ``time`` is unix seconds at step end."""
+
+    step: int
+    rank: int
+    time: float
+    step_s: float
+    data_wait_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    other_s: float = 0.0
+    eval_s: float = 0.0
+    checkpoint_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    scalars: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
+    mem_peak_bytes: int | None = None
+    # Filled by later features; None when unknown.
+    flops: float | None = None
+    mfu: float | None = None
+    hfu: float | None = None
+    tokens: int | None = None
+    grad_norm: float | None = None
+    comm_s: float | None = None
+    comm_exposed_s: float | None = None
+    overlap: float | None = None
+    allreduce_s: float | None = None
+    # Which clock the phase times came from: "host" or "device".
+    clock: str = "host"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(slots=True)
+class Finding:
+    """Something stepwatch noticed, with the diagnosis and the action from the reference tables."""
+
+    time: float
+    step: int | None
+    rank: int
+    kind: str
+    severity: str
+    summary: str
+    diagnosis: str
+    action: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Finding":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
+FINDING_FIELDS = tuple(f.name for f in dataclasses.fields(Finding))

@@ -1,0 +1,425 @@
+"""The session wires the parts from a :class:`Config`: hooks -> tracker -> bounded queue ->
+background pipeline -> detectors -> exporters. It owns the background thread and the run directory's
+manifest; it measures nothing itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import os
+import platform
+import resource
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from . import __version__
+from ._log import FailureLog, logger
+from .analysis.detectors import DataLoadingDetector
+from .analysis.kinds import make_finding
+from .config import Config
+from .context import RunContext, from_env
+from .exporters.base import Batch, Exporter
+from .exporters.records import dumps, free_name, make_private_dir, open_private
+from .hooks.nvtx import Nvtx
+from .hooks.phases import StepTracker
+from .record import SCHEMA_VERSION, Finding, StepRecord
+
+# How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
+_MAX_HOLD_S = 30.0
+
+
+class _MemProbe:
+    """Peak memory of the step: the CUDA allocator's peak (reset each step, no sync) when CUDA is in
+    use, else the process's peak resident set (a high-water mark that never resets)."""
+
+    def __init__(self) -> None:
+        self._cuda: Any = None
+        self._decided = False
+
+    def __call__(self) -> int | None:
+        if not self._decided:
+            self._decided = True
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+                self._cuda = torch.cuda
+        if self._cuda is not None:
+            peak = self._cuda.max_memory_allocated()
+            self._cuda.reset_peak_memory_stats()
+            return int(peak)
+        # Linux reports ru_maxrss in KiB.
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _Pending:
+    """A scalar the training thread logged as a CUDA tensor: copied to host without blocking,
+    read by the background thread once its event says the copy is done."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, host: Any, event: Any) -> None:
+        self.host = host
+        self.event = event
+
+
+class Session:
+    def __init__(self, config: Config, *, environ: dict[str, str] | None = None) -> None:
+        self.config = config
+        env = dict(os.environ if environ is None else environ)
+        self.ctx: RunContext = from_env(env, run_dir=config.dir, run_id=config.run_id)
+        self.failures = FailureLog()
+        self.dropped = 0
+        self.steps_seen = 0
+        self.exporters: list[Exporter] = []
+        self._exporter_names: list[str] = []
+        self._queue: collections.deque[tuple] = collections.deque()
+        self._cap = config.queue_size
+        self._held: list[tuple[float, StepRecord]] = []
+        self._internal_findings: list[Finding] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._started = False
+        self._closed = False
+        self._ctx_refreshed = False
+        self._opened = False
+        self._perf_ref = time.perf_counter_ns()
+        self._wall_ref = time.time()
+        self._start_wall = self._wall_ref
+        self.pid = os.getpid()
+        self.tracker: StepTracker | None = None
+        self.instrumentation: Any = None
+        self.detectors = [DataLoadingDetector(config.window, config.data_wait_threshold_ms)]
+        if config.enabled:
+            self._start()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled and not self._closed
+
+    def _start(self) -> None:
+        from .hooks.install import Instrumentation
+
+        self.tracker = StepTracker(
+            self._enqueue,
+            step_offset=self.config.step_offset,
+            nvtx=Nvtx(self.config.nvtx),
+            mem_probe=_MemProbe(),
+            on_error=self._internal_error,
+        )
+        self.instrumentation = Instrumentation(self.tracker, self._internal_error)
+        try:
+            self.instrumentation.install()
+        except Exception as e:  # e.g. an unexpected torch version: go on without hooks
+            self._internal_error("hooks.install", e)
+            self.tracker.enabled = False
+        self._thread = threading.Thread(target=self._run, name="stepwatch-pipeline", daemon=True)
+        self._thread.start()
+        self._started = True
+        atexit.register(self.shutdown)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Finish the last step, stop hooks and the pipeline, flush and close every exporter."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if not self._started or os.getpid() != self.pid:
+            return
+        try:
+            atexit.unregister(self.shutdown)
+        except Exception:
+            pass
+        if self.tracker is not None:
+            self.tracker.flush()
+            self.tracker.enabled = False
+        if self.instrumentation is not None:
+            try:
+                self.instrumentation.uninstall()
+            except Exception as e:
+                self._internal_error("hooks.uninstall", e)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self._thread is None or not self._thread.is_alive():
+            self._pass(final=True)
+        for e in self.exporters:
+            try:
+                e.force_flush(timeout_s)
+                e.shutdown()
+            except Exception as exc:
+                self._internal_error(f"exporter.{getattr(e, 'name', type(e).__name__)}", exc)
+        self._write_manifest(final=True)
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child (DataLoader worker): no threads, no hooks firing, no files."""
+        self._closed = True
+        self._started = False
+        if self.tracker is not None:
+            self.tracker.enabled = False
+
+    # -- training-thread API ---------------------------------------------------------------------
+
+    def _enqueue(self, raw: tuple) -> None:
+        if len(self._queue) < self._cap:
+            self._queue.append(raw)
+        else:
+            self.dropped += 1
+
+    def step(self) -> None:
+        if self.tracker is not None:
+            self.tracker.end_step()
+
+    def set_step(self, n: int) -> None:
+        if self.tracker is not None:
+            self.tracker.set_step(n)
+
+    def log(self, scalars: dict[str, Any]) -> None:
+        tr = self.tracker
+        if tr is None or not tr.enabled:
+            return
+        try:
+            out = {}
+            for k, v in scalars.items():
+                if hasattr(v, "detach") and hasattr(v, "is_cuda"):
+                    v = v.detach()
+                    if v.is_cuda:
+                        import torch
+
+                        host = v.to("cpu", non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record()
+                        v = _Pending(host, ev)
+                out[k] = v
+            tr.log(out)
+        except Exception as e:
+            self._internal_error("log", e)
+
+    # -- failures --------------------------------------------------------------------------------
+
+    def _internal_error(self, where: str, exc: BaseException) -> None:
+        if self.failures.record(where, exc):
+            rank = self.ctx.rank
+            self._internal_findings.append(
+                make_finding(
+                    "internal_error",
+                    rank=rank,
+                    step=self.tracker.step if self.tracker is not None else None,
+                    summary=f"{where} failed ({type(exc).__name__}: {exc}) and was disabled",
+                    data={"where": where, "error": f"{type(exc).__name__}: {exc}"},
+                )
+            )
+
+    # -- background pipeline ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.flush_interval_s):
+            self._pass(final=False)
+
+    def _refresh_context(self) -> None:
+        """Learn rank and world size from torch.distributed once it is initialized."""
+        if self._ctx_refreshed:
+            return
+        dist = sys.modules.get("torch.distributed")
+        try:
+            if dist is not None and dist.is_available() and dist.is_initialized():
+                self.ctx.rank = dist.get_rank()
+                self.ctx.world_size = dist.get_world_size()
+                self._ctx_refreshed = True
+        except Exception as e:
+            self._internal_error("context", e)
+
+    def _open_exporters(self) -> None:
+        from .exporters.builtin import build_exporters
+
+        self._refresh_context()
+        try:
+            exporters = build_exporters(self.config, self.ctx)
+        except Exception as e:
+            self._internal_error("exporter.start", e)
+            exporters = list(self.config.exporters)
+        self.exporters = exporters
+        self._exporter_names = [getattr(e, "name", type(e).__name__) for e in exporters]
+        self._write_manifest(final=False)
+
+    def _pass(self, *, final: bool) -> None:
+        try:
+            raws = []
+            q = self._queue
+            while q:
+                raws.append(q.popleft())
+            if not self._opened and (raws or final or self._held):
+                self._opened = True
+                self._open_exporters()
+            records = self._resolve(raws, final=final)
+            findings = self._internal_findings
+            self._internal_findings = []
+            for rec in records:
+                for d in self.detectors:
+                    try:
+                        findings.extend(d.observe(rec))
+                    except Exception as e:
+                        self._internal_error(f"detector.{type(d).__name__}", e)
+            self.steps_seen += len(records)
+            batch = Batch(records=records, findings=findings)
+            if not batch:
+                return
+            for e in self.exporters:
+                try:
+                    e.export(batch)
+                except Exception as exc:
+                    self._internal_error(f"exporter.{getattr(e, 'name', type(e).__name__)}", exc)
+        except Exception as e:  # the pipeline itself must never die silently
+            self._internal_error("pipeline", e)
+
+    def _resolve(self, raws: list[tuple], *, final: bool) -> list[StepRecord]:
+        now = time.monotonic()
+        for raw in raws:
+            self._held.append((now, self._build(raw)))
+        out: list[StepRecord] = []
+        # Records leave in order: the first one still waiting on the device holds the rest.
+        while self._held:
+            since, rec = self._held[0]
+            if not self._ready(rec, force=final or now - since > _MAX_HOLD_S):
+                break
+            self._held.pop(0)
+            out.append(rec)
+        return out
+
+    def _ready(self, rec: StepRecord, *, force: bool) -> bool:
+        pending = [k for k, v in rec.scalars.items() if isinstance(v, _Pending)]
+        for k in pending:
+            p = rec.scalars[k]
+            if p.event.query():
+                rec.scalars[k] = _to_float(p.host)
+            elif force:
+                rec.scalars[k] = None
+            else:
+                return False
+        return True
+
+    def _build(self, raw: tuple) -> StepRecord:
+        (step, t_end, step_ns, data, fwd, bwd, opt, ev, ckpt, phases, scalars, skipped, mem) = raw
+        s = 1e-9
+        other = max(step_ns - data - fwd - bwd - opt, 0)
+        return StepRecord(
+            step=step,
+            rank=self.ctx.rank,
+            time=self._wall_ref + (t_end - self._perf_ref) * s,
+            step_s=step_ns * s,
+            data_wait_s=data * s,
+            forward_s=fwd * s,
+            backward_s=bwd * s,
+            optimizer_s=opt * s,
+            other_s=other * s,
+            eval_s=ev * s,
+            checkpoint_s=ckpt * s,
+            phases={k: v * s for k, v in phases.items()},
+            scalars={k: (v if isinstance(v, _Pending) else _to_float(v)) for k, v in scalars.items()},
+            skipped=skipped,
+            mem_peak_bytes=mem,
+        )
+
+    # -- manifest -------------------------------------------------------------------------------
+
+    def _write_manifest(self, *, final: bool) -> None:
+        """Every rank writes ``rank<R>.json``; rank 0 writes ``run.json`` (hosts from all rank files)."""
+        if not self.config.records:
+            return
+        ctx = self.ctx
+        try:
+            make_private_dir(ctx.run_dir)
+            me = {
+                "rank": ctx.rank,
+                "local_rank": ctx.local_rank,
+                "host": ctx.host,
+                "pid": self.pid,
+                "attempt": ctx.attempt,
+                "start_time": self._start_wall,
+            }
+            _write_json(os.path.join(ctx.run_dir, f"rank{ctx.rank}.json"), me)
+            if ctx.rank != 0:
+                return
+            hosts = sorted({ctx.host} | set(_hosts_in(ctx.run_dir)))
+            manifest = {
+                "schema_version": SCHEMA_VERSION,
+                "run_id": ctx.run_id,
+                "argv": list(sys.argv),
+                "versions": _versions(),
+                "world_size": ctx.world_size,
+                "hosts": hosts,
+                "attempt": ctx.attempt,
+                "start_time": self._start_wall,
+                "end_time": time.time() if final else None,
+                "config": self.config.as_manifest(),
+                "features": self.features(),
+                "exporters": self._exporter_names,
+                "steps": self.steps_seen,
+                "dropped_records": self.dropped,
+                "internal_errors": dict(self.failures.counts),
+            }
+            if not hasattr(self, "_manifest_path"):
+                self._manifest_path = free_name(ctx.run_dir, "run", "json")
+            _write_json(self._manifest_path, manifest)
+        except OSError as e:
+            logger.warning("cannot write the manifest in %s: %s", ctx.run_dir, e)
+
+    def features(self) -> dict[str, Any]:
+        inst = self.instrumentation
+        return {
+            "step_tracking": bool(self.tracker is not None and self.tracker.enabled) or self.steps_seen > 0,
+            "nvtx": self.config.nvtx,
+            "records": self.config.records,
+            "console": self.config.console,
+            "timing_clock": "host",
+            "root_modules": list(inst.roots) if inst is not None else [],
+            "module_scan_s": inst.scan_s if inst is not None else 0.0,
+        }
+
+
+def _to_float(v: Any) -> float | None:
+    try:
+        if hasattr(v, "numel") and v.numel() != 1:
+            return None
+        return float(v)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _write_json(path: str, obj: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    if os.path.exists(tmp):
+        os.unlink(tmp)
+    with open_private(tmp) as f:
+        f.write(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _hosts_in(run_dir: str) -> list[str]:
+    out = []
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return out
+    for n in names:
+        if n.startswith("rank") and n.endswith(".json"):
+            try:
+                with open(os.path.join(run_dir, n), encoding="utf-8") as f:
+                    out.append(json.load(f)["host"])
+            except (OSError, ValueError, KeyError):
+                continue
+    return out
+
+
+def _versions() -> dict[str, str]:
+    torch = sys.modules.get("torch")
+    return {
+        "stepwatch": __version__,
+        "torch": getattr(torch, "__version__", "not imported"),
+        "python": platform.python_version(),
+    }

@@ -1,0 +1,220 @@
+"""stepwatch never breaks the job: internal errors, unwritable run dirs, forked workers, torch.compile."""
+
+import json
+import logging
+import os
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset
+
+
+def _train(steps, model=None):
+    torch.manual_seed(0)
+    m = model or nn.Linear(8, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        loss = m(torch.randn(4, 8)).pow(2).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_internal_error_is_counted_logged_once_and_disables(sw, caplog):
+    stepwatch, mem, start = sw
+    s = start()
+    calls = {"n": 0}
+
+    def broken(raw):
+        calls["n"] += 1
+        raise RuntimeError("injected")
+
+    s.tracker._emit = broken
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        stepwatch_logger = logging.getLogger("stepwatch")
+        stepwatch_logger.addHandler(caplog.handler)
+        try:
+            losses = _train(6)
+        finally:
+            stepwatch_logger.removeHandler(caplog.handler)
+    assert len(losses) == 6  # training went on
+    assert calls["n"] == 1  # the tracker disabled itself after the first failure
+    assert s.failures.total == 1
+    msgs = [r.getMessage() for r in caplog.records if "injected" in r.getMessage()]
+    assert len(msgs) == 1
+    stepwatch.shutdown()
+    assert [f.kind for f in mem.findings] == ["internal_error"]
+
+
+def test_unwritable_run_dir_warns_and_goes_on(sw, tmp_path, caplog):
+    stepwatch, mem, start = sw
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.access(ro, os.W_OK):  # root ignores permissions: use a path under a file instead
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        target = str(blocker / "run")
+    else:
+        target = str(ro / "run")
+    logging.getLogger("stepwatch").addHandler(caplog.handler)
+    try:
+        start(dir=target)
+        losses = _train(3)
+        stepwatch.shutdown()
+    finally:
+        logging.getLogger("stepwatch").removeHandler(caplog.handler)
+    assert len(losses) == 3
+    assert len(mem.records) == 3  # other exporters still get everything
+    assert any("going on without files" in r.getMessage() for r in caplog.records)
+
+
+def test_run_dir_files_are_private(sw, tmp_path):
+    stepwatch, mem, start = sw
+    run = tmp_path / "private"
+    start(dir=str(run))
+    _train(2)
+    stepwatch.shutdown()
+    assert (os.stat(run).st_mode & 0o777) == 0o700
+    for name in os.listdir(run):
+        assert (os.stat(run / name).st_mode & 0o777) == 0o600, name
+    lines = (run / "steps.rank0.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1]
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["world_size"] == 1 and manifest["steps"] == 2 and manifest["hosts"]
+
+
+class WorkerProbe(Dataset):
+    """Reports, from inside a forked DataLoader worker, what stepwatch does there."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import io
+
+        import stepwatch
+
+        names = [t.name for t in threading.enumerate()]
+        s = stepwatch.get_session()
+        torch.save({"i": i}, io.BytesIO())  # hooks must be inert in the worker
+        return torch.tensor(
+            [os.getpid(), sum("stepwatch" in n for n in names), 0 if s is None else 1], dtype=torch.long
+        )
+
+
+def test_forked_workers_start_no_threads_and_write_nothing(sw, tmp_path):
+    stepwatch, mem, start = sw
+    run = tmp_path / "fork"
+    start(dir=str(run))
+    m = nn.Linear(3, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    seen = []
+    dl = DataLoader(WorkerProbe(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    for batch in dl:
+        seen.append(batch)
+        m(batch.float()).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    rows = torch.cat(seen)
+    assert set(rows[:, 0].tolist()) and os.getpid() not in rows[:, 0].tolist()
+    assert rows[:, 1].sum().item() == 0, "a stepwatch thread exists in a forked worker"
+    assert rows[:, 2].sum().item() == 0, "the session is live in a forked worker"
+    steps = [json.loads(x) for x in (run / "steps.rank0.jsonl").read_text().splitlines()]
+    assert len(steps) == 4 and len(mem.records) == 4
+    assert sorted(os.listdir(run)) == ["findings.rank0.jsonl", "rank0.json", "run.json", "steps.rank0.jsonl"]
+
+
+class Net(nn.Module):
+    # A user-defined module: dynamo skips torch's own modules' frames under m.compile().
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("mode", ["wrap", "inplace"])
+def test_torch_compile_gets_no_extra_graph_breaks_or_recompiles(mode, sw):
+    """dynamo's own counters, with and without stepwatch, for torch.compile(m) and m.compile()."""
+    from torch._dynamo.utils import counters
+
+    stepwatch, mem, start = sw
+
+    def run():
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        m = Net()
+        if mode == "wrap":
+            cm = torch.compile(m, backend="eager")
+        else:
+            m.compile(backend="eager")
+            cm = m
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for _ in range(6):
+            loss = cm(torch.randn(8, 16)).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        snap = {k: dict(v) for k, v in counters.items() if k in ("graph_break", "recompiles", "stats", "frames")}
+        return losses, snap
+
+    base_losses, base = run()
+    start()
+    sw_losses, with_sw = run()
+    stepwatch.shutdown()
+    assert base["stats"].get("calls_captured", 0) > 0, base  # compilation really happened
+    assert with_sw == base
+    assert sw_losses == base_losses
+    assert len(mem.records) == 6
+    assert all(r.forward_s > 0 for r in mem.records[1:]), "forward timed outside the compiled region"
+
+
+def test_nvtx_ranges_nest_per_step(sw, monkeypatch):
+    from stepwatch.hooks import nvtx as nvtx_mod
+
+    stepwatch, mem, start = sw
+    events = []
+
+    class Recorder(nvtx_mod.Nvtx):
+        def __init__(self, enabled):
+            self.enabled = True
+
+        def push(self, name):
+            events.append(("push", name))
+
+        def push_step(self, step):
+            events.append(("push", f"step_{step}"))
+
+        def pop(self):
+            events.append(("pop",))
+
+    monkeypatch.setattr("stepwatch.session.Nvtx", Recorder)
+    start()
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for x in DataLoader(torch.randn(4, 4), batch_size=2):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    pushes = [e[1] for e in events if e[0] == "push"]
+    # The loader's last fetch (StopIteration) starts a step that never reaches an optimizer: its
+    # range opens and is closed at shutdown, and it makes no record.
+    assert pushes == ["step_0", "forward", "backward", "optimizer", "step_1", "forward", "backward", "optimizer", "step_2"]
+    assert len(mem.records) == 2
+    depth = 0
+    for e in events:
+        depth += 1 if e[0] == "push" else -1
+        assert depth >= 0
+    assert depth == 0

@@ -1,0 +1,213 @@
+"""Step boundaries and phases, measured through the real hooks on real (small) CPU training loops."""
+
+import io
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class SleepyData(Dataset):
+    def __init__(self, n, sleep_s=0.0):
+        self.n, self.sleep_s = n, sleep_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(16, generator=g), torch.randn(4, generator=g)
+
+
+class SlowFile(io.BytesIO):
+    def __init__(self):
+        super().__init__()
+        self.slept = False
+
+    def write(self, b):
+        if not self.slept:
+            self.slept = True
+            time.sleep(0.03)
+        return super().write(b)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _identity_holds(r, tol=1e-6):
+    parts = r.data_wait_s + r.forward_s + r.backward_s + r.optimizer_s + r.other_s
+    return abs(parts - r.step_s) <= tol
+
+
+def test_one_record_per_optimizer_step_and_phase_identity(sw):
+    stepwatch, mem, start = sw
+    start()
+    m, lossf = _model(), nn.MSELoss()
+    opt = torch.optim.AdamW(m.parameters())
+    for x, y in DataLoader(SleepyData(40), batch_size=4):
+        loss = lossf(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stepwatch.log(loss=loss)
+    stepwatch.shutdown()
+    recs = mem.records
+    assert [r.step for r in recs] == list(range(10))
+    for r in recs:
+        assert _identity_holds(r), r
+        assert r.step_s > 0 and r.forward_s > 0 and r.backward_s > 0 and r.optimizer_s > 0
+        assert r.skipped is False
+        assert isinstance(r.scalars["loss"], float)
+        assert r.mem_peak_bytes and r.mem_peak_bytes > 0
+    # Steps tile time: each step ends where the next begins.
+    for a, b in zip(recs, recs[1:]):
+        assert b.time > a.time
+
+
+def test_data_wait_matches_a_sleeping_dataset(sw):
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    # batch of 1 sample sleeping 20 ms: the loop waits ~20 ms per step on the DataLoader.
+    for x, y in DataLoader(SleepyData(15, 0.020), batch_size=1):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    waits = [r.data_wait_s for r in mem.records[1:]]
+    mean = sum(waits) / len(waits)
+    assert 0.020 * 0.85 <= mean <= 0.020 * 1.15, waits
+
+
+def test_gradient_accumulation_is_one_step(sw):
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    it = iter(DataLoader(SleepyData(48), batch_size=4))
+    for _ in range(3):
+        for _ in range(4):
+            x, y = next(it)
+            (m(x).sum() / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert len(mem.records) == 3
+    assert all(_identity_holds(r) for r in mem.records)
+
+
+def test_several_optimizers_make_one_step(sw):
+    stepwatch, mem, start = sw
+    start()
+    a, b = nn.Linear(8, 8), nn.Linear(8, 1)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.Adam(b.parameters())
+    for _ in range(5):
+        b(a(torch.randn(4, 8))).sum().backward()
+        oa.step()
+        ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+    stepwatch.shutdown()
+    assert len(mem.records) == 5
+
+
+def test_gradscaler_skipped_step_is_recorded(sw):
+    stepwatch, mem, start = sw
+    start()
+    p = nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    for i in range(4):
+        loss = (p * (float("inf") if i == 2 else 1.0)).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert [r.skipped for r in mem.records] == [False, False, True, False]
+
+
+def test_eval_and_checkpoint_are_kept_out_of_step_time(sw):
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    train = DataLoader(SleepyData(12), batch_size=4)
+    val = DataLoader(SleepyData(5, 0.02), batch_size=1)
+    for epoch in range(2):
+        for x, y in train:
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        m.eval()
+        with torch.no_grad():
+            for x, y in val:
+                m(x)
+        m.train()
+        torch.save(m.state_dict(), SlowFile())  # a slow filesystem: 30 ms inside the save
+    stepwatch.shutdown()
+    recs = mem.records
+    assert len(recs) == 6
+    after = recs[3]  # the first step after epoch 0's eval and checkpoint
+    assert after.eval_s >= 5 * 0.02 * 0.9
+    assert after.checkpoint_s >= 0.03
+    assert after.step_s < 0.03, "eval and checkpoint time must not count as step time"
+    assert recs[1].eval_s == 0 and recs[1].checkpoint_s == 0
+    # The eval DataLoader's waits are eval, not data wait.
+    assert after.data_wait_s < 0.02
+
+
+def test_user_phases_and_explicit_step(sw):
+    stepwatch, mem, start = sw
+    start()
+    for _ in range(3):
+        with stepwatch.phase("work"):
+            with stepwatch.phase("work"):  # reentrant: counted once
+                time.sleep(0.01)
+        stepwatch.step()
+    with pytest.raises(KeyError):
+        with stepwatch.phase("boom"):
+            raise KeyError("user error passes through")
+    stepwatch.step()
+    stepwatch.shutdown()
+    assert len(mem.records) == 4
+    for r in mem.records[:3]:
+        assert 0.009 <= r.phases["work"] <= r.step_s + 1e-9
+    assert "boom" in mem.records[3].phases
+
+
+def test_log_reads_tensors_off_the_training_thread(sw):
+    stepwatch, mem, start = sw
+    start()
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    for _ in range(2):
+        loss = (p * p).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stepwatch.log(loss=loss, lr=0.5, vec=torch.ones(3))
+    stepwatch.shutdown()
+    r0, r1 = mem.records
+    assert r0.scalars["loss"] == pytest.approx(2.0)
+    assert r1.scalars["loss"] == pytest.approx(0.0)
+    assert r0.scalars["lr"] == 0.5
+    assert r0.scalars["vec"] is None  # not a scalar: unknown, not a made-up number
+
+
+def test_step_offset_and_set_step(sw):
+    stepwatch, mem, start = sw
+    start(step_offset=100)
+    for _ in range(2):
+        stepwatch.step()
+    stepwatch.set_step(500)
+    stepwatch.step()
+    stepwatch.shutdown()
+    assert [r.step for r in mem.records] == [100, 101, 500]
