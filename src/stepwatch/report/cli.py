@@ -1,0 +1,85 @@
+"""``stepwatch report RUN_DIR [--compare OTHER_RUN_DIR] [--html PATH] [--no-html]``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="summarize a run directory in the terminal and as a self-contained report.html",
+        description=(
+            "Read a run directory (steps.rank<R>.jsonl, findings.rank<R>.jsonl, run.json), print "
+            "a summary, and write an HTML report that opens offline."
+        ),
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. stepwatch-runs/<id>")
+    p.add_argument("--compare", metavar="OTHER_RUN_DIR",
+                   help="a second run directory to put beside RUN_DIR (A = RUN_DIR, B = this one)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--html", metavar="PATH",
+                     help="where to write the HTML report (default: RUN_DIR/report.html, or "
+                          "RUN_DIR/compare-<OTHER>.html with --compare)")
+    out.add_argument("--no-html", action="store_true", help="print the summary only")
+    p.set_defaults(func=run_report)
+
+
+def default_html_path(run_dir: str, other: str | None) -> str:
+    if other is None:
+        return os.path.join(run_dir, "report.html")
+    # A comparison must not overwrite the run's own report.
+    name = os.path.basename(os.path.normpath(other)) or "other"
+    return os.path.join(run_dir, f"compare-{name}.html")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from . import page, tables, terminal
+    from .load import ReportError, load_run
+    from .summary import compare, summarize
+
+    try:
+        a = summarize(load_run(args.run_dir))
+        b = summarize(load_run(args.compare)) if args.compare else None
+    except ReportError as e:
+        print(f"stepwatch report: error: {e}", file=sys.stderr)
+        return 2
+
+    if b is None:
+        terminal.render(tables.all_tables(a))
+    else:
+        ta, tb = tables.all_tables(a), tables.all_tables(b)
+        for t, label in ((ta, "A"), (tb, "B")):
+            for x in t:
+                x.title = f"{label}: {x.title}"
+        cmp = tables.comparison(compare(a, b), a.run.name, b.run.name)
+        # Run info first so A and B are named, then the side-by-side table, then the details.
+        terminal.render([ta[0], tb[0], cmp, ta[3], tb[3], ta[4], tb[4]])
+
+    if args.no_html:
+        return 0
+    path = args.html or default_html_path(args.run_dir, args.compare)
+    text = page.render_html(a) if b is None else page.render_compare_html(a, b)
+    tmp = f"{path}.tmp{os.getpid()}"
+    # Inside the run directory the report keeps the records' privacy (the writer makes them
+    # 0600): it holds the same command line and hosts. A path of the user's choice gets the
+    # usual umask.
+    mode = 0o666 if args.html else 0o600
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)  # a reader never sees half a page
+    except OSError as e:
+        print(f"stepwatch report: error: cannot write the HTML report to {path!r} "
+              f"({e.strerror}); choose another place with --html PATH or skip it with --no-html",
+              file=sys.stderr)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return 1
+    print(f"HTML report: {path}")
+    return 0

@@ -1,0 +1,197 @@
+"""The report's tables as plain data, so the terminal and the HTML page show the same numbers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from . import fmt
+from .summary import (
+    COMPARE_NOISE_PP, COMPARE_NOISE_REL, PHASE_LABELS, PHASES, STANDOUT_SPREAD, CompareRow, Summary,
+)
+
+
+@dataclass(slots=True)
+class Table:
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    # Per row: "" or a tag the renderers style ("warn", "bad", "good", "critical", "info").
+    tags: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    # Trailing columns a narrow renderer (the terminal) folds into the column before them.
+    fold_last: int = 0
+
+
+def run_info(s: Summary) -> Table:
+    run, m = s.run, s.run.manifest or {}
+    rows = [["path", run.path]]
+    if m:
+        rows.append(["run id", str(m.get("run_id", fmt.UNKNOWN))])
+        v = m.get("versions") if isinstance(m.get("versions"), dict) else {}
+        if v:
+            rows.append(["versions", ", ".join(f"{k} {val}" for k, val in v.items())])
+        rows.append(["world size", str(m.get("world_size", fmt.UNKNOWN))])
+        hosts = m.get("hosts")
+        if isinstance(hosts, list) and hosts:
+            more = " ..." if len(hosts) > 8 else ""
+            rows.append(["hosts", ", ".join(map(str, hosts[:8])) + more])
+        argv = m.get("argv")
+        if isinstance(argv, list) and argv:
+            rows.append(["command", " ".join(map(str, argv))])
+        feats = m.get("features")
+        if isinstance(feats, dict) and feats:
+            on = [k for k, v in feats.items() if v is True]
+            rows.append(["features on", ", ".join(on) or "none"])
+            if isinstance(feats.get("timing_clock"), str):
+                rows.append(["phase clock", feats["timing_clock"]])
+        start, end = m.get("start_time"), m.get("end_time")
+        if _is_time(start):
+            rows.append(["started", _utc(start)])
+        if _is_time(end):
+            rows.append(["ended", _utc(end)])
+        elif "end_time" in m:
+            rows.append(["ended", "no end time: still running, or it crashed"])
+    rows.append(["ranks with records", ", ".join(map(str, run.ranks)) or "none"])
+    restarts = sorted({a for att in run.attempts.values() for a in att})
+    if len(restarts) > 1:
+        rows.append(["attempts", ", ".join(map(str, restarts)) + " (elastic restarts)"])
+    t = Table("Run", ["", ""], rows)
+    if not m:
+        t.notes.append(run.manifest_error or "run.json missing: versions and command unknown.")
+    if isinstance(m.get("dropped_records"), int) and m["dropped_records"] > 0:
+        t.notes.append(f"{m['dropped_records']} record(s) dropped on rank 0 while the job ran "
+                       "(the queue to the background thread was full).")
+    errs = m.get("internal_errors")
+    if isinstance(errs, dict) and errs:
+        t.notes.append("stepwatch parts that failed and disabled themselves: "
+                       + ", ".join(f"{k} ({v})" for k, v in sorted(errs.items())))
+    if run.bad_lines:
+        files = ", ".join(f"{n} ({c})" for n, c in sorted(run.bad_lines_by_file.items()))
+        t.notes.append(f"{run.bad_lines} unreadable line(s) skipped (a crash mid-write?): {files}")
+    return t
+
+
+def _is_time(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def overview(s: Summary) -> Table:
+    o = s.overall
+    rows = [
+        ["steps", f"{o.steps}" + (f" ({o.skipped} skipped)" if o.skipped else "")],
+        ["step range", fmt.steps_range(o.first_step, o.last_step)],
+        ["step time p50 / p90 / p99", " / ".join(fmt.dur(o.step_p.get(p)) for p in (50, 90, 99))],
+        ["step time mean / max", f"{fmt.dur(o.step_mean)} / {fmt.dur(o.step_max)}"],
+        ["throughput", f"{fmt.rate(o.steps_per_s)} steps/s, {fmt.rate(o.tokens_per_s)} tokens/s"],
+        ["MFU mean / HFU mean", f"{fmt.pct(o.mfu_mean)} / {fmt.pct(o.hfu_mean)}"],
+        ["grad norm last / max", f"{fmt.num(o.grad_norm_last)} / {fmt.num(o.grad_norm_max)}"
+         + (f" ({o.grad_norm_nonfinite} non-finite)" if o.grad_norm_nonfinite else "")],
+        ["comm mean / exposed mean", f"{fmt.dur(o.comm_mean)} / {fmt.dur(o.comm_exposed_mean)}"],
+        ["overlap mean / allreduce mean",
+         f"{fmt.pct(o.overlap_mean)} / {fmt.dur(o.allreduce_mean)}"],
+        ["peak memory", fmt.nbytes(o.mem_peak_max)],
+        ["eval total / checkpoint total",
+         f"{fmt.dur(o.eval_total)} / {fmt.dur(o.checkpoint_total)}"],
+        ["wall time (first to last step)", fmt.dur(o.wall_s)],
+    ]
+    for k, v in sorted(o.scalars_last.items())[:8]:
+        rows.append([f"last {k}", fmt.num(v)])
+    t = Table("Summary (all ranks)", ["", ""], rows)
+    t.notes.append(
+        "Percentiles and mean leave out skipped steps; steps/s is the slowest rank's; "
+        "tokens/s adds up the ranks; eval and checkpoint time are outside step time."
+    )
+    return t
+
+
+def phases(s: Summary) -> Table:
+    o = s.overall
+    rows, tags = [], []
+    for k in PHASES:
+        rows.append([PHASE_LABELS[k], fmt.pct(o.phase_share.get(k)), fmt.dur(o.phase_mean.get(k))])
+        tags.append("")
+    for k, v in o.user_phase_mean.items():
+        rows.append([f"phase '{k}' (yours)", fmt.pct(o.user_phase_share.get(k)), fmt.dur(v)])
+        tags.append("info")
+    t = Table("Phases (share of step time)", ["phase", "share", "mean per step"], rows, tags)
+    t.notes.append(f"eval total {fmt.dur(o.eval_total)}, checkpoint total "
+                   f"{fmt.dur(o.checkpoint_total)} (not part of step time).")
+    return t
+
+
+def per_rank(s: Summary) -> Table:
+    headers = ["rank", "steps", "skipped", "p50", "p99", "mean", "data wait", "forward",
+               "backward", "optimizer", "other", "comm exposed", "peak mem"]
+    info = s.run.rank_info
+    with_host = any(isinstance(i.get("host"), str) for i in info.values())
+    if with_host:
+        headers.insert(1, "host")
+    rows, tags, notes = [], [], []
+    for r, st in s.per_rank.items():
+        marks = []
+        if r == s.slowest_rank:
+            marks.append("slowest step time")
+        if r == s.slowest_compute_rank:
+            marks.append("most compute (forward+backward+optimizer less exposed comm)")
+        if r == s.most_data_wait_rank:
+            marks.append("most data wait")
+        if marks:
+            notes.append(f"* rank {r}: {', '.join(marks)}.")
+        rows.append([
+            f"{r} *" if marks else str(r), str(st.steps), str(st.skipped),
+            fmt.dur(st.step_p.get(50)), fmt.dur(st.step_p.get(99)), fmt.dur(st.step_mean),
+            *(fmt.dur(st.phase_mean.get(k)) for k in PHASES),
+            fmt.dur(st.comm_exposed_mean), fmt.nbytes(st.mem_peak_max),
+        ])
+        if with_host:
+            rows[-1].insert(1, str(info.get(r, {}).get("host", fmt.UNKNOWN)))
+        tags.append("warn" if marks else "")
+    t = Table("Per rank (means per step)", headers, rows, tags, notes)
+    if len(s.per_rank) > 1 and any(x.comm_exposed_mean is None for x in s.per_rank.values()):
+        t.notes.append(
+            "Communication time unknown: backward includes waiting in AllReduce for slower ranks, "
+            "so the rank with the longest backward is often the one that waits, not the slow one."
+        )
+    if len(s.per_rank) > 1:
+        t.notes.append(
+            f"A rank is marked * where its mean exceeds the lowest rank's by more than "
+            f"{STANDOUT_SPREAD:.0%} of a step."
+        )
+    return t
+
+
+def findings(s: Summary) -> Table:
+    rows, tags = [], []
+    for g in s.findings:
+        ranks = ", ".join(map(str, g.ranks[:8])) + (" ..." if len(g.ranks) > 8 else "")
+        rows.append([g.kind, g.severity, str(g.count), ranks,
+                     fmt.steps_range(g.first_step, g.last_step), g.summary, g.diagnosis, g.action])
+        tags.append(g.severity if g.severity in ("warning", "critical") else "info")
+    t = Table("Findings", ["kind", "severity", "count", "ranks", "steps", "latest", "diagnosis",
+                           "action"], rows, tags, fold_last=2)
+    if not rows:
+        t.notes.append("No findings.")
+    return t
+
+
+def comparison(rows: list[CompareRow], name_a: str, name_b: str) -> Table:
+    out, tags = [], []
+    for c in rows:
+        out.append([c.label, fmt.by_unit(c.a, c.unit), fmt.by_unit(c.b, c.unit),
+                    fmt.delta(c.delta, c.rel, c.unit)])
+        tags.append("" if c.better is None else ("good" if c.better else "bad"))
+    t = Table(f"Compare: A = {name_a}, B = {name_b}", ["", "A", "B", "B − A"], out, tags)
+    t.notes.append(
+        "Green: B is better on that row; red: B is worse; plain: neither, or a change within "
+        f"{COMPARE_NOISE_REL:.0%} ({COMPARE_NOISE_PP * 100:.0f} pp for shares)."
+    )
+    return t
+
+
+def all_tables(s: Summary) -> list[Table]:
+    return [run_info(s), overview(s), phases(s), per_rank(s), findings(s)]

@@ -1,0 +1,87 @@
+"""The terminal summary, drawn with rich: colour on a terminal, plain text in a pipe or a file."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from .tables import Table
+
+_STYLES = {"warn": "yellow", "warning": "yellow", "critical": "bold red", "bad": "red",
+           "good": "green", "info": "cyan"}
+
+# A pipe has no width; rich would fall back to 80 columns and squeeze the per-rank table.
+_PIPE_WIDTH = 140
+_GAP = 2  # rich's padding between columns with collapse_padding and no edge padding
+
+
+def _fold(t: Table) -> tuple[list[str], list[list[str]]]:
+    """Trailing free-text columns become extra lines under the column before them."""
+    if not t.fold_last:
+        return t.headers, t.rows
+    keep = len(t.headers) - t.fold_last
+    rows = [
+        r[:keep - 1] + ["\n".join([r[keep - 1]] + [
+            f"{h}: {c}" for h, c in zip(t.headers[keep:], r[keep:]) if c
+        ])]
+        for r in rows
+    ] if (rows := t.rows) else []
+    return t.headers[:keep], rows
+
+
+def _column_groups(headers: list[str], rows: list[list[str]], width: int) -> list[list[int]]:
+    """Split columns of numbers into groups that fit the width, each led by the first column.
+
+    Numbers that wrap or get cut are misread; a second block of columns is not.
+    """
+    need = [max([len(h)] + [len(r[i]) for r in rows]) + _GAP for i, h in enumerate(headers)]
+    groups, cur, used = [], [0], need[0]
+    for i in range(1, len(headers)):
+        if used + need[i] > width and len(cur) > 1:
+            groups.append(cur)
+            cur, used = [0], need[0]
+        cur.append(i)
+        used += need[i]
+    groups.append(cur)
+    return groups
+
+
+def render(tables: list[Table], file: TextIO | None = None, width: int | None = None) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.padding import Padding
+    from rich.table import Table as RichTable
+    from rich.text import Text
+
+    out = file if file is not None else sys.stdout
+    console = Console(file=out, highlight=False, soft_wrap=False, width=width)
+    if not console.is_terminal:
+        console = Console(file=out, highlight=False, width=width or _PIPE_WIDTH, no_color=True)
+    for t in tables:
+        headers, rows = _fold(t)
+        plain_kv = all(h == "" for h in headers)
+        groups = ([list(range(len(headers)))] if plain_kv or t.fold_last
+                  else _column_groups(headers, rows, console.width))
+        for gi, cols in enumerate(groups):
+            title = t.title if gi == 0 else f"{t.title} (continued)"
+            rt = RichTable(
+                title=Text(title), title_justify="left", title_style="bold",
+                box=box.SIMPLE_HEAD, show_header=not plain_kv, show_lines=bool(t.fold_last),
+                pad_edge=False, collapse_padding=True,
+            )
+            for n, i in enumerate(cols):
+                # Numbers never wrap; only free text (the last column of a folded table) does.
+                wrap = plain_kv and n > 0 or bool(t.fold_last) and n == len(cols) - 1
+                rt.add_column(headers[i], overflow="fold", no_wrap=not wrap,
+                              style="bold" if plain_kv and n == 0 else None)
+            for k, r in enumerate(rows):
+                tag = t.tags[k] if k < len(t.tags) else ""
+                # Text, not str: record contents may hold brackets that rich reads as markup.
+                rt.add_row(*(Text(r[i]) for i in cols), style=_STYLES.get(tag))
+            if rows:
+                console.print(rt)
+        if not rows:
+            console.print(Text(t.title, style="bold"))
+        for n in t.notes:
+            console.print(Padding(Text(n, style="dim"), (0, 0, 0, 2)))
+        console.print()

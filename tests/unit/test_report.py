@@ -1,0 +1,496 @@
+"""`stepwatch report`: reading run directories back, the numbers, the terminal summary, the HTML.
+
+Run directories are written here the way the records exporter writes them: one JSON line per
+``StepRecord.to_dict()`` / ``Finding.to_dict()``. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stepwatch.record import Finding, StepRecord
+from stepwatch.report import ReportError, load_run, summarize
+from stepwatch.report.summary import PHASES, compare
+from stepwatch.report.svg import minmax_downsample
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+HAVE_PACKAGE_INIT = (SRC / "stepwatch" / "__init__.py").exists()
+needs_init = pytest.mark.skipif(
+    not HAVE_PACKAGE_INIT, reason="stepwatch/__init__.py (the public API) is not in the tree yet"
+)
+
+
+def make_records(rank: int, n: int, rng: np.random.Generator, *, t0: float = 1.7e9,
+                 skip_every: int = 0, first_step: int = 0, **fixed) -> list[StepRecord]:
+    recs, t = [], t0
+    for i in range(n):
+        dw, fw, bw, op, ot = rng.uniform(0.001, 0.02, size=5)
+        s = float(dw + fw + bw + op + ot)
+        t += s
+        kw = dict(step=first_step + i, rank=rank, time=t, step_s=s, data_wait_s=float(dw),
+                  forward_s=float(fw), backward_s=float(bw), optimizer_s=float(op),
+                  other_s=float(ot), skipped=bool(skip_every and i % skip_every == 3))
+        kw.update(fixed)
+        recs.append(StepRecord(**kw))
+    return recs
+
+
+def write_jsonl(path: Path, items, tail: str = "") -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for it in items:
+            f.write(json.dumps(it.to_dict() if hasattr(it, "to_dict") else it) + "\n")
+        f.write(tail)
+
+
+def write_manifest(d: Path, world_size: int, run_id: str | None = None) -> None:
+    (d / "run.json").write_text(json.dumps({
+        "schema_version": 1, "run_id": run_id or d.name, "argv": ["train.py", "--lr", "3e-4"],
+        "versions": {"stepwatch": "0.1.0", "torch": "2.13.0", "python": "3.11.9"},
+        "world_size": world_size, "hosts": ["node-a"], "config": {}, "features": {"records": True},
+    }))
+
+
+def make_run(d: Path, *, ranks: int = 2, n: int = 200, seed: int = 0, findings=(),
+             **kw) -> dict[int, list[StepRecord]]:
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for r in range(ranks):
+        out[r] = make_records(r, n, rng, **kw)
+        write_jsonl(d / f"steps.rank{r}.jsonl", out[r])
+        write_jsonl(d / f"findings.rank{r}.jsonl", [f for f in findings if f.rank == r])
+    write_manifest(d, ranks)
+    return out
+
+
+def finding(rank: int, step: int, kind: str = "data_loading", severity: str = "warning",
+            summary: str = "mean wait 21 ms") -> Finding:
+    return Finding(time=1.7e9 + step, step=step, rank=rank, kind=kind, severity=severity,
+                   summary=summary, diagnosis="Data loading is a bottleneck.",
+                   action="Increase num_workers.")
+
+
+def cli(argv: list[str]) -> int:
+    from stepwatch.cli import main
+
+    return main(argv)
+
+
+# --- the numbers -------------------------------------------------------------------------------
+
+
+def test_percentiles_and_means_match_numpy_skipped_steps_counted_not_timed(tmp_path):
+    recs = make_run(tmp_path, ranks=3, n=500, skip_every=50)
+    s = summarize(load_run(str(tmp_path)))
+    pooled = []
+    for r, rr in recs.items():
+        timed = np.array([x.step_s for x in rr if not x.skipped])
+        pooled.append(timed)
+        st = s.per_rank[r]
+        assert st.steps == 500 and st.skipped == 10
+        for p in (50, 90, 99):
+            assert st.step_p[p] == pytest.approx(np.percentile(timed, p), rel=1e-12)
+        assert st.step_mean == pytest.approx(timed.mean(), rel=1e-12)
+        # Phase shares: each phase's time over step time, skipped steps included (they ran).
+        total = sum(x.step_s for x in rr)
+        for k in PHASES:
+            assert st.phase_share[k] == pytest.approx(sum(getattr(x, k) for x in rr) / total)
+        assert st.steps_per_s == pytest.approx(500 / total)
+    allt = np.concatenate(pooled)
+    for p in (50, 90, 99):
+        assert s.overall.step_p[p] == pytest.approx(np.percentile(allt, p), rel=1e-12)
+    assert s.overall.steps == 500  # the job's steps, not records summed over ranks
+    assert s.overall.steps_per_s == pytest.approx(min(x.steps_per_s for x in s.per_rank.values()))
+
+
+def test_tokens_mfu_gradnorm_eval_checkpoint_and_unknown_stays_unknown(tmp_path):
+    rng = np.random.default_rng(1)
+    recs = make_records(0, 50, rng, tokens=2048, eval_s=0.5, checkpoint_s=0.0)
+    for i, r in enumerate(recs):
+        r.grad_norm = float(10 - i * 0.1)
+        r.mfu = 0.4 if i >= 10 else None  # MFU unknown for the first steps
+    write_jsonl(tmp_path / "steps.rank0.jsonl", recs)
+    st = summarize(load_run(str(tmp_path))).per_rank[0]
+    total = sum(r.step_s for r in recs)
+    assert st.tokens_per_s == pytest.approx(50 * 2048 / total)
+    assert st.mfu_mean == pytest.approx(0.4)
+    assert st.grad_norm_last == pytest.approx(recs[-1].grad_norm)
+    assert st.grad_norm_max == pytest.approx(10.0)
+    assert st.eval_total == pytest.approx(25.0) and st.checkpoint_total == 0.0
+    # Never measured: unknown, not zero.
+    assert st.comm_mean is None and st.overlap_mean is None and st.hfu_mean is None
+    assert st.mem_peak_max is None
+
+
+def test_null_fields_read_as_unknown_in_terminal_not_zero(tmp_path, capsys):
+    rows = []
+    for i in range(20):
+        d = StepRecord(step=i, rank=0, time=1.7e9 + i, step_s=0.05).to_dict()
+        d["data_wait_s"] = None  # no data-loader hook: unknown
+        del d["forward_s"]  # an older writer that did not have the field
+        d["mfu"] = float("nan")  # json.dumps writes NaN; not a number to average
+        d["tokens"] = "many"
+        rows.append(d)
+    write_jsonl(tmp_path / "steps.rank0.jsonl", rows)
+    s = summarize(load_run(str(tmp_path)))
+    assert s.overall.phase_share["data_wait_s"] is None
+    assert s.overall.phase_share["forward_s"] is None
+    assert s.overall.phase_share["backward_s"] == 0.0  # written as 0.0: a measured zero
+    assert s.overall.mfu_mean is None and s.overall.tokens_per_s is None
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("data wait"))
+    assert "–" in line and "0.0%" not in line
+
+
+def test_rotated_segments_and_restart_attempts_are_merged_in_time_order(tmp_path):
+    rng = np.random.default_rng(2)
+    first = make_records(0, 30, rng, t0=1000.0)
+    second = make_records(0, 30, rng, t0=first[-1].time, first_step=30)
+    # The elastic restart resumed from a checkpoint at step 50: steps 50.. run again.
+    restart = make_records(0, 20, rng, t0=second[-1].time + 100, first_step=50)
+    write_jsonl(tmp_path / "steps.rank0.jsonl.1", first)  # rotated, older
+    write_jsonl(tmp_path / "steps.rank0.jsonl", second)
+    write_jsonl(tmp_path / "steps.rank0.1.jsonl", restart)  # attempt 1
+    write_jsonl(tmp_path / "findings.rank0.1.jsonl.2", [finding(0, 60)])
+    run = load_run(str(tmp_path))
+    got = run.records[0]
+    assert len(got) == 80
+    assert [r.time for r in got] == sorted(r.time for r in first + second + restart)
+    assert [r.step for r in got] == list(range(60)) + list(range(50, 70))
+    assert run.attempts == {0: [0, 1]}
+    assert [f.step for f in run.findings] == [60]
+
+
+def test_truncated_last_line_and_garbage_are_skipped_and_counted(tmp_path, capsys):
+    make_run(tmp_path, ranks=1, n=40)
+    with open(tmp_path / "steps.rank0.jsonl", "a") as f:
+        f.write('"just a string"\n{"step": 3}\n{"step": 41, "rank": 0, "time": 1.7e9, "st')
+    with open(tmp_path / "findings.rank0.jsonl", "a") as f:
+        f.write('{"kind": "data_lo')
+    run = load_run(str(tmp_path))
+    assert len(run.records[0]) == 40
+    assert run.bad_lines == 4
+    assert run.bad_lines_by_file == {"steps.rank0.jsonl": 3, "findings.rank0.jsonl": 1}
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    assert "4 unreadable line(s) skipped" in capsys.readouterr().out
+
+
+def test_findings_grouped_by_kind_with_worst_severity(tmp_path):
+    fs = [finding(1, 100), finding(1, 300, severity="critical", summary="latest one"),
+          finding(0, 200), finding(0, 50, kind="internal_error", severity="info")]
+    make_run(tmp_path, ranks=2, n=10, findings=fs)
+    groups = summarize(load_run(str(tmp_path))).findings
+    assert [g.kind for g in groups] == ["data_loading", "internal_error"]
+    g = groups[0]
+    got = (g.severity, g.count, g.ranks, g.first_step, g.last_step)
+    assert got == ("critical", 3, [0, 1], 100, 300)
+    assert g.summary == "latest one"  # ordered by time: step 300 is the latest
+
+
+def test_slow_rank_is_marked_only_when_it_stands_out(tmp_path):
+    make_run(tmp_path / "even", ranks=2, n=300)
+    s = summarize(load_run(str(tmp_path / "even")))
+    assert s.slowest_rank is None and s.most_data_wait_rank is None
+    d = tmp_path / "slow"
+    d.mkdir()
+    rng = np.random.default_rng(3)
+    write_jsonl(d / "steps.rank0.jsonl", make_records(0, 100, rng))
+    slow = make_records(1, 100, rng)
+    for r in slow:
+        r.data_wait_s += 0.05
+        r.step_s += 0.05
+    write_jsonl(d / "steps.rank1.jsonl", slow)
+    s = summarize(load_run(str(d)))
+    assert s.slowest_rank == 1 and s.most_data_wait_rank == 1 and s.slowest_compute_rank is None
+    # DDP: rank 0 computes 30 ms more per step; rank 1 sits those 30 ms in backward's AllReduce.
+    d = tmp_path / "ddp"
+    d.mkdir()
+    for r in range(2):
+        recs = make_records(r, 100, rng, backward_s=0.04)
+        for x in recs:
+            x.forward_s += 0.03 if r == 0 else 0.0
+            x.comm_exposed_s = 0.0 if r == 0 else 0.03
+        write_jsonl(d / f"steps.rank{r}.jsonl", recs)
+    s = summarize(load_run(str(d)))
+    assert s.slowest_compute_rank == 0
+    for x in s.run.records[0] + s.run.records[1]:
+        x.comm_exposed_s = None  # unknown: the longer backward proves nothing
+    assert summarize(s.run).slowest_compute_rank is None
+
+
+def test_compare_rows_direction(tmp_path):
+    make_run(tmp_path / "a", n=100, seed=1)
+    make_run(tmp_path / "b", n=100, seed=1, tokens=100)
+    rng = np.random.default_rng(1)
+    # B: the same steps, each 10 ms slower.
+    for r in range(2):
+        recs = make_records(r, 100, rng)
+        for x in recs:
+            x.step_s += 0.01
+            x.other_s += 0.01
+        write_jsonl(tmp_path / "b" / f"steps.rank{r}.jsonl", recs)
+    a = summarize(load_run(str(tmp_path / "a")))
+    b = summarize(load_run(str(tmp_path / "b")))
+    rows = {c.label: c for c in compare(a, b)}
+    assert rows["step mean"].delta == pytest.approx(b.overall.step_mean - a.overall.step_mean)
+    assert rows["step mean"].better is False and rows["steps/s"].better is False
+    assert rows["tokens/s"].a is None and rows["tokens/s"].delta is None
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def test_missing_and_empty_run_dir_exit_2_naming_the_path(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    assert cli(["report", str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli(["report", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert str(empty) in err and "steps.rank<R>.jsonl" in err
+    with pytest.raises(ReportError, match="does not exist"):
+        load_run(str(missing))
+    # The runs root instead of one run: say which run directories are in it.
+    make_run(tmp_path / "runs" / "job-1", ranks=1, n=5)
+    assert cli(["report", str(tmp_path / "runs")]) == 2
+    assert "job-1" in capsys.readouterr().err
+    # --compare with a bad second directory names that one.
+    assert cli(["report", str(tmp_path / "runs" / "job-1"), "--compare", str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_unwritable_html_path_is_an_error_naming_it(tmp_path, capsys):
+    make_run(tmp_path / "r", ranks=1, n=5)
+    bad = tmp_path / "no" / "such" / "dir" / "r.html"
+    assert cli(["report", str(tmp_path / "r"), "--html", str(bad)]) == 1
+    assert str(bad) in capsys.readouterr().err
+
+
+# --- output ------------------------------------------------------------------------------------
+
+_EXTERNAL = re.compile(r"""(?:src|href|xlink:href)\s*=\s*["']?\s*(?:https?:)?//""", re.I)
+
+
+def assert_self_contained(page: str) -> None:
+    assert not _EXTERNAL.search(page), _EXTERNAL.search(page).group(0)
+    assert "http://" not in page and "https://" not in page
+    assert "<script" not in page.lower() and "<link" not in page.lower()
+    assert "@import" not in page and "url(" not in page
+
+
+def charts(page: str) -> list[str]:
+    return re.findall(r'<svg class="chart" data-chart="([a-z_]+)"', page)
+
+
+def test_html_report_is_self_contained_with_one_svg_per_chart(tmp_path, capsys):
+    fs = [finding(1, 10, summary="<script>alert(1)</script> [bold]x[/bold]")]
+    make_run(tmp_path, ranks=3, n=300, findings=fs, scalars={"loss": 2.5})
+    assert cli(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "[bold]x[/bold]" in out  # record text is not read as rich markup
+    page = (tmp_path / "report.html").read_text()
+    assert_self_contained(page)
+    # One step-time chart, one stacked-phase chart per rank, one chart per logged scalar.
+    assert charts(page) == ["step_time", "phases", "phases", "phases", "scalar"]
+    assert page.count("<svg") == len(charts(page))
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "Increase num_workers." in page
+    for label in ("data wait", "forward", "backward", "optimizer", "other"):
+        assert label in page
+
+
+def test_html_options_path_and_no_html(tmp_path):
+    make_run(tmp_path / "r", ranks=1, n=5)
+    assert cli(["report", str(tmp_path / "r"), "--no-html"]) == 0
+    assert not (tmp_path / "r" / "report.html").exists()
+    target = tmp_path / "elsewhere.html"
+    assert cli(["report", str(tmp_path / "r"), "--html", str(target)]) == 0
+    assert target.exists() and not (tmp_path / "r" / "report.html").exists()
+    assert cli(["report", str(tmp_path / "r")]) == 0
+    # Inside the run directory the report is as private as the records the writer made 0600.
+    assert (tmp_path / "r" / "report.html").stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
+
+
+def test_compare_terminal_columns_and_html_with_both_runs(tmp_path, capsys):
+    make_run(tmp_path / "base", n=100, seed=1)
+    make_run(tmp_path / "tuned", ranks=4, n=80, seed=2, findings=[finding(2, 5)])
+    assert cli(["report", str(tmp_path / "base"), "--compare", str(tmp_path / "tuned")]) == 0
+    out = capsys.readouterr().out
+    assert "A = base, B = tuned" in out and "B − A" in out
+    steps_line = next(x for x in out.splitlines() if x.strip().startswith("steps "))
+    assert steps_line.split()[1:4] == ["100", "80", "-20"]
+    assert "findings: data_loading" in out
+    page = (tmp_path / "base" / "compare-tuned.html").read_text()
+    assert not (tmp_path / "base" / "report.html").exists()  # the run's own report is kept
+    assert_self_contained(page)
+    a_charts, b_charts = ["step_time"] + ["phases"] * 2, ["step_time"] + ["phases"] * 4
+    assert charts(page) == ["compare"] + a_charts + b_charts
+    assert "A: base" in page and "B: tuned" in page
+
+
+def test_minmax_downsample_keeps_extremes_and_bounds_points():
+    rng = np.random.default_rng(4)
+    y = rng.normal(1.0, 0.01, 200_000)
+    y[123_457] = 9.0  # one stall
+    y[7] = -3.0
+    x = np.arange(y.size, dtype=float)
+    xs, ys = minmax_downsample(x, y, 2000)
+    assert len(xs) <= 2000
+    assert ys.max() == 9.0 and ys.min() == -3.0
+    assert np.all(np.diff(xs) > 0)
+    assert xs[np.argmax(ys)] == 123_457
+
+
+def test_long_run_html_stays_small_and_keeps_the_stall(tmp_path):
+    n = 30_000
+    rng = np.random.default_rng(5)
+    recs = make_records(0, n, rng)
+    recs[20_000].step_s = 5.0  # one stall among ~50 ms steps
+    write_jsonl(tmp_path / "steps.rank0.jsonl", recs)
+    out = tmp_path / "r.html"
+    assert cli(["report", str(tmp_path), "--html", str(out)]) == 0
+    page = out.read_text()
+    assert len(page) < 400_000
+    step_chart = page[page.index('data-chart="step_time"'):]
+    step_chart = step_chart[:step_chart.index("</svg>")]
+    lines = re.findall(r'<polyline [^>]*points="([^"]*)"', step_chart)
+    assert lines and all(len(pts.split()) <= 2000 for pts in lines)
+    # The stall survived thinning: it, not the ~50 ms steps, sets the y axis (0 to 5.25 s).
+    ticks = re.findall(r'text-anchor="end">([^<]*)<', step_chart)
+    assert ticks[-1].endswith(" s") and float(ticks[-1].split()[0]) >= 4.0, ticks
+
+
+@needs_init
+def test_python_dash_m_stepwatch_report_subprocess(tmp_path):
+    make_run(tmp_path, ranks=2, n=50)
+    env = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "stepwatch", "report", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "Per rank" in p.stdout and "\x1b[" not in p.stdout  # plain when not a terminal
+    assert (tmp_path / "report.html").exists()
+    p = subprocess.run([sys.executable, "-m", "stepwatch", "report", str(tmp_path / "x")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and str(tmp_path / "x") in p.stderr
+
+
+def test_restart_with_repeated_steps_and_many_ranks_render(tmp_path, capsys):
+    rng = np.random.default_rng(6)
+    for r in range(10):
+        recs = make_records(r, 40, rng, t0=1000.0)
+        again = make_records(r, 20, rng, t0=recs[-1].time + 60, first_step=30)
+        if r == 7:
+            for x in recs + again:
+                x.step_s += 0.2
+                x.other_s += 0.2
+        write_jsonl(tmp_path / f"steps.rank{r}.jsonl", recs)
+        write_jsonl(tmp_path / f"steps.rank{r}.1.jsonl", again)
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    assert "attempts" in capsys.readouterr().out
+    from stepwatch.report.page import MAX_STACKED_RANKS, render_html
+
+    s = summarize(load_run(str(tmp_path)))
+    assert s.slowest_rank == 7
+    page = render_html(s)
+    assert_self_contained(page)
+    assert charts(page).count("phases") == MAX_STACKED_RANKS
+    assert "phases per step, rank 7" in page  # the straggler is always drawn
+    assert "left out" in page
+    assert "record # (steps repeat after a restart)" in page
+    # Small multiples share one y axis: rank 7's 200 ms extra sets the scale of every chart.
+    svgs = re.findall(r'<svg class="chart" data-chart="phases".*?</svg>', page)
+    ticks = [re.findall(r'text-anchor="end">([^<]*)<', x) for x in svgs]
+    assert len(ticks) == MAX_STACKED_RANKS and all(t == ticks[0] for t in ticks)
+    assert "200 ms" in ticks[0]
+
+
+def test_findings_only_run_reports_without_charts(tmp_path, capsys):
+    write_jsonl(tmp_path / "findings.rank0.jsonl", [finding(0, 5, kind="internal_error")])
+    assert cli(["report", str(tmp_path), "--html", str(tmp_path / "r.html")]) == 0
+    out = capsys.readouterr().out
+    assert "internal_error" in out and "run.json missing" in out
+    page = (tmp_path / "r.html").read_text()
+    assert charts(page) == [] and "No step records" in page
+
+
+def test_writer_conventions_nonfinite_relaunch_manifest_rank_hosts(tmp_path, capsys):
+    """As the records writer does: NaN spelled "nan", run.1.json after a relaunch, rank<R>.json."""
+    rows = [StepRecord(step=i, rank=0, time=100.0 + i, step_s=0.1, grad_norm=float(i),
+                       scalars={"loss": 1.0}).to_dict() for i in range(5)]
+    rows[3]["grad_norm"] = "inf"  # overflow: the news, not an unknown
+    rows[4]["scalars"] = {"loss": "nan"}
+    rows[4]["mfu"] = "nan"
+    write_jsonl(tmp_path / "steps.rank0.jsonl", rows)
+    write_manifest(tmp_path, 1, run_id="first-launch")
+    (tmp_path / "run.1.json").write_text(json.dumps({"run_id": "second-launch", "end_time": None,
+                                                      "dropped_records": 7}))
+    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "host": "gpu-node-17"}))
+    run = load_run(str(tmp_path))
+    assert run.manifest["run_id"] == "second-launch" and run.manifest_name == "run.1.json"
+    st = summarize(run).per_rank[0]
+    assert st.grad_norm_max == 4.0 and st.grad_norm_nonfinite == 1
+    assert np.isnan(st.scalars_last["loss"]) and st.mfu_mean is None
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu-node-17" in out and "(1 non-finite)" in out and "last loss" in out
+    assert "still running, or it crashed" in out and "7 record(s) dropped" in out
+
+
+def test_terminal_splits_wide_tables_instead_of_cutting_numbers(tmp_path):
+    import io
+
+    from stepwatch.report import tables, terminal
+
+    make_run(tmp_path, ranks=3, n=30, mem_peak_bytes=123 * 2**20)
+    s = summarize(load_run(str(tmp_path)))
+    buf = io.StringIO()
+    terminal.render([tables.per_rank(s)], file=buf, width=80)
+    text = buf.getvalue()
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
+    assert "Per rank (means per step) (continued)" in text
+    for h in ("rank", "p50", "data wait", "optimizer", "comm exposed", "peak mem"):
+        assert h in text
+    assert text.count("123 MiB") == 3  # every rank's number whole, none cut
+    for r, st in s.per_rank.items():
+        assert f"{st.step_mean * 1e3:.3g} ms" in text
+
+
+def test_any_mix_of_unknown_fields_reports_without_crashing(tmp_path, capsys):
+    """Every optional field null at random, all-skipped ranks, a rank of one step, junk lines."""
+    rng = np.random.default_rng(7)
+    fields = ["step_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s",
+              "eval_s", "checkpoint_s", "mem_peak_bytes", "flops", "mfu", "hfu", "tokens",
+              "grad_norm", "comm_s", "comm_exposed_s", "overlap", "allreduce_s"]
+    for r, n in ((0, 120), (1, 1), (2, 30)):
+        rows = []
+        for x in make_records(r, n, rng, tokens=64, mfu=0.2, grad_norm=1.0, comm_s=0.01,
+                              comm_exposed_s=0.002, overlap=0.8, allreduce_s=0.01,
+                              mem_peak_bytes=2**30, skipped=(r == 2)):
+            d = x.to_dict()
+            for k in fields:
+                if rng.random() < 0.3:
+                    d[k] = None
+            rows.append(d)
+        write_jsonl(tmp_path / f"steps.rank{r}.jsonl", rows, tail="[1, 2]\n{}\nnull\n")
+    assert cli(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "9 unreadable line(s)" in out
+    s = summarize(load_run(str(tmp_path)))
+    assert s.per_rank[2].skipped == 30 and s.per_rank[2].step_p[50] is None
+    assert s.per_rank[1].steps == 1 and s.per_rank[1].wall_s is None
+    page = (tmp_path / "report.html").read_text()
+    assert_self_contained(page)
+    for chart in re.findall(r"<svg.*?</svg>", page):
+        assert "nan" not in chart.lower() and "inf" not in chart.lower()  # no broken coordinates
+    assert charts(page).count("phases") == 3
