@@ -1,0 +1,388 @@
+"""The CUDA/HIP code path of the native ring, on CPU, against a fake runtime library.
+
+The GPU is the one thing mocked: fake_runtime.c (compiled here with the C compiler) exports
+cudaEventCreateWithFlags & co. (or the hip* names) with the real signatures and error codes,
+and finishes "device work" a settable lag after it was recorded. Everything else is real: the
+dlopen of a given path, the function-pointer table, non-blocking queries, graph-capture skips,
+the device switch in the poller, fork handling and the Python fallback. The real CUDA path is
+checked on a GPU by scripts/gpu_check_timing.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+import stepwatch.cuda_ext as cuda_ext
+from stepwatch.cuda_ext import _testing
+
+STREAM = 0x5000  # raw stream handles are opaque pointers; the fake only compares them
+OTHER = 0x6000
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    try:
+        return _testing.load_native(tmp_path_factory.mktemp("native"))
+    except RuntimeError as exc:
+        pytest.skip(f"native extension not built and cannot be compiled here: {exc}")
+
+
+@pytest.fixture(scope="module")
+def fake_paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fake")
+    try:
+        return _testing.build_fake_runtime(d), _testing.build_fake_runtime(d, hip=True)
+    except RuntimeError as exc:
+        pytest.skip(f"cannot compile the fake runtime: {exc}")
+
+
+@pytest.fixture
+def fake(fake_paths):
+    rt = _testing.FakeRuntime(fake_paths[0])
+    rt.reset()
+    yield rt
+    rt.reset()
+
+
+@pytest.fixture
+def ring(native, fake):
+    r = native.Ring(8, "cuda", fake.path)
+    yield r
+    r.close()
+
+
+def test_loads_the_given_library_and_creates_every_event_up_front(native, fake):
+    before = fake.counters()
+    r = native.Ring(8, "cuda", fake.path)
+    assert (r.backend, r.library, r.device) == ("cuda", fake.path, 0)
+    assert fake.counter("created") - before["created"] == 16  # a start and an end event per slot
+    r.close()
+    assert fake.counter("destroyed") - before["destroyed"] == 16
+
+
+def test_intervals_are_read_from_the_events(ring, fake):
+    a = ring.begin(STREAM, "forward")
+    time.sleep(0.01)
+    ring.end(a, STREAM)
+    b = ring.begin(STREAM, "backward")
+    ring.end(b, STREAM)
+    got = ring.poll()
+    assert [(t, s) for t, s, _ in got] == [("forward", a), ("backward", b)]
+    assert 0.009 < got[0][2] < 1.0  # the fake's event times are its record times
+    assert ring.pending == 0 and ring.completed == 2
+
+
+def test_poll_does_not_wait_for_unfinished_work(ring, fake):
+    fake.set_lag(0.15)  # "kernels" finish 150 ms after they were recorded
+    s = ring.begin(STREAM, "slow")
+    ring.end(s, STREAM)
+    t0 = time.perf_counter()
+    assert ring.poll() == []
+    assert time.perf_counter() - t0 < 0.02  # a query answered "not ready", nothing waited
+    assert ring.pending == 1
+    time.sleep(0.2)
+    assert [t for t, _, _ in ring.poll()] == ["slow"]
+    assert ring.pending == 0
+
+
+def test_a_stream_seen_not_ready_is_not_queried_again_in_the_same_poll(ring, fake):
+    fake.set_lag(10.0)
+    for i in range(3):
+        ring.end(ring.begin(STREAM, i), STREAM)
+    ring.end(ring.begin(OTHER, "other"), OTHER)
+    q0 = fake.counter("queries")
+    assert ring.poll() == []
+    assert fake.counter("queries") - q0 == 2  # one per stream, not one per interval
+    ring.close()  # leaves nothing behind even with work "in flight"
+
+
+def test_a_full_ring_drops_while_the_device_is_behind(native, fake):
+    fake.set_lag(10.0)
+    r = native.Ring(2, "cuda", fake.path)
+    for i in range(2):
+        r.end(r.begin(STREAM, i), STREAM)
+    assert r.begin(STREAM, "late") == -1
+    assert r.dropped == 1 and r.pending == 2
+    r.close()
+
+
+def test_graph_capture_is_skipped_and_never_recorded_into(ring, fake):
+    fake.set_capture(STREAM)
+    r0 = fake.counter("records")
+    assert ring.begin(STREAM, "captured") == -1
+    assert ring.captured == 1
+    assert fake.counter("records") == r0 and fake.counter("captured_records") == 0
+    # other streams are not capturing: timed as usual
+    s = ring.begin(OTHER, "eager")
+    ring.end(s, OTHER)
+    assert [t for t, _, _ in ring.poll()] == ["eager"]
+
+
+def test_poll_during_another_threads_global_capture_does_not_break_it(ring, fake):
+    """In cudaStreamCaptureModeGlobal an EventQuery from any thread not in Relaxed mode fails
+    and invalidates the capture; the poller switches itself to Relaxed and back."""
+    ring.end(ring.begin(STREAM, "before-capture"), STREAM)
+    fake.set_capture(OTHER)  # someone else is capturing a graph on another stream
+    v0 = fake.counter("capture_violations")
+    assert [t for t, _, _ in ring.poll()] == ["before-capture"]
+    assert fake.counter("capture_violations") == v0
+    assert fake.capture_mode() == 0  # the thread's own mode is restored (Global)
+    assert ring.errors == 0
+
+
+def test_capture_starting_inside_an_interval_gives_the_slot_up(ring, fake):
+    s = ring.begin(STREAM, "straddles")
+    fake.set_capture(STREAM)
+    ring.end(s, STREAM)
+    assert ring.captured == 1 and ring.pending == 0
+    assert fake.counter("captured_records") == 0
+    assert ring.poll() == []
+
+
+def test_runtime_errors_are_counted_not_raised(ring, fake):
+    fake.fail_records(1)
+    assert ring.begin(STREAM, "a") == -1
+    assert ring.errors == 1 and ring.stats()["last_error"] == 1
+    s = ring.begin(STREAM, "b")
+    fake.fail_records(1)
+    ring.end(s, STREAM)  # the end record fails: the interval is lost, the slot is freed
+    assert ring.errors == 2 and ring.pending == 0
+
+
+def test_poller_thread_switches_to_the_ring_device_and_back(native, fake):
+    fake.set_device(1)  # the training thread works on device 1
+    r = native.Ring(4, "cuda", fake.path)
+    assert r.device == 1
+    r.end(r.begin(STREAM, "on-1"), STREAM)
+    got, seen_device = [], []
+
+    def poll_from_fresh_thread():  # a new thread starts on device 0, like a real one
+        got.extend(r.poll())
+        seen_device.append(fake.get_device())
+
+    w0 = fake.counter("wrong_device")
+    t = threading.Thread(target=poll_from_fresh_thread)
+    t.start()
+    t.join(5)
+    assert [x[0] for x in got] == ["on-1"]
+    assert fake.counter("wrong_device") == w0
+    assert seen_device == [0]  # restored afterwards
+    r.close()
+
+
+def test_explicit_device_is_used_for_the_events(native, fake):
+    r = native.Ring(2, "cuda", fake.path, 1)
+    assert r.device == 1 and fake.get_device() == 0  # creation restored the caller's device
+    r.close()
+    with pytest.raises(ValueError, match="device must be"):
+        native.Ring(2, "cuda", fake.path, -3)
+
+
+def test_stream_must_be_a_raw_handle(ring):
+    with pytest.raises(TypeError, match="raw stream handle"):
+        ring.begin("stream", "x")
+    assert ring.begin(None, "default stream") >= 0
+
+
+def test_hip_runtime_is_recognised_by_its_symbols(native, fake_paths):
+    hip = _testing.FakeRuntime(fake_paths[1], hip=True)
+    hip.reset()
+    r = native.Ring(4, "device", hip.path)
+    assert r.backend == "hip"
+    r.end(r.begin(STREAM, "k"), STREAM)
+    assert [t for t, _, _ in r.poll()] == ["k"]
+    r.close()
+    with pytest.raises(native.RuntimeUnavailable, match="exports no cudaEvent"):
+        native.Ring(4, "cuda", hip.path)
+
+
+def test_missing_runtime_names_what_was_tried(native):
+    with pytest.raises(native.RuntimeUnavailable) as err:
+        native.Ring(4, "device", "/nonexistent/libcudart.so.99")
+    assert "tried" in str(err.value) and "/nonexistent/libcudart.so.99" in str(err.value)
+    assert isinstance(err.value, RuntimeError)
+
+
+def test_search_lists_every_soname_it_tried(native):
+    try:
+        kind, path = native.load_runtime("hip")
+    except native.RuntimeUnavailable as exc:
+        msg = str(exc)
+        assert "libamdhip64.so.7" in msg and "libamdhip64.so.6" in msg
+    else:  # a ROCm machine: the search found one
+        assert kind == "hip" and "amdhip64" in path
+
+
+def test_runtime_without_a_driver_is_unavailable(native, fake):
+    fake.set_no_device(True)
+    with pytest.raises(native.RuntimeUnavailable, match="cannot create events"):
+        native.Ring(2, "cuda", fake.path)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_turns_device_timing_off_and_the_parent_keeps_it(ring, fake):
+    s = ring.begin(STREAM, "open")
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            d0 = fake.counter("destroyed")
+            checks = [
+                ring.begin(STREAM, "child") == -1,
+                "fork" in (ring.disabled or ""),
+                ring.pending == 0,
+                ring.poll() == [],
+            ]
+            ring.end(s, STREAM)
+            ring.close()  # must not destroy the parent's events
+            checks.append(fake.counter("destroyed") == d0)
+            code = 0 if all(checks) else 10 + checks.index(False)
+        except BaseException:
+            code = 99
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert ring.disabled is None
+    ring.end(s, STREAM)
+    assert [t for t, _, _ in ring.poll()] == ["open"]
+
+
+# -- through the wrapper --
+
+
+def test_get_timer_uses_the_native_device_ring(fake, monkeypatch):
+    if cuda_ext._native is None:
+        pytest.skip("the extension is not built into this tree (pip install -e .)")
+    t = cuda_ext.get_timer("cuda", capacity=4, library=fake.path)
+    assert t.name == "native cuda"
+    with t.region("fwd", STREAM):
+        pass
+    assert [x[0] for x in t.poll()] == ["fwd"]
+    t.close()
+
+
+def test_missing_runtime_without_a_gpu_is_a_clear_error(monkeypatch):
+    """torch here is a CPU build: no native runtime and no torch.cuda to fall back to."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the fallback would succeed")
+    with pytest.raises(RuntimeError) as err:
+        cuda_ext.get_timer("cuda", library="/nonexistent/libcudart.so.99")
+    msg = str(err.value)
+    assert "torch.cuda.is_available() is False" in msg
+    if cuda_ext._native is not None:
+        assert "/nonexistent/libcudart.so.99" in msg
+    # native=True insists: the runtime's own error (or ImportError when the extension is not built)
+    with pytest.raises(cuda_ext.RuntimeUnavailable if cuda_ext._native is not None else ImportError):
+        cuda_ext.get_timer("cuda", native=True, library="/nonexistent/libcudart.so.99")
+
+
+class _StandInCuda:
+    """torch.cuda stand-ins for the Python fallback ring (no GPU here): events stamp the host
+    clock when recorded and report ready only once `ready` is set, like unfinished GPU work."""
+
+    def __init__(self):
+        self.ready = True
+        self.capturing = False
+        self.streams = []
+        outer = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.t = None
+                self.stream = None
+
+            def record(self, stream=None):
+                self.t = time.perf_counter()
+                self.stream = stream
+
+            def query(self):
+                return self.t is not None and outer.ready
+
+            def elapsed_time(self, other):
+                return (other.t - self.t) * 1e3
+
+        class ExternalStream:
+            def __init__(self, handle, device=None):
+                self.handle = handle
+                outer.streams.append(handle)
+
+        class Device:
+            def __init__(self, d):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+
+        self.Event, self.ExternalStream, self.device = Event, ExternalStream, Device
+
+    def install(self, monkeypatch, torch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "device", self.device)
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(torch.cuda, "ExternalStream", self.ExternalStream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: "current")
+        monkeypatch.setattr(torch.cuda, "default_stream", lambda d=None: "default")
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    torch = pytest.importorskip("torch")
+    cuda = _StandInCuda()
+    cuda.install(monkeypatch, torch)
+    monkeypatch.setattr(cuda_ext, "_warned", set())
+    return cuda
+
+
+def test_missing_runtime_falls_back_to_torch_events(stand_in, caplog):
+    """A GPU without a loadable runtime library: torch.cuda.Event takes over, with one warning."""
+    lib = "/nonexistent/libcudart.so.99"
+    with caplog.at_level("WARNING", logger="stepwatch.cuda_ext"):
+        t = cuda_ext.get_timer("cuda", capacity=4, library=lib)
+        cuda_ext.get_timer("cuda", capacity=4, library=lib)
+    assert t.name == "python" and t.backend == "cuda"
+    warnings = [r.getMessage() for r in caplog.records if "torch.cuda.Event" in r.getMessage()]
+    assert len(warnings) == 1
+    if cuda_ext._native is not None:
+        assert lib in warnings[0]
+    with t.region("fwd"):
+        time.sleep(0.002)
+    (tag, _, elapsed), = t.poll()
+    assert tag == "fwd" and elapsed >= 0.002
+
+
+def test_python_device_ring_waits_for_unfinished_work_and_skips_capture(stand_in):
+    t = cuda_ext.get_timer("cuda", capacity=4, native=False)
+    stand_in.ready = False
+    s = t.begin(STREAM, "slow")
+    t.end(s, STREAM)
+    t.end(t.begin(0, "default"), 0)
+    assert t.poll() == [] and t.pending == 2
+    assert stand_in.streams == [STREAM]  # raw handle wrapped once; 0 is torch's default stream
+    stand_in.ready = True
+    assert [x[0] for x in t.poll()] == ["slow", "default"]
+    stand_in.capturing = True
+    assert t.begin(STREAM, "captured") == -1 and t.captured == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_python_device_ring_turns_off_in_a_forked_child(stand_in):
+    t = cuda_ext.get_timer("cuda", capacity=4, native=False)
+    t.end(t.begin(STREAM, "parent"), STREAM)
+    pid = os.fork()
+    if pid == 0:
+        ok = t.begin(STREAM, "child") == -1 and "fork" in (t.disabled or "") and t.poll() == []
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [x[0] for x in t.poll()] == ["parent"]
