@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# GPU check for maintainers: run on a real NVIDIA machine (Hopper or newer for GPM).
+# Exercises the real sampler (NVML + GPM + XID thread), checks it creates no CUDA context,
+# loads the GPU with BF16 matmuls and prints what the sampler saw, then runs `stepwatch doctor`.
+# Usage: scripts/gpu_check.sh            (PYTHON=... to pick the interpreter)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+
+echo "== nvidia-smi -L"
+nvidia-smi -L || echo "(nvidia-smi failed)"
+
+echo "== sampler under load"
+"$PY" - <<'EOF' || status=1
+import os, sys, time
+import pynvml
+from stepwatch.telemetry import TelemetrySource, summarize_window
+from stepwatch.telemetry.diagnose import classify
+
+problems = []
+src = TelemetrySource(rank=0, hz=2)
+src.start()
+src.wait_ready(15)
+print("status:", src.status)
+if not src.status.get("running"):
+    sys.exit("sampler did not start: %s" % src.status.get("error"))
+
+# The sampler must not have created a CUDA context: this pid must not be a compute process yet.
+pynvml.nvmlInit()
+h = pynvml.nvmlDeviceGetHandleByUUID(src.status["uuid"])
+pids = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+print("compute pids on our GPU before torch touches CUDA:", pids)
+if os.getpid() in pids:
+    problems.append("sampler created a CUDA context")
+
+import torch
+torch.cuda.set_device(0)
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid)
+print("torch device 0 uuid:", uuid, "| sampler matched:", src.status["uuid"], "by", src.status["matched_by"])
+if uuid != src.status["uuid"]:
+    problems.append("sampler matched another GPU than torch's device 0")
+t0 = time.time()
+while time.time() - t0 < 6:
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+busy = src.drain()
+time.sleep(3)  # idle
+idle = src.drain()
+src.stop()
+
+keys = ("DCGM_FI_DEV_GPU_TEMP", "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_SM_CLOCK", "clocks_event_reasons",
+        "DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "DCGM_FI_PROF_DRAM_ACTIVE",
+        "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_PROF_PCIE_TX_BYTES", "DCGM_FI_PROF_NVLINK_TX_BYTES")
+for tag, ss in (("busy", busy), ("idle", idle)):
+    print(f"-- {tag}: {len(ss)} samples")
+    for s in ss:
+        print("  ", {k.replace("DCGM_FI_", ""): (round(s[k], 3) if isinstance(s.get(k), float) else s.get(k))
+                     for k in keys if k in s})
+print("all fields seen:", sorted({k for s in busy + idle for k in s}))
+g = summarize_window(busy)
+print("busy window gpu object:", g)
+print("idle window gpu object:", summarize_window(idle))
+if src.status.get("gpm"):
+    if not g or g.get("sm_active") is None:
+        problems.append("GPM supported but no SM activity in the samples")
+    elif g["sm_active"] < 0.5 or (g.get("tensor_active") or 0) < 0.1:
+        problems.append(f"BF16 matmul load but sm_active={g.get('sm_active')} tensor={g.get('tensor_active')}")
+    print("matrix row (busy):", classify(g.get("sm_active"), g.get("tensor_active"), g.get("dram_active"),
+                                         g.get("fp64_active")))
+else:
+    print("GPM not supported on this GPU: profiling fields absent (expected before Hopper)")
+print("findings:", [(f.kind, f.summary) for f in src.analyze(busy + idle)])
+print("xid watcher:", "on" if src.status.get("xid") else f"off ({src.status.get('xid_error')})")
+for p in problems:
+    print("PROBLEM:", p)
+sys.exit(1 if problems else 0)
+EOF
+
+echo "== stepwatch doctor --storage (256 MiB in \${TMPDIR:-/tmp})"
+"$PY" -m stepwatch doctor --storage "${TMPDIR:-/tmp}" --storage-size-mb 256 || status=1
+
+if [ -f scripts/gpu_check_timing.py ]; then
+  echo "== timing extension (scripts/gpu_check_timing.py)"
+  "$PY" scripts/gpu_check_timing.py || status=1
+fi
+
+echo "== gpu_check: $([ $status = 0 ] && echo OK || echo PROBLEMS)"
+exit $status

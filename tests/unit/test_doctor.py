@@ -1,0 +1,135 @@
+"""``stepwatch doctor`` on this machine (no GPU, real py-spy, real filesystem), its environment
+rules, and its GPU checks against the fake NVML of test_telemetry_nvml.py (no GPU here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pynvml
+import pytest
+
+from stepwatch.doctor import pyspy
+from stepwatch.doctor.checks import check_nccl_env, check_nvidia, check_torchrun_env
+from stepwatch.doctor.storage import judge, measure
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the fake NVML lives beside this file
+from test_telemetry_nvml import SCRIPT, THERMAL, FakeNvml, _tick  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _nvml_works() -> bool:
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+def _doctor(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "STEPWATCH_"))}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "stepwatch", "doctor", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_doctor_cli_here_exits_0_names_the_driver_and_attaches_pyspy():
+    res = _doctor("--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    by = {c["name"]: c for c in report["checks"]}
+    drv = by["nvidia driver"]
+    if _nvml_works():
+        assert drv["status"] in ("ok", "warn") and "driver" in drv["summary"]
+    else:
+        assert drv["status"] == "info"
+        assert "NVIDIA driver not found" in drv["summary"] and "libnvidia-ml.so.1" in drv["summary"]
+        assert "No NVIDIA GPU here" in drv["summary"]
+    spy = by["py-spy"]
+    assert isinstance(spy["details"]["attach"], bool)  # a real attach was made
+    scope, cap = pyspy.ptrace_scope(), pyspy.has_cap_sys_ptrace()
+    if pyspy.find_pyspy() and (cap or scope in (None, 0)):
+        # The kernel allows it, so the real attach must have worked.
+        assert spy["details"]["attach"] is True and spy["status"] == "ok", spy
+    elif not spy["details"]["attach"]:
+        assert spy["status"] == "warn" and "CAP_SYS_PTRACE" in spy["action"]
+    assert by["timing backend"]["details"]["host"]
+    assert report["exit_code"] == 0
+
+
+def test_doctor_text_and_storage_in_process(tmp_path, monkeypatch, capsys):
+    from stepwatch.cli import main
+
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    assert main(["doctor", "--no-attach", "--storage", str(tmp_path), "--storage-size-mb", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "storage" in out and "GB/s" in out
+    assert "NCCL_DEBUG=INFO" in out and "costs throughput" in out
+    assert list(tmp_path.iterdir()) == []  # cleaned up
+    assert main(["doctor", "--storage", str(tmp_path / "missing")]) == 2
+    assert "not an existing directory" in capsys.readouterr().err
+    assert main(["doctor", "--storage", str(tmp_path), "--storage-jobs", "0"]) == 2
+    assert "--storage-jobs" in capsys.readouterr().err
+
+
+def test_storage_measure_small(tmp_path):
+    r = measure(str(tmp_path), size_bytes=8 << 20, block_bytes=1 << 20, max_seconds=30)
+    assert r.write_bytes == 8 << 20 and r.read_bytes == 8 << 20
+    assert r.write_gbps > 0 and r.read_gbps > 0
+    assert isinstance(r.direct, bool)
+    assert list(tmp_path.iterdir()) == []
+    d = r.to_dict()
+    assert d["verdict"] == judge(r.write_gbps)
+    r2 = measure(str(tmp_path), size_bytes=4 << 20, block_bytes=1 << 20, jobs=2)
+    assert r2.write_bytes == 8 << 20 and r2.jobs == 2
+    with pytest.raises(ValueError, match="block size"):
+        measure(str(tmp_path), block_bytes=1000)
+    with pytest.raises(ValueError, match="--storage-jobs"):
+        measure(str(tmp_path), size_bytes=1 << 20, block_bytes=1 << 20, jobs=0)
+
+
+def test_storage_verdicts_follow_the_reference():
+    assert judge(12.0) == "healthy"
+    assert judge(10.0) == "between"
+    assert judge(1.9) == "degraded"
+    assert judge(None) == "unknown"
+
+
+def test_nccl_env_rules():
+    checks = {c.name: c for c in check_nccl_env({"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "^lo,^docker",
+                                                 "NCCL_TIMEOUT": "1800", "NCCL_ALGO": "Ring"})}
+    assert checks["NCCL_DEBUG"].status == "warn" and "WARN" in checks["NCCL_DEBUG"].action
+    assert checks["NCCL_SOCKET_IFNAME"].status == "warn" and "^lo,docker" in checks["NCCL_SOCKET_IFNAME"].action
+    assert checks["NCCL_TIMEOUT"].status == "warn" and "init_process_group" in checks["NCCL_TIMEOUT"].action
+    assert checks["NCCL_ALGO"].status == "warn"
+    assert checks["nccl env"].details["set"]["NCCL_DEBUG"] == "INFO"
+    clean = check_nccl_env({"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "^lo,docker"})
+    assert [c.status for c in clean] == ["ok"]
+
+
+def test_torchrun_env_rules():
+    (c,) = check_torchrun_env({})
+    assert c.status == "info"
+    (c,) = check_torchrun_env({"RANK": "4", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert c.status == "warn" and "RANK=4" in c.summary
+    cs = check_torchrun_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                             "MASTER_ADDR": "h", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": "2,3"})
+    assert cs[0].status == "ok"
+    assert "CUDA_DEVICE_ORDER" in cs[1].action
+
+
+def test_gpu_checks_with_fake_nvml():
+    healthy = check_nvidia(FakeNvml(SCRIPT))
+    assert healthy[0].name == "nvidia driver" and "550.54.15" in healthy[0].summary
+    assert "12.4" in healthy[0].summary
+    assert [c.status for c in healthy[1:]] == ["ok", "ok"]
+    assert "GPM yes" in healthy[1].summary
+    hot = check_nvidia(FakeNvml([_tick(88, 1400, THERMAL, 0.9, 0.6, 0.3)], gpm_supported=False))
+    assert hot[1].status == "warn" and "88 C" in hot[1].summary and "GPM no" in hot[1].summary
+    broken = check_nvidia(FakeNvml([_tick(70, 1980, 0, 0.9, 0.6, 0.3, dbe=2)]))
+    assert broken[1].status == "fail" and "uncorrectable" in broken[1].summary
