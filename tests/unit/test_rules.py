@@ -1,0 +1,129 @@
+"""`stepwatch rules` / `stepwatch dashboard`: the files they write pass `promtool check rules` and
+`promtool test rules` (Debian's prometheus package, installed by scripts/install_prometheus.sh),
+every alert has firing and non-firing input, and the reference sheet's broken expressions fail
+the same tests (so the tests can tell right from wrong)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from stepwatch.cli import main
+from stepwatch.rules import _yaml, alerts, dashboard, proofs, queries
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="session")
+def promtool():
+    if shutil.which("promtool") is None:
+        r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "install_prometheus.sh")], capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            pytest.fail(f"scripts/install_prometheus.sh failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    path = shutil.which("promtool")
+    assert path, "promtool missing after scripts/install_prometheus.sh"
+    return path
+
+
+def _write_and_test(tmp_path, promtool, al):
+    rules = tmp_path / "rules.yml"
+    tests = tmp_path / "rules_test.yml"
+    rules.write_text(_yaml.dump(alerts.rules_doc(al)))
+    tests.write_text(_yaml.dump(alerts.tests_doc(al, "rules.yml")))
+    check = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    test = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    return check, test
+
+
+def test_cli_writes_rules_that_promtool_checks_and_tests(tmp_path, promtool):
+    out, tst = tmp_path / "r" / "stepwatch.rules.yml", tmp_path / "t" / "stepwatch.rules_test.yml"
+    assert main(["rules", "-o", str(out), "--tests", str(tst)]) == 0
+    r = subprocess.run([promtool, "check", "rules", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"SUCCESS: {len(alerts.build())} rules found" in r.stdout
+    # rule_files is relative to the test file, as promtool resolves it.
+    r = subprocess.run([promtool, "test", "rules", str(tst)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout
+
+
+def test_every_alert_has_firing_and_quiet_series():
+    al = alerts.build()
+    assert len({a.name for a in al}) == len(al)
+    assert {a.group for a in al} == {"stepwatch-training", "stepwatch-gpu", "stepwatch-serving"}
+    for a in al:
+        assert a.case.firing, a.name
+        # At least one input series whose labels match no firing alert: the non-firing case.
+        quiet = [s for s, _ in a.case.series if not any(all(f'{k}="{v}"' in s for k, v in lab.items()) for lab in a.case.firing)]
+        assert quiet, f"{a.name} has no non-firing input series"
+
+
+def test_corrections_to_the_reference_sheet_are_in_the_rules():
+    by = {a.name: a for a in alerts.build()}
+    assert by["TrainingMFUDrop"].expr == "training_mfu offset 10m - training_mfu > 0.05"
+    assert by["GPUSMUnderutilized"].expr == "DCGM_FI_PROF_SM_ACTIVE < 0.5"
+    assert "stepwatch_gpu_clocks_event_active" in by["GPUThermalThrottle"].expr
+    assert "gpu_idle" not in by["GPUThermalThrottle"].expr
+    assert "vllm:kv_cache_usage_perc or vllm:gpu_cache_usage_perc" in by["VLLMKVCacheCascadeRisk"].expr
+    assert "or rate(vllm:time_per_output_token_seconds_bucket" in by["VLLMInterTokenLatencyHigh"].expr
+    assert by["TrainingStalled"].expr == "rate(training_steps_total[2m]) == 0"
+    assert not any("request_count_total" in a.expr for a in by.values())
+
+
+@pytest.mark.parametrize(
+    "name, reference_expr",
+    [
+        ("TrainingMFUDrop", "training_mfu - training_mfu offset 10m > 0.05"),  # fires on a rise
+        ("GPUSMUnderutilized", "DCGM_FI_PROF_SM_ACTIVE < 50"),  # percent against a 0-1 ratio
+        ("GPUThermalThrottle", 'max by (Hostname, gpu) (stepwatch_gpu_clocks_event_active) > 0'),  # counts "GPU idle"
+        ("VLLMKVCacheCascadeRisk", "vllm:kv_cache_usage_perc > 0.82"),  # no fallback to the old name
+    ],
+)
+def test_reference_sheet_versions_fail_the_shipped_tests(tmp_path, promtool, name, reference_expr):
+    al = [a for a in alerts.build() if a.name == name]
+    check, test = _write_and_test(tmp_path, promtool, al)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert test.returncode == 0, test.stdout + test.stderr  # ours passes...
+    bad = [dataclasses.replace(al[0], expr=reference_expr)]
+    check, test = _write_and_test(tmp_path, promtool, bad)
+    assert test.returncode != 0 and name in test.stdout + test.stderr  # ...the sheet's does not
+
+
+def test_dashboard_runs_exactly_the_proven_queries(tmp_path):
+    out = tmp_path / "dash.json"
+    assert main(["dashboard", "-o", str(out)]) == 0
+    d = json.loads(out.read_text())
+    exprs = dashboard.queries_in(d)
+    assert exprs == [q.expr for q in queries.ALL]
+    assert set(proofs.EXPECTED) == {q.key for q in queries.ALL}
+    titles = " ".join(p["title"] for p in d["panels"])
+    for word in ("P50", "P99", "MFU", "Gradient norm", "Data wait", "overlapped", "Exposed comm", "bus bandwidth",
+                 "Straggler", "SM active", "TTFT", "KV cache"):
+        assert word in titles, word
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_rules_cli_bad_input_names_the_argument(capsys):
+    assert main(["rules", "--tests", "t.yml"]) == 2
+    assert "--tests needs -o FILE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["rules", "--ttft-p99-slo", "-1"])
+    assert "--ttft-p99-slo" in capsys.readouterr().err
+
+
+def test_yaml_writer_quotes_promql_safely():
+    text = _yaml.dump({"a": [{"expr": 'x{a="b"} > 0 # not a comment', "n": 1.5, "e": []}], "b": {}})
+    assert '"x{a=\\"b\\"} > 0 # not a comment"' in text
+    assert "n: 1.5" in text and "e: []" in text and "b: {}" in text
+
+
+def test_docs_list_every_alert():
+    doc = open(os.path.join(ROOT, "docs", "metrics.md"), encoding="utf-8").read()
+    missing = [a.name for a in alerts.build() if f"`{a.name}`" not in doc]
+    assert not missing, f"docs/metrics.md does not list: {missing}"
