@@ -47,9 +47,14 @@ class StepRecord:
     allreduce_s: float | None = None
     # Which clock the phase times came from: "host" or "device".
     clock: str = "host"
+    # Checkpoint saves in this record's checkpoint_s: bytes written and GB/s (None when unknown).
+    checkpoint_bytes: int | None = None
+    checkpoint_gbps: float | None = None
+    # GPU health over the step (telemetry window summary), None without a GPU sample in the step.
+    gpu: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in STEP_FIELDS}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StepRecord":

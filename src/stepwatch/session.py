@@ -33,8 +33,10 @@ _MAX_HOLD_S = 30.0
 
 
 class _MemProbe:
-    """Peak memory of the step: the CUDA allocator's peak (reset each step, no sync) when CUDA is in
-    use, else the process's peak resident set (a high-water mark that never resets)."""
+    """Peak memory of the step on the training thread: the CUDA allocator's peak (read and reset
+    each step, no sync) when CUDA is in use. Without CUDA it returns None and the background
+    thread fills in the process's peak resident set, a high-water mark that never resets, so
+    reading it later costs the training thread nothing and loses nothing."""
 
     def __init__(self) -> None:
         self._cuda: Any = None
@@ -50,8 +52,12 @@ class _MemProbe:
             peak = self._cuda.max_memory_allocated()
             self._cuda.reset_peak_memory_stats()
             return int(peak)
-        # Linux reports ru_maxrss in KiB.
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return None
+
+
+def _peak_rss_bytes() -> int:
+    # Linux reports ru_maxrss in KiB.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _Pending:
@@ -86,13 +92,21 @@ class Session:
         self._closed = False
         self._ctx_refreshed = False
         self._opened = False
+        self._rss: int | None = None
         self._perf_ref = time.perf_counter_ns()
         self._wall_ref = time.time()
         self._start_wall = self._wall_ref
         self.pid = os.getpid()
         self.tracker: StepTracker | None = None
         self.instrumentation: Any = None
-        self.detectors = [DataLoadingDetector(config.window, config.data_wait_threshold_ms)]
+        self.detectors: list[Any] = [DataLoadingDetector(config.window, config.data_wait_threshold_ms)]
+        # Background-thread stages between building a record and the detectors:
+        # ``enrich(record, extras, *, force) -> bool`` fills fields from the step's extras and
+        # returns False while it still waits on the device (``force`` means: give up, use None).
+        self.enrichers: list[Any] = []
+        # Features that started with the session; each has ``stop()``, called at shutdown. A
+        # feature with ``collect(records) -> (samples, findings)`` is also called once per pass.
+        self.features_started: list[Any] = []
         if config.enabled:
             self._start()
 
@@ -118,10 +132,28 @@ class Session:
         except Exception as e:  # e.g. an unexpected torch version: go on without hooks
             self._internal_error("hooks.install", e)
             self.tracker.enabled = False
+        self._start_features()
         self._thread = threading.Thread(target=self._run, name="stepwatch-pipeline", daemon=True)
         self._thread.start()
         self._started = True
         atexit.register(self.shutdown)
+
+    def _start_features(self) -> None:
+        """Optional features, each guarded: one that fails to start is logged and left off."""
+        cfg = self.config
+        wanted = [("gpu_telemetry", cfg.gpu_telemetry, "stepwatch.telemetry.feature")]
+        import importlib
+
+        for name, on, module in wanted:
+            if not on:
+                continue
+            try:
+                feat = importlib.import_module(module).install(self)
+            except Exception as e:
+                self._internal_error(f"feature.{name}", e)
+                continue
+            if feat is not None:
+                self.features_started.append(feat)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Finish the last step, stop hooks and the pipeline, flush and close every exporter."""
@@ -148,6 +180,11 @@ class Session:
             self._thread.join(timeout_s)
         if self._thread is None or not self._thread.is_alive():
             self._pass(final=True)
+        for f in self.features_started:
+            try:
+                f.stop()
+            except Exception as exc:
+                self._internal_error(f"feature.{type(f).__name__}.stop", exc)
         for e in self.exporters:
             try:
                 e.force_flush(timeout_s)
@@ -253,6 +290,7 @@ class Session:
             q = self._queue
             while q:
                 raws.append(q.popleft())
+            self._rss = _peak_rss_bytes() if raws else None
             if not self._opened and (raws or final or self._held):
                 self._opened = True
                 self._open_exporters()
@@ -265,8 +303,20 @@ class Session:
                         findings.extend(d.observe(rec))
                     except Exception as e:
                         self._internal_error(f"detector.{type(d).__name__}", e)
+            samples: list[dict[str, Any]] = []
+            for f in self.features_started:
+                collect = getattr(f, "collect", None)
+                if collect is None:
+                    continue
+                try:
+                    got_samples, got_findings = collect(records)
+                except Exception as e:
+                    self._internal_error(f"feature.{type(f).__name__}", e)
+                    continue
+                samples.extend(got_samples)
+                findings.extend(got_findings)
             self.steps_seen += len(records)
-            batch = Batch(records=records, findings=findings)
+            batch = Batch(records=records, findings=findings, samples=samples)
             if not batch:
                 return
             for e in self.exporters:
@@ -280,16 +330,35 @@ class Session:
     def _resolve(self, raws: list[tuple], *, final: bool) -> list[StepRecord]:
         now = time.monotonic()
         for raw in raws:
-            self._held.append((now, self._build(raw)))
+            self._held.append([now, self._build(raw), raw[-1], 0])
         out: list[StepRecord] = []
         # Records leave in order: the first one still waiting on the device holds the rest.
         while self._held:
-            since, rec = self._held[0]
-            if not self._ready(rec, force=final or now - since > _MAX_HOLD_S):
+            entry = self._held[0]
+            since, rec, extras, _ = entry
+            force = final or now - since > _MAX_HOLD_S
+            if not self._ready(rec, force=force) or not self._enrich(entry, force=force):
                 break
             self._held.pop(0)
             out.append(rec)
         return out
+
+    def _enrich(self, entry: list, *, force: bool) -> bool:
+        """Run the enrichers in order; an enricher that waits on the device holds the record."""
+        _, rec, extras, i = entry
+        while i < len(self.enrichers):
+            e = self.enrichers[i]
+            try:
+                if not e.enrich(rec, extras, force=force):
+                    entry[3] = i
+                    return False
+            except Exception as exc:
+                self._internal_error(f"enricher.{type(e).__name__}", exc)
+                self.enrichers = [x for x in self.enrichers if x is not e]
+                continue
+            i += 1
+        entry[3] = i
+        return True
 
     def _ready(self, rec: StepRecord, *, force: bool) -> bool:
         pending = [k for k, v in rec.scalars.items() if isinstance(v, _Pending)]
@@ -304,9 +373,11 @@ class Session:
         return True
 
     def _build(self, raw: tuple) -> StepRecord:
-        (step, t_end, step_ns, data, fwd, bwd, opt, ev, ckpt, phases, scalars, skipped, mem) = raw
+        (step, t_end, step_ns, data, fwd, bwd, opt, ev, ckpt, phases, scalars, skipped, mem, extras) = raw
         s = 1e-9
         other = max(step_ns - data - fwd - bwd - opt, 0)
+        if mem is None:
+            mem = self._rss if self._rss is not None else _peak_rss_bytes()
         return StepRecord(
             step=step,
             rank=self.ctx.rank,
@@ -323,6 +394,7 @@ class Session:
             scalars={k: (v if isinstance(v, _Pending) else _to_float(v)) for k, v in scalars.items()},
             skipped=skipped,
             mem_peak_bytes=mem,
+            **_checkpoint_fields(extras.get("checkpoint_bytes"), ckpt * s),
         )
 
     # -- manifest -------------------------------------------------------------------------------
@@ -379,7 +451,18 @@ class Session:
             "timing_clock": "host",
             "root_modules": list(inst.roots) if inst is not None else [],
             "module_scan_s": inst.scan_s if inst is not None else 0.0,
+            **{
+                getattr(f, "name", type(f).__name__): f.status() if hasattr(f, "status") else True
+                for f in self.features_started
+            },
         }
+
+
+def _checkpoint_fields(nbytes: int | None, seconds: float) -> dict[str, Any]:
+    if not seconds:
+        return {}
+    gbps = nbytes / seconds / 1e9 if nbytes else None
+    return {"checkpoint_bytes": nbytes, "checkpoint_gbps": gbps}
 
 
 def _to_float(v: Any) -> float | None:

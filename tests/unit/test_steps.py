@@ -158,6 +158,8 @@ def test_eval_and_checkpoint_are_kept_out_of_step_time(sw):
     after = recs[3]  # the first step after epoch 0's eval and checkpoint
     assert after.eval_s >= 5 * 0.02 * 0.9
     assert after.checkpoint_s >= 0.03
+    assert after.checkpoint_bytes and after.checkpoint_bytes > 100
+    assert after.checkpoint_gbps == pytest.approx(after.checkpoint_bytes / after.checkpoint_s / 1e9)
     assert after.step_s < 0.03, "eval and checkpoint time must not count as step time"
     assert recs[1].eval_s == 0 and recs[1].checkpoint_s == 0
     # The eval DataLoader's waits are eval, not data wait.

@@ -68,7 +68,10 @@ def _clean(v: Any) -> Any:
 
 
 def dumps(d: dict[str, Any]) -> str:
-    return json.dumps(_clean(d), separators=(",", ":"), default=str)
+    try:  # the common case, all in C: no NaN or Infinity anywhere
+        return json.dumps(d, separators=(",", ":"), allow_nan=False, default=str)
+    except ValueError:
+        return json.dumps(_clean(d), separators=(",", ":"), default=str)
 
 
 class _RotatingFile:

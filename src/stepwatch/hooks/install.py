@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import sys
 import time
 import weakref
@@ -98,7 +99,7 @@ class Instrumentation:
         self._patch(scaler_cls, "step", scaler_step)
 
         orig_save = torch.serialization.save
-        wrapped_save = self._checkpoint_wrapper(orig_save)
+        wrapped_save = self._checkpoint_wrapper(orig_save, file_arg=1)
         self._patch(torch.serialization, "save", wrapped_save)
         self._patch(torch, "save", wrapped_save)
         self._patch_dcp()
@@ -125,16 +126,22 @@ class Instrumentation:
         self._patches.append((obj, name, orig))
         setattr(obj, name, new)
 
-    def _checkpoint_wrapper(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _checkpoint_wrapper(self, orig: Callable[..., Any], *, file_arg: int | None = None) -> Callable[..., Any]:
+        """Time a save; for ``torch.save`` also measure its bytes (file size, or the file object's
+        position). ``torch.distributed.checkpoint`` saves report no bytes (unknown)."""
         tr = self.tracker
 
         @functools.wraps(orig)
         def save(*args: Any, **kwargs: Any) -> Any:
             t0 = tr.checkpoint_begin()
+            f = None
+            if file_arg is not None and t0:
+                f = args[file_arg] if len(args) > file_arg else kwargs.get("f")
+            start = _position(f)
             try:
                 return orig(*args, **kwargs)
             finally:
-                tr.checkpoint_end(t0)
+                tr.checkpoint_end(t0, _written(f, start))
 
         return save
 
@@ -235,6 +242,28 @@ class Instrumentation:
         self._handles.append(m.register_forward_pre_hook(pre))
         self._handles.append(m.register_forward_hook(post, always_call=True))
 
+
+
+def _position(f: Any) -> int | None:
+    if f is None or isinstance(f, (str, bytes)) or hasattr(f, "__fspath__"):
+        return None
+    try:
+        return f.tell()
+    except Exception:  # not seekable: bytes unknown
+        return None
+
+
+def _written(f: Any, start: int | None) -> int | None:
+    if f is None:
+        return None
+    try:
+        if isinstance(f, (str, bytes)) or hasattr(f, "__fspath__"):
+            return os.stat(f).st_size
+        if start is not None:
+            return f.tell() - start
+    except Exception:  # a file that vanished or cannot tell: bytes unknown
+        return None
+    return None
 
 
 class _Missing:

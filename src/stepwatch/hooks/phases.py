@@ -40,7 +40,23 @@ RAW_FIELDS = (
     "scalars",
     "skipped",
     "mem_peak_bytes",
+    "extras",
 )
+
+# Phase codes published to a progress board (the hang watchdog reads them from another process).
+PHASE_OTHER, PHASE_DATA, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_EVAL, PHASE_CHECKPOINT = range(7)
+PHASE_NAMES = ("other", "data", "forward", "backward", "optimizer", "eval", "checkpoint")
+
+
+class Collector:
+    """Something measured on the training thread during a step (comm spans, FLOPs, grad-norm
+    tensors). ``take()`` runs at the end of each step, on the training thread: swap a buffer and
+    return it, nothing more. The value lands in the raw record's ``extras[name]``."""
+
+    name = "collector"
+
+    def take(self) -> Any:  # pragma: no cover - interface
+        return None
 
 
 class StepTracker:
@@ -54,12 +70,19 @@ class StepTracker:
         nvtx: Nvtx | None = None,
         mem_probe: Callable[[], int | None] | None = None,
         on_error: Callable[[str, BaseException], None] | None = None,
+        progress: Any = None,
     ) -> None:
         self.enabled = True
         self._emit = emit
         self._nvtx = nvtx or Nvtx(False)
         self._mem_probe = mem_probe
         self._on_error = on_error
+        # Extension points (training thread, cheap): collectors feed ``extras``; listeners run at
+        # every step end with the number of the step that ended (captures start/stop there).
+        self.collectors: list[Collector] = []
+        self.listeners: list[Callable[[int], None]] = []
+        # A progress board (``set_phase(code)``, ``set_step(n)``) read by the hang watchdog.
+        self.progress = progress
         self.step = step_offset
         self._t_start = _now()
         self._reset_step()
@@ -92,6 +115,8 @@ class StepTracker:
     def _reset_step(self) -> None:
         self._data = self._fwd = self._bwd = self._opt = self._eval = self._ckpt = 0
         self._own = 0  # stepwatch's own one-off work inside the step (module discovery)
+        self._ckpt_bytes: int | None = None
+        self._bwd_spans: list[tuple[int, int]] = []  # outermost backward intervals (ns)
         self._phases: dict[str, int] = {}
         self._scalars: dict[str, Any] = {}
 
@@ -128,6 +153,11 @@ class StepTracker:
         if self._step_open:
             self._nvtx.pop()
             self._step_open = False
+        extras: dict[str, Any] = {"backward_spans": self._bwd_spans}
+        if self._ckpt:
+            extras["checkpoint_bytes"] = self._ckpt_bytes
+        for c in self.collectors:
+            extras[c.name] = c.take()
         self._emit(
             (
                 self.step,
@@ -143,11 +173,17 @@ class StepTracker:
                 self._scalars,
                 skipped,
                 mem,
+                extras,
             )
         )
+        ended = self.step
         self.step += 1
         self._prev_end = t_end
         self._reset_step()
+        if self.progress is not None:
+            self.progress.set_step(self.step)
+        for fn in self.listeners:
+            fn(ended)
 
     # -- data loading -------------------------------------------------------------------------
 
@@ -158,6 +194,8 @@ class StepTracker:
             t = _now()
             if self._pending_end is not None or self._prev_end is None:
                 self._start_work(t)
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_DATA)
             return t
         except Exception as e:  # never raise into the training loop
             self._fail("data_begin", e)
@@ -169,6 +207,8 @@ class StepTracker:
         try:
             d = _now() - t0
             self._data += d
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_OTHER)
             self._last_fetch_t0 = t0
             self._last_fetch_ns = d
         except Exception as e:
@@ -189,6 +229,8 @@ class StepTracker:
             if self._pending_end is not None or self._prev_end is None:
                 self._start_work(t)
             self._nvtx.push("forward" if grad_enabled else "eval")
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_FORWARD if grad_enabled else PHASE_EVAL)
             if grad_enabled:
                 self._close_eval()
                 self._last_fetch_t0 = None
@@ -214,6 +256,8 @@ class StepTracker:
                 return
             t = _now()
             self._nvtx.pop()
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_OTHER)
             if self._fwd_grad:
                 self._fwd += t - self._fwd_t0
             else:
@@ -237,6 +281,8 @@ class StepTracker:
             self._last_fetch_t0 = None
             self._bwd_t0 = t
             self._nvtx.push("backward")
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_BACKWARD)
         except Exception as e:
             self._fail("backward_begin", e)
 
@@ -247,8 +293,12 @@ class StepTracker:
             self._bwd_depth -= 1
             if self._bwd_depth:
                 return
-            self._bwd += _now() - self._bwd_t0
+            t = _now()
+            self._bwd += t - self._bwd_t0
+            self._bwd_spans.append((self._bwd_t0, t))
             self._nvtx.pop()
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_OTHER)
         except Exception as e:
             self._fail("backward_end", e)
 
@@ -273,6 +323,8 @@ class StepTracker:
             self._last_fetch_t0 = None
             self._opt_t0 = t
             self._nvtx.push("optimizer")
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_OPTIMIZER)
         except Exception as e:
             self._fail("optimizer_begin", e)
 
@@ -286,6 +338,8 @@ class StepTracker:
             t = _now()
             self._opt += t - self._opt_t0
             self._nvtx.pop()
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_OTHER)
             self._pending_end = t
             self._pending_skipped = False
             if self._in_scaler:
@@ -331,18 +385,28 @@ class StepTracker:
                 self._finalize(self._pending_end, self._pending_skipped)
             self._close_eval()
             self._ckpt_t0 = t
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_CHECKPOINT)
             return t
         except Exception as e:
             self._fail("checkpoint_begin", e)
             return 0
 
-    def checkpoint_end(self, t0: int) -> None:
+    def checkpoint_end(self, t0: int, nbytes: int | None = None) -> None:
+        """``nbytes``: what the save wrote, when known; one unknown save makes the step's total unknown."""
         if not self.enabled:
             return
         try:
             self._ckpt_depth = max(self._ckpt_depth - 1, 0)
             if t0:
+                first = self._ckpt == 0
                 self._ckpt += _now() - t0
+                if first:
+                    self._ckpt_bytes = nbytes
+                elif self._ckpt_bytes is not None:
+                    self._ckpt_bytes = None if nbytes is None else self._ckpt_bytes + nbytes
+                if self.progress is not None:
+                    self.progress.set_phase(PHASE_OTHER)
         except Exception as e:
             self._fail("checkpoint_end", e)
 

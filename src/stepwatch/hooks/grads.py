@@ -1,0 +1,627 @@
+"""Grad-norm probe: the global L2 norm of the unscaled, pre-clipping gradients, read off-thread.
+
+Training thread (optimizer step pre-hook): ``GradNormProbe.on_optimizer_step(optimizer)`` queues
+a few foreach kernels (``torch._foreach_norm``) on the device and an async device->host copy;
+no ``.item()``, no synchronize. If the user called ``clip_grad_norm_`` since the last step for the
+same parameters, its returned (pre-clip) norm tensor is reused instead: no extra kernel at all.
+Background thread: ``GradNormProbe.resolve(pending)`` polls a device event and reads the value.
+
+What the pre-hook sees, and how the value is made the unscaled norm:
+- plain / DDP: ``p.grad`` (DDP has already averaged it: the local norm is the global norm);
+- GradScaler, non-fused optimizer: ``scaler.step`` unscales in place before calling
+  ``optimizer.step`` (or the user's ``scaler.unscale_`` did): grads are unscaled;
+- GradScaler, fused optimizer (``_step_supports_amp_scaling``): ``scaler.step`` passes the scale
+  as ``optimizer.grad_scale`` and the grads are still SCALED: we divide by it (None after an
+  explicit ``unscale_``);
+- GradScaler skipping a step (inf/NaN, non-fused): ``optimizer.step`` is never called, so the
+  patched ``GradScaler.step`` probes the (non-finite) grads itself and reports the step skipped;
+- sharded grads (FSDP2 ``fully_shard``: DTensor ``Shard``): the local shard's sum of squares;
+  the global norm needs the sum over ranks, done on the background thread through the c10d store
+  (``StoreNormExchange``), never a collective on the training stream. Replicated mesh dims
+  (HSDP) are divided out so each element counts once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .phases import Collector
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PendingGradNorm:
+    """A norm queued on the device, not yet read. ``values`` = [sharded sum of squares,
+    norm of the non-sharded grads], both unscaled."""
+
+    values: Any
+    host: Any = None
+    event: Any = None
+    sharded: bool = False
+    from_clip: bool = False
+    skipped: bool = False
+    optimizer_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GradNormResult:
+    """``norm`` is the global L2 norm, or None while a sharded norm awaits the other ranks
+    (``local`` is then what to publish through ``StoreNormExchange``)."""
+
+    norm: float | None
+    local: tuple[float, float]
+    sharded: bool
+    nonfinite: bool
+    skipped: bool
+    from_clip: bool
+
+
+# ----------------------------------------------------------------------------- patches
+
+
+class _Tap:
+    """Wraps ``clip_grad_norm_`` and ``GradScaler.step`` once per process (they are process-global
+    functions); probes subscribe. The wrappers never change what the user's call does or returns."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.refs = 0
+        self.originals: list[tuple[Any, str, Any, Any]] = []
+        self.probes: "weakref.WeakSet[GradNormProbe]" = weakref.WeakSet()
+        self.local = threading.local()
+        self.errors = 0
+
+    def install(self, probe: "GradNormProbe") -> None:
+        with self.lock:
+            self.probes.add(probe)
+            self.refs += 1
+            if self.refs > 1:
+                return
+            import torch
+            import torch.nn.utils
+            import torch.nn.utils.clip_grad as clip_mod
+
+            orig_clip = clip_mod.clip_grad_norm_
+            wrapped_clip = self._wrap_clip(orig_clip)
+            for owner in (torch.nn.utils, clip_mod):
+                if getattr(owner, "clip_grad_norm_", None) is orig_clip:
+                    self._patch(owner, "clip_grad_norm_", wrapped_clip)
+            scaler_cls = torch.amp.GradScaler
+            self._patch(scaler_cls, "step", self._wrap_scaler_step(scaler_cls.__dict__["step"]))
+            if torch.distributed.is_available():
+                # FSDP1's own clip (a method) returns the global norm; its sharded flat grads
+                # cannot be told apart from replicated ones otherwise.
+                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+                self._patch(FSDP1, "clip_grad_norm_", self._wrap_fsdp1_clip(FSDP1.__dict__["clip_grad_norm_"]))
+
+    def _patch(self, owner: Any, name: str, wrapper: Any) -> None:
+        orig = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        self.originals.append((owner, name, orig, wrapper))
+        setattr(owner, name, wrapper)
+
+    def uninstall(self, probe: "GradNormProbe") -> None:
+        with self.lock:
+            self.probes.discard(probe)
+            self.refs = max(0, self.refs - 1)
+            if self.refs:
+                return
+            for owner, name, orig, wrapper in reversed(self.originals):
+                now = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+                # Someone wrapped over us (stepwatch's own GradScaler timer, another tool):
+                # leave their wrapper in place; ours is a pass-through while nothing is installed.
+                if now is wrapper:
+                    setattr(owner, name, orig)
+            self.originals.clear()
+
+    def _fail(self, where: str) -> None:
+        self.errors += 1
+        if self.errors == 1:
+            log.exception("stepwatch: grad-norm tap failed in %s; training is unaffected", where)
+
+    def _wrap_clip(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        tap = self
+
+        def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, *args: Any, **kwargs: Any) -> Any:
+            import torch
+
+            if isinstance(parameters, torch.Tensor):
+                parameters = [parameters]
+            else:
+                parameters = list(parameters)
+            total = orig(parameters, max_norm, norm_type, *args, **kwargs)
+            try:
+                if parameters and tap.refs:
+                    tap.local.clip = (total, float(norm_type), len(parameters), id(parameters[0]), id(parameters[-1]))
+            except Exception:
+                tap._fail("clip_grad_norm_")
+            return total
+
+        clip_grad_norm_.__wrapped__ = orig  # type: ignore[attr-defined]
+        clip_grad_norm_.__doc__ = orig.__doc__
+        return clip_grad_norm_
+
+    def _wrap_fsdp1_clip(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        tap = self
+
+        def clip_grad_norm_(module: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+            total = orig(module, max_norm, norm_type)
+            try:
+                # -1: the module's parameters, whatever the optimizer's list looks like.
+                if tap.refs:
+                    tap.local.clip = (total, float(norm_type), -1, 0, 0)
+            except Exception:
+                tap._fail("FullyShardedDataParallel.clip_grad_norm_")
+            return total
+
+        clip_grad_norm_.__wrapped__ = orig  # type: ignore[attr-defined]
+        clip_grad_norm_.__doc__ = orig.__doc__
+        return clip_grad_norm_
+
+    def _wrap_scaler_step(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        tap = self
+
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if not tap.refs:
+                return orig(scaler, optimizer, *args, **kwargs)
+            prev = getattr(tap.local, "scaler_opt", None)
+            tap.local.scaler_opt = id(optimizer)
+            tap.local.fired = False
+            try:
+                ret = orig(scaler, optimizer, *args, **kwargs)
+            finally:
+                fired = getattr(tap.local, "fired", True)
+                tap.local.scaler_opt = prev
+            if not fired:
+                try:
+                    if scaler.is_enabled():
+                        for probe in list(tap.probes):
+                            probe._skipped_step(optimizer)
+                except Exception:
+                    tap._fail("GradScaler.step")
+            return ret
+
+        step.__wrapped__ = orig  # type: ignore[attr-defined]
+        step.__doc__ = orig.__doc__
+        return step
+
+    def take_clip(self) -> Any:
+        c = getattr(self.local, "clip", None)
+        self.local.clip = None
+        return c
+
+    def mark_fired(self, optimizer: Any) -> None:
+        if getattr(self.local, "scaler_opt", None) == id(optimizer):
+            self.local.fired = True
+
+
+_TAP = _Tap()
+
+
+# ----------------------------------------------------------------------------- math
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _replica_factor(dt: Any) -> int:
+    """How many ranks hold each element of this DTensor's local shard (Replicate mesh dims)."""
+    f = 1
+    mesh = dt.device_mesh
+    for dim, pl in enumerate(dt.placements):
+        if pl.is_replicate():
+            f *= mesh.size(dim)
+    return f
+
+
+def _local_norm(tensors: list[Any]) -> Any:
+    """L2 norm of a list of tensors as one vector, with foreach kernels, as a 0-dim fp32 tensor
+    on the first tensor's device; the same arithmetic as ``torch.nn.utils.get_total_norm``."""
+    import torch
+
+    groups: dict[tuple[Any, Any], list[Any]] = {}
+    for t in tensors:
+        if t.is_sparse:
+            t = t.coalesce()._values()
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    first = tensors[0].device
+    norms = []
+    for (_dev, dtype), ts in groups.items():
+        if dtype == torch.float32:
+            norms.extend(torch._foreach_norm(ts, 2.0))
+        else:
+            norms.extend(torch._foreach_norm(ts, 2.0, dtype=torch.float32))
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+
+
+def combine_sharded(local_by_rank: Sequence[Any]) -> float:
+    """The global norm from every rank's local value.
+
+    Each item is ``(sharded_sum_of_squares, replicated_norm)`` as ``GradNormResult.local`` gives
+    it (a bare float is a sharded sum of squares). Sharded parts add up over ranks; the
+    non-sharded part is the same on every rank and counts once (rank 0's).
+    """
+    if not local_by_rank:
+        raise ValueError("local_by_rank must hold one value per rank, got none")
+    total = 0.0
+    rep = 0.0
+    for i, item in enumerate(local_by_rank):
+        if isinstance(item, (int, float)):
+            sq, r = float(item), 0.0
+        else:
+            sq, r = float(item[0]), float(item[1])
+        total += sq
+        if i == 0:
+            rep = r
+    return math.sqrt(total + rep * rep)
+
+
+# ----------------------------------------------------------------------------- probe
+
+
+class GradNormProbe:
+    """Queue the grad-norm in the optimizer step pre-hook; resolve it on the background thread.
+
+    ``every``: probe one optimizer step in N (``STEPWATCH_GRAD_NORM_EVERY``); skipped GradScaler
+    steps are always probed. ``on_skipped(pending)`` receives the probe of a step that
+    ``GradScaler`` skipped (its ``optimizer.step`` never ran, so the pre-hook never fired).
+    """
+
+    def __init__(
+        self,
+        every: int = 1,
+        *,
+        reuse_clip: bool = True,
+        on_skipped: Callable[[PendingGradNorm], None] | None = None,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        self.every = every
+        self.reuse_clip = reuse_clip
+        self.on_skipped = on_skipped
+        # Keyed weakly by optimizer: a discarded optimizer (and its parameters) is not kept alive.
+        self._calls: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        self._params: "weakref.WeakKeyDictionary[Any, tuple[int, list[Any]]]" = weakref.WeakKeyDictionary()
+        self._installed = False
+        self._warned_fsdp1 = False
+
+    # -- lifecycle
+
+    def install(self) -> "GradNormProbe":
+        """Wrap ``clip_grad_norm_`` (to reuse its norm) and ``GradScaler.step`` (to see skipped
+        steps). Code that did ``from torch.nn.utils import clip_grad_norm_`` before this keeps the
+        unwrapped function: the probe then computes the norm itself (same value, a few kernels)."""
+        if not self._installed:
+            _TAP.install(self)
+            self._installed = True
+        return self
+
+    def uninstall(self) -> None:
+        if self._installed:
+            _TAP.uninstall(self)
+            self._installed = False
+
+    # -- training thread
+
+    def _optimizer_params(self, optimizer: Any) -> list[Any]:
+        n = sum(len(g["params"]) for g in optimizer.param_groups)
+        cached = self._params.get(optimizer)
+        if cached is None or cached[0] != n:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            cached = (n, params)
+            self._params[optimizer] = cached
+        return cached[1]
+
+    def on_optimizer_step(self, optimizer: Any) -> PendingGradNorm | None:
+        """Call from the optimizer step pre-hook. Returns None on steps not probed (``every``) or
+        when no parameter has a grad. Never reads a device value."""
+        _TAP.mark_fired(optimizer)
+        clip = _TAP.take_clip()
+        n = self._calls.get(optimizer, 0)
+        self._calls[optimizer] = n + 1
+        if n % self.every:
+            return None
+        return self._probe(optimizer, clip)
+
+    def _skipped_step(self, optimizer: Any) -> None:
+        pending = self._probe(optimizer, _TAP.take_clip())
+        if pending is None:
+            return
+        pending.skipped = True
+        if self.on_skipped is not None:
+            self.on_skipped(pending)
+
+    def _probe(self, optimizer: Any, clip: Any) -> PendingGradNorm | None:
+        import torch
+
+        params = self._optimizer_params(optimizer)
+        if not params:
+            return None
+        scale = getattr(optimizer, "grad_scale", None)  # set by GradScaler.step for fused optimizers
+        values = None
+        sharded = False
+        from_clip = False
+        fsdp1 = getattr(params[0], "_fsdp_flattened", False)
+        if (
+            self.reuse_clip
+            and clip is not None
+            and clip[1] == 2.0
+            and (
+                (clip[2] == len(params) and clip[3] == id(params[0]) and clip[4] == id(params[-1]))
+                or (clip[2] == -1 and fsdp1)
+            )
+        ):
+            values, sharded = self._from_clip(clip[0])
+            from_clip = values is not None
+        if values is None:
+            if fsdp1:
+                # FSDP1 flat grads: sharded or not depends on the sharding strategy, which the
+                # grads do not show. Unknown beats a plausible wrong number.
+                if not self._warned_fsdp1:
+                    self._warned_fsdp1 = True
+                    log.warning(
+                        "stepwatch: grad_norm is null under FSDP1 (FullyShardedDataParallel) unless "
+                        "you call model.clip_grad_norm_() each step (its norm is reused); FSDP2 "
+                        "fully_shard is supported without it."
+                    )
+                return None
+            values, sharded = self._compute(params)
+            if values is None:
+                return None
+        if isinstance(scale, torch.Tensor):
+            s = scale.to(device=values.device, dtype=torch.float32)
+            values = values / torch.stack([s * s, s])
+        host = event = None
+        if values.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer))
+
+    @staticmethod
+    def _from_clip(total: Any) -> tuple[Any, bool]:
+        import torch
+
+        if not isinstance(total, torch.Tensor):
+            return None, False
+        zero = torch.zeros((), dtype=torch.float32, device=total.device)
+        if _is_dtensor(total):
+            local = total.to_local().float()
+            if any(pl.is_partial() for pl in total.placements):
+                sq = local * local / _replica_factor(total)
+                return torch.stack([sq, zero]), True
+            return torch.stack([zero, local]), False
+        return torch.stack([zero, total.detach().float()]), False
+
+    @staticmethod
+    def _compute(params: list[Any]) -> tuple[Any, bool]:
+        import torch
+
+        plain: list[Any] = []
+        sharded: dict[int, list[Any]] = {}
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            if _is_dtensor(g):
+                if any(pl.is_shard() or pl.is_partial() for pl in g.placements):
+                    sharded.setdefault(_replica_factor(g), []).append(g.to_local())
+                else:
+                    plain.append(g.to_local())
+            else:
+                plain.append(g)
+        if not plain and not sharded:
+            return None, False
+        dev = (plain[0] if plain else next(iter(sharded.values()))[0]).device
+        rep = _local_norm(plain) if plain else torch.zeros((), dtype=torch.float32, device=dev)
+        if sharded:
+            parts = []
+            for factor, ts in sharded.items():
+                nrm = _local_norm(ts).to(dev)
+                parts.append(nrm * nrm / factor)
+            sq = torch.stack(parts).sum()
+        else:
+            sq = torch.zeros((), dtype=torch.float32, device=dev)
+        return torch.stack([sq, rep.to(dev)]), bool(sharded)
+
+    # -- background thread
+
+    @staticmethod
+    def resolve(pending: PendingGradNorm) -> GradNormResult | None:
+        """The value, or None if the device has not produced it yet (poll again later)."""
+        if pending.event is not None:
+            if not pending.event.query():
+                return None
+            sq, rep = pending.host.tolist()
+        else:
+            sq, rep = pending.values.detach().to("cpu").tolist()
+        nonfinite = not (math.isfinite(sq) and math.isfinite(rep))
+        norm = None if pending.sharded else rep
+        return GradNormResult(norm, (sq, rep), pending.sharded, nonfinite, pending.skipped, pending.from_clip)
+
+
+def merge_results(results: Sequence[GradNormResult]) -> GradNormResult:
+    """One step's norm from several optimizers' (disjoint parameters): root of the sum of squares."""
+    if not results:
+        raise ValueError("results must hold at least one GradNormResult")
+    if len(results) == 1:
+        return results[0]
+    sq = sum(r.local[0] for r in results)
+    rep = math.sqrt(sum(r.local[1] ** 2 for r in results))
+    sharded = any(r.sharded for r in results)
+    norm = None if sharded else rep
+    return GradNormResult(
+        norm,
+        (sq, rep),
+        sharded,
+        any(r.nonfinite for r in results),
+        any(r.skipped for r in results),
+        all(r.from_clip for r in results),
+    )
+
+
+class GradNormCollector(Collector):
+    """The step tracker's collector for grad norms (``extras["grad_norm"]``).
+
+    Training thread: ``on_optimizer_step(optimizer)`` from the optimizer step pre-hook; the
+    probes of GradScaler-skipped steps arrive by themselves. ``take()`` at step end hands over the
+    step's pending probes (a list, or None). Background thread: ``resolve_step(pendings)``.
+    """
+
+    name = "grad_norm"
+
+    def __init__(self, every: int = 1) -> None:
+        self._buf: list[PendingGradNorm] = []
+        self.probe = GradNormProbe(every, on_skipped=self._add)
+
+    def install(self) -> "GradNormCollector":
+        self.probe.install()
+        return self
+
+    def uninstall(self) -> None:
+        self.probe.uninstall()
+
+    def _add(self, pending: PendingGradNorm) -> None:
+        self._buf.append(pending)
+
+    def on_optimizer_step(self, optimizer: Any) -> None:
+        p = self.probe.on_optimizer_step(optimizer)
+        if p is not None:
+            self._buf.append(p)
+
+    def take(self) -> list[PendingGradNorm] | None:
+        if not self._buf:
+            return None
+        buf, self._buf = self._buf, []
+        return buf
+
+    @staticmethod
+    def resolve_step(pendings: Sequence[PendingGradNorm] | None) -> GradNormResult | None | bool:
+        """The step's merged result; ``False`` while a value is still on its way from the device
+        (poll again); None when the step had no probe."""
+        if not pendings:
+            return None
+        results = []
+        for p in pendings:
+            r = GradNormProbe.resolve(p)
+            if r is None:
+                return False
+            results.append(r)
+        return merge_results(results)
+
+
+# ----------------------------------------------------------------------------- cross-rank
+
+
+class StoreNormExchange:
+    """Cross-rank sum of sharded sums of squares through the c10d store (background thread).
+
+    Each rank ``publish``es its local value under a step slot; rank 0 ``poll``s until all are in,
+    combines them and publishes the global norm; every other rank ``poll``s for that. ``poll``
+    never blocks (``store.check``), so a slow or dead rank only delays the number. Keys are
+    reused every ``slots`` steps, so the store holds at most ``slots * (world_size + 1)`` keys.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, *, prefix: str = "stepwatch/gradnorm", slots: int = 64) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size) and world_size >= 1, got rank={rank}, world_size={world_size}")
+        if slots < 2:
+            raise ValueError(f"slots must be >= 2, got {slots}")
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.prefix, self.slots = prefix, slots
+
+    def _key(self, step: int, who: str) -> str:
+        return f"{self.prefix}/{step % self.slots}/{who}"
+
+    def publish(self, step: int, local: tuple[float, float]) -> None:
+        self.store.set(self._key(step, str(self.rank)), f"{step} {float(local[0])!r} {float(local[1])!r}")
+
+    def poll(self, step: int) -> float | None:
+        """The global norm of ``step`` once available, else None."""
+        if self.rank == 0:
+            keys = [self._key(step, str(r)) for r in range(self.world_size)]
+            if not self.store.check(keys):
+                return None
+            vals = []
+            for raw in self.store.multi_get(keys):
+                s, sq, rep = raw.decode().split()
+                if int(s) != step:
+                    return None  # an older step's value still in this slot
+                vals.append((float(sq), float(rep)))
+            norm = combine_sharded(vals)
+            self.store.set(self._key(step, "global"), f"{step} {norm!r}")
+            return norm
+        key = self._key(step, "global")
+        if not self.store.check([key]):
+            return None
+        s, norm = self.store.get(key).decode().split()
+        return float(norm) if int(s) == step else None
+
+
+# ----------------------------------------------------------------------------- findings
+
+
+class GradNormSpikeDetector:
+    """Turns resolved grad norms into findings (background thread).
+
+    ``nonfinite_grads`` for every non-finite norm (skipped steps included); ``grad_norm_spike``
+    when the norm exceeds ``abs_threshold`` (reference B.7: 10) or ``factor`` x the rolling
+    median of the last ``window`` finite norms (after ``min(window, 10)`` of them), once per
+    episode: re-armed when the norm is back under both thresholds.
+    """
+
+    def __init__(self, abs_threshold: float = 10.0, factor: float = 5.0, window: int = 100) -> None:
+        if not abs_threshold > 0 or not factor > 1 or window < 2:
+            raise ValueError(
+                "abs_threshold must be > 0, factor > 1 and window >= 2; got "
+                f"abs_threshold={abs_threshold!r}, factor={factor!r}, window={window!r}"
+            )
+        from collections import deque
+
+        self.abs_threshold, self.factor, self.window = abs_threshold, factor, window
+        self._recent: deque[float] = deque(maxlen=window)
+        self._in_spike = False
+
+    def observe(self, step: int | None, result: GradNormResult, *, rank: int = 0) -> Any:
+        """Returns a ``Finding`` or None. ``result.norm`` must be the global norm (combined)."""
+        from ..analysis.kinds import make_finding
+
+        norm = result.norm
+        if result.nonfinite or (norm is not None and not math.isfinite(norm)):
+            return make_finding(
+                "nonfinite_grads",
+                rank=rank,
+                step=step,
+                summary=f"non-finite gradients (grad norm {norm}){'; GradScaler skipped the step' if result.skipped else ''}",
+                data={"grad_norm": None if norm is None else str(norm), "skipped": result.skipped},
+            )
+        if norm is None:
+            return None
+        import statistics
+
+        median = statistics.median(self._recent) if len(self._recent) >= min(self.window, 10) else None
+        self._recent.append(norm)
+        over_abs = norm > self.abs_threshold
+        over_rel = median is not None and median > 0 and norm > self.factor * median
+        if not (over_abs or over_rel):
+            self._in_spike = False
+            return None
+        if self._in_spike:
+            return None
+        self._in_spike = True
+        why = f"above {self.abs_threshold:g}" if over_abs else f"{norm / median:.1f}x the rolling median {median:.3g}"
+        return make_finding(
+            "grad_norm_spike",
+            rank=rank,
+            step=step,
+            summary=f"grad norm {norm:.3g} ({why})",
+            data={"grad_norm": norm, "median": median, "abs_threshold": self.abs_threshold, "factor": self.factor},
+        )

@@ -1,0 +1,229 @@
+"""Tokens and samples of a micro-batch, inferred from what the model is called with.
+
+Rules (docs/mfu.md repeats them for users), applied to the outermost module's call
+``model(*args, **kwargs)``:
+
+1. ``input_ids`` among the keyword arguments, or a mapping (dict, HF ``BatchEncoding``) as the first
+   positional argument holding ``input_ids``: samples = ``input_ids.shape[0]``; tokens = the number
+   of ones in ``attention_mask`` when the mapping has one (padding excluded), else
+   ``input_ids.numel()`` (or the count of ids != ``pad_token_id`` when one is given).
+2. Otherwise the first positional argument (or first element of a tuple/list passed first):
+   an integer tensor of 2 dims ``[batch, seq]`` is token ids: tokens = numel (minus
+   ``pad_token_id`` entries if given), samples = dim 0. Any other tensor (images, features):
+   samples = dim 0, tokens unknown.
+3. Anything else: both unknown (None). Never a guess from an unrelated shape.
+
+Counting non-padding tokens needs a reduction over the mask; on a GPU it is queued on the device
+with an async copy (like the grad norm) and read by ``resolve`` on the background thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .phases import Collector
+
+
+@dataclass(slots=True)
+class BatchCounts:
+    """``tokens`` is an int, or a pending device value (``_pending``) until ``resolve``."""
+
+    samples: int | None
+    tokens: int | None
+    _pending: Any = None
+    _host: Any = None
+    _event: Any = None
+
+    def resolve(self) -> "BatchCounts | None":
+        """Background thread: fill ``tokens`` from the device; None if not ready yet."""
+        if self._pending is None:
+            return self
+        if self._event is not None:
+            if not self._event.query():
+                return None
+            value = int(self._host.item())
+        else:
+            value = int(self._pending.to("cpu").item())
+        return BatchCounts(self.samples, value)
+
+    def __add__(self, other: "BatchCounts") -> "BatchCounts":
+        """Micro-batches of one step add up (both must be resolved); unknown stays unknown."""
+        if not isinstance(other, BatchCounts):
+            return NotImplemented
+        if self._pending is not None or other._pending is not None:
+            raise ValueError("resolve() both BatchCounts before adding them")
+        s = None if self.samples is None or other.samples is None else self.samples + other.samples
+        t = None if self.tokens is None or other.tokens is None else self.tokens + other.tokens
+        return BatchCounts(s, t)
+
+
+def _count_nonzero(mask: Any) -> BatchCounts:
+    import torch
+
+    n = (mask != 0).sum()
+    if n.device.type == "cuda":
+        host = torch.empty((), dtype=n.dtype, pin_memory=True)
+        host.copy_(n, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return BatchCounts(None, None, n, host, event)
+    return BatchCounts(None, None, n)
+
+
+def _from_ids(ids: Any, mask: Any, pad_token_id: int | None) -> BatchCounts:
+    samples = int(ids.shape[0]) if ids.dim() >= 2 else None
+    if mask is not None and hasattr(mask, "shape") and tuple(mask.shape) == tuple(ids.shape):
+        c = _count_nonzero(mask)
+    elif pad_token_id is not None:
+        c = _count_nonzero(ids != pad_token_id)
+    else:
+        return BatchCounts(samples, int(ids.numel()))
+    c.samples = samples
+    return c
+
+
+def infer_batch_counts(
+    args: Any = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    pad_token_id: int | None = None,
+) -> BatchCounts:
+    """Samples and tokens of one call ``model(*args, **kwargs)`` (training thread, no sync)."""
+    import torch
+
+    if kwargs and isinstance(kwargs.get("input_ids"), torch.Tensor):
+        return _from_ids(kwargs["input_ids"], kwargs.get("attention_mask"), pad_token_id)
+    if not isinstance(args, (tuple, list)):
+        args = (args,)
+    first = args[0] if args else None
+    if isinstance(first, (tuple, list)) and first:
+        first = first[0]
+    if isinstance(first, Mapping):
+        ids = first.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            return _from_ids(ids, first.get("attention_mask"), pad_token_id)
+        first = next((v for v in first.values() if isinstance(v, torch.Tensor)), None)
+    if isinstance(first, torch.Tensor) and first.dim() >= 1:
+        samples = int(first.shape[0])
+        if first.dim() == 2 and not first.is_floating_point() and not first.is_complex() and first.dtype != torch.bool:
+            return _from_ids(first, None, pad_token_id)
+        return BatchCounts(samples, None)
+    return BatchCounts(None, None)
+
+
+# ----------------------------------------------------------------------------- step collector
+
+
+@dataclass(slots=True)
+class StepThroughput:
+    """What one step's forwards left for the background thread: FLOPs summed over the
+    micro-batches (None if any was unknown) and the micro-batches' token/sample counts."""
+
+    flops: Any  # FlopCount | None
+    counts: list[BatchCounts]
+    micro_batches: int
+
+    def resolve(self) -> "tuple[Any, int | None, int | None] | None":
+        """(FlopCount | None, tokens, samples), or None while a token count is on the device."""
+        total = BatchCounts(0, 0)
+        for c in self.counts:
+            r = c.resolve()
+            if r is None:
+                return None
+            total = total + r
+        if not self.counts:
+            return self.flops, None, None
+        return self.flops, total.tokens, total.samples
+
+
+class ThroughputCollector(Collector):
+    """FLOPs and tokens per micro-batch, summed per step (``extras["throughput"]``).
+
+    Training thread: ``on_forward(module, args, kwargs)`` from the forward pre-hook of each root
+    module (model, loss module...). FLOPs: the user's ``flops`` override (a number, or a callable
+    of the batch) or ``FlopCache`` (counted once per input signature). Tokens and samples come
+    from the first root that runs with grad enabled (the model, called before its loss module).
+    Eval forwards (grad disabled) and replays (``flops.is_counting()``) are ignored.
+    """
+
+    name = "throughput"
+
+    def __init__(
+        self,
+        *,
+        flops: Any = None,
+        cache: Any = None,
+        pad_token_id: int | None = None,
+        max_misses: int = 32,
+    ) -> None:
+        from ..analysis.flops import FlopCache
+
+        if flops is not None and not callable(flops):
+            if isinstance(flops, bool) or not isinstance(flops, (int, float)) or flops < 0:
+                raise ValueError(f"flops must be a number >= 0 or a callable(batch), got {flops!r}")
+        self.override = flops
+        self.cache = cache if cache is not None else FlopCache(max_misses=max_misses)
+        self.pad_token_id = pad_token_id
+        self._token_root: int | None = None
+        self._dtype_keys: dict[int, str] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._flops: Any = None
+        self._flops_known = True
+        self._counts: list[BatchCounts] = []
+        self._n = 0
+
+    def _dtype_key(self, module: Any) -> str:
+        import torch
+
+        from ..analysis.peaks import matmul_dtype_key
+
+        for dev in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(dev):
+                return matmul_dtype_key(None, torch.get_autocast_dtype(dev))
+        key = self._dtype_keys.get(id(module))
+        if key is None:
+            p = next(module.parameters(), None)
+            dtype = p.dtype if p is not None else torch.float32
+            cuda = p is not None and p.device.type == "cuda"
+            try:
+                key = matmul_dtype_key(dtype, None, cuda and torch.backends.cuda.matmul.allow_tf32)
+            except ValueError:
+                key = "fp32"
+            self._dtype_keys[id(module)] = key
+        return key
+
+    def on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        import torch
+
+        from ..analysis.flops import is_counting, resolve_override
+
+        if is_counting() or not torch.is_grad_enabled():
+            return
+        if self._token_root is None:
+            self._token_root = id(module)
+        is_model = id(module) == self._token_root
+        if self.override is not None:
+            if not is_model:
+                return  # the user's number is the whole micro-batch
+            batch = args[0] if len(args) == 1 and not kwargs else (kwargs or args)
+            fc = resolve_override(self.override, batch, self._dtype_key(module))
+        else:
+            fc = self.cache.get(module, args, kwargs)
+        if fc is None:
+            self._flops_known = False
+        elif self._flops_known:
+            self._flops = fc if self._flops is None else self._flops + fc
+        if is_model:
+            self._n += 1
+            self._counts.append(infer_batch_counts(args, kwargs, pad_token_id=self.pad_token_id))
+
+    def take(self) -> StepThroughput | None:
+        if not self._n and self._flops is None:
+            self._reset()
+            return None
+        out = StepThroughput(self._flops if self._flops_known else None, self._counts, self._n)
+        self._reset()
+        return out
