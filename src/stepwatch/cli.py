@@ -15,6 +15,7 @@ import sys
 SUBCOMMAND_MODULES = (
     "stepwatch.report.cli",
     "stepwatch.rules.cli",
+    "stepwatch.doctor.cli",
 )
 
 

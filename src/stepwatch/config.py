@@ -268,6 +268,66 @@ class Config:
             _opt_str,
         ),
     )
+    peak_tflops: float | None = field(
+        default=None,
+        metadata=_opt(
+            "STEPWATCH_PEAK_TFLOPS",
+            "Dense peak TFLOP/s of this rank's device, used for every dtype in MFU; overrides the "
+            "built-in table (docs/mfu.md). Needed for an MFU on CPU or on a device the table lacks.",
+            _float_above(0.0, optional=True),
+        ),
+    )
+    grad_norm_every: int = field(
+        default=1,
+        metadata=_opt(
+            "STEPWATCH_GRAD_NORM_EVERY",
+            "Compute the grad norm every N optimizer steps (1 = every step). Steps GradScaler skips "
+            "are always probed.",
+            _int_at_least(1),
+        ),
+    )
+    grad_norm_spike_abs: float = field(
+        default=10.0,
+        metadata=_opt(
+            "STEPWATCH_GRAD_NORM_SPIKE_ABS",
+            "A grad norm above this raises `grad_norm_spike` (reference B.7: `train_grad_norm > 10`).",
+            _float_above(0.0),
+        ),
+    )
+    grad_norm_spike_factor: float = field(
+        default=5.0,
+        metadata=_opt(
+            "STEPWATCH_GRAD_NORM_SPIKE_FACTOR",
+            "A grad norm above this many times the rolling median of the last "
+            "`STEPWATCH_GRAD_NORM_WINDOW` steps raises `grad_norm_spike`.",
+            _float_above(1.0),
+        ),
+    )
+    grad_norm_window: int = field(
+        default=100,
+        metadata=_opt(
+            "STEPWATCH_GRAD_NORM_WINDOW",
+            "Steps in the rolling median that grad-norm spikes are measured against.",
+            _int_at_least(2),
+        ),
+    )
+    mfu_drop_points: float = field(
+        default=5.0,
+        metadata=_opt(
+            "STEPWATCH_MFU_DROP_POINTS",
+            "MFU percentage points below its value `STEPWATCH_MFU_DROP_WINDOW_S` earlier that raise "
+            "`mfu_drop` (reference B.7: 5 points in 10 minutes).",
+            _float_above(0.0),
+        ),
+    )
+    mfu_drop_window_s: float = field(
+        default=600.0,
+        metadata=_opt(
+            "STEPWATCH_MFU_DROP_WINDOW_S",
+            "Seconds back that the current MFU is compared with for `mfu_drop` (reference B.7: 10 min).",
+            _float_above(0.0),
+        ),
+    )
     exporters: tuple[Any, ...] = field(
         default=(),
         metadata=_opt(None, "Extra exporters (objects with `export`, `force_flush`, `shutdown`); argument only.", tuple),

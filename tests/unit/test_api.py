@@ -121,6 +121,12 @@ def test_shutdown_restores_everything(sw):
     assert stepwatch_mod.get_session() is None
 
 
+def test_readme_generated_tables_are_current():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gen_readme_tables.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_every_variable_is_in_the_readme():
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     missing = [var for var, _, _ in env_table() if f"`{var}`" not in readme]

@@ -1,0 +1,236 @@
+"""Every finding kind stepwatch can emit, in one place.
+
+Each kind carries the diagnosis and the action from the reference sheet
+(``profiling-quick-reference.txt``, section named in ``source``), so a user reads what to do,
+not a raw number. The README's findings table mirrors this module (a test keeps them in step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..record import Finding, SEVERITIES
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    name: str
+    severity: str
+    diagnosis: str
+    action: str
+    source: str
+
+
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (
+        Kind(
+            "data_loading",
+            "warning",
+            "Data loading is a bottleneck: the training loop waits on the DataLoader "
+            "(mean wait over the window above 10 ms).",
+            "Increase num_workers, set pin_memory=True, prefetch (prefetch_factor), "
+            "or move decoding off the critical path.",
+            "B.9 Storage and I/O: 'If avg_wait_ms > 10ms -> data loading is bottlenecking GPU'",
+        ),
+        # -- MFU, FLOPs and grad norm (analysis/flops.py, analysis/peaks.py, hooks/grads.py) --
+        Kind(
+            "grad_norm_spike",
+            "warning",
+            "The gradient norm spiked: above the absolute threshold (10) or several times its "
+            "rolling median; a sign of training instability (bad batch, LR too high, loss spike).",
+            "Inspect the batch of that step and the learning-rate schedule; lower the LR or "
+            "warm up longer, clip gradients (clip_grad_norm_), check for bad data.",
+            "B.7 PromQL: 'train_grad_norm > 10  # potential training instability'",
+        ),
+        Kind(
+            "nonfinite_grads",
+            "critical",
+            "Gradients contain inf or NaN (GradScaler skips such steps; without it the parameters "
+            "are corrupted).",
+            "Under fp16 a few skipped steps while the loss scale settles are normal; if it "
+            "persists, look for overflow (lower LR, bf16 instead of fp16, check the loss and "
+            "data for inf/NaN).",
+            "stepwatch: global grad norm not finite (torch.amp.GradScaler found_inf semantics)",
+        ),
+        Kind(
+            "mfu_drop",
+            "warning",
+            "MFU dropped by more than 5 percentage points compared with 10 minutes earlier.",
+            "Look at what changed: data wait, exposed communication, a straggler rank, thermal "
+            "throttling; capture a profile of a slow step (nsys --trace=cuda,nvtx,nccl).",
+            "B.7 'MFU drop detection (alert if drops > 5 pp in 10 min)'; the sheet's PromQL "
+            "`training_mfu - training_mfu offset 10m > 0.05` fires on a rise, so stepwatch "
+            "uses `training_mfu offset 10m - training_mfu > 0.05`",
+        ),
+        Kind(
+            "tensor_core_alignment",
+            "info",
+            "Matmuls that cannot use Tensor Cores fully: dimensions not multiples of 8 (bf16/fp16) "
+            "or 16 (fp8/int8), or fp32 matmuls without TF32; the summary names the layers.",
+            "Pad the named layers' sizes (hidden, vocab, heads*head_dim) to multiples of 8/16, or "
+            "enable TF32 (torch.backends.cuda.matmul.allow_tf32 = True) / train in bf16.",
+            "B.3 'must be multiples of 8 for BF16 Tensor Cores, multiples of 16 for INT8'",
+        ),
+        Kind(
+            "internal_error",
+            "warning",
+            "A part of stepwatch failed and disabled itself; training is unaffected.",
+            "Report it with the logged traceback; the rest of stepwatch keeps working.",
+            "stepwatch rule: never break the job",
+        ),
+        # -- GPU health (telemetry/): NVML/GPM readings under the DCGM names --
+        Kind(
+            "thermal_throttle",
+            "critical",
+            "The GPU is thermally throttling: temperature above 83 C with a thermal clocks-event "
+            "reason set and the SM clock dropped below its healthy level.",
+            "Reduce workload or improve cooling (airflow, fan, inlet temperature); check the "
+            "node's other GPUs and the rack.",
+            "B.4 field table: 'GPU_TEMP > 83 C -> throttle risk'; B.10 'Thermal throttling: "
+            "Temp > 83 C + clocks-event reasons'; reason bits from NVML nvmlClocksEventReasons",
+        ),
+        Kind(
+            "xid",
+            "warning",
+            "The driver reported an XID error (NVML event API); the summary names it, with its "
+            "severity and action from the Xid table.",
+            "Follow the action in the summary; check `dmesg -T | grep -i xid` on the node.",
+            "B.4 'XID Error Reference'; meanings: NVIDIA Xid catalog (docs.nvidia.com/deploy/xid-errors)",
+        ),
+        Kind(
+            "ecc_uncorrectable",
+            "critical",
+            "Uncorrectable (double-bit) ECC errors on the GPU: data in device memory may be corrupt.",
+            "Evacuate the workload and drain the node; the GPU needs service (reset, page "
+            "retirement or replacement).",
+            "B.4/B.7: 'DCGM_FI_DEV_ECC_DBE_VOL_TOTAL > 0' (critical)",
+        ),
+        Kind(
+            "nvlink_degraded",
+            "warning",
+            "NVLink CRC (flit) errors are increasing: a link is degrading, which slows or breaks "
+            "collectives over it.",
+            "Check NVLink cables/connectors and the peer GPU (`nvidia-smi nvlink -e`); run "
+            "nccl-tests all_reduce_perf and compare busbw with the healthy baseline.",
+            "B.4 field table: 'NVLINK_CRC_FLIT_ERROR_COUNT > 0 -> cable/connector issue'; B.5 busbw baselines",
+        ),
+        Kind(
+            "sm_activity",
+            "warning",
+            "The SM Activity Diagnostic Matrix (SM, tensor and DRAM activity over the window, "
+            "joined with the step records) puts this GPU in an unhealthy row; the finding's "
+            "diagnosis and action name the row.",
+            "Follow the row's action; open an nsys timeline for launch gaps.",
+            "B.4 'SM Activity Diagnostic Matrix'; thresholds from its field table (SM_ACTIVE > 85% "
+            "high, < 50% low; TENSOR > 60% high, < 20% low; FP64 > 5% fallback bug)",
+        ),
+        Kind(
+            "gpu_straggler",
+            "warning",
+            "Straggler GPU: one rank's SM activity varies while the other ranks hold steady, so "
+            "every collective waits for it.",
+            "Inspect that rank's GPU (throttling, XIDs, ECC, PCIe/NVLink) and its host (CPU "
+            "contention, data loading); compare `dcgmi dmon -e 1002` across ranks.",
+            "B.4 matrix row 'Variable / Any / Any -> Straggler'; B.10 'Outlier SM_ACTIVE vs. rest of fleet'",
+        ),
+        Kind(
+            "slow_checkpoint",
+            "warning",
+            "Checkpointing takes more than 8% of run time (2-8% is normal), or saves write slower "
+            "than 2 GB/s.",
+            "Measure the storage (`stepwatch doctor --storage DIR`), save asynchronously "
+            "(torch.distributed.checkpoint async_save), shard the checkpoint, or save less often.",
+            "B.9: 'a healthy training job loses 2-8% to checkpoint overhead'; '> 10 GB/s healthy; "
+            "< 2 GB/s -> storage degraded'",
+        ),
+        # -- serving (serving/: `stepwatch serve-vllm`), thresholds from B.6 -------------------
+        Kind(
+            "kv_cache_cascade",
+            "critical",
+            "KV-cache usage has stayed above 0.82: past ~0.85 vLLM preempts (evicts) in-flight "
+            "requests to reclaim blocks, and they re-prefill from scratch (TTFT spikes 5-20x). "
+            "Critical when preemptions are already rising, warning before.",
+            "Reduce max_num_seqs, enable chunked prefill, or reduce max_model_len; add replicas.",
+            "B.6 'vllm:gpu_cache_usage_perc > 0.82 -> CASCADE RISK' (now vllm:kv_cache_usage_perc), "
+            "'KV Cache Cascade' note",
+        ),
+        Kind(
+            "ttft_slo",
+            "warning",
+            "Time-to-first-token P99 over the window is above the configured SLO (prefill latency: "
+            "queueing, long prompts, preemption re-prefills).",
+            "Check queue depth and KV-cache usage first; then prefill cost (prompt lengths, chunked "
+            "prefill, max_num_batched_tokens) and capacity (replicas).",
+            "B.6 'vllm:time_to_first_token_seconds ... P99 > SLO threshold'; B.7 histogram_quantile(0.99, ...)",
+        ),
+        Kind(
+            "queue_depth",
+            "warning",
+            "More than 50 requests are waiting to be scheduled: the server is throughput-limited.",
+            "Add capacity (replicas, larger max_num_seqs if the KV cache has room) or shed load "
+            "upstream; check that running requests are near max_num_seqs.",
+            "B.6 'vllm:num_requests_waiting > 50 -> throughput limited'",
+        ),
+        Kind(
+            "spec_decode_acceptance",
+            "warning",
+            "Speculative decoding accepts fewer than 65% of draft tokens (accepted / draft tokens "
+            "over the window): the draft model costs more than it saves.",
+            "Use a draft model closer to this workload, fewer speculative tokens, or turn "
+            "speculative decoding off.",
+            "B.6 'spec_decode_draft_acceptance_rate < 0.65 -> wrong draft model for this workload' "
+            "(gauge gone; delta of num_accepted_tokens_total / num_draft_tokens_total)",
+        ),
+        Kind(
+            "serving_errors",
+            "warning",
+            "A share of requests over the window ended in error (finished_reason=error) or got "
+            "HTTP 5xx responses.",
+            "Read the server log around the finding's time; check for engine restarts, OOM and "
+            "malformed requests.",
+            "B.7 'INFERENCE ERROR RATE' query (request_count_total is gone: finished_reason labels); "
+            "5% is stepwatch's default",
+        ),
+        Kind(
+            "stall",
+            "critical",
+            "The engine has stopped: requests are in flight but no token was produced for the "
+            "stall timeout (vLLM's /health stays 200 while the engine is frozen). The finding "
+            "names the stuck process and where it is; stacks of every process are in the run dir.",
+            "Read stall-<n>/report.json and the stacks.<pid>.txt files; a stopped (T) or D-state "
+            "process points at a signal or the device/driver; restart the server if it does not recover.",
+            "stepwatch rule; B.6 troubleshooting 'Training hang ... py-spy dump --pid'",
+        ),
+    )
+}
+
+
+def make_finding(
+    kind: str,
+    *,
+    rank: int,
+    step: int | None,
+    summary: str,
+    data: dict[str, Any] | None = None,
+    severity: str | None = None,
+    when: float | None = None,
+) -> Finding:
+    """Build a finding of a registered kind; the diagnosis and action come from the table."""
+    k = KINDS[kind]
+    sev = severity or k.severity
+    if sev not in SEVERITIES:
+        raise ValueError(f"severity must be one of {SEVERITIES}, got {sev!r}")
+    return Finding(
+        time=time.time() if when is None else when,
+        step=step,
+        rank=rank,
+        kind=kind,
+        severity=sev,
+        summary=summary,
+        diagnosis=k.diagnosis,
+        action=k.action,
+        data=dict(data or {}),
+    )

@@ -1,0 +1,53 @@
+"""Memory does not grow with steps: 200,000 steps of a trivial loop with stepwatch on."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.integration
+
+SCRIPT = r"""
+import json, resource, sys
+import torch
+import stepwatch
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+stepwatch.init(dir=sys.argv[1], console="off")
+p = torch.nn.Parameter(torch.ones(4))
+opt = torch.optim.SGD([p], lr=1e-6)
+x = torch.ones(4)
+marks = {}
+for i in range(200_000):
+    loss = (p * x).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    if i == 20_000:
+        marks["warm"] = rss_mb()
+marks["end"] = rss_mb()
+s = stepwatch.get_session()
+stepwatch.shutdown()
+marks["steps"] = s.steps_seen
+marks["dropped"] = s.dropped
+print(json.dumps(marks))
+"""
+
+
+def test_200k_steps_grow_resident_memory_by_less_than_20mb(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    marks = json.loads(r.stdout.strip().splitlines()[-1])
+    assert marks["steps"] + marks["dropped"] == 200_000
+    assert marks["end"] - marks["warm"] < 20, marks
