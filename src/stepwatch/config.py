@@ -200,6 +200,15 @@ class Config:
             _float_above(0.0),
         ),
     )
+    device_timing: bool = field(
+        default=True,
+        metadata=_opt(
+            "STEPWATCH_DEVICE_TIMING",
+            "On a GPU, time forward/backward/optimizer with device events (native `cuda_ext` ring, "
+            "else `torch.cuda.Event`), read off the training thread; `clock` becomes `device`.",
+            _bool_value,
+        ),
+    )
     queue_size: int = field(
         default=4096,
         metadata=_opt(

@@ -93,6 +93,7 @@ class Session:
         self._ctx_refreshed = False
         self._opened = False
         self._rss: int | None = None
+        self.timing_backend: str | None = None
         self._perf_ref = time.perf_counter_ns()
         self._wall_ref = time.time()
         self._start_wall = self._wall_ref
@@ -132,11 +133,31 @@ class Session:
         except Exception as e:  # e.g. an unexpected torch version: go on without hooks
             self._internal_error("hooks.install", e)
             self.tracker.enabled = False
+        if self.config.device_timing:
+            self.tracker.listeners.append(self._maybe_device_timing)
         self._start_features()
         self._thread = threading.Thread(target=self._run, name="stepwatch-pipeline", daemon=True)
         self._thread.start()
         self._started = True
         atexit.register(self.shutdown)
+
+    def _maybe_device_timing(self, step: int) -> None:
+        """First step end, training thread: if CUDA is in use, time phases on the device from now on."""
+        tr = self.tracker
+        try:
+            tr.listeners.remove(self._maybe_device_timing)
+            torch = sys.modules.get("torch")
+            if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+                return
+            from .cuda_ext import get_timer
+            from .hooks.device import install
+
+            timer = get_timer("cuda", capacity=4096)
+            _, enricher = install(tr, timer, torch.cuda.current_stream().cuda_stream)
+            self.enrichers.insert(0, enricher)
+            self.timing_backend = getattr(timer, "name", "python")
+        except Exception as e:
+            self._internal_error("device_timing", e)
 
     def _start_features(self) -> None:
         """Optional features, each guarded: one that fails to start is logged and left off."""
@@ -448,7 +469,8 @@ class Session:
             "nvtx": self.config.nvtx,
             "records": self.config.records,
             "console": self.config.console,
-            "timing_clock": "host",
+            "timing_clock": "device" if self.timing_backend else "host",
+            "timing_backend": self.timing_backend or "host clock",
             "root_modules": list(inst.roots) if inst is not None else [],
             "module_scan_s": inst.scan_s if inst is not None else 0.0,
             **{

@@ -213,3 +213,29 @@ def test_step_offset_and_set_step(sw):
     stepwatch.step()
     stepwatch.shutdown()
     assert [r.step for r in mem.records] == [100, 101, 500]
+
+
+def test_device_timing_path_fills_phases_from_the_timer_ring(sw):
+    """The GPU path's plumbing on CPU: the cuda_ext *host* ring stands in for device events (no GPU
+    here). Phases must come from the ring via the background enricher, and the record says so."""
+    from stepwatch.cuda_ext import get_timer
+    from stepwatch.hooks.device import install
+
+    stepwatch, mem, start = sw
+    s = start()
+    timer = get_timer(None)
+    _, enricher = install(s.tracker, timer, 0)
+    s.enrichers.insert(0, enricher)
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for x, y in DataLoader(SleepyData(16), batch_size=4):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert len(mem.records) == 4
+    for r in mem.records:
+        assert r.clock == "device"
+        assert r.forward_s > 0 and r.backward_s > 0 and r.optimizer_s > 0
+        assert _identity_holds(r)
+    assert timer.pending == 0 and timer.dropped == 0

@@ -83,6 +83,9 @@ class StepTracker:
         self.listeners: list[Callable[[int], None]] = []
         # A progress board (``set_phase(code)``, ``set_step(n)``) read by the hang watchdog.
         self.progress = progress
+        # Device-clock timing (hooks/device.py), attached once CUDA is in use; None on CPU.
+        self.device: Any = None
+        self._dslot_fwd = self._dslot_bwd = self._dslot_opt = -1
         self.step = step_offset
         self._t_start = _now()
         self._reset_step()
@@ -234,6 +237,8 @@ class StepTracker:
             if grad_enabled:
                 self._close_eval()
                 self._last_fetch_t0 = None
+                if self.device is not None:
+                    self._dslot_fwd = self.device.begin(PHASE_FORWARD)
                 return
             # Evaluation: the fetch right before this forward, and fetches inside the span, are eval.
             if not self._eval_open:
@@ -259,6 +264,8 @@ class StepTracker:
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
             if self._fwd_grad:
+                if self.device is not None:
+                    self.device.end(self._dslot_fwd)
                 self._fwd += t - self._fwd_t0
             else:
                 self._eval_last = t
@@ -280,6 +287,8 @@ class StepTracker:
             self._close_eval()
             self._last_fetch_t0 = None
             self._bwd_t0 = t
+            if self.device is not None:
+                self._dslot_bwd = self.device.begin(PHASE_BACKWARD)
             self._nvtx.push("backward")
             if self.progress is not None:
                 self.progress.set_phase(PHASE_BACKWARD)
@@ -294,6 +303,8 @@ class StepTracker:
             if self._bwd_depth:
                 return
             t = _now()
+            if self.device is not None:
+                self.device.end(self._dslot_bwd)
             self._bwd += t - self._bwd_t0
             self._bwd_spans.append((self._bwd_t0, t))
             self._nvtx.pop()
@@ -322,6 +333,8 @@ class StepTracker:
             self._close_eval()
             self._last_fetch_t0 = None
             self._opt_t0 = t
+            if self.device is not None:
+                self._dslot_opt = self.device.begin(PHASE_OPTIMIZER)
             self._nvtx.push("optimizer")
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OPTIMIZER)
@@ -336,6 +349,8 @@ class StepTracker:
             if self._opt_depth:
                 return
             t = _now()
+            if self.device is not None:
+                self.device.end(self._dslot_opt)
             self._opt += t - self._opt_t0
             self._nvtx.pop()
             if self.progress is not None:

@@ -1,0 +1,94 @@
+"""Device-clock phase timing: forward, backward and optimizer as the GPU ran them.
+
+On the training thread each phase records a begin/end event pair on the current stream through
+``stepwatch.cuda_ext`` (native when built, ``torch.cuda.Event`` otherwise): a few hundred
+nanoseconds, no sync. The stream handle is looked up once (``current_stream()`` costs ~4 us a
+call). The background thread polls the ring without blocking; a record waits until all of its
+intervals have completed, then its phase fields are replaced by device durations and its
+``clock`` becomes ``"device"``. ``step_s`` and ``data_wait_s`` stay on the host clock (a step is
+the wall time between step ends; a data wait is the host blocked), and ``other_s`` is the rest, so
+the phase identity still holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..record import StepRecord
+
+# Phase codes as in phases.py (forward, backward, optimizer).
+FIELDS = {2: "forward_s", 3: "backward_s", 4: "optimizer_s"}
+
+
+class DeviceTiming:
+    """Training-thread side; also the collector that tells the background how many to expect."""
+
+    name = "device_timing"
+
+    def __init__(self, timer: Any, stream: Any) -> None:
+        self.timer = timer
+        self.stream = stream
+        self.step = 0
+        self._begun = 0
+
+    def begin(self, code: int) -> int:
+        slot = self.timer.begin(self.stream, (self.step, code))
+        if slot >= 0:
+            self._begun += 1
+        return slot
+
+    def end(self, slot: int) -> None:
+        if slot >= 0:
+            self.timer.end(slot, self.stream)
+
+    def take(self) -> tuple[int, int]:
+        """At step end (training thread): (step, intervals begun in it); then the next step."""
+        out = (self.step, self._begun)
+        self.step += 1
+        self._begun = 0
+        return out
+
+
+class DeviceTimingEnricher:
+    """Background side: poll the ring, sum intervals per step and phase, fill the record."""
+
+    def __init__(self, timer: Any) -> None:
+        self.timer = timer
+        self._sums: dict[int, dict[int, float]] = {}
+        self._counts: dict[int, int] = {}
+
+    def _poll(self) -> None:
+        for tag, _slot, elapsed in self.timer.poll():
+            step, code = tag
+            d = self._sums.setdefault(step, {})
+            d[code] = d.get(code, 0.0) + elapsed
+            self._counts[step] = self._counts.get(step, 0) + 1
+
+    def enrich(self, rec: StepRecord, extras: dict[str, Any], *, force: bool) -> bool:
+        info = extras.get(DeviceTiming.name)
+        if info is None:
+            return True
+        step, expected = info
+        self._poll()
+        if self._counts.get(step, 0) < expected and not force:
+            return False
+        sums = self._sums.pop(step, {})
+        got = self._counts.pop(step, 0)
+        for old in [k for k in self._sums if k < step]:  # steps whose records never came (dropped)
+            del self._sums[old]
+            self._counts.pop(old, None)
+        if got < expected:  # gave up waiting (or intervals were dropped): keep host times
+            return True
+        for code, field in FIELDS.items():
+            setattr(rec, field, sums.get(code, 0.0))
+        rec.other_s = max(rec.step_s - rec.data_wait_s - rec.forward_s - rec.backward_s - rec.optimizer_s, 0.0)
+        rec.clock = "device"
+        return True
+
+
+def install(tracker: Any, timer: Any, stream: Any) -> tuple[DeviceTiming, DeviceTimingEnricher]:
+    """Attach device timing to a tracker; returns the collector and the enricher to register."""
+    dev = DeviceTiming(timer, stream)
+    tracker.device = dev
+    tracker.collectors.append(dev)
+    return dev, DeviceTimingEnricher(timer)
