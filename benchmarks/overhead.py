@@ -42,10 +42,14 @@ def make_loop(width: int, batch: int, steps: int):
     data = TensorDataset(torch.randn(rows, width), torch.randn(rows, width))
     order = [i % rows for i in range(batch * steps)]  # many steps over a small dataset
 
-    def run_block() -> list[float]:
+    def run_block() -> tuple[float, float]:
+        """(median wall time per step, training-thread CPU time per step), in seconds."""
         times = []
         t_prev = time.perf_counter()
-        for x, y in DataLoader(data, batch_size=batch, sampler=order):
+        cpu0 = 0
+        for i, (x, y) in enumerate(DataLoader(data, batch_size=batch, sampler=order)):
+            if i == 5:  # the block's first steps include discovery and warm-up
+                cpu0 = time.thread_time_ns()
             loss = lossf(model(x), y)
             loss.backward()
             opt.step()
@@ -54,24 +58,32 @@ def make_loop(width: int, batch: int, steps: int):
             t = time.perf_counter()
             times.append(t - t_prev)
             t_prev = t
-        return times[5:]  # the block's first steps include discovery and warm-up
+        cpu = (time.thread_time_ns() - cpu0) / 1e9 / (len(times) - 5)
+        return statistics.median(times[5:]), cpu
 
     return run_block
 
 
 def side_by_side(blocks: int, steps: int, run_dir: str) -> None:
-    print(f"{'step size':>10} {'off (ms)':>10} {'on (ms)':>10} {'added (us)':>11} {'ratio':>7}")
+    print("wall = median step time; cpu = the training thread's own CPU time per step (immune to other")
+    print("processes on the machine, and what stepwatch adds to the training thread)")
+    print(f"{'step size':>10} {'wall off':>9} {'wall on':>9} {'added':>9} {'ratio':>6} | "
+          f"{'cpu off':>9} {'cpu on':>9} {'added':>9} {'ratio':>6}")
     for label, (width, batch) in SIZES.items():
         run_block = make_loop(width, batch, steps)
         run_block()  # warm torch up
         off, on = [], []
         for i in range(blocks):
-            off.append(statistics.median(run_block()))
+            off.append(run_block())
             stepwatch.init(dir=os.path.join(run_dir, f"{label.strip('~ ')}-{i}"), console="off")
-            on.append(statistics.median(run_block()))
+            on.append(run_block())
             stepwatch.shutdown()
-        m_off, m_on = statistics.median(off), statistics.median(on)
-        print(f"{label:>10} {m_off * 1e3:10.3f} {m_on * 1e3:10.3f} {(m_on - m_off) * 1e6:11.1f} {m_on / m_off:7.3f}")
+        w_off, w_on = statistics.median(x[0] for x in off), statistics.median(x[0] for x in on)
+        c_off, c_on = statistics.median(x[1] for x in off), statistics.median(x[1] for x in on)
+        print(
+            f"{label:>10} {w_off * 1e3:7.3f}ms {w_on * 1e3:7.3f}ms {(w_on - w_off) * 1e6:7.1f}us {w_on / w_off:6.3f} | "
+            f"{c_off * 1e3:7.3f}ms {c_on * 1e3:7.3f}ms {(c_on - c_off) * 1e6:7.1f}us {c_on / c_off:6.3f}"
+        )
 
 
 def bookkeeping(n: int, run_dir: str) -> None:

@@ -47,6 +47,9 @@ def driver_problem(nvml: Any, err: Exception) -> str:
     return f"NVML failed to start: {err}"
 
 
+_said: set[str] = set()
+
+
 class TelemetrySource:
     """GPU health for this rank's GPU. Cheap to construct; nothing runs until ``start()``.
 
@@ -201,7 +204,11 @@ class TelemetrySource:
             self.status["error"] = f"{type(e).__name__}: {e}"
             opened = None
         if opened is None:
-            log.info("stepwatch: GPU telemetry off on rank %d: %s", self.rank, self.status.get("error"))
+            # Once per process: a job that starts several sessions need not hear it again.
+            msg = f"GPU telemetry off on rank {self.rank}: {self.status.get('error')}"
+            if msg not in _said:
+                _said.add(msg)
+                log.info("stepwatch: %s", msg)
             self._ready.set()
             return
         dev, xid, shutdown = opened

@@ -1,0 +1,119 @@
+"""The run directory's files: naming across restarts, rotation under the disk budget, the console."""
+
+import io
+import json
+import os
+
+from stepwatch.config import Config
+from stepwatch.context import RunContext, resolve_run_id
+from stepwatch.exporters.base import Batch
+from stepwatch.exporters.console import ConsoleExporter, format_line
+from stepwatch.exporters.records import RecordsExporter
+from stepwatch.record import Finding, StepRecord
+
+
+def ctx(tmp_path, rank=0, world=1):
+    return RunContext(rank=rank, local_rank=rank, world_size=world, host="h", run_id="r", run_dir=str(tmp_path / "run"))
+
+
+def rec(step, rank=0, **kw):
+    base = dict(step=step, rank=rank, time=1000.0 + step, step_s=0.1, data_wait_s=0.01, forward_s=0.03,
+                backward_s=0.04, optimizer_s=0.01, other_s=0.01)
+    base.update(kw)
+    return StepRecord(**base)
+
+
+def test_run_id_agreed_without_talking():
+    assert resolve_run_id({"TORCHELASTIC_RUN_ID": "abc-123"}) == "abc-123"
+    # torchrun's static-rendezvous default is the literal "none": not an id.
+    assert resolve_run_id({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}) == "job-10.0.0.1-29500"
+    assert resolve_run_id({"TORCHELASTIC_RUN_ID": "../../etc"}) == "_.._etc"  # a path component stays one
+    assert resolve_run_id({}).startswith("run-")
+    assert resolve_run_id({"TORCHELASTIC_RUN_ID": "x"}, explicit="mine") == "mine"
+
+
+def test_a_restart_writes_beside_the_old_files_never_over_them(tmp_path):
+    c = ctx(tmp_path)
+    first = RecordsExporter(c, budget_bytes=10 << 20)
+    first.export(Batch(records=[rec(0), rec(1)]))
+    first.shutdown()
+    second = RecordsExporter(c, budget_bytes=10 << 20)  # e.g. torchrun restarted the worker
+    second.export(Batch(records=[rec(2)]))
+    second.shutdown()
+    run = tmp_path / "run"
+    old = [json.loads(x)["step"] for x in (run / "steps.rank0.jsonl").read_text().splitlines()]
+    new = [json.loads(x)["step"] for x in (run / "steps.rank0.1.jsonl").read_text().splitlines()]
+    assert old == [0, 1] and new == [2]
+
+
+def test_rotation_keeps_a_rank_within_its_share_of_the_budget(tmp_path):
+    budget = 64 * 1024
+    c = ctx(tmp_path, rank=1, world=2)  # share = 32 KiB
+    e = RecordsExporter(c, budget_bytes=budget)
+    for i in range(0, 3000, 10):
+        e.export(Batch(records=[rec(s, rank=1) for s in range(i, i + 10)],
+                       findings=[Finding(1.0, i, 1, "data_loading", "warning", "s" * 50, "d", "a")]))
+    e.shutdown()
+    run = tmp_path / "run"
+    names = sorted(os.listdir(run))
+    assert names == ["findings.rank1.jsonl", "findings.rank1.jsonl.1", "steps.rank1.jsonl", "steps.rank1.jsonl.1"]
+    total = sum(os.path.getsize(run / n) for n in names)
+    assert total <= budget // 2
+    # The newest steps survive, whole lines only.
+    last = [json.loads(x) for x in (run / "steps.rank1.jsonl").read_text().splitlines()]
+    assert last[-1]["step"] == 2999
+
+
+def test_non_finite_values_stay_valid_json(tmp_path):
+    e = RecordsExporter(ctx(tmp_path), budget_bytes=1 << 20)
+    e.export(Batch(records=[rec(0, grad_norm=float("inf"), scalars={"loss": float("nan")})]))
+    e.shutdown()
+    line = (tmp_path / "run" / "steps.rank0.jsonl").read_text()
+    d = json.loads(line)  # strict JSON parsers would reject NaN/Infinity
+    assert d["grad_norm"] == "inf" and d["scalars"]["loss"] == "nan"
+    assert "NaN" not in line and "Infinity" not in line
+
+
+class FakeTTY(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self._tty = tty
+
+    def isatty(self):
+        return self._tty
+
+
+def test_console_is_quiet_when_not_a_terminal():
+    now = [0.0]
+    out = FakeTTY(False)
+    e = ConsoleExporter(Config(window=10), ctx_stub(), stream=out, clock=lambda: now[0])
+    for i in range(50):  # 50 passes, 1 s apart
+        now[0] += 1.0
+        e.export(Batch(records=[rec(i)]))
+    assert out.getvalue().count("\n") == 0  # under a minute: nothing
+    now[0] += 60
+    e.export(Batch(records=[rec(50)], findings=[Finding(1.0, 50, 0, "data_loading", "warning", "slow data", "d", "add workers")]))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "data_loading" in lines[0] and "add workers" in lines[0]
+    assert lines[1].startswith("stepwatch | step 50")
+
+
+def test_console_on_a_terminal_updates_every_interval():
+    now = [0.0]
+    out = FakeTTY(True)
+    e = ConsoleExporter(Config(console_interval_s=5, window=10), ctx_stub(), stream=out, clock=lambda: now[0])
+    for i in range(20):
+        now[0] += 1.0
+        e.export(Batch(records=[rec(i)]))
+    assert out.getvalue().count("\n") == 4
+
+
+def test_console_line_content():
+    window = [rec(i, tokens=1000, mfu=0.4, grad_norm=1.5) for i in range(10)]
+    line = format_line(window)
+    assert "step 9" in line and "p50 100.0ms" in line and "fwd 30%" in line and "bwd 40%" in line
+    assert "10.0 steps/s" in line and "10,000 tok/s" in line and "MFU 40.0%" in line and "grad-norm 1.5" in line
+
+
+def ctx_stub():
+    return RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="r", run_dir="/nonexistent")
