@@ -590,7 +590,17 @@ class GradNormSpikeDetector:
         self._recent: deque[float] = deque(maxlen=window)
         self._in_spike = False
 
-    def observe(self, step: int | None, result: GradNormResult, *, rank: int = 0) -> Any:
+    def observe(self, rec: Any) -> list[Any]:
+        """The session's detector interface: a ``StepRecord`` in, findings out."""
+        norm = rec.grad_norm
+        if norm is None:
+            return []
+        finite = math.isfinite(norm)
+        res = GradNormResult(norm, (0.0, norm), False, not finite, bool(rec.skipped), False)
+        f = self.observe_result(rec.step, res, rank=rec.rank, when=rec.time)
+        return [f] if f is not None else []
+
+    def observe_result(self, step: int | None, result: GradNormResult, *, rank: int = 0, when: float | None = None) -> Any:
         """Returns a ``Finding`` or None. ``result.norm`` must be the global norm (combined)."""
         from ..analysis.kinds import make_finding
 
@@ -600,6 +610,7 @@ class GradNormSpikeDetector:
                 "nonfinite_grads",
                 rank=rank,
                 step=step,
+                when=when,
                 summary=f"non-finite gradients (grad norm {norm}){'; GradScaler skipped the step' if result.skipped else ''}",
                 data={"grad_norm": None if norm is None else str(norm), "skipped": result.skipped},
             )
@@ -622,6 +633,60 @@ class GradNormSpikeDetector:
             "grad_norm_spike",
             rank=rank,
             step=step,
+            when=when,
             summary=f"grad norm {norm:.3g} ({why})",
             data={"grad_norm": norm, "median": median, "abs_threshold": self.abs_threshold, "factor": self.factor},
         )
+
+
+# ----------------------------------------------------------------------------- record enricher
+
+
+class GradNormEnricher:
+    """Background thread: fills ``record.grad_norm`` from ``extras["grad_norm"]`` (the
+    ``GradNormCollector``'s pending probes). Returns False while a value is still on the device or
+    (sharded grads) still awaited from the other ranks; with ``force`` it gives up (None).
+    ``exchange`` is a ``StoreNormExchange`` for sharded (FSDP2) grads; without one, a sharded norm
+    is None (unknown) rather than this rank's partial value.
+    """
+
+    def __init__(self, exchange: "StoreNormExchange | Callable[[], StoreNormExchange | None] | None" = None) -> None:
+        # A callable is asked on first need: the process group often starts after stepwatch.
+        self._make = exchange if callable(exchange) and not isinstance(exchange, StoreNormExchange) else None
+        self.exchange = None if self._make is not None else exchange
+        self._published: set[int] = set()
+
+    def enrich(self, rec: Any, extras: dict[str, Any], *, force: bool) -> bool:
+        pend = extras.get("grad_norm")
+        if not pend:
+            return True
+        r = GradNormCollector.resolve_step(pend)
+        if r is False:
+            if force:
+                rec.grad_norm = None
+                return True
+            return False
+        if r is None:
+            return True
+        if not r.sharded:
+            rec.grad_norm = r.norm
+            return True
+        if r.nonfinite:
+            rec.grad_norm = float("nan")  # no need to wait for the others: it is not finite
+            return True
+        if self.exchange is None and self._make is not None:
+            self.exchange = self._make()
+        if self.exchange is None:
+            rec.grad_norm = None
+            return True
+        if rec.step not in self._published:
+            self.exchange.publish(rec.step, r.local)
+            self._published.add(rec.step)
+            if len(self._published) > 4 * self.exchange.slots:
+                self._published = {s for s in self._published if s > rec.step - self.exchange.slots}
+        norm = self.exchange.poll(rec.step)
+        if norm is None and not force:
+            return False
+        rec.grad_norm = norm
+        self._published.discard(rec.step)
+        return True

@@ -166,6 +166,8 @@ class ThroughputCollector(Collector):
         self.cache = cache if cache is not None else FlopCache(max_misses=max_misses)
         self.pad_token_id = pad_token_id
         self._token_root: int | None = None
+        # The first FLOPs count (for the start-up Tensor Core lint: flops.alignment_finding).
+        self.first_count: Any = None
         self._dtype_keys: dict[int, str] = {}
         self._reset()
 
@@ -212,6 +214,8 @@ class ThroughputCollector(Collector):
             fc = resolve_override(self.override, batch, self._dtype_key(module))
         else:
             fc = self.cache.get(module, args, kwargs)
+        if fc is not None and self.first_count is None:
+            self.first_count = fc
         if fc is None:
             self._flops_known = False
         elif self._flops_known:

@@ -1,0 +1,733 @@
+"""FLOPs of one micro-batch (forward + backward), counted on fake tensors, once per input shape.
+
+How it counts: the outermost module's forward is replayed under ``FakeTensorMode`` (no memory, no
+kernels) inside ``FlopCounterMode``, on fake copies of the parameters, buffers and inputs, then
+autograd runs backward from ``ones_like`` of the outputs (backward FLOPs do not depend on the
+seed's values). Nothing real is read or written: not the parameters, buffers, ``.grad``, nor the
+RNG state (saved and restored; a test checks all four).
+
+What counts as model FLOPs (MFU), following PaLM (Chowdhery et al. 2022, appendix B):
+- matmul / conv / attention as FlopCounterMode's formulas (2*m*n*k per matmul);
+- backward = what autograd runs: grad-input only where the input needs grad, grad-weight for
+  parameters that require grad;
+- activation recompute (``torch.utils.checkpoint``, reentrant or not) is NOT model FLOPs: ops
+  that run with grad enabled *during* backward are recompute and go to ``FlopCount.recompute``
+  (autograd runs real backward ops with grad disabled unless create_graph);
+- attention counts the full score matrix, causal or not (as FlopCounterMode and torchtitan);
+  its backward counts 4 matmuls (dQ, dK, dV, dP): the 5th that fused kernels run to rebuild the
+  scores is kernel-internal recompute and goes to ``recompute`` too, so HFU includes it.
+``hfu`` FLOPs = model FLOPs + recompute.
+
+SDPA on CPU: FlopCounterMode has no formula for ``_scaled_dot_product_flash_attention_for_cpu``
+(it counts 0); we register one (same shapes as the CUDA kernels, GQA included). Flex attention is
+counted by torch's own formula for the ``flex_attention`` higher-order op (full score matrix; a
+block mask's sparsity is ignored unless a ``sparsity_hint`` is attached).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+from .peaks import matmul_dtype_key
+
+log = logging.getLogger(__name__)
+
+_STATE = threading.local()
+
+
+def is_counting() -> bool:
+    """True while this thread is replaying a forward/backward to count FLOPs.
+
+    stepwatch's own module / autograd hooks must return at once when this is True: the replay runs
+    the user's modules, so their hooks fire.
+    """
+    return getattr(_STATE, "active", False)
+
+
+class FlopCountError(RuntimeError):
+    """The FLOPs of this call could not be counted (e.g. data-dependent Python control flow)."""
+
+
+class FlopCountNotReady(FlopCountError):
+    """Not countable yet (lazy modules before their first real forward); try again later."""
+
+
+def _add(a: Mapping[str, int], b: Mapping[str, int], k: int = 1) -> dict[str, int]:
+    out = dict(a)
+    for key, v in b.items():
+        out[key] = out.get(key, 0) + v * k
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class FlopCount:
+    """FLOPs of one micro-batch by dtype key (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``...).
+
+    ``forward`` + ``backward`` are the model FLOPs (MFU); ``recompute`` is what activation
+    checkpointing and fused-attention kernels compute again (HFU adds it). ``alignment`` lists
+    matmuls whose dims are not Tensor Core friendly (see ``count_step_flops(lint_devices=...)``).
+    Treat the dicts as read-only.
+    """
+
+    forward: Mapping[str, int] = field(default_factory=dict)
+    backward: Mapping[str, int] = field(default_factory=dict)
+    recompute: Mapping[str, int] = field(default_factory=dict)
+    alignment: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def by_dtype(self) -> dict[str, int]:
+        return _add(self.forward, self.backward)
+
+    @property
+    def total(self) -> int:
+        return sum(self.forward.values()) + sum(self.backward.values())
+
+    @property
+    def hfu_by_dtype(self) -> dict[str, int]:
+        return _add(self.by_dtype, self.recompute)
+
+    @property
+    def hfu_total(self) -> int:
+        return self.total + sum(self.recompute.values())
+
+    def __add__(self, other: "FlopCount") -> "FlopCount":
+        if not isinstance(other, FlopCount):
+            return NotImplemented
+        return FlopCount(
+            _add(self.forward, other.forward),
+            _add(self.backward, other.backward),
+            _add(self.recompute, other.recompute),
+            self.alignment,
+        )
+
+    def scaled(self, k: int) -> "FlopCount":
+        """k identical micro-batches (gradient accumulation with a fixed shape)."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        return FlopCount(_add({}, self.forward, k), _add({}, self.backward, k), _add({}, self.recompute, k), self.alignment)
+
+    @classmethod
+    def from_total(cls, flops: float, dtype_key: str) -> "FlopCount":
+        """A user-given total (forward + backward) attributed to one dtype key."""
+        return cls(forward={dtype_key: int(flops)})
+
+
+def sum_counts(counts: "Iterator[FlopCount] | list[FlopCount]") -> FlopCount | None:
+    """FLOPs of a step from its micro-batches; None if any micro-batch is unknown."""
+    total = FlopCount()
+    n = 0
+    for c in counts:
+        if c is None:
+            return None
+        total = total + c
+        n += 1
+    return total if n else None
+
+
+# ----------------------------------------------------------------------------- formulas
+
+
+def _bmm(b: int, m: int, k: int, n: int) -> int:
+    return 2 * b * m * k * n
+
+
+def _sdpa_fwd(q: Any, k: Any, v: Any) -> int:
+    # Full score matrix (no causal discount). GQA: the kernel broadcasts the kv heads, so the
+    # work is that of h_q heads.
+    b, hq, sq, dq = q.shape
+    sk, dv = k.shape[-2], v.shape[-1]
+    return _bmm(b * hq, sq, dq, sk) + _bmm(b * hq, sq, sk, dv)
+
+
+def _sdpa_bwd_split(q: Any, k: Any, v: Any) -> tuple[int, int]:
+    """(model FLOPs, kernel recompute FLOPs) of an attention backward."""
+    b, hq, sq, dq = q.shape
+    sk, dv = k.shape[-2], v.shape[-1]
+    model = (
+        _bmm(b * hq, sq, dv, sk)  # dP = dO @ V^T
+        + _bmm(b * hq, sk, sq, dv)  # dV = P^T @ dO
+        + _bmm(b * hq, sq, sk, dq)  # dQ = dS @ K
+        + _bmm(b * hq, sk, sq, dq)  # dK = dS^T @ Q
+    )
+    return model, _bmm(b * hq, sq, dq, sk)  # S = Q @ K^T rebuilt inside the kernel
+
+
+def _cpu_sdpa_fwd(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return _sdpa_fwd(query, key, value)
+
+
+def _cpu_sdpa_bwd(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    model, recompute = _sdpa_bwd_split(query, key, value)
+    return model + recompute
+
+
+_cpu_sdpa_fwd._get_raw = True  # type: ignore[attr-defined]
+_cpu_sdpa_bwd._get_raw = True  # type: ignore[attr-defined]
+
+
+def _attention_ops() -> tuple[dict[Any, Callable[..., Any]], dict[Any, tuple[int, int]]]:
+    """Extra formulas, and for each attention backward op the positions of (query, value)."""
+    import torch
+
+    aten = torch.ops.aten
+    extra: dict[Any, Callable[..., Any]] = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        extra[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_sdpa_fwd
+        extra[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_sdpa_bwd
+    if hasattr(aten, "_scaled_dot_product_fused_attention_overrideable"):
+        extra[aten._scaled_dot_product_fused_attention_overrideable] = _cpu_sdpa_fwd
+        extra[aten._scaled_dot_product_fused_attention_overrideable_backward] = _cpu_sdpa_bwd
+    bwd_qv: dict[Any, tuple[int, int]] = {}
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_fused_attention_overrideable_backward",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_cudnn_attention_backward",
+        "_flash_attention_backward",
+        "_efficient_attention_backward",
+    ):
+        if hasattr(aten, name):
+            bwd_qv[getattr(aten, name)] = (1, 3)
+    try:
+        from torch._higher_order_ops.flex_attention import flex_attention_backward
+
+        bwd_qv[flex_attention_backward] = (0, 2)
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    return extra, bwd_qv
+
+
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
+_CONVS = ("convolution", "_convolution", "cudnn_convolution", "convolution_overrideable", "_slow_conv2d_forward", "convolution_backward")
+
+
+def _first_tensor(args: Any) -> Any:
+    import torch
+
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def _make_counter(lint_devices: tuple[str, ...]) -> Any:
+    """A FlopCounterMode that splits FLOPs by phase (forward / backward / recompute) and dtype."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    extra, bwd_qv = _attention_ops()
+    allow_tf32_mm = bool(torch.backends.cuda.matmul.allow_tf32)
+    allow_tf32_conv = bool(torch.backends.cudnn.allow_tf32)
+
+    class _Counter(FlopCounterMode):
+        def __init__(self) -> None:
+            super().__init__(display=False, custom_mapping=extra)
+            self.phase = "forward"
+            self.buckets: dict[str, dict[str, int]] = {"forward": {}, "backward": {}, "recompute": {}}
+            self.alignment: list[dict[str, Any]] = []
+
+        def _key(self, packet: Any, args: Any) -> str:
+            t = _first_tensor(args if packet is not torch.ops.aten.addmm else args[1:])
+            if t is None:
+                return "fp32"
+            name = getattr(packet, "__name__", str(packet))
+            cuda = t.device.type == "cuda"
+            tf32 = cuda and (allow_tf32_conv if name in _CONVS else allow_tf32_mm)
+            try:
+                return matmul_dtype_key(t.dtype, None, tf32)
+            except ValueError:
+                return str(t.dtype).replace("torch.", "")
+
+        def _lint(self, packet: Any, args: Any, key: str) -> None:
+            name = getattr(packet, "__name__", str(packet))
+            if name not in _MATMULS and name not in ("convolution", "_convolution"):
+                return
+            t = _first_tensor(args)
+            if t is None or t.device.type not in lint_devices or len(self.alignment) >= 50:
+                return
+            if name in ("convolution", "_convolution"):
+                dims = (args[1].shape[0], args[1].shape[1])  # C_out, C_in / groups
+            else:
+                a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
+                dims = (a.shape[-2], a.shape[-1], b.shape[-1])
+            need = {"bf16": 8, "fp16": 8, "fp8": 16, "int8": 16}.get(key)
+            problem = None
+            if need and any(int(d) % need for d in dims):
+                problem = f"dims {tuple(int(d) for d in dims)} not all multiples of {need} for {key}"
+            elif key == "fp32" and t.device.type == "cuda":
+                problem = "fp32 matmul without TF32 (torch.backends.cuda.matmul.allow_tf32 is False)"
+            if problem:
+                parents = [p for p in self.mod_tracker.parents if p != "Global"]
+                where = max(parents, key=len) if parents else "<top level>"
+                entry = {"module": where, "op": name, "dtype": key, "problem": problem}
+                if entry not in self.alignment:
+                    self.alignment.append(entry)
+
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            formula = self.flop_registry.get(func_packet)
+            if formula is None:
+                return out
+            n = int(formula(*args, **kwargs, out_val=out))
+            if not n:
+                return out
+            key = self._key(func_packet, args)
+            bucket = self.phase
+            if bucket == "backward" and torch.is_grad_enabled():
+                # Autograd runs backward ops with grad disabled (no create_graph); forward ops that
+                # run with grad enabled during backward are checkpoint recompute.
+                bucket = "recompute"
+            if bucket == "forward":
+                self._lint(func_packet, args, key)
+            qv = bwd_qv.get(func_packet)
+            if qv is not None and bucket == "backward":
+                dq, dv = args[qv[0]].shape[-1], args[qv[1]].shape[-1]
+                rec = n * dq // (3 * dq + 2 * dv)
+                r = self.buckets["recompute"]
+                r[key] = r.get(key, 0) + rec
+                n -= rec
+            b = self.buckets[bucket]
+            b[key] = b.get(key, 0) + n
+            return out
+
+    return _Counter()
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def unwrap_module(module: Any) -> Any:
+    """The module whose forward does the math: through DDP/DataParallel ``.module`` and
+    ``torch.compile``'s ``OptimizedModule._orig_mod`` (counted eagerly)."""
+    import torch
+
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+            module = module._orig_mod
+            continue
+        if isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            module = module.module
+            continue
+        break
+    return module
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _fsdp_param_dtypes(root: Any) -> dict[int, Any]:
+    """id(param) -> the dtype FSDP2 casts it to for compute (MixedPrecisionPolicy.param_dtype)."""
+    out: dict[int, Any] = {}
+
+    def walk(m: Any, dtype: Any) -> None:
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if callable(get_state):
+            try:
+                pd = get_state()._mp_policy.param_dtype
+                dtype = pd if pd is not None else dtype
+            except (AttributeError, RuntimeError):
+                pass
+        if dtype is not None:
+            for p in m.parameters(recurse=False):
+                out[id(p)] = dtype
+        for c in m.children():
+            walk(c, dtype)
+
+    walk(root, None)
+    return out
+
+
+def _fake_state(root: Any, fake_mode: Any) -> dict[str, Any]:
+    import torch
+
+    mp_dtypes = _fsdp_param_dtypes(root)
+    state: dict[str, Any] = {}
+    for name, p in root.named_parameters():
+        if _is_dtensor(p):
+            # Sharded (FSDP2): compute runs on the unsharded parameter of the global shape.
+            with fake_mode:
+                f = torch.empty(tuple(p.shape), dtype=mp_dtypes.get(id(p), p.dtype), device=p.device)
+        else:
+            f = fake_mode.from_tensor(p.detach(), static_shapes=True)
+            if id(p) in mp_dtypes and mp_dtypes[id(p)] != p.dtype:
+                with fake_mode:
+                    f = f.to(mp_dtypes[id(p)])
+        state[name] = f.requires_grad_(p.requires_grad)
+    for name, b in root.named_buffers():
+        if _is_dtensor(b):
+            with fake_mode:
+                state[name] = torch.empty(tuple(b.shape), dtype=b.dtype, device=b.device)
+        else:
+            state[name] = fake_mode.from_tensor(b, static_shapes=True)
+    return state
+
+
+def _fake_inputs(obj: Any, fake_mode: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if _is_dtensor(obj):
+            with fake_mode:
+                f = torch.empty(tuple(obj.shape), dtype=obj.dtype, device=obj.device)
+        else:
+            f = fake_mode.from_tensor(obj.detach(), static_shapes=True)
+        if obj.requires_grad and (obj.is_floating_point() or obj.is_complex()):
+            f.requires_grad_(True)
+        return f
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_fake_inputs(o, fake_mode) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fake_inputs(o, fake_mode) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _fake_inputs(v, fake_mode) for k, v in obj.items()}
+    if isinstance(obj, Mapping):
+        try:
+            return type(obj)({k: _fake_inputs(v, fake_mode) for k, v in obj.items()})
+        except TypeError:
+            return {k: _fake_inputs(v, fake_mode) for k, v in obj.items()}
+    return obj
+
+
+def _grad_outputs(obj: Any, out: list[Any]) -> None:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad and obj.grad_fn is not None:
+            out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _grad_outputs(o, out)
+    elif isinstance(obj, Mapping):
+        for o in obj.values():
+            _grad_outputs(o, out)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            _grad_outputs(getattr(obj, name, None), out)
+
+
+# Hooks whose replay would issue collectives or shard/unshard parameters: FSDP2 and composable
+# replicate. They are set aside during the replay (their math is the identity; the parameters we
+# feed are already the unsharded, compute-dtype fakes).
+_DIST_HOOK_PREFIXES = ("torch.distributed.fsdp", "torch.distributed._composable")
+
+
+class _ModuleSnapshot:
+    """Set aside distributed hooks, and undo any attribute a module rebinds during the replay
+    (a cache, a counter), so that no fake tensor leaks into the user's model."""
+
+    _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+
+    def __init__(self, root: Any) -> None:
+        self.saved: list[tuple[Any, dict[str, Any]]] = []
+        self.hooks: list[tuple[Any, str, Any]] = []
+        for m in root.modules():
+            self.saved.append((m, dict(m.__dict__)))
+            for attr in self._HOOK_DICTS:
+                d = getattr(m, attr, None)
+                if not d:
+                    continue
+                keep = type(d)(
+                    (k, h) for k, h in d.items()
+                    if not str(getattr(h, "__module__", "") or "").startswith(_DIST_HOOK_PREFIXES)
+                )
+                if len(keep) != len(d):
+                    self.hooks.append((m, attr, d))
+                    object.__setattr__(m, attr, keep)
+
+    def restore(self) -> None:
+        for m, attr, d in self.hooks:
+            object.__setattr__(m, attr, d)
+        for m, before in self.saved:
+            now = m.__dict__
+            for k in list(now):
+                if k not in before:
+                    del now[k]
+                elif now[k] is not before[k]:
+                    now[k] = before[k]
+            for k, v in before.items():
+                if k not in now:
+                    now[k] = v
+
+
+def count_step_flops(
+    module: Any,
+    args: Any = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    loss_fn: Callable[[Any], Any] | None = None,
+    backward: bool | None = None,
+    lint_devices: tuple[str, ...] = ("cuda",),
+) -> FlopCount:
+    """FLOPs of one call ``module(*args, **kwargs)`` and its backward, on fake tensors.
+
+    ``module`` may be wrapped in DDP / DataParallel / ``torch.compile``; FSDP2 (``fully_shard``)
+    modules are counted on unsharded fakes of each parameter (in the mixed-precision
+    ``param_dtype``) with FSDP's hooks set aside, so the replay issues no collective and every
+    rank counts its own micro-batch. ``loss_fn(output) -> scalar`` seeds the backward from a
+    loss; by default the backward is seeded with ``ones_like`` of every differentiable output.
+    ``backward=None`` runs it when grad mode is enabled. Call it from the training thread (it
+    temporarily swaps fakes into the module). Raises ``FlopCountError`` when the replay fails.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a mapping or None, got {type(kwargs).__name__}")
+    if not isinstance(args, tuple):
+        args = (args,)
+    root = unwrap_module(module)
+    if not isinstance(root, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if backward is None:
+        backward = torch.is_grad_enabled()
+    from torch.nn.parameter import UninitializedParameter
+
+    if any(isinstance(p, UninitializedParameter) for p in root.parameters()):
+        raise FlopCountNotReady("lazy modules are not initialized until their first real forward")
+
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    counter = _make_counter(tuple(lint_devices))
+    snapshot = _ModuleSnapshot(root)
+    stance = _force_eager()
+    _STATE.active = True
+    try:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        state = _fake_state(root, fake_mode)
+        fargs = _fake_inputs(args, fake_mode)
+        fkwargs = _fake_inputs(dict(kwargs), fake_mode)
+        with stance, fake_mode, counter:
+            out = functional_call(root, state, fargs, fkwargs, tie_weights=True, strict=False)
+            if loss_fn is not None:
+                out = loss_fn(out)
+            if backward:
+                outs: list[Any] = []
+                _grad_outputs(out, outs)
+                if outs:
+                    counter.phase = "backward"
+                    seeds = [torch.ones_like(o) for o in outs]
+                    # Every leaf in this graph is one of our fakes: grads accumulate there, never
+                    # into a real .grad. The engine is called directly so that wrappers of
+                    # torch.autograd.backward (stepwatch's own backward timer) do not see the replay.
+                    _run_backward(outs, seeds)
+    except Exception as e:  # the user's forward can fail on fakes in many ways; report, never raise raw
+        raise FlopCountError(
+            f"could not count FLOPs of {type(root).__name__} on fake tensors: {type(e).__name__}: {e}. "
+            "Give the FLOPs yourself (stepwatch.init(flops=<number | callable(batch)>)) to get MFU."
+        ) from e
+    finally:
+        _STATE.active = False
+        snapshot.restore()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    b = counter.buckets
+    return FlopCount(b["forward"], b["backward"], b["recompute"], tuple(counter.alignment))
+
+
+def _run_backward(outs: list[Any], seeds: list[Any]) -> None:
+    try:
+        from torch.autograd.graph import _engine_run_backward
+    except ImportError:  # pragma: no cover - older torch
+        import torch
+
+        torch.autograd.backward(outs, seeds)
+        return
+    _engine_run_backward(tuple(outs), tuple(seeds), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+def _force_eager() -> Any:
+    """Compiled regions (``module.compile()``, ``torch.compile``d functions) run eagerly in the
+    replay: dynamo must not trace, guard on or cache fake tensors."""
+    import contextlib
+
+    import torch
+
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if set_stance is None:
+        return contextlib.nullcontext()
+    try:
+        return set_stance("force_eager")
+    except (RuntimeError, TypeError, ValueError):
+        return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def _sig(obj: Any, out: list[Any], tensor: type, depth: int = 0) -> None:
+    # Hot path (every forward): a flat list of what changes the FLOPs. Tensors by shape and dtype;
+    # small scalars by value (a `seq_len=` kwarg changes the count); anything else by type.
+    if isinstance(obj, tensor):
+        out.append((obj.shape, obj.dtype, obj.device.type, obj.requires_grad))
+        return
+    t = type(obj)
+    if obj is None or t in (int, float, bool, str):
+        out.append(obj)
+    elif depth > 4:
+        out.append(t)
+    elif isinstance(obj, (list, tuple)):
+        out.append(len(obj))
+        for o in obj:
+            _sig(o, out, tensor, depth + 1)
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            out.append(k)
+            _sig(v, out, tensor, depth + 1)
+    else:
+        out.append(t)
+
+
+class FlopCache:
+    """FLOPs per input signature: counted on the first call with a new signature, then looked up.
+
+    The key is the module, the shapes/dtypes of the tensor arguments, small scalar arguments, the
+    autocast state and the TF32 switches, and grad mode. Shapes that never repeat (e.g. dynamic
+    padding to the longest sequence) would mean a replay every step: after ``max_misses`` distinct
+    signatures new ones are not counted (their FLOPs are None) and one line says how to give the
+    FLOPs instead. A signature whose count failed is remembered as None (no retry).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_misses: int = 32,
+        counter: Callable[..., FlopCount] = count_step_flops,
+        **count_kwargs: Any,
+    ) -> None:
+        if isinstance(max_misses, bool) or not isinstance(max_misses, int) or max_misses < 1:
+            raise ValueError(f"max_misses must be an integer >= 1, got {max_misses!r}")
+        self.max_misses = max_misses
+        self._counter = counter
+        self._count_kwargs = count_kwargs
+        self._entries: dict[tuple[Any, ...], FlopCount | None] = {}
+        self._warned_budget = False
+        self._warned_errors: set[str] = set()
+        self.misses = 0
+        self.errors = 0
+
+    @staticmethod
+    def key(module: Any, args: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, ...]:
+        import torch
+
+        parts: list[Any] = [id(module), torch.is_grad_enabled()]
+        for dev in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(dev):
+                parts.append((dev, torch.get_autocast_dtype(dev)))
+        # The C getters behind torch.backends.{cuda.matmul,cudnn}.allow_tf32, 10x cheaper.
+        C = torch._C
+        parts.append(C._get_cublas_allow_tf32() if hasattr(C, "_get_cublas_allow_tf32") else torch.backends.cuda.matmul.allow_tf32)
+        parts.append(C._get_cudnn_allow_tf32() if hasattr(C, "_get_cudnn_allow_tf32") else torch.backends.cudnn.allow_tf32)
+        _sig(args, parts, torch.Tensor)
+        if kwargs:
+            _sig(kwargs, parts, torch.Tensor)
+        return tuple(parts)
+
+    def get(self, module: Any, args: Any, kwargs: Mapping[str, Any] | None = None, **count_kwargs: Any) -> FlopCount | None:
+        """The FLOPs of this call (training thread); counts on a miss. Never raises for a failed count.
+
+        Returns None when called from inside a replay (a hook on the module firing during it)."""
+        if getattr(_STATE, "active", False):
+            return None
+        key = self.key(module, args, kwargs)
+        try:
+            return self._entries[key]
+        except KeyError:
+            pass
+        if self.misses >= self.max_misses:
+            if not self._warned_budget:
+                self._warned_budget = True
+                log.warning(
+                    "stepwatch: input shapes changed %d times; FLOPs of new shapes are not counted "
+                    "(MFU is null for them). Pad to a few fixed lengths, or give the FLOPs: "
+                    "stepwatch.init(flops=<number | callable(batch)>) or flops.transformer_flops().",
+                    self.max_misses,
+                )
+            return None
+        kw = {**self._count_kwargs, **count_kwargs}
+        try:
+            value: FlopCount | None = self._counter(module, args, kwargs, **kw)
+        except FlopCountNotReady:
+            return None
+        except FlopCountError as e:
+            self.errors += 1
+            msg = str(e)
+            if msg not in self._warned_errors:
+                self._warned_errors.add(msg)
+                log.warning("stepwatch: %s", msg)
+            value = None
+        self.misses += 1
+        self._entries[key] = value
+        return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# ----------------------------------------------------------------------------- user overrides
+
+
+def transformer_flops(
+    n_params: int,
+    tokens: int,
+    *,
+    n_layers: int = 0,
+    d_model: int = 0,
+    seq_len: int = 0,
+) -> int:
+    """Training FLOPs of a decoder transformer, PaLM appendix B: 6*N*T + 12*L*d*S*T.
+
+    ``n_params`` should be the non-embedding parameters (embedding lookups do no matmul; count a
+    separate LM head once, tied or not). The attention term counts the full S x S score matrix
+    (causal or not), forward + backward, as ``count_step_flops`` does; pass ``n_layers``,
+    ``d_model`` (= heads * head_dim) and ``seq_len`` to include it.
+    """
+    for name, v in (("n_params", n_params), ("tokens", tokens), ("n_layers", n_layers), ("d_model", d_model), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"transformer_flops: {name} must be an integer >= 0, got {v!r}")
+    return 6 * n_params * tokens + 12 * n_layers * d_model * seq_len * tokens
+
+
+def resolve_override(override: Any, batch: Any, dtype_key: str) -> FlopCount | None:
+    """The user's FLOPs for one micro-batch: a number, or a callable of the batch returning one
+    (or None for unknown). ``dtype_key`` is the step's matmul dtype (``peaks.matmul_dtype_key``)."""
+    if callable(override):
+        value = override(batch)
+        if value is None:
+            return None
+        if isinstance(value, FlopCount):
+            return value
+    else:
+        value = override
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"flops must be a number >= 0, or a callable(batch) returning one (or None); got {value!r}"
+        )
+    return FlopCount.from_total(value, dtype_key)
+
+
+def alignment_finding(count: FlopCount | None, *, rank: int, step: int | None = None) -> Any:
+    """The start-up ``tensor_core_alignment`` finding from a count's lint, or None if all is well."""
+    if count is None or not count.alignment:
+        return None
+    from .kinds import make_finding
+
+    names = sorted({a["module"] for a in count.alignment})
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return make_finding(
+        "tensor_core_alignment",
+        rank=rank,
+        step=step,
+        summary=f"{len(count.alignment)} matmul(s) not Tensor Core aligned in: {shown}",
+        data={"layers": list(count.alignment)},
+    )

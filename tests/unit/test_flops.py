@@ -1,0 +1,503 @@
+"""FLOPs counting against hand-computed ground truth (2*m*n*k per matmul; backward = grad-weight
++ grad-input where the input needs grad), on CPU with real modules and fake-tensor replay."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as ckpt
+from torch.utils.flop_counter import FlopCounterMode
+
+from stepwatch.analysis import flops as fl
+from stepwatch.analysis.flops import FlopCache, FlopCount, count_step_flops, sum_counts, transformer_flops
+
+
+def mm(m: int, k: int, n: int) -> int:
+    return 2 * m * k * n
+
+
+def close(got: float, want: float, rel: float = 0.02) -> bool:
+    return abs(got - want) <= rel * want
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc = nn.Linear(16 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.relu(self.c2(F.relu(self.c1(x)))).flatten(1))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, h: int, kv_heads: int | None = None) -> None:
+        super().__init__()
+        self.h, self.kv = h, kv_heads or h
+        self.hd = d // h
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q = nn.Linear(d, d)
+        self.kvp = nn.Linear(d, 2 * self.kv * self.hd)
+        self.o = nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        y = self.ln1(x)
+        q = self.q(y).view(b, t, self.h, self.hd).transpose(1, 2)
+        k, v = self.kvp(y).view(b, t, 2, self.kv, self.hd).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.h)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=96, d=64, h=4, layers=2, kv_heads=None, checkpoint=False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, h, kv_heads) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.checkpoint = checkpoint
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for blk in self.blocks:
+            x = ckpt.checkpoint(blk, x, use_reentrant=False) if self.checkpoint else blk(x)
+        return self.head(x)
+
+
+def lm_truth(b, t, vocab=96, d=64, h=4, layers=2, kv_heads=None):
+    """(forward FLOPs of the blocks, forward FLOPs of the head, attention score-rebuild FLOPs)."""
+    bt = b * t
+    kv_dim = 2 * (kv_heads or h) * (d // h)
+    per_block = mm(bt, d, d) + mm(bt, d, kv_dim) + mm(bt, d, d) + 2 * mm(bt, d, 4 * d)
+    attn = 2 * mm(b * h * t, d // h, t)  # QK^T and PV over the full T x T score matrix
+    rebuild = mm(b * h * t, d // h, t)
+    return layers * (per_block + attn), mm(bt, d, vocab), layers * rebuild
+
+
+# ----------------------------------------------------------------------------- ground truth
+
+
+def test_mlp_matches_hand_count_and_skips_input_grad():
+    b = 16
+    c = count_step_flops(mlp(), (torch.randn(b, 64),))
+    fwd = mm(b, 64, 128) + mm(b, 128, 32)
+    # Layer 1: weight grad only (x needs no grad); layer 2: weight grad + input grad.
+    bwd = mm(b, 64, 128) + 2 * mm(b, 128, 32)
+    assert close(sum(c.forward.values()), fwd)
+    assert close(sum(c.backward.values()), bwd)
+    assert close(c.total, fwd + bwd)
+    assert c.by_dtype.keys() == {"fp32"}
+    assert c.recompute == {}
+
+
+def test_mlp_input_requiring_grad_adds_grad_input():
+    b = 16
+    x = torch.randn(b, 64, requires_grad=True)
+    c = count_step_flops(mlp(), (x,))
+    assert close(sum(c.backward.values()), 2 * mm(b, 64, 128) + 2 * mm(b, 128, 32))
+
+
+def test_frozen_layers_get_no_weight_grad():
+    b = 16
+    m = mlp()
+    m[0].requires_grad_(False)  # e.g. a frozen base: no grad-weight, and nothing upstream needs grad
+    c = count_step_flops(m, (torch.randn(b, 64),))
+    assert sum(c.backward.values()) == mm(b, 128, 32)  # layer 2's grad-weight only
+    m[0].requires_grad_(True)
+    m[2].requires_grad_(False)  # frozen head: grad-input still flows back to layer 1
+    c = count_step_flops(m, (torch.randn(b, 64),))
+    assert sum(c.backward.values()) == mm(b, 128, 32) + mm(b, 64, 128)
+
+
+def test_conv_net_matches_hand_count():
+    b = 4
+    c = count_step_flops(ConvNet(), (torch.randn(b, 3, 16, 16),))
+    conv1 = 2 * b * 16 * 16 * 8 * 3 * 9
+    conv2 = 2 * b * 16 * 16 * 16 * 8 * 9
+    fc = mm(b, 16 * 16 * 16, 10)
+    fwd = conv1 + conv2 + fc
+    bwd = conv1 + 2 * conv2 + 2 * fc  # conv1: no grad-input (the image needs none)
+    assert close(sum(c.forward.values()), fwd)
+    assert close(c.total, fwd + bwd)
+
+
+def test_transformer_with_sdpa_on_cpu():
+    b, t = 2, 32
+    c = count_step_flops(TinyLM(), (torch.randint(0, 96, (b, t)),))
+    blocks, head, rebuild = lm_truth(b, t)
+    fwd = blocks + head
+    # Everything downstream of the embedding needs grad, so backward = 2x forward, attention too.
+    assert close(sum(c.forward.values()), fwd)
+    assert close(c.total, 3 * fwd)
+    # The attention share alone (FlopCounterMode would count 0 of it on CPU) is there.
+    attn = 2 * 2 * mm(b * 4 * t, 64 // 4, t)
+    assert sum(c.forward.values()) - (fwd - attn) == attn
+    assert close(c.hfu_total - c.total, rebuild)
+
+
+def test_flop_counter_mode_alone_misses_cpu_sdpa():
+    """The bug we fix: plain FlopCounterMode counts 0 for SDPA on CPU."""
+    q = torch.randn(1, 2, 16, 8)
+    with FlopCounterMode(display=False) as fc:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert fc.get_total_flops() == 0
+    c = count_step_flops(nn.Identity(), (q,), backward=False)  # sanity: the identity does no math
+    assert c.total == 0
+
+
+def test_gqa_counts_query_heads():
+    b, t, h, kv = 2, 16, 8, 2
+    c = count_step_flops(TinyLM(h=h, kv_heads=kv, layers=1), (torch.randint(0, 96, (b, t)),))
+    blocks, head, _ = lm_truth(b, t, h=h, kv_heads=kv, layers=1)
+    assert close(sum(c.forward.values()), blocks + head)
+    assert close(c.total, 3 * (blocks + head))
+
+
+def test_checkpoint_does_not_change_mfu_flops():
+    b, t = 2, 32
+    ids = torch.randint(0, 96, (b, t))
+    plain = count_step_flops(TinyLM(), (ids,))
+    ck = count_step_flops(TinyLM(checkpoint=True), (ids,))
+    blocks, head, rebuild = lm_truth(b, t)
+    assert close(ck.total, 3 * (blocks + head))
+    assert ck.total == plain.total
+    # The recompute is visible for HFU: each block's forward once more, except its last matmul
+    # (`down`): non-reentrant checkpoint stops recomputing once every saved tensor is back
+    # (torch.utils.checkpoint early stop), and `down`'s output is not saved for backward.
+    downs = 2 * mm(b * t, 4 * 64, 64)
+    assert close(ck.hfu_total - ck.total, blocks - downs + rebuild)
+
+
+def test_reentrant_checkpoint_too():
+    m = mlp()
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return ckpt.checkpoint(self.m, x, use_reentrant=True)
+
+    x = torch.randn(8, 64, requires_grad=True)
+    a, c = count_step_flops(m, (x,)), count_step_flops(Wrap(), (x,))
+    assert c.total == a.total
+    assert sum(c.recompute.values()) == sum(a.forward.values())
+
+
+def test_grad_accumulation_x4_is_additive():
+    cache = FlopCache()
+    model = TinyLM()
+    micro = [torch.randint(0, 96, (2, 32)) for _ in range(4)]
+    step = sum_counts([cache.get(model, (ids,)) for ids in micro])
+    one = count_step_flops(model, (micro[0],))
+    assert step.total == 4 * one.total == one.scaled(4).total
+    assert cache.misses == 1  # one count, three lookups
+    blocks, head, _ = lm_truth(2, 32)
+    assert close(step.total, 4 * 3 * (blocks + head))
+    # Variable micro-batch sizes add up too.
+    mixed = sum_counts([cache.get(model, (torch.randint(0, 96, (bsz, 32)),)) for bsz in (1, 2, 3, 2)])
+    assert close(mixed.total, 8 * 3 * (blocks + head) / 2)
+
+
+def test_mlp_count_equals_real_flop_counter_over_four_microbatches():
+    """Where FlopCounterMode is right (no attention), the fake replay equals a real run."""
+    model = mlp()
+    xs = [torch.randn(8, 64) for _ in range(4)]
+    with FlopCounterMode(display=False) as real:
+        for x in xs:
+            model(x).sum().backward()
+    cache = FlopCache()
+    ours = sum_counts([cache.get(model, (x,)) for x in xs])
+    assert ours.total == real.get_total_flops()
+
+
+# ----------------------------------------------------------------------------- no side effects
+
+
+class Stateful(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.5)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        self.cache = x * 2
+        return self.drop(self.bn(self.lin(x)))
+
+
+def test_replay_touches_no_rng_parameter_buffer_or_grad():
+    torch.manual_seed(0)
+    m = Stateful().train()
+    m(torch.randn(4, 16)).sum().backward()  # real grads and running stats exist
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    x = torch.randn(4, 16)
+    rng = torch.get_rng_state()
+    calls, cache = m.calls, m.cache
+    c = count_step_flops(m, (x,))
+    assert c.total > 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+        assert not isinstance(v, torch._subclasses.fake_tensor.FakeTensor)
+    for n, p in m.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
+    assert m.calls == calls and m.cache is cache
+    # And the next real random draw is the one it would have been.
+    torch.set_rng_state(rng)
+    want = torch.rand(3)
+    torch.set_rng_state(rng)
+    count_step_flops(m, (x,))
+    assert torch.equal(torch.rand(3), want)
+
+
+def test_hooks_see_is_counting():
+    m = mlp()
+    seen = []
+    m.register_forward_pre_hook(lambda mod, a: seen.append(fl.is_counting()))
+    count_step_flops(m, (torch.randn(2, 64),))
+    m(torch.randn(2, 64))
+    assert seen == [True, False]
+
+
+# ----------------------------------------------------------------------------- dtypes, wrappers, lint
+
+
+def test_autocast_bf16_is_attributed_to_bf16():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        c = count_step_flops(mlp(), (torch.randn(16, 64),))
+    assert set(c.by_dtype) == {"bf16"}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        k1 = FlopCache.key(object(), (torch.randn(2),), None)
+    k2 = FlopCache.key(object(), (torch.randn(2),), None)
+    assert k1[2:] != k2[2:]
+
+
+def test_compiled_module_is_unwrapped():
+    m = mlp()
+    compiled = torch.compile(m)  # lazy: nothing is compiled unless called
+    assert fl.unwrap_module(compiled) is m
+    assert count_step_flops(compiled, (torch.randn(4, 64),)).total == count_step_flops(m, (torch.randn(4, 64),)).total
+
+
+def test_ddp_is_unwrapped(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        m = mlp()
+        ddp = nn.parallel.DistributedDataParallel(m)
+        c = count_step_flops(ddp, (torch.randn(4, 64),))
+        assert c.total == count_step_flops(m, (torch.randn(4, 64),)).total
+        assert all(p.grad is None for p in m.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_loss_fn_and_kwargs():
+    m = mlp()
+    target = torch.randn(8, 32)
+    c = count_step_flops(m, (), {"input": torch.randn(8, 64)}, loss_fn=lambda out: F.mse_loss(out, target))
+    assert c.total == count_step_flops(m, (torch.randn(8, 64),)).total
+
+
+def test_no_grad_counts_forward_only():
+    with torch.no_grad():
+        c = count_step_flops(mlp(), (torch.randn(8, 64),))
+    assert c.backward == {} and c.total == mm(8, 64, 128) + mm(8, 128, 32)
+
+
+def test_alignment_lint_names_the_layer():
+    m = nn.Sequential(nn.Linear(64, 100), nn.ReLU(), nn.Linear(100, 64)).to(torch.bfloat16)
+    c = count_step_flops(m, (torch.randn(8, 64, dtype=torch.bfloat16),), lint_devices=("cpu",))
+    modules = {a["module"] for a in c.alignment}
+    assert any(name.endswith(".0") for name in modules) and any(name.endswith(".2") for name in modules)
+    assert all("multiples of 8" in a["problem"] for a in c.alignment)
+    f = fl.alignment_finding(c, rank=0)
+    assert f.kind == "tensor_core_alignment" and ".0" in f.summary and f.data["layers"]
+    ok = nn.Linear(64, 128).to(torch.bfloat16)
+    good = count_step_flops(ok, (torch.randn(8, 64, dtype=torch.bfloat16),), lint_devices=("cpu",))
+    assert good.alignment == () and fl.alignment_finding(good, rank=0) is None
+
+
+# ----------------------------------------------------------------------------- cache and overrides
+
+
+def test_cache_failure_is_logged_once_and_remembered(caplog):
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) if x.sum().item() > -1e9 else x
+
+    cache = FlopCache()
+    m = DataDependent()
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        assert cache.get(m, (torch.randn(2, 4),)) is None
+        assert cache.get(m, (torch.randn(2, 4),)) is None
+    assert cache.errors == 1
+    assert sum("stepwatch.init(flops=" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_cache_miss_budget(caplog):
+    cache = FlopCache(max_misses=2)
+    m = mlp()
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        assert cache.get(m, (torch.randn(1, 64),)) is not None
+        assert cache.get(m, (torch.randn(2, 64),)) is not None
+        assert cache.get(m, (torch.randn(3, 64),)) is None
+        assert cache.get(m, (torch.randn(4, 64),)) is None
+        assert cache.get(m, (torch.randn(1, 64),)) is not None  # known shapes still answer
+    assert sum("input shapes changed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_transformer_formula_matches_counted_model_flops():
+    b, t, d, layers = 2, 32, 64, 2
+    model = TinyLM(d=d, layers=layers)
+    # Non-embedding matmul parameters (biases do no matmul work in 2*m*n*k accounting).
+    n = sum(mod.weight.numel() for mod in model.modules() if isinstance(mod, nn.Linear))
+    formula = transformer_flops(n, b * t, n_layers=layers, d_model=d, seq_len=t)
+    counted = count_step_flops(model, (torch.randint(0, 96, (b, t)),)).total
+    assert close(counted, formula)
+
+
+def test_overrides_and_bad_values():
+    assert fl.resolve_override(1e12, None, "bf16").by_dtype == {"bf16": 10**12}
+    assert fl.resolve_override(lambda batch: 3 * len(batch), [1, 2], "fp32").total == 6
+    assert fl.resolve_override(lambda batch: None, [1], "fp32") is None
+    with pytest.raises(ValueError, match="flops must be a number"):
+        fl.resolve_override("lots", None, "bf16")
+    with pytest.raises(ValueError, match="n_params"):
+        transformer_flops(-1, 10)
+    with pytest.raises(ValueError, match="k must be"):
+        FlopCount().scaled(-2)
+
+
+# ----------------------------------------------------------------------------- tokens and samples
+# (hooks/tokens.py: what tokens/s and samples/s divide by; rules in docs/mfu.md)
+
+
+def test_tokens_from_input_ids_and_attention_mask():
+    from stepwatch.hooks.tokens import infer_batch_counts
+
+    ids = torch.randint(1, 100, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, 7:] = 0  # 3 padding positions
+    mask[2, 4:] = 0  # 6 more
+    c = infer_batch_counts((), {"input_ids": ids, "attention_mask": mask}).resolve()
+    assert (c.samples, c.tokens) == (3, 30 - 9)
+    # The same batch as a dict passed positionally (HF style model(batch) / BatchEncoding).
+    c = infer_batch_counts(({"input_ids": ids, "attention_mask": mask},)).resolve()
+    assert (c.samples, c.tokens) == (3, 21)
+    # No mask: every position counts, unless a pad id is given.
+    assert infer_batch_counts((), {"input_ids": ids}).resolve().tokens == 30
+    ids[1, 5:] = 0
+    assert infer_batch_counts((ids,), pad_token_id=0).resolve().tokens == 25
+
+
+def test_tokens_from_plain_tensors_and_tuples():
+    from stepwatch.hooks.tokens import infer_batch_counts
+
+    ids = torch.randint(0, 50, (4, 16))
+    assert infer_batch_counts((ids,)).resolve().tokens == 64
+    assert infer_batch_counts(((ids, torch.randint(0, 50, (4, 16))),)).resolve().samples == 4
+    img = torch.randn(8, 3, 32, 32)
+    c = infer_batch_counts((img,)).resolve()
+    assert (c.samples, c.tokens) == (8, None)  # images: samples known, tokens not
+    labels = torch.randint(0, 10, (8,))
+    assert infer_batch_counts((labels,)).resolve().tokens is None  # 1-D ints are not tokens
+    assert infer_batch_counts(("text",)).resolve().samples is None
+
+
+def test_tokens_add_up_over_micro_batches():
+    from stepwatch.hooks.tokens import BatchCounts, infer_batch_counts
+
+    micro = [torch.randint(0, 50, (b, 8)) for b in (2, 3, 1, 2)]  # variable batch sizes
+    total = BatchCounts(0, 0)
+    for ids in micro:
+        total = total + infer_batch_counts((ids,)).resolve()
+    assert (total.samples, total.tokens) == (8, 64)
+    assert (total + BatchCounts(1, None)).tokens is None
+    pending = infer_batch_counts((), {"input_ids": micro[0], "attention_mask": torch.ones(2, 8)})
+    with pytest.raises(ValueError, match="resolve"):
+        total + pending
+
+
+def test_cache_get_from_a_hook_does_not_recurse():
+    """The session calls FlopCache.get in the model's forward pre-hook; the replay fires it again."""
+    model = mlp()
+    cache = FlopCache()
+    got = []
+    model.register_forward_pre_hook(lambda m, a, k: got.append(cache.get(m, a, k)), with_kwargs=True)
+    for _ in range(3):
+        model(torch.randn(4, 64)).sum().backward()
+    assert cache.misses == 1 and len(cache) == 1
+    # The hook's call from inside the replay gets None; the three real forwards get the count.
+    assert got[0] is None and got[1] is not None and got[1] is got[2] is got[3]
+
+
+def test_lazy_modules_are_counted_after_their_first_forward():
+    m = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 8))
+    cache = FlopCache()
+    x = torch.randn(4, 16)
+    assert cache.get(m, (x,)) is None  # not materialized yet: no count, nothing remembered
+    assert len(cache) == 0 and cache.misses == 0
+    m(x)
+    assert cache.get(m, (x,)).total == 3 * mm(4, 16, 32) - mm(4, 16, 32) + 3 * mm(4, 32, 8)
+
+
+def test_throughput_collector_sums_micro_batches_and_ignores_loss_module_and_eval():
+    """The session's forward pre-hook on each root feeds it; take() at step end."""
+    from stepwatch.hooks.tokens import ThroughputCollector
+
+    model, loss_mod = TinyLM(), nn.CrossEntropyLoss()
+    col = ThroughputCollector()
+    for root in (model, loss_mod):
+        root.register_forward_pre_hook(lambda m, a, k: col.on_forward(m, a, k), with_kwargs=True)
+    one = count_step_flops(model, (torch.randint(0, 96, (2, 32)),)).total
+    for _ in range(4):  # gradient accumulation x4
+        ids = torch.randint(0, 96, (2, 32))
+        loss_mod(model(ids).flatten(0, 1), ids.flatten()).backward()
+    with torch.no_grad():
+        model(torch.randint(0, 96, (7, 32)))  # eval: not part of the step
+    step = col.take()
+    flops, tokens, samples = step.resolve()
+    assert step.micro_batches == 4 and (tokens, samples) == (4 * 64, 8)
+    assert flops.total >= 4 * one and close(flops.total, 4 * one, rel=0.01)  # + the tiny loss module
+    assert col.take() is None
+
+
+def test_throughput_collector_override_number_and_callable():
+    from stepwatch.hooks.tokens import ThroughputCollector
+
+    m = mlp()
+    for override, want in ((1000, 2000), (lambda batch: 10 * batch.shape[0], 2 * 10 * 8)):
+        col = ThroughputCollector(flops=override)
+        h = m.register_forward_pre_hook(lambda mod, a, k: col.on_forward(mod, a, k), with_kwargs=True)
+        for _ in range(2):
+            m(torch.randn(8, 64)).sum().backward()
+        h.remove()
+        flops, _, samples = col.take().resolve()
+        assert flops.total == want and flops.by_dtype.keys() == {"fp32"} and samples == 16
+    with pytest.raises(ValueError, match="flops must be"):
+        ThroughputCollector(flops="many")

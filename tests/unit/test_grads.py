@@ -1,0 +1,391 @@
+"""Grad-norm probe on CPU: equals ``torch.nn.utils.get_total_norm`` of the unscaled grads, reuses
+``clip_grad_norm_``'s tensor, sees through GradScaler (fused and not), flags non-finite grads and
+skipped steps, and leaves the training result bit-identical."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from stepwatch.hooks.grads import GradNormProbe, StoreNormExchange, combine_sharded
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+class Hooked:
+    """A probe wired the way the session wires it: the global optimizer step pre-hook."""
+
+    def __init__(self, **kw) -> None:
+        self.skipped: list = []
+        self.probe = GradNormProbe(on_skipped=self.skipped.append, **kw).install()
+        self.pending: list = []
+        self.handle = register_optimizer_step_pre_hook(lambda opt, a, k: self._pre(opt))
+
+    def _pre(self, opt) -> None:
+        p = self.probe.on_optimizer_step(opt)
+        self.pending.append(p)
+
+    def values(self) -> list:
+        return [None if p is None else self.probe.resolve(p) for p in self.pending]
+
+    def close(self) -> None:
+        self.handle.remove()
+        self.probe.uninstall()
+
+
+@pytest.fixture
+def hooked():
+    made = []
+
+    def make(**kw):
+        h = Hooked(**kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def test_plain_equals_get_total_norm(hooked):
+    h = hooked()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    want = []
+    for step in range(3):
+        x, y = data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+        want.append(torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item())
+        opt.step()
+    got = h.values()
+    assert all(not r.from_clip and not r.nonfinite and not r.skipped for r in got)
+    for r, w in zip(got, want):
+        assert rel(r.norm, w) < 1e-5
+
+
+def test_clip_grad_norm_tensor_is_reused_and_is_pre_clip(hooked):
+    h = hooked()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = data(0)
+    nn.functional.mse_loss(m(x), y).backward()
+    pre = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item()
+    returned = torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=pre / 10)
+    after = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item()
+    opt.step()
+    (r,) = h.values()
+    assert r.from_clip
+    assert rel(r.norm, pre) < 1e-6 and r.norm == returned.item()
+    assert after < pre / 5  # clipping did happen; we report the pre-clip norm
+
+
+def test_clip_of_other_params_is_not_reused(hooked):
+    h = hooked()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = data(0)
+    nn.functional.mse_loss(m(x), y).backward()
+    full = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item()
+    torch.nn.utils.clip_grad_norm_(m[0].parameters(), max_norm=1e9)  # only the first layer
+    opt.step()
+    (r,) = h.values()
+    assert not r.from_clip and rel(r.norm, full) < 1e-5
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("explicit_unscale", [False, True])
+def test_grad_scaler_gives_unscaled_norm(hooked, fused, explicit_unscale):
+    """GradScaler("cpu") works in torch 2.13; fused Adam on CPU takes the scale-passing path."""
+    h = hooked()
+    m = model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3, fused=fused)
+    assert getattr(opt, "_step_supports_amp_scaling", False) == fused
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    x, y = data(0)
+    scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item() / 2.0**12
+    if explicit_unscale:
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    (r,) = h.values()
+    assert rel(r.norm, want) < 1e-5
+    assert not r.skipped and not h.skipped
+
+
+def test_grad_scaler_with_unscale_and_clip_reuses_clip(hooked):
+    h = hooked()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x, y = data(0)
+    scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
+    scaler.unscale_(opt)
+    want = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    (r,) = h.values()
+    assert r.from_clip and rel(r.norm, want) < 1e-6
+
+
+def test_nonfinite_grads_flagged_and_scaler_skipped_step_reported(hooked):
+    h = hooked()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    # Plain optimizer: a NaN grad reaches the pre-hook.
+    x, y = data(0)
+    nn.functional.mse_loss(m(x), y).backward()
+    m[0].weight.grad[0, 0] = float("nan")
+    opt.step()
+    (r,) = h.values()
+    assert r.nonfinite and math.isnan(r.norm)
+    # GradScaler: it skips optimizer.step, so the pre-hook never fires; the tap reports it.
+    scaler = torch.amp.GradScaler("cpu")
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
+    m[2].bias.grad[0] = float("inf")
+    before = [p.detach().clone() for p in m.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert len(h.pending) == 1  # no pre-hook call for the skipped step
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    (pending,) = h.skipped
+    res = h.probe.resolve(pending)
+    assert res.skipped and res.nonfinite
+
+
+def test_every_n(hooked):
+    h = hooked(every=3)
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for step in range(7):
+        x, y = data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+    assert [p is not None for p in h.pending] == [True, False, False, True, False, False, True]
+    with pytest.raises(ValueError, match="every must be"):
+        GradNormProbe(every=0)
+
+
+def train(steps: int, probe: bool) -> tuple[list[float], list[torch.Tensor]]:
+    h = Hooked() if probe else None
+    try:
+        m = model()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for step in range(steps):
+            x, y = data(step)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in m.parameters()]
+    finally:
+        if h is not None:
+            assert len(h.pending) == steps and all(r.from_clip for r in h.values())
+            h.close()
+
+
+def test_losses_bit_identical_with_probe_on_and_off():
+    off_losses, off_params = train(6, probe=False)
+    on_losses, on_params = train(6, probe=True)
+    assert on_losses == off_losses
+    assert all(torch.equal(a, b) for a, b in zip(on_params, off_params))
+
+
+def test_uninstall_restores_torch_functions():
+    orig_clip = torch.nn.utils.clip_grad_norm_
+    orig_step = torch.amp.GradScaler.step
+    a, b = GradNormProbe().install(), GradNormProbe().install()
+    assert torch.nn.utils.clip_grad_norm_ is not orig_clip
+    a.uninstall()
+    assert torch.nn.utils.clip_grad_norm_ is not orig_clip  # b still needs it
+    b.uninstall()
+    assert torch.nn.utils.clip_grad_norm_ is orig_clip and torch.amp.GradScaler.step is orig_step
+
+
+def test_combine_sharded_math():
+    # Two ranks with shards of squares 9 and 16, plus a replicated part of norm 12 on both.
+    assert combine_sharded([(9.0, 12.0), (16.0, 12.0)]) == pytest.approx(13.0)
+    assert combine_sharded([9.0, 16.0]) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="local_by_rank"):
+        combine_sharded([])
+
+
+def test_store_exchange_single_process_two_ranks():
+    """Two exchange objects on one real HashStore stand in for two ranks."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    r0, r1 = StoreNormExchange(store, 0, 2, slots=4), StoreNormExchange(store, 1, 2, slots=4)
+    r0.publish(5, (9.0, 0.0))
+    assert r0.poll(5) is None and r1.poll(5) is None  # rank 1 not in yet
+    r1.publish(5, (16.0, 0.0))
+    assert r1.poll(5) is None  # rank 0 has not combined yet
+    assert r0.poll(5) == pytest.approx(5.0)
+    assert r1.poll(5) == pytest.approx(5.0)
+    # Step 9 reuses slot 1: stale values from step 5 are not taken for step 9.
+    r0.publish(9, (1.0, 0.0))
+    assert r0.poll(9) is None
+
+
+def _res(norm, skipped=False):
+    from stepwatch.hooks.grads import GradNormResult
+
+    return GradNormResult(norm, (0.0, norm), False, not math.isfinite(norm), skipped, False)
+
+
+def test_spike_detector_absolute_relative_and_nonfinite():
+    from stepwatch.hooks.grads import GradNormSpikeDetector
+
+    d = GradNormSpikeDetector(abs_threshold=10.0, factor=5.0, window=20)
+    assert all(d.observe_result(i, _res(1.0 + 0.01 * i)) is None for i in range(12))
+    f = d.observe_result(12, _res(6.0))  # 5.x times the median of ~1.05
+    assert f.kind == "grad_norm_spike" and "rolling median" in f.summary
+    assert d.observe_result(13, _res(7.0)) is None  # same episode
+    assert d.observe_result(14, _res(1.0)) is None  # recovered: re-armed
+    f = d.observe_result(15, _res(11.0))
+    assert f.kind == "grad_norm_spike" and "above 10" in f.summary
+    f = d.observe_result(16, _res(float("inf"), skipped=True))
+    assert f.kind == "nonfinite_grads" and f.severity == "critical" and f.data["skipped"]
+    with pytest.raises(ValueError, match="factor"):
+        GradNormSpikeDetector(factor=1.0)
+
+
+def test_collector_hands_over_a_steps_probes_including_skipped():
+    """The shape the session uses: pre-hook feeds the collector, take() at step end, resolve off-thread."""
+    from stepwatch.hooks.grads import GradNormCollector
+
+    col = GradNormCollector().install()
+    handle = register_optimizer_step_pre_hook(lambda o, a, k: col.on_optimizer_step(o))
+    try:
+        m = model()
+        head = torch.optim.SGD(m[2].parameters(), lr=0.1)
+        body = torch.optim.SGD(m[0].parameters(), lr=0.1)
+        x, y = data(0)
+        nn.functional.mse_loss(m(x), y).backward()
+        want = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item()
+        body.step()
+        head.step()  # two optimizers, one step: one norm over both
+        step = col.take()
+        assert len(step) == 2 and col.take() is None
+        r = GradNormCollector.resolve_step(step)
+        assert rel(r.norm, want) < 1e-5
+        scaler = torch.amp.GradScaler("cpu")
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
+        m[0].bias.grad[0] = float("nan")
+        scaler.step(opt)
+        r = GradNormCollector.resolve_step(col.take())
+        assert r.skipped and r.nonfinite
+        assert GradNormCollector.resolve_step(None) is None
+    finally:
+        handle.remove()
+        col.uninstall()
+
+
+def test_uninstall_under_a_foreign_wrapper_leaves_a_pass_through():
+    """stepwatch's step tracker also wraps GradScaler.step; uninstall order must not matter."""
+    orig = torch.amp.GradScaler.step
+    probe = GradNormProbe().install()
+    mine = torch.amp.GradScaler.step
+
+    def foreign(self, *a, **k):
+        return mine(self, *a, **k)
+
+    torch.amp.GradScaler.step = foreign
+    probe.uninstall()
+    assert torch.amp.GradScaler.step is foreign  # not clobbered
+    torch.amp.GradScaler.step = orig  # the foreign tool's own uninstall
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = data(0)
+    scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
+    mine(scaler, opt)  # the left-over wrapper just calls through
+    scaler.update()
+
+
+def test_probe_does_not_keep_optimizers_alive():
+    import gc
+    import weakref
+
+    probe = GradNormProbe()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = data(0)
+    nn.functional.mse_loss(m(x), y).backward()
+    assert probe.on_optimizer_step(opt) is not None
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+
+
+def _rec(step, **kw):
+    from stepwatch.record import StepRecord
+
+    return StepRecord(step=step, rank=0, time=1000.0 + step, step_s=0.1, **kw)
+
+
+def test_enricher_fills_grad_norm_and_waits_for_sharded_ranks():
+    import torch.distributed as dist
+
+    from stepwatch.hooks.grads import GradNormEnricher, PendingGradNorm
+
+    # Plain: the probe's value, as is.
+    col_vals = torch.tensor([0.0, 3.0])
+    rec = _rec(1)
+    assert GradNormEnricher().enrich(rec, {"grad_norm": [PendingGradNorm(col_vals)]}, force=False)
+    assert rec.grad_norm == 3.0
+    # Sharded, two ranks on one real HashStore: rank 1 holds until rank 0 has combined.
+    store = dist.HashStore()
+    e0 = GradNormEnricher(StoreNormExchange(store, 0, 2))
+    e1 = GradNormEnricher(lambda: StoreNormExchange(store, 1, 2))  # made on first need
+    r0, r1 = _rec(7), _rec(7)
+    p0 = PendingGradNorm(torch.tensor([9.0, 12.0]), sharded=True)
+    p1 = PendingGradNorm(torch.tensor([16.0, 12.0]), sharded=True)
+    assert not e1.enrich(r1, {"grad_norm": [p1]}, force=False)
+    assert e0.enrich(r0, {"grad_norm": [p0]}, force=False) and r0.grad_norm == pytest.approx(13.0)
+    assert e1.enrich(r1, {"grad_norm": [p1]}, force=False) and r1.grad_norm == pytest.approx(13.0)
+    # Without an exchange a sharded value is unknown, never this rank's partial norm.
+    r = _rec(8)
+    assert GradNormEnricher().enrich(r, {"grad_norm": [p0]}, force=False) and r.grad_norm is None
+    # A rank that never answers: `force` gives up with None.
+    r = _rec(9)
+    assert not e1.enrich(r, {"grad_norm": [p1]}, force=False)
+    assert e1.enrich(r, {"grad_norm": [p1]}, force=True) and r.grad_norm is None
+
+
+def test_spike_detector_record_interface():
+    from stepwatch.hooks.grads import GradNormSpikeDetector
+
+    d = GradNormSpikeDetector()
+    assert d.observe(_rec(1, grad_norm=1.0)) == [] and d.observe(_rec(2)) == []
+    (f,) = d.observe(_rec(3, grad_norm=float("nan"), skipped=True))
+    assert f.kind == "nonfinite_grads" and f.step == 3 and f.time == 1003.0
+    (f,) = d.observe(_rec(4, grad_norm=25.0))
+    assert f.kind == "grad_norm_spike"
