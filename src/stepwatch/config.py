@@ -116,6 +116,22 @@ def _gpu_hz(s: Any) -> float:
     return v
 
 
+def _fraction(s: Any) -> float:
+    """A number in (0, 1]."""
+    v = _float_above(0.0)(s)
+    if v is None or v > 1.0:
+        raise ValueError("expected a number > 0 and <= 1")
+    return v
+
+
+def _flops_value(v: Any) -> Any:
+    if v is None or callable(v):
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError("expected None, a number of FLOPs >= 0, or a callable(batch)")
+    return v
+
+
 def _opt(env: str | None, doc: str, parse: Callable[[Any], Any]) -> dict[str, Any]:
     return {"env": env, "doc": doc, "parse": parse}
 
@@ -335,6 +351,131 @@ class Config:
             "STEPWATCH_MFU_DROP_WINDOW_S",
             "Seconds back that the current MFU is compared with for `mfu_drop` (reference B.7: 10 min).",
             _float_above(0.0),
+        ),
+    )
+    comm: bool = field(
+        default=True,
+        metadata=_opt(
+            "STEPWATCH_COMM",
+            "Communication timing: DDP AllReduce buckets through the comm hook, FSDP2 all-gather / "
+            "reduce-scatter, overlap with backward, bus bandwidth, and the cross-rank straggler exchange "
+            "(docs/comm.md).",
+            _bool_value,
+        ),
+    )
+    overlap_threshold: float = field(
+        default=0.8,
+        metadata=_opt(
+            "STEPWATCH_OVERLAP_THRESHOLD",
+            "Mean AllReduce/backward overlap over a window below which `allreduce_not_overlapped` is "
+            "raised (reference B.2: target > 80%).",
+            _fraction,
+        ),
+    )
+    straggler_every: int = field(
+        default=20,
+        metadata=_opt(
+            "STEPWATCH_STRAGGLER_EVERY",
+            "Steps per straggler-exchange window: every N steps each rank publishes one compact summary "
+            "(compute without comm waiting, step time, data wait) through the c10d store.",
+            _int_at_least(2),
+        ),
+    )
+    straggler_margin: float = field(
+        default=0.2,
+        metadata=_opt(
+            "STEPWATCH_STRAGGLER_MARGIN",
+            "A rank is slow in a window when its compute time exceeds the median of the other ranks' by "
+            "this fraction.",
+            _float_above(0.0),
+        ),
+    )
+    straggler_windows: int = field(
+        default=3,
+        metadata=_opt(
+            "STEPWATCH_STRAGGLER_WINDOWS",
+            "Consecutive slow windows before a `straggler` finding names the rank.",
+            _int_at_least(1),
+        ),
+    )
+    # -- hang watchdog and captures (capture/, docs/hang.md) --
+    watchdog: str = field(
+        default="auto",
+        metadata=_opt(
+            "STEPWATCH_WATCHDOG",
+            "Hang watchdog sidecar and `kill -USR1` stack dumps: `auto` (on in a multi-rank job and "
+            "under `stepwatch run`), `on`, `off`.",
+            _choice("auto", "on", "off"),
+        ),
+    )
+    hang_timeout: float | None = field(
+        default=None,
+        metadata=_opt(
+            "STEPWATCH_HANG_TIMEOUT",
+            "Seconds without progress (a step end, a phase change, a collective) that make a hang. "
+            "Default: adaptive, 10 x the p99 step time, at least 30 s, at most 300 s (below the "
+            "NCCL/gloo process-group timeouts of 10/30 min); x5 inside a checkpoint save.",
+            _float_above(0.0, optional=True),
+        ),
+    )
+    hang_action: str = field(
+        default="dump",
+        metadata=_opt(
+            "STEPWATCH_HANG_ACTION",
+            "On a hang: `dump` (stacks and report once, keep waiting) or `exit` (then end the rank "
+            "so torchrun can restart the job).",
+            _choice("dump", "exit"),
+        ),
+    )
+    capture: str = field(
+        default="auto",
+        metadata=_opt(
+            "STEPWATCH_CAPTURE",
+            "Anomaly-triggered torch.profiler captures (step-time spike, data-loading stall, MFU "
+            "drop, grad-norm spike): `auto` (on in a multi-rank job and under `stepwatch run`), `on`, `off`.",
+            _choice("auto", "on", "off"),
+        ),
+    )
+    capture_steps: int = field(
+        default=3,
+        metadata=_opt("STEPWATCH_CAPTURE_STEPS", "Steps per capture.", _int_at_least(1)),
+    )
+    capture_cooldown_s: float = field(
+        default=600.0,
+        metadata=_opt(
+            "STEPWATCH_CAPTURE_COOLDOWN",
+            "Seconds after a capture before another may be triggered.",
+            _float_above(0.0),
+        ),
+    )
+    capture_max: int = field(
+        default=5,
+        metadata=_opt("STEPWATCH_CAPTURE_MAX", "Most captures per run and rank.", _int_at_least(0)),
+    )
+    capture_budget_mb: int = field(
+        default=512,
+        metadata=_opt(
+            "STEPWATCH_CAPTURE_BUDGET_MB",
+            "Disk budget of `<run dir>/captures/` (all ranks); no capture starts beyond it.",
+            _int_at_least(1),
+        ),
+    )
+    spike_mads: float = field(
+        default=6.0,
+        metadata=_opt(
+            "STEPWATCH_SPIKE_MADS",
+            "A step slower than the rolling median plus this many MAD-sigmas (and at least 1.5x the "
+            "median) is a `step_time_spike`.",
+            _float_above(0.0),
+        ),
+    )
+    flops: Any = field(
+        default=None,
+        metadata=_opt(
+            None,
+            "FLOPs override (argument only): a number of FLOPs per micro-batch, or a callable of the "
+            "batch; None counts them automatically (see docs/mfu.md).",
+            lambda v: _flops_value(v),
         ),
     )
     exporters: tuple[Any, ...] = field(

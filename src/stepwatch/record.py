@@ -50,8 +50,15 @@ class StepRecord:
     # Checkpoint saves in this record's checkpoint_s: bytes written and GB/s (None when unknown).
     checkpoint_bytes: int | None = None
     checkpoint_gbps: float | None = None
+    # Samples (sequences) in the step, summed over micro-batches; None when unknowable.
+    samples: int | None = None
     # GPU health over the step (telemetry window summary), None without a GPU sample in the step.
     gpu: dict[str, Any] | None = None
+    # Communication detail (stepwatch.comm): bandwidth of the step's collectives whose bytes are
+    # known (nccl-tests' algbw/busbw, GB/s) and the part of allreduce_s spent waiting for peers.
+    algbw_gbps: float | None = None
+    busbw_gbps: float | None = None
+    comm_wait_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in STEP_FIELDS}

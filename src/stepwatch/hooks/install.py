@@ -44,6 +44,10 @@ class Instrumentation:
         self._dcp_patched = False
         self.scan_s = 0.0
         self.roots: list[str] = []
+        # Features that want each root forward call (module, args, kwargs) or each optimizer step
+        # (optimizer), on the training thread, before the phase opens.
+        self.forward_observers: list[Callable[[Any, Any, Any], None]] = []
+        self.optimizer_observers: list[Callable[[Any], None]] = []
 
     # -- install / uninstall ----------------------------------------------------------------
 
@@ -51,6 +55,8 @@ class Instrumentation:
         import torch
         import torch.optim.optimizer as optim_mod
         from torch.utils.data import dataloader
+
+        from ..analysis.flops import is_counting
 
         tr = self.tracker
         self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._opt_pre))
@@ -60,6 +66,8 @@ class Instrumentation:
 
         @functools.wraps(orig_backward)
         def backward(*args: Any, **kwargs: Any) -> Any:
+            if is_counting():  # stepwatch's own FLOP-count replay (reentrant checkpoint)
+                return orig_backward(*args, **kwargs)
             if tr.enabled and self._scans == 0:
                 self._scan("first backward")
             tr.backward_begin()
@@ -171,10 +179,27 @@ class Instrumentation:
                 self._patch_dcp()
             except Exception as e:
                 self._on_error("hooks.discovery", e)
+        for fn in self.optimizer_observers:
+            try:
+                fn(optimizer)
+            except Exception as e:
+                self._drop_observer(self.optimizer_observers, fn, e)
         tr.optimizer_begin()
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.tracker.optimizer_end()
+
+    def _drop_observer(self, observers: list[Any], fn: Any, exc: BaseException) -> None:
+        if fn in observers:
+            observers.remove(fn)
+        self._on_error(f"observer.{getattr(fn, '__qualname__', fn)}", exc)
+
+    def _observe_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        for fn in self.forward_observers:
+            try:
+                fn(module, args, kwargs)
+            except Exception as e:
+                self._drop_observer(self.forward_observers, fn, e)
 
     # -- root module discovery ------------------------------------------------------------------
 
@@ -207,6 +232,8 @@ class Instrumentation:
         self._hooked.add(m)
         self.roots.append(type(m).__name__)
         tr = self.tracker
+        from ..analysis.flops import is_counting
+
         compiled = getattr(m, "_compiled_call_impl", None)
         if compiled is not None:
             # model.compile(): the module's hooks would run inside the compiled region.
@@ -214,6 +241,10 @@ class Instrumentation:
             def timed_call(*args: Any, **kwargs: Any) -> Any:
                 import torch
 
+                if is_counting():
+                    return compiled(*args, **kwargs)
+                if self.forward_observers and tr.enabled:
+                    self._observe_forward(m, args, kwargs)
                 tr.forward_begin(torch.is_grad_enabled())
                 try:
                     return compiled(*args, **kwargs)
@@ -229,17 +260,19 @@ class Instrumentation:
         is_compiling = torch.compiler.is_compiling
         is_grad_enabled = torch.is_grad_enabled
 
-        def pre(mod: Any, args: Any) -> None:
-            if is_compiling():  # constant-folded by dynamo: no graph break, no timing inside
+        def pre(mod: Any, args: Any, kwargs: Any) -> None:
+            if is_compiling() or is_counting():  # is_compiling is constant-folded by dynamo
                 return
+            if self.forward_observers and tr.enabled:
+                self._observe_forward(mod, args, kwargs)
             tr.forward_begin(is_grad_enabled())
 
         def post(mod: Any, args: Any, out: Any) -> None:
-            if is_compiling():
+            if is_compiling() or is_counting():
                 return
             tr.forward_end()
 
-        self._handles.append(m.register_forward_pre_hook(pre))
+        self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(m.register_forward_hook(post, always_call=True))
 
 

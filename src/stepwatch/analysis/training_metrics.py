@@ -1,0 +1,105 @@
+"""FLOPs, MFU, tokens and grad-norm as a session feature: wires the measuring parts
+(``analysis/flops.py``, ``analysis/peaks.py``, ``hooks/grads.py``, ``hooks/tokens.py``) into the
+tracker and the background pipeline. Measures nothing itself.
+
+Training thread: each root module's forward pre-hook hands its call to the throughput collector
+(FLOPs counted once per input signature on fake tensors — the count's one-off time is kept out
+of the step — tokens and samples read from the batch); the optimizer pre-hook queues the
+grad-norm probe *before* the optimizer phase opens, so its cost shows in ``other_s``, not in
+``optimizer_s``. Background thread: the enrichers fill ``flops``/``mfu``/``hfu``/``tokens``/
+``samples`` and ``grad_norm``; the detectors raise grad-norm spikes, non-finite grads and MFU drops.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from ..record import Finding, StepRecord
+
+
+class TrainingMetrics:
+    name = "training_metrics"
+
+    def __init__(self, session: Any) -> None:
+        from ..hooks.grads import GradNormCollector, GradNormEnricher, GradNormSpikeDetector
+        from ..hooks.tokens import ThroughputCollector
+        from .peaks import MfuDropDetector, MfuEnricher, PeakResolver
+
+        cfg = session.config
+        self.session = session
+        self.resolver = PeakResolver(cfg.peak_tflops)
+        self.grads = GradNormCollector(every=cfg.grad_norm_every).install()
+        self.throughput = ThroughputCollector(flops=cfg.flops)
+        self.mfu = MfuEnricher(None)
+        self.device: str | None = None
+        self._lint_done = False
+        tr = session.tracker
+        tr.collectors += [self.grads, self.throughput]
+        tr.listeners.append(self._first_step)
+        session.enrichers += [self.mfu, GradNormEnricher(self._exchange)]
+        session.detectors += [
+            GradNormSpikeDetector(cfg.grad_norm_spike_abs, cfg.grad_norm_spike_factor, cfg.grad_norm_window),
+            MfuDropDetector(cfg.mfu_drop_points, cfg.mfu_drop_window_s),
+        ]
+        inst = session.instrumentation
+        inst.forward_observers.append(self._on_forward)
+        inst.optimizer_observers.append(self.grads.on_optimizer_step)
+
+    # -- training thread --------------------------------------------------------------------------
+
+    def _on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        t0 = time.perf_counter_ns()
+        self.throughput.on_forward(module, args, kwargs)
+        # A cache miss counts FLOPs (once per input signature): stepwatch's time, not the step's.
+        self.session.tracker.exclude(time.perf_counter_ns() - t0)
+
+    def _first_step(self, step: int) -> None:
+        """The device is known once training ran a step; ask for its name here, on the training
+        thread (never creating a CUDA context: only when CUDA is already initialized)."""
+        tr = self.session.tracker
+        tr.listeners.remove(self._first_step)
+        torch = sys.modules.get("torch")
+        name = None
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            name = torch.cuda.get_device_name(torch.cuda.current_device())
+        self.device = name or "cpu"
+        self.mfu.peaks = self.resolver.peaks(name)
+
+    # -- background thread -------------------------------------------------------------------------
+
+    def _exchange(self) -> Any:
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        from ..hooks.grads import StoreNormExchange
+
+        store = dist.distributed_c10d._get_default_store()
+        return StoreNormExchange(store, dist.get_rank(), dist.get_world_size(),
+                                 prefix=f"stepwatch/{self.session.ctx.run_id}/gradnorm")
+
+    def collect(self, records: list[StepRecord]) -> tuple[list[dict[str, Any]], list[Finding]]:
+        findings: list[Finding] = []
+        if not self._lint_done and self.throughput.first_count is not None:
+            self._lint_done = True
+            from .flops import alignment_finding
+
+            f = alignment_finding(self.throughput.first_count, rank=self.session.ctx.rank,
+                                  step=records[0].step if records else None)
+            if f is not None:
+                findings.append(f)
+        return [], findings
+
+    def stop(self) -> None:
+        self.grads.uninstall()
+
+    def status(self) -> dict[str, Any]:
+        peaks = self.mfu.peaks
+        return {"device": self.device, "peak_tflops": peaks if not isinstance(peaks, dict) else dict(peaks)}
+
+
+def install(session: Any) -> TrainingMetrics | None:
+    if session.tracker is None or session.instrumentation is None:
+        return None
+    return TrainingMetrics(session)
