@@ -162,7 +162,14 @@ class Session:
     def _start_features(self) -> None:
         """Optional features, each guarded: one that fails to start is logged and left off."""
         cfg = self.config
-        wanted = [("gpu_telemetry", cfg.gpu_telemetry, "stepwatch.telemetry.feature")]
+        wanted = [
+            ("gpu_telemetry", cfg.gpu_telemetry, "stepwatch.telemetry.feature"),
+            # FLOPs, MFU, tokens, grad-norm (docs/mfu.md).
+            ("training_metrics", True, "stepwatch.analysis.training_metrics"),
+            ("comm", cfg.comm, "stepwatch.comm"),
+            # Hang watchdog, SIGUSR1 stack dumps, anomaly-triggered captures (docs/hang.md).
+            ("capture", cfg.watchdog != "off" or cfg.capture != "off", "stepwatch.capture"),
+        ]
         import importlib
 
         for name, on, module in wanted:
@@ -245,14 +252,18 @@ class Session:
             out = {}
             for k, v in scalars.items():
                 if hasattr(v, "detach") and hasattr(v, "is_cuda"):
-                    v = v.detach()
                     if v.is_cuda:
+                        # Copied to host without blocking; read once its event completes.
                         import torch
 
-                        host = v.to("cpu", non_blocking=True)
+                        host = v.detach().to("cpu", non_blocking=True)
                         ev = torch.cuda.Event()
                         ev.record()
                         v = _Pending(host, ev)
+                    else:
+                        # A CPU tensor is plain memory: read it now (no device to wait for), so a
+                        # later in-place update cannot change what was logged and no graph is kept.
+                        v = _to_float(v)
                 out[k] = v
             tr.log(out)
         except Exception as e:
@@ -336,6 +347,14 @@ class Session:
                     continue
                 samples.extend(got_samples)
                 findings.extend(got_findings)
+            for f in self.features_started:
+                # A feature that acts on findings (captures) sees every finding of the pass.
+                on_findings = getattr(f, "on_findings", None)
+                if on_findings is not None:
+                    try:
+                        on_findings(findings)
+                    except Exception as e:
+                        self._internal_error(f"feature.{type(f).__name__}", e)
             self.steps_seen += len(records)
             batch = Batch(records=records, findings=findings, samples=samples)
             if not batch:
