@@ -30,7 +30,7 @@ def build_exporters(config: "Config", ctx: "RunContext") -> list[Exporter]:
         from .console import ConsoleExporter
 
         out.append(ConsoleExporter(config, ctx))
-    if config.prometheus_port is not None or (config.otel and _otlp_configured()):
+    if config.prometheus_port is not None or (config.otel and otlp_configured()):
         # Imported only when on: the OTel SDK and prometheus_client cost ~100 ms to import.
         try:
             from .otel import OTelExporter
@@ -54,7 +54,7 @@ def build_exporters(config: "Config", ctx: "RunContext") -> list[Exporter]:
     return out
 
 
-def _otlp_configured() -> bool:
+def otlp_configured() -> bool:
     """Cheap pre-check (no OTel import) of what ``otel.otlp_endpoint`` decides in full."""
     import os
 

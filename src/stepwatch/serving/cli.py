@@ -1,0 +1,220 @@
+"""``stepwatch serve-vllm``: run (or attach to) a vLLM server and watch it.
+
+    stepwatch serve-vllm [--run-dir D] [--stall-timeout S] [options] -- python -m vllm.entrypoints.openai.api_server ...
+    stepwatch serve-vllm --attach http://127.0.0.1:8000 [--pid PID] [options]
+
+Launched: the server runs as a child in its own process group (``--enable-server-load-tracking``
+is added to a vLLM command); SIGINT/SIGTERM are forwarded to it, the whole process tree is stopped
+when it or the wrapper ends, and the wrapper exits with the server's exit code.
+Findings go to ``D/findings.serve.jsonl`` and to stderr; stall dumps to ``D/stall-<n>/``; the
+``stepwatch_serving_*`` metrics to a Prometheus endpoint (``--prometheus-port``) and/or OTLP
+(the standard ``OTEL_EXPORTER_OTLP_*`` variables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+
+def _positive(kind: type, what: str):
+    def parse(s: str) -> Any:
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: expected a number > 0, got {s!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{what}: expected a number > 0, got {s!r}")
+        return v
+
+    return parse
+
+
+def _ratio(what: str):
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: expected a number within (0, 1], got {s!r}") from None
+        if not 0 < v <= 1:
+            raise argparse.ArgumentTypeError(f"{what}: expected a number within (0, 1], got {s!r}")
+        return v
+
+    return parse
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve-vllm",
+        help="run or attach to a vLLM server: SLO metrics, KV-cache/queue/TTFT findings, stall dumps",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--run-dir", metavar="D", help="where findings and stall dumps go (default ./stepwatch-runs/serve-<time>)")
+    p.add_argument("--stall-timeout", type=_positive(float, "--stall-timeout"), default=60.0, metavar="S",
+                   help="seconds without token progress, with requests in flight, that make a stall (default 60)")
+    p.add_argument("--interval", type=_positive(float, "--interval"), default=2.0, metavar="S",
+                   help="seconds between scrapes (default 2)")
+    p.add_argument("--attach", action="append", metavar="URL",
+                   help="watch a running server instead of launching one (repeat for several API servers)")
+    p.add_argument("--pid", type=int, metavar="PID", help="with --attach: the server's top process, for stall stacks")
+    p.add_argument("--url", action="append", metavar="URL",
+                   help="launched: scrape this URL instead of the one from the command's --host/--port (repeatable)")
+    p.add_argument("--ttft-slo", type=_positive(float, "--ttft-slo"), metavar="S",
+                   help="TTFT P99 SLO in seconds: a finding when the P99 over --slo-window exceeds it (default off)")
+    p.add_argument("--queue-threshold", type=_positive(float, "--queue-threshold"), default=50.0, metavar="N",
+                   help="requests waiting above which a queue_depth finding fires (default 50, reference B.6)")
+    p.add_argument("--kv-threshold", type=_ratio("--kv-threshold"), default=0.82, metavar="R",
+                   help="KV-cache usage (0-1) for the cascade finding (default 0.82, reference B.6)")
+    p.add_argument("--kv-sustain", type=float, default=30.0, metavar="S",
+                   help="seconds the KV-cache usage must stay above the threshold (default 30)")
+    p.add_argument("--spec-threshold", type=_ratio("--spec-threshold"), default=0.65, metavar="R",
+                   help="speculative-decoding acceptance below which a finding fires (default 0.65, reference B.6)")
+    p.add_argument("--error-threshold", type=_ratio("--error-threshold"), default=0.05, metavar="R",
+                   help="share of failed requests that makes a serving_errors finding (default 0.05)")
+    p.add_argument("--slo-window", type=_positive(float, "--slo-window"), default=300.0, metavar="S",
+                   help="window of the TTFT, spec-decode and error findings, seconds (default 300, as B.7's [5m])")
+    p.add_argument("--windows", default="60,300", metavar="S,S",
+                   help="windows of the exported quantiles and rates, seconds (default 60,300)")
+    p.add_argument("--prometheus-port", type=int, metavar="PORT", help="serve the stepwatch_serving_* metrics here")
+    p.add_argument("--prometheus-host", default="127.0.0.1", metavar="HOST", help="(default 127.0.0.1)")
+    p.add_argument("--grace", type=_positive(float, "--grace"), default=20.0, metavar="S",
+                   help="seconds the server gets to stop after SIGTERM before its tree is killed (default 20)")
+    p.add_argument("--no-load-tracking", action="store_true",
+                   help="do not add --enable-server-load-tracking to the vLLM command")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the server command")
+    p.set_defaults(func=run)
+
+
+def _windows(s: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"stepwatch serve-vllm: --windows: expected seconds like 60,300, got {s!r}") from None
+    if not out or any(not w > 0 for w in out):
+        raise SystemExit(f"stepwatch serve-vllm: --windows: expected positive seconds like 60,300, got {s!r}")
+    return out
+
+
+def build_exporters(args: argparse.Namespace, run_id: str, run_dir: str) -> list[Any]:
+    """stepwatch's OTel exporter (Prometheus endpoint and/or OTLP) when asked for; else none."""
+    from ..exporters.builtin import otlp_configured
+
+    if args.prometheus_port is None and not otlp_configured():
+        return []
+    try:
+        from ..context import RunContext
+        from ..exporters.otel import OTelExporter
+    except ImportError as e:
+        print(f"stepwatch serve-vllm: metrics export is off: {e} (pip install opentelemetry-sdk "
+              "opentelemetry-exporter-otlp)", file=sys.stderr)
+        return []
+    import socket
+
+    ctx = RunContext(rank=0, local_rank=0, world_size=1, host=socket.gethostname(), run_id=run_id,
+                     run_dir=run_dir, pid=os.getpid())
+    return [OTelExporter(ctx, prometheus_port=args.prometheus_port, prometheus_host=args.prometheus_host)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._log import logger
+    from .detect import Thresholds
+    from .watcher import ServeWatcher, WatchConfig
+
+    cmd = list(args.command or [])
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if bool(cmd) == bool(args.attach):
+        print("stepwatch serve-vllm: give either a server command after `--` or --attach URL", file=sys.stderr)
+        return 2
+    if args.pid is not None and not args.attach:
+        print("stepwatch serve-vllm: --pid goes with --attach (a launched server's pid is known)", file=sys.stderr)
+        return 2
+    run_id = time.strftime("serve-%Y%m%d-%H%M%S")
+    run_dir = os.path.abspath(args.run_dir or os.path.join("stepwatch-runs", run_id))
+    try:
+        thresholds = Thresholds(
+            kv_cache=args.kv_threshold, kv_sustain_s=args.kv_sustain, queue_depth=args.queue_threshold,
+            ttft_p99_s=args.ttft_slo, spec_acceptance=args.spec_threshold, error_ratio=args.error_threshold,
+        )
+    except ValueError as e:
+        print(f"stepwatch serve-vllm: {e}", file=sys.stderr)
+        return 2
+
+    server = None
+    if cmd:
+        from .procs import reap_zombies, set_child_subreaper
+        from .wrapper import VllmServer
+
+        # Orphans of the server (an engine whose API server died) re-parent to us, not to init.
+        set_child_subreaper()
+        server = VllmServer(cmd, add_load_tracking=not args.no_load_tracking, die_with_parent=True)
+        urls = args.url or [server.url]
+    else:
+        urls = args.attach
+    try:
+        cfg = WatchConfig(urls=urls, run_dir=run_dir, interval_s=args.interval, stall_timeout_s=args.stall_timeout,
+                          windows_s=_windows(args.windows), slo_window_s=args.slo_window, thresholds=thresholds)
+    except ValueError as e:
+        print(f"stepwatch serve-vllm: {e}", file=sys.stderr)
+        return 2
+    exporters = build_exporters(args, run_id, run_dir)
+
+    stop = threading.Event()
+    got: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        got.append(signum)
+        if server is not None:
+            server.send_signal(signum)  # the server shuts its tree down itself; we wait for it
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    watcher = None
+    try:
+        if server is not None:
+            server.start()
+            logger.info("serve-vllm: started pid %d: %s; watching %s; run dir %s", server.pid, " ".join(server.cmd), ", ".join(urls), run_dir)
+        watcher = ServeWatcher(cfg, exporters=exporters, root_pid=(server.pid if server is not None else args.pid))
+        t = threading.Thread(target=watcher.run, args=(stop,), name="stepwatch-serve-watch", daemon=True)
+        t.start()
+        while not stop.is_set():
+            if server is not None:
+                server.refresh_tree()
+                if server.poll() is not None:
+                    logger.info("serve-vllm: the server exited with %s", server.exit_code())
+                    break
+                reap_zombies_safe(server)
+            stop.wait(0.5)
+        stop.set()
+        t.join(cfg.http_timeout_s * 2 + 60)
+    finally:
+        stop.set()
+        rc = 0
+        if server is not None:
+            rc = server.stop(got[-1] if got else signal.SIGTERM, grace_s=args.grace)
+            reap_zombies()
+        if watcher is not None:
+            watcher.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+    return rc
+
+
+def reap_zombies_safe(server: Any) -> None:
+    """Reap adopted orphans while the server runs, never the server itself (Popen reaps that)."""
+    import os as _os
+
+    from . import procs
+
+    for p in procs.tree(_os.getpid()):
+        if p.state == "Z" and p.ppid == _os.getpid() and p.pid != server.pid:
+            try:
+                _os.waitpid(p.pid, _os.WNOHANG)
+            except ChildProcessError:
+                pass

@@ -1,0 +1,171 @@
+"""Serving findings from a window of scrapes: KV-cache cascade, TTFT P99, queue, spec-decode, errors.
+
+Thresholds come from the reference sheet's B.6 table (``profiling-quick-reference.txt``) unless
+marked as stepwatch's own default. Each (kind, server, engine series) fires at most once per
+``cooldown_s``, so a server that stays over a threshold does not flood the findings file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..analysis.kinds import make_finding
+from ..record import Finding
+from . import names as N
+from .parse import Labels
+from .slo import Window
+
+
+@dataclass(frozen=True, kw_only=True)
+class Thresholds:
+    # B.6: "vllm:gpu_cache_usage_perc > 0.82 -> CASCADE RISK" ("Alert at 0.82 to give headroom").
+    kv_cache: float = 0.82
+    # stepwatch default: "sustained" = above the threshold on every scrape for this long.
+    kv_sustain_s: float = 30.0
+    # B.6: "vllm:num_requests_waiting > 50 -> throughput limited".
+    queue_depth: float = 50.0
+    # B.6: "P99 > SLO threshold": the SLO is the operator's; None = no TTFT finding.
+    ttft_p99_s: float | None = None
+    # B.6: "spec_decode_draft_acceptance_rate < 0.65 -> wrong draft model for this workload".
+    spec_acceptance: float = 0.65
+    # stepwatch default: fewer draft tokens than this in the window say nothing about acceptance.
+    spec_min_draft_tokens: float = 100.0
+    # stepwatch default: B.7's error-rate query has no threshold; 5% of finished requests.
+    error_ratio: float = 0.05
+    # stepwatch default: no error ratio from fewer finished requests than this.
+    error_min_requests: float = 10.0
+    cooldown_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache", "spec_acceptance", "error_ratio"):
+            v = getattr(self, name)
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"{name} must be within (0, 1], got {v!r}")
+        for name in ("kv_sustain_s", "queue_depth", "spec_min_draft_tokens", "error_min_requests", "cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.ttft_p99_s is not None and not self.ttft_p99_s > 0:
+            raise ValueError(f"ttft_p99_s must be > 0 seconds (or None for off), got {self.ttft_p99_s!r}")
+
+
+def _series_data(server: str, key: Labels) -> dict[str, Any]:
+    return {"server": server, **dict(key)}
+
+
+def _who(server: str, key: Labels) -> str:
+    d = dict(key)
+    parts = [f"engine {d['engine']}" if "engine" in d else "", d.get("model_name", ""), server]
+    return ", ".join(p for p in parts if p)
+
+
+class Detectors:
+    def __init__(self, th: Thresholds) -> None:
+        self.th = th
+        self._last_fired: dict[tuple[str, str, Labels], float] = {}
+        # (server, series) -> (mono when KV usage went over, preemptions then)
+        self._kv_over: dict[tuple[str, Labels], tuple[float, float]] = {}
+
+    def _may_fire(self, kind: str, server: str, key: Labels, now: float) -> bool:
+        last = self._last_fired.get((kind, server, key))
+        if last is not None and now - last < self.th.cooldown_s:
+            return False
+        self._last_fired[(kind, server, key)] = now
+        return True
+
+    def check(self, server: str, latest: Window, slo: Window) -> list[Finding]:
+        """``latest``: the last two scrapes (gauges, the KV timer); ``slo``: the SLO window."""
+        out: list[Finding] = []
+        now, wall = latest.new.mono, latest.new.wall
+        th = self.th
+        preempt_total = latest.gauge(N.PREEMPTIONS)
+
+        # -- KV-cache cascade (B.6) -----------------------------------------------------------
+        for key, usage in latest.gauge(N.KV_USAGE).items():
+            sk = (server, key)
+            if usage <= th.kv_cache:
+                self._kv_over.pop(sk, None)
+                continue
+            since, pre0 = self._kv_over.setdefault(sk, (now, preempt_total.get(key, 0.0)))
+            held = now - since
+            if held < th.kv_sustain_s:
+                continue
+            rising = preempt_total.get(key, 0.0) - pre0
+            if not self._may_fire("kv_cache_cascade", server, key, now):
+                continue
+            sev = "critical" if rising > 0 else "warning"
+            what = (f"{rising:.0f} preemption(s) since it crossed: requests are being evicted and re-prefilled"
+                    if rising > 0 else "no preemptions yet")
+            out.append(make_finding(
+                "kv_cache_cascade", rank=0, step=None, when=wall, severity=sev,
+                summary=f"KV-cache usage {usage:.2f} > {th.kv_cache} for {held:.0f} s ({what}) on {_who(server, key)}",
+                data={**_series_data(server, key), "kv_cache_usage": usage, "threshold": th.kv_cache,
+                      "sustained_s": round(held, 1), "preemptions_since": rising,
+                      "preemptions_total": preempt_total.get(key)},
+            ))
+
+        # -- queue depth (B.6) ----------------------------------------------------------------
+        for key, waiting in latest.gauge(N.WAITING).items():
+            if waiting > th.queue_depth and self._may_fire("queue_depth", server, key, now):
+                running = latest.gauge(N.RUNNING).get(key)
+                out.append(make_finding(
+                    "queue_depth", rank=0, step=None, when=wall,
+                    summary=f"{waiting:.0f} requests waiting (> {th.queue_depth:g}), {running or 0:.0f} running, on {_who(server, key)}",
+                    data={**_series_data(server, key), "waiting": waiting, "running": running, "threshold": th.queue_depth},
+                ))
+
+        # -- TTFT P99 over the SLO (B.6/B.7) --------------------------------------------------
+        if th.ttft_p99_s is not None and slo.old is not None:
+            for key, qs in slo.quantiles(N.TTFT, (0.99,)).items():
+                p99 = qs.get(0.99)
+                if p99 is not None and p99 > th.ttft_p99_s and self._may_fire("ttft_slo", server, key, now):
+                    out.append(make_finding(
+                        "ttft_slo", rank=0, step=None, when=wall,
+                        summary=f"TTFT P99 {p99:.3f} s > SLO {th.ttft_p99_s:g} s over the last {slo.seconds:.0f} s on {_who(server, key)}",
+                        data={**_series_data(server, key), "ttft_p99_s": p99, "slo_s": th.ttft_p99_s, "window_s": round(slo.seconds, 1),
+                              "kv_cache_usage": latest.gauge(N.KV_USAGE).get(key), "waiting": latest.gauge(N.WAITING).get(key)},
+                    ))
+
+        # -- spec-decode acceptance (B.6; the gauge is gone, Δaccepted / Δdraft) ---------------
+        if slo.old is not None:
+            for key, acc in slo.ratio(N.SPEC_ACCEPTED, N.SPEC_DRAFT, th.spec_min_draft_tokens).items():
+                if acc is not None and acc < th.spec_acceptance and self._may_fire("spec_decode_acceptance", server, key, now):
+                    out.append(make_finding(
+                        "spec_decode_acceptance", rank=0, step=None, when=wall,
+                        summary=f"speculative decoding accepts {acc:.2f} of draft tokens (< {th.spec_acceptance}) over {slo.seconds:.0f} s on {_who(server, key)}",
+                        data={**_series_data(server, key), "acceptance": acc, "threshold": th.spec_acceptance, "window_s": round(slo.seconds, 1)},
+                    ))
+
+        # -- errors (B.7 error-rate query, by finished_reason; HTTP 5xx) ----------------------
+        if slo.old is not None:
+            finished = slo.increase(N.REQUEST_SUCCESS)
+            errors = slo.increase(N.REQUEST_SUCCESS, {"finished_reason": {"error"}})
+            for key, total in finished.items():
+                bad = errors.get(key, 0.0)
+                if total >= th.error_min_requests and bad / total > th.error_ratio and self._may_fire("serving_errors", server, key, now):
+                    out.append(make_finding(
+                        "serving_errors", rank=0, step=None, when=wall,
+                        summary=f"{bad:.0f} of {total:.0f} finished requests ended in error ({bad / total:.1%} > {th.error_ratio:.0%}) over {slo.seconds:.0f} s on {_who(server, key)}",
+                        data={**_series_data(server, key), "errors": bad, "finished": total, "ratio": bad / total,
+                              "threshold": th.error_ratio, "window_s": round(slo.seconds, 1)},
+                    ))
+            http = http_error_ratio(slo)
+            if http is not None:
+                bad, total = http
+                if total >= th.error_min_requests and bad / total > th.error_ratio and self._may_fire("serving_errors", server, (("source", "http"),), now):
+                    out.append(make_finding(
+                        "serving_errors", rank=0, step=None, when=wall,
+                        summary=f"{bad:.0f} of {total:.0f} HTTP responses were 5xx ({bad / total:.1%} > {th.error_ratio:.0%}) over {slo.seconds:.0f} s on {server}",
+                        data={"server": server, "source": "http", "errors": bad, "finished": total, "ratio": bad / total,
+                              "threshold": th.error_ratio, "window_s": round(slo.seconds, 1)},
+                    ))
+        return out
+
+
+def http_error_ratio(w: Window) -> tuple[float, float] | None:
+    """(Δ5xx, Δall) HTTP responses in the window, or None when the server has no such counter."""
+    if w.old is None or N.HTTP_REQUESTS[0] not in w.new.samples:
+        return None
+    total = sum(w.increase(N.HTTP_REQUESTS).values())
+    bad = sum(w.increase(N.HTTP_REQUESTS, {"status": {"5xx"}}).values())
+    return bad, total

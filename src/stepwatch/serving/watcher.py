@@ -1,0 +1,382 @@
+"""The scrape loop: every ``interval_s``, read each server's ``/metrics`` and ``/load``, turn the
+windows into ``stepwatch_serving_*`` samples and findings, watch for stalls, and hand it all to
+stepwatch's exporters as one :class:`~stepwatch.exporters.base.Batch` per pass.
+
+Samples are plain dicts in ``Batch.samples``: ``{"source": "serving", "time": ..., "labels":
+{...}, "stepwatch_serving_<name>": value, ...}``. stepwatch's OTel exporter turns every
+``stepwatch_*`` key of a sample into a gauge of that name with the sample's ``labels`` as
+attributes (``exporters/names.py`` EXTRA_SAMPLE_PREFIX), so the Prometheus endpoint and OTLP carry
+them with no serving-specific code there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..exporters.base import Batch, Exporter
+from ..record import Finding
+from . import names as N
+from .detect import Detectors, Thresholds, http_error_ratio
+from .parse import ParseErrors, parse_metrics
+from .slo import Scrape, Window
+from .stall import StallDetector, capture_stall, summary as stall_summary
+
+log = logging.getLogger("stepwatch.serving")
+
+QUANTILES = (0.5, 0.99)
+# Bounds: the findings file of one serve-vllm run, the findings kept in memory.
+FINDINGS_FILE_BYTES = 16 * 1024 * 1024
+FINDINGS_KEPT = 1000
+
+
+@dataclass(kw_only=True)
+class WatchConfig:
+    urls: Sequence[str]
+    run_dir: str
+    interval_s: float = 2.0
+    # stepwatch default: a minute without a token while requests wait is far beyond any decode
+    # step (ms on a GPU, < 1 s on this project's CPU test server).
+    stall_timeout_s: float = 60.0
+    # Windows of the exported quantiles and rates; B.7's queries use [1m] (tokens/s) and [5m] (P99).
+    windows_s: tuple[float, ...] = (60.0, 300.0)
+    # Window of the TTFT, spec-decode and error findings: B.7's TTFT P99 query uses [5m].
+    slo_window_s: float = 300.0
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    http_timeout_s: float = 3.0
+    max_stall_dumps: int = 5
+    pyspy: str | None = None  # None: found next to this Python or on PATH
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("urls: need at least one server URL (http://host:port)")
+        for u in self.urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"urls: {u!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
+        if not self.interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {self.interval_s!r}")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s!r}")
+        if not self.windows_s or any(not w > 0 for w in self.windows_s):
+            raise ValueError(f"windows_s must be positive seconds, got {self.windows_s!r}")
+        if not self.slo_window_s > 0:
+            raise ValueError(f"slo_window_s must be > 0, got {self.slo_window_s!r}")
+        if self.max_stall_dumps < 0:
+            raise ValueError(f"max_stall_dumps must be >= 0, got {self.max_stall_dumps!r}")
+
+
+def _window_label(s: float) -> str:
+    return f"{s / 60:g}m" if s >= 60 and s % 60 == 0 else f"{s:g}s"
+
+
+class _Server:
+    def __init__(self, url: str, keep_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.history: deque[Scrape] = deque()
+        self.keep_s = keep_s
+        self.ever_up = False
+        self.load_supported: bool | None = None
+
+    def add(self, s: Scrape) -> None:
+        self.history.append(s)
+        while len(self.history) > 2 and s.mono - self.history[1].mono >= self.keep_s:
+            self.history.popleft()
+
+    def window(self, seconds: float) -> Window | None:
+        """From the oldest scrape no more than ``seconds`` back (plus half a tick) to the newest."""
+        if not self.history:
+            return None
+        new = self.history[-1]
+        old = None
+        for s in self.history:
+            if s is not new and new.mono - s.mono <= seconds * 1.05:
+                old = s
+                break
+        if old is None and len(self.history) >= 2:
+            old = self.history[-2]
+        return Window(old, new)
+
+
+class ServeWatcher:
+    """Watches one or more API servers of one deployment. ``root_pid``: the server's top process
+    (an int or a callable returning it), whose whole tree is dumped on a stall."""
+
+    def __init__(
+        self,
+        config: WatchConfig,
+        *,
+        exporters: Sequence[Exporter] = (),
+        root_pid: int | Callable[[], int | None] | None = None,
+        opener: urllib.request.OpenerDirector | None = None,
+    ) -> None:
+        self.cfg = config
+        self.exporters = list(exporters)
+        self._root_pid = root_pid
+        keep = max(max(config.windows_s), config.slo_window_s) + 2 * config.interval_s
+        self.servers = [_Server(u, keep) for u in config.urls]
+        self.detectors = Detectors(config.thresholds)
+        self.stall = StallDetector(config.stall_timeout_s)
+        self.parse_errors = ParseErrors()
+        self.scrape_failures = 0
+        self.export_failures = 0
+        self.stalls = 0
+        self.stall_reports: list[dict[str, Any]] = []
+        self.findings: deque[Finding] = deque(maxlen=FINDINGS_KEPT)
+        self._warned: set[str] = set()
+        # Loopback servers: never through an HTTP proxy from the environment.
+        self._opener = opener or urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        os.makedirs(config.run_dir, exist_ok=True)
+        self.findings_path = os.path.join(config.run_dir, "findings.serve.jsonl")
+        self._findings_bytes = 0
+        self._lock = threading.Lock()
+        if config.pyspy is None:
+            from ..doctor.pyspy import find_pyspy
+
+            self.pyspy = find_pyspy()
+        else:
+            self.pyspy = config.pyspy
+
+    # -- HTTP ------------------------------------------------------------------------------------
+
+    def _get(self, url: str) -> tuple[int, bytes] | None:
+        try:
+            with self._opener.open(url, timeout=self.cfg.http_timeout_s) as r:
+                return r.status, r.read(32 * 1024 * 1024)
+        except urllib.error.HTTPError as e:
+            return e.code, b""
+        except (OSError, ValueError) as e:  # refused, timeout, reset, bad URL
+            log.debug("GET %s failed: %r", url, e)
+            return None
+
+    def _warn_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def scrape(self, srv: _Server) -> Scrape | None:
+        got = self._get(srv.url + "/metrics")
+        if got is None or got[0] != 200:
+            if srv.ever_up:
+                self.scrape_failures += 1
+                self._warn_once(f"scrape:{srv.url}", "stepwatch serve-vllm: %s/metrics did not answer (%s); counted in %s",
+                                srv.url, "no response" if got is None else f"HTTP {got[0]}", N.OUT_SCRAPE_ERRORS)
+            return None
+        srv.ever_up = True
+        text = got[1].decode("utf-8", "replace")
+        return Scrape(time.monotonic(), time.time(), parse_metrics(text, self.parse_errors))
+
+    def in_flight(self, srv: _Server, scrape: Scrape | None) -> float | None:
+        """Requests in flight at this API server: ``/load`` (needs --enable-server-load-tracking),
+        else running + waiting from /metrics (these freeze with a frozen engine: a weaker signal)."""
+        if srv.load_supported is not False:
+            got = self._get(srv.url + "/load")
+            if got is not None and got[0] == 200:
+                try:
+                    v = float(json.loads(got[1])["server_load"])
+                    srv.load_supported = True
+                    return v
+                except (ValueError, KeyError, TypeError):
+                    pass
+            if got is not None and got[0] == 404:
+                srv.load_supported = False
+                self._warn_once(f"load:{srv.url}", "stepwatch serve-vllm: %s has no /load; start vLLM with "
+                                "--enable-server-load-tracking for reliable stall detection", srv.url)
+            elif got is None:
+                return None
+        if scrape is None:
+            return None
+        w = Window(None, scrape)
+        return sum(w.gauge(N.RUNNING).values()) + sum(w.gauge(N.WAITING).values())
+
+    # -- one pass --------------------------------------------------------------------------------
+
+    def tick(self) -> Batch:
+        batch = Batch()
+        progress: list[float] = [0.0, 0.0, 0.0]
+        progress_known = False
+        in_flight: float | None = 0.0
+        for srv in self.servers:
+            sc = self.scrape(srv)
+            load = self.in_flight(srv, sc)
+            in_flight = None if (in_flight is None or load is None) else in_flight + load
+            if sc is None:
+                continue
+            srv.add(sc)
+            w = Window(None, sc)
+            progress[0] += sum(w.gauge(N.GEN_TOKENS).values())
+            progress[1] += sum(w.gauge(N.PROMPT_TOKENS).values())
+            progress[2] += sum(w.gauge(tuple(b + "_count" for b in N.ITERATION_TOKENS)).values())
+            progress_known = True
+            batch.samples.extend(self._samples(srv, load))
+            latest = srv.window(self.cfg.interval_s)
+            slo = srv.window(self.cfg.slo_window_s)
+            if latest is not None and slo is not None:
+                batch.findings.extend(self.detectors.check(srv.url, latest, slo))
+        now = time.monotonic()
+        if not progress_known and not any(s.ever_up for s in self.servers):
+            in_flight = 0.0  # still starting: nothing to stall
+        began = self.stall.update(now, in_flight=in_flight, progress=tuple(progress) if progress_known else None)
+        since = self.stall.seconds_since_progress(now)
+        batch.samples.append({
+            "source": "serving", "time": time.time(), "labels": {"server": ",".join(s.url for s in self.servers)},
+            N.OUT_SCRAPE_ERRORS: float(self.parse_errors.count + self.scrape_failures),
+            **({N.OUT_SINCE_PROGRESS: since} if since is not None else {}),
+            **({N.OUT_IN_FLIGHT: in_flight} if in_flight is not None else {}),
+        })
+        if began:
+            batch.findings.append(self._on_stall(in_flight, since or 0.0))
+        self._emit(batch)
+        return batch
+
+    def run(self, stop: threading.Event) -> None:
+        """Tick every ``interval_s`` until ``stop`` is set. Never raises: a failing pass is logged."""
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.tick()
+            except Exception as e:  # the watcher must outlive any bug of its own
+                self._warn_once(f"tick:{type(e).__name__}", "stepwatch serve-vllm: a scrape pass failed: %r", e)
+                log.debug("tick failed", exc_info=True)
+            stop.wait(max(0.05, self.cfg.interval_s - (time.monotonic() - t0)))
+
+    def close(self) -> None:
+        for e in self.exporters:
+            try:
+                e.force_flush(5.0)
+                e.shutdown()
+            except Exception as ex:
+                log.warning("stepwatch serve-vllm: exporter %s failed to shut down: %r", getattr(e, "name", e), ex)
+
+    # -- samples ---------------------------------------------------------------------------------
+
+    def _samples(self, srv: _Server, load: float | None) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        last = srv.history[-1]
+        now_w = Window(None, last)
+        t = last.wall
+
+        def emit(labels: dict[str, str], values: dict[str, float | None]) -> None:
+            vals = {k: float(v) for k, v in values.items() if v is not None}
+            if vals:
+                out.append({"source": "serving", "time": t, "labels": labels, **vals})
+
+        running, waiting = now_w.gauge(N.RUNNING), now_w.gauge(N.WAITING)
+        kv, pre = now_w.gauge(N.KV_USAGE), now_w.gauge(N.PREEMPTIONS)
+        series = now_w.series()
+        for key in series:
+            base = {"server": srv.url, **dict(key)}
+            emit(base, {N.OUT_RUNNING: running.get(key), N.OUT_WAITING: waiting.get(key),
+                        N.OUT_KV: kv.get(key), N.OUT_PREEMPT: pre.get(key)})
+        if len(srv.history) < 2:
+            return out  # windows need two scrapes
+        for wsec in self.cfg.windows_s:
+            w = srv.window(wsec)
+            assert w is not None
+            wl = _window_label(wsec)
+            gen, prompt = w.rate(N.GEN_TOKENS), w.rate(N.PROMPT_TOKENS)
+            prate = w.rate(N.PREEMPTIONS)
+            hit = w.ratio(N.PREFIX_HITS, N.PREFIX_QUERIES)
+            hit_gauge = w.gauge(N.PREFIX_HIT_RATE_GAUGE)
+            acc = w.ratio(N.SPEC_ACCEPTED, N.SPEC_DRAFT)
+            acc_gauge = w.gauge(N.SPEC_ACCEPT_GAUGE)
+            finished = w.increase(N.REQUEST_SUCCESS)
+            errors = w.increase(N.REQUEST_SUCCESS, {"finished_reason": {"error"}})
+            qs = {k: w.quantiles(bases, QUANTILES) for k, bases in N.HISTOGRAMS.items()}
+            for key in series:
+                base = {"server": srv.url, **dict(key), "window": wl}
+                total = finished.get(key)
+                emit(base, {
+                    N.OUT_GEN_TPS: gen.get(key), N.OUT_PROMPT_TPS: prompt.get(key), N.OUT_PREEMPT_RATE: prate.get(key),
+                    N.OUT_PREFIX_HIT: hit.get(key) if hit.get(key) is not None else hit_gauge.get(key),
+                    N.OUT_SPEC_ACCEPT: acc.get(key) if acc.get(key) is not None else acc_gauge.get(key),
+                    N.OUT_ERROR_RATIO: (errors.get(key, 0.0) / total) if total else None,
+                })
+                for q in QUANTILES:
+                    emit({**base, "quantile": f"{q:g}"},
+                         {N.OUT_HISTOGRAMS[k]: qs[k].get(key, {}).get(q) for k in N.HISTOGRAMS})
+            if w.seconds > 0:
+                by_reason: dict[tuple[Any, str], float] = {}
+                name = N.REQUEST_SUCCESS[0]
+                for labels in last.samples.get(name, {}):
+                    reason = dict(labels).get("finished_reason")
+                    if reason is None:
+                        continue
+                    inc = w.increase(N.REQUEST_SUCCESS, {"finished_reason": {reason}})
+                    for key, v in inc.items():
+                        by_reason[(key, reason)] = v / w.seconds
+                for (key, reason), v in by_reason.items():
+                    emit({"server": srv.url, **dict(key), "window": wl, "reason": reason}, {N.OUT_FINISHED: v})
+            http = http_error_ratio(w)
+            if http is not None and http[1] > 0:
+                emit({"server": srv.url, "window": wl, "source": "http"}, {N.OUT_ERROR_RATIO: http[0] / http[1]})
+        return out
+
+    # -- stalls, findings, exporters ---------------------------------------------------------------
+
+    def root_pid(self) -> int | None:
+        r = self._root_pid
+        return r() if callable(r) else r
+
+    def _on_stall(self, in_flight: float | None, since: float) -> Finding:
+        from ..analysis.kinds import make_finding
+
+        self.stalls += 1
+        n = self.stalls
+        info = {"stall": n, "in_flight": in_flight, "seconds_without_progress": round(since, 1),
+                "servers": [s.url for s in self.servers], "stall_timeout_s": self.cfg.stall_timeout_s}
+        root = self.root_pid()
+        report: dict[str, Any]
+        if root is None:
+            report = {**info, "stuck": None, "dumped": 0, "note": "no server pid (attach with --pid PID to get stacks)"}
+        elif n > self.cfg.max_stall_dumps:
+            report = {**info, "stuck": None, "dumped": 0, "note": f"more than {self.cfg.max_stall_dumps} stalls: no more dumps"}
+        else:
+            out_dir = os.path.join(self.cfg.run_dir, f"stall-{n}")
+            report = capture_stall(root, out_dir, pyspy=self.pyspy, info=info)
+            report["dir"] = out_dir
+        self.stall_reports.append(report)
+        stuck = report.get("stuck") or {}
+        return make_finding(
+            "stall", rank=0, step=None,
+            summary=stall_summary(report) + (f"; stacks in {report['dir']}" if "dir" in report else ""),
+            data={**info, "dir": report.get("dir"), "dumped": report.get("dumped", 0),
+                  "stuck_pid": stuck.get("pid"), "stuck_name": stuck.get("name"), "stuck_state": stuck.get("state"),
+                  "why": stuck.get("why"), "where": (stuck.get("where") or {}).get("frames", [None])[:3]},
+        )
+
+    def _emit(self, batch: Batch) -> None:
+        for f in batch.findings:
+            self.findings.append(f)
+            log.warning("stepwatch serve-vllm [%s] %s: %s", f.severity, f.kind, f.summary)
+            self._write_finding(f)
+        if not batch:
+            return
+        for e in self.exporters:
+            try:
+                e.export(batch)
+            except Exception as ex:  # an exporter bug must not stop the watch
+                self.export_failures += 1
+                self._warn_once(f"export:{getattr(e, 'name', e)}", "stepwatch serve-vllm: exporter %s failed: %r",
+                                getattr(e, "name", e), ex)
+
+    def _write_finding(self, f: Finding) -> None:
+        line = json.dumps(f.to_dict(), default=str) + "\n"
+        with self._lock:
+            if self._findings_bytes + len(line) > FINDINGS_FILE_BYTES:
+                self._warn_once("findings-full", "stepwatch serve-vllm: %s reached %d bytes; further findings are not written",
+                                self.findings_path, FINDINGS_FILE_BYTES)
+                return
+            try:
+                with open(self.findings_path, "a", encoding="utf-8") as fh:
+                    fh.write(line)
+                self._findings_bytes += len(line)
+            except OSError as e:
+                self._warn_once("findings-write", "stepwatch serve-vllm: cannot write %s: %s", self.findings_path, e)

@@ -1,0 +1,241 @@
+"""serve-vllm: process trees, stall dumps with the real py-spy, the wrapper's signals and exit codes.
+
+Real processes throughout: a small Python tree stands in for vLLM's API server -> EngineCore ->
+Worker (tests/fixtures/vllm/fake_server.py); py-spy dumps it for real. The real vLLM runs in
+tests/integration/test_vllm_serve.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from stepwatch.doctor.pyspy import find_pyspy
+from stepwatch.serving import procs
+from stepwatch.serving.stall import Dump, capture_stall, parse_pyspy, verdict
+from stepwatch.serving.wrapper import VllmServer, is_vllm_command, server_url, with_load_tracking
+
+FIX = os.path.join(os.path.dirname(__file__), "..", "fixtures", "vllm")
+FAKE = os.path.join(FIX, "fake_server.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_tree(root: int, n: int, timeout: float = 20.0) -> list[procs.ProcStat]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        t = procs.tree(root)
+        if len(t) >= n:
+            return t
+        time.sleep(0.05)
+    raise AssertionError(f"tree of {root} never reached {n} processes: {procs.tree(root)}")
+
+
+def test_parse_real_pyspy_dump_of_a_stalled_enginecore():
+    with open(os.path.join(FIX, "pyspy-0.4.3-stalled-enginecore.txt"), encoding="utf-8") as f:
+        threads = parse_pyspy(f.read())
+    assert len(threads) == 5
+    main = threads["10064"]
+    assert main["name"] == "MainThread" and main["status"] == "idle"
+    assert main["frames"][0] == "Poller.poll (zmq/sugar/poll.py:106)"
+    assert "EngineCore.step (vllm/v1/engine/core.py:674)" in main["frames"]
+
+
+def test_verdict_without_stopped_process_picks_the_deepest_unmoving_one():
+    with open(os.path.join(FIX, "pyspy-0.4.3-stalled-enginecore.txt"), encoding="utf-8") as f:
+        same = f.read()
+    moved = same.replace("Poller.poll (zmq/sugar/poll.py:106)", "Poller.poll (zmq/sugar/poll.py:107)")
+    stats = {1: procs.ProcStat(1, "api", "S", 0, 1, 1), 2: procs.ProcStat(2, "core", "S", 1, 1, 1),
+             3: procs.ProcStat(3, "worker", "S", 2, 1, 1)}
+    first = {p: Dump(p, "S", True, same, 0.1, False) for p in stats}
+    second = {1: Dump(1, "S", True, same, 0.1, False), 2: Dump(2, "S", True, same, 0.1, False),
+              3: Dump(3, "S", True, moved, 0.1, False)}
+    v = verdict(1, stats, first, second)
+    assert v["stuck"]["pid"] == 2  # 3 moved; 2 is the deepest that did not
+    assert v["stuck"]["where"]["frames"][0].startswith("Poller.poll")
+    rows = {r["pid"]: r for r in v["processes"]}
+    assert rows[3]["stacks_moved"] is True and rows[1]["stacks_moved"] is False
+
+
+def test_stall_capture_dumps_every_process_and_names_the_stopped_one(tmp_path):
+    pyspy = find_pyspy()
+    if pyspy is None:
+        pytest.skip("py-spy not installed (pip install py-spy)")
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    p = subprocess.Popen([sys.executable, FAKE, "--port", str(free_port())], stdout=subprocess.DEVNULL,
+                         start_new_session=True, env={**os.environ, "FAKE_READY_DIR": str(ready)})
+    try:
+        tree = wait_tree(p.pid, 3)
+        worker = tree[-1].pid
+        deadline = time.monotonic() + 20
+        while not (ready / f"worker.{worker}").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(worker, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while procs.read_stat(worker).state != "T" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        report = capture_stall(p.pid, str(tmp_path / "stall-1"), pyspy=pyspy, info={"in_flight": 3},
+                               gap_s=0.3)
+        files = sorted(os.listdir(tmp_path / "stall-1"))
+        assert files == sorted(["report.json"] + [f"stacks.{t.pid}.txt" for t in tree])
+        if report["dumped"] == 0:
+            pytest.skip(f"py-spy cannot attach here: {report['processes'][0]['error']}")
+        assert report["dumped"] == 3
+        assert report["stuck"]["pid"] == worker and report["stuck"]["state"] == "T"
+        assert "stopped" in report["stuck"]["why"][0]
+        assert report["stuck"]["where"]["frames"]  # where it sleeps
+        on_disk = json.loads((tmp_path / "stall-1" / "report.json").read_text())
+        assert on_disk["stuck"]["pid"] == worker and on_disk["in_flight"] == 3
+        text = (tmp_path / "stall-1" / f"stacks.{worker}.txt").read_text()
+        assert "--nonblocking" in text and "Thread" in text and "## sample 2" in text
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def test_tree_and_alive():
+    p = subprocess.Popen([sys.executable, FAKE, "--port", str(free_port())], stdout=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        tree = wait_tree(p.pid, 3)
+        assert tree[0].pid == p.pid and tree[1].ppid == p.pid and tree[2].ppid == tree[1].pid
+        assert procs.alive(tree[2].pid, tree[2].starttime)
+        assert not procs.alive(tree[2].pid, tree[2].starttime + 1)  # a re-used pid is not ours
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert procs.tree(p.pid) == []
+
+
+def test_command_helpers():
+    api = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", "9001"]
+    assert is_vllm_command(api) and is_vllm_command(["vllm", "serve", "m"])
+    assert not is_vllm_command(["python", "server.py"])
+    assert with_load_tracking(api)[-1] == "--enable-server-load-tracking"
+    assert with_load_tracking(with_load_tracking(api)).count("--enable-server-load-tracking") == 1
+    assert with_load_tracking(["python", "x.py"]) == ["python", "x.py"]
+    assert server_url(api) == "http://127.0.0.1:9001"
+    assert server_url(["vllm", "serve", "m", "--host=0.0.0.0"]) == "http://127.0.0.1:8000"
+    with pytest.raises(ValueError, match="cmd"):
+        VllmServer([])
+
+
+@pytest.mark.parametrize("ignore_term", [False, True])
+def test_stop_leaves_no_process_behind(ignore_term):
+    cmd = [sys.executable, FAKE, "--port", str(free_port()), "--exit-code", "7"] + (["--ignore-term"] if ignore_term else [])
+    s = VllmServer(cmd, stdout=subprocess.DEVNULL).start()
+    tree = wait_tree(s.pid, 3)
+    s.refresh_tree()
+    t0 = time.monotonic()
+    rc = s.stop(grace_s=10.0, orphan_grace_s=1.0)
+    took = time.monotonic() - t0
+    assert rc == 7
+    assert not [t.pid for t in tree if procs.alive(t.pid, t.starttime)]
+    assert took < 5.0  # the orphan grace, not the whole grace
+
+
+def test_exit_code_of_a_signalled_child():
+    s = VllmServer([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]).start()
+    s.proc.wait(10)
+    assert s.stop() == 128 + signal.SIGKILL
+
+
+def test_cli_forwards_sigterm_exits_with_the_child_code_and_leaves_nothing(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    w = subprocess.Popen(
+        [sys.executable, "-m", "stepwatch", "serve-vllm", "--run-dir", str(tmp_path), "--interval", "0.2",
+         "--grace", "8", "--", sys.executable, FAKE, "--port", str(port), "--exit-code", "5",
+         "--metrics", os.path.join(FIX, "metrics-0.32.0-midflight.txt")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        tree = wait_tree(w.pid, 4)  # wrapper -> api -> engine -> worker
+        time.sleep(1.0)  # a few scrapes
+        os.kill(w.pid, signal.SIGTERM)
+        rc = w.wait(30)
+        out = w.stdout.read().decode()
+        assert rc == 5, out
+        assert "serve-vllm: started pid" in out
+        left = [t.pid for t in tree if procs.alive(t.pid, t.starttime)]
+        assert not left, (left, out)
+    finally:
+        if w.poll() is None:
+            os.killpg(w.pid, signal.SIGKILL)
+            w.wait()
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    from stepwatch.cli import main
+
+    assert main(["serve-vllm"]) == 2
+    assert "either a server command" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve-vllm", "--stall-timeout", "0", "--attach", "http://127.0.0.1:1"])
+    assert "--stall-timeout" in capsys.readouterr().err
+    assert main(["serve-vllm", "--attach", "127.0.0.1:1"]) == 2
+    assert "http" in capsys.readouterr().err
+
+
+def test_cli_attach_never_signals_the_server(tmp_path):
+    port = free_port()
+    srv = subprocess.Popen([sys.executable, FAKE, "--port", str(port), "--metrics",
+                            os.path.join(FIX, "metrics-0.32.0-midflight.txt")],
+                           stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        tree = wait_tree(srv.pid, 3)
+        env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+        w = subprocess.Popen(
+            [sys.executable, "-m", "stepwatch", "serve-vllm", "--run-dir", str(tmp_path), "--interval", "0.2",
+             "--queue-threshold", "10", "--attach", f"http://127.0.0.1:{port}", "--pid", str(srv.pid)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "findings.serve.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        w.send_signal(signal.SIGINT)
+        rc = w.wait(30)
+        out = w.stdout.read().decode()
+        assert rc == 0, out
+        f = json.loads((tmp_path / "findings.serve.jsonl").read_text().splitlines()[0])
+        assert f["kind"] == "queue_depth" and f["data"]["waiting"] == 24.0  # the fixture's 24 > 10
+        assert all(procs.alive(t.pid, t.starttime) for t in tree)  # untouched
+    finally:
+        os.killpg(srv.pid, signal.SIGKILL)
+        srv.wait()
+
+
+def test_a_killed_wrapper_takes_the_server_down_with_it(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    w = subprocess.Popen(
+        [sys.executable, "-m", "stepwatch", "serve-vllm", "--run-dir", str(tmp_path), "--interval", "0.5",
+         "--", sys.executable, FAKE, "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    tree = wait_tree(w.pid, 4)
+    server = tree[1]
+    os.kill(w.pid, signal.SIGKILL)  # no chance to clean up
+    w.wait()
+    deadline = time.monotonic() + 10
+    while procs.alive(server.pid, server.starttime) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert not procs.alive(server.pid, server.starttime)  # PR_SET_PDEATHSIG: SIGTERM
+    finally:
+        for t in tree:
+            if procs.alive(t.pid, t.starttime):
+                os.kill(t.pid, signal.SIGKILL)

@@ -1,0 +1,306 @@
+"""serve-vllm: findings, the scrape loop and the OTel re-export, against a real HTTP stand-in.
+
+The stand-in is a real HTTP server on loopback that serves the real vLLM 0.32 scrapes (and the
+v0-name fixtures) at /metrics and a settable in-flight count at /load, as vLLM does with
+--enable-server-load-tracking. No GPU or vLLM is needed; the integration test runs a real vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from stepwatch.exporters.base import InMemoryExporter
+from stepwatch.serving import names as N
+from stepwatch.serving.detect import Detectors, Thresholds
+from stepwatch.serving.parse import parse_metrics
+from stepwatch.serving.slo import Scrape, Window
+from stepwatch.serving.stall import StallDetector
+from stepwatch.serving.watcher import ServeWatcher, WatchConfig
+
+FIX = os.path.join(os.path.dirname(__file__), "..", "fixtures", "vllm")
+OLD = (("model_name", "opt-125m"),)
+
+
+def text(name: str) -> str:
+    with open(os.path.join(FIX, name), encoding="utf-8") as f:
+        return f.read()
+
+
+class StandIn:
+    """A loopback HTTP server with vLLM's /metrics and /load."""
+
+    def __init__(self) -> None:
+        self.metrics = ""
+        self.load: int | None = 0  # None: answer 404 like a vLLM without load tracking
+        self.status = 200
+        owner = self
+
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path == "/metrics" and owner.status == 200:
+                    body = owner.metrics.encode()
+                elif self.path == "/load" and owner.load is not None:
+                    body = json.dumps({"server_load": owner.load}).encode()
+                else:
+                    self.send_error(404 if self.path != "/metrics" else owner.status)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def standin():
+    s = StandIn()
+    yield s
+    s.close()
+
+
+def old_windows(seconds: float = 30.0) -> tuple[Window, Window]:
+    a = Scrape(0.0, 0.0, parse_metrics(text("metrics-v0-oldnames-t0.txt")))
+    b = Scrape(seconds, seconds, parse_metrics(text("metrics-v0-oldnames-t1.txt")))
+    w = Window(a, b)
+    return w, w
+
+
+# -- findings ----------------------------------------------------------------------------------
+
+
+def test_old_name_fixture_fires_queue_spec_ttft_and_kv_findings():
+    d = Detectors(Thresholds(ttft_p99_s=0.5, kv_sustain_s=20.0))
+    latest, slo = old_windows()
+    kinds = {f.kind: f for f in d.check("http://a", latest, slo)}
+    assert kinds["queue_depth"].data["waiting"] == 60.0
+    assert kinds["spec_decode_acceptance"].data["acceptance"] == pytest.approx(0.5)
+    assert kinds["ttft_slo"].data["ttft_p99_s"] == pytest.approx(0.875)
+    assert "kv_cache_cascade" not in kinds  # over 0.82, but not yet for 20 s
+    # 25 s later, still 0.9, and preemptions rose 10 -> 12 since it crossed: critical
+    b2 = parse_metrics(text("metrics-v0-oldnames-t1.txt").replace(
+        'vllm:num_preemptions_total{model_name="opt-125m"} 10.0', 'vllm:num_preemptions_total{model_name="opt-125m"} 12.0'))
+    w2 = Window(latest.new, Scrape(55.0, 55.0, b2))
+    f = {f.kind: f for f in d.check("http://a", w2, w2)}
+    kv = f["kv_cache_cascade"]
+    assert kv.severity == "critical" and kv.data["preemptions_since"] == 2.0 and kv.data["sustained_s"] == 25.0
+    assert "reduce max_num_seqs" in kv.action.lower()
+    # cooldown: the queue finding does not repeat 25 s later
+    assert "queue_depth" not in f
+
+
+def test_kv_sustained_without_preemptions_is_a_warning_and_dropping_below_resets():
+    d = Detectors(Thresholds(kv_sustain_s=10.0))
+    s = parse_metrics(text("metrics-v0-oldnames-t1.txt"))
+    low = parse_metrics(text("metrics-v0-oldnames-t1.txt").replace("gpu_cache_usage_perc{model_name=\"opt-125m\"} 0.9", "gpu_cache_usage_perc{model_name=\"opt-125m\"} 0.5"))
+    seq = [(0, s), (6, low), (8, s), (16, s), (19, s)]
+    fired = []
+    prev = None
+    for t, samples in seq:
+        cur = Scrape(float(t), float(t), samples)
+        w = Window(prev, cur)
+        fired += [(t, f.severity) for f in d.check("u", w, w) if f.kind == "kv_cache_cascade"]
+        prev = cur
+    assert fired == [(19, "warning")]  # 8 -> 19 held 11 s; 0 -> 6 was broken by the dip
+
+
+def test_errors_by_finished_reason():
+    a = text("metrics-0.32.0-midflight.txt")
+    b = text("metrics-0.32.0-idle-after-load.txt").replace(
+        'vllm:request_success_total{engine="0",finished_reason="error",model_name="tiny-llama"} 0.0',
+        'vllm:request_success_total{engine="0",finished_reason="error",model_name="tiny-llama"} 4.0')
+    w = Window(Scrape(0, 0, parse_metrics(a)), Scrape(60, 60, parse_metrics(b)))
+    f = [x for x in Detectors(Thresholds()).check("u", w, w) if x.kind == "serving_errors"]
+    assert len(f) == 1
+    assert f[0].data["errors"] == 4.0 and f[0].data["finished"] == 36.0
+    # the real window has no errors: no finding
+    w0 = Window(Scrape(0, 0, parse_metrics(a)), Scrape(60, 60, parse_metrics(text("metrics-0.32.0-idle-after-load.txt"))))
+    assert not [x for x in Detectors(Thresholds()).check("u", w0, w0) if x.kind == "serving_errors"]
+
+
+@pytest.mark.parametrize("kw,msg", [({"kv_cache": 1.5}, "kv_cache"), ({"ttft_p99_s": 0}, "ttft_p99_s"),
+                                    ({"queue_depth": -1}, "queue_depth")])
+def test_bad_thresholds_name_the_field(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Thresholds(**kw)
+
+
+# -- the stall detector ------------------------------------------------------------------------
+
+
+def test_stall_detector_fires_once_per_episode_and_not_when_idle():
+    s = StallDetector(10.0)
+    assert not s.update(0, in_flight=0, progress=(1, 1, 1))
+    assert not s.update(50, in_flight=0, progress=(1, 1, 1))  # idle for long: not a stall
+    assert not s.update(51, in_flight=3, progress=(1, 1, 1))  # busy from 51
+    assert not s.update(60, in_flight=3, progress=(1, 1, 1))
+    assert s.update(61.5, in_flight=3, progress=(1, 1, 1))  # 10.5 s busy without progress
+    assert not s.update(70, in_flight=3, progress=(1, 1, 1))  # same episode: once
+    assert not s.update(71, in_flight=3, progress=(2, 1, 1))  # progress: re-armed
+    assert s.update(82, in_flight=None, progress=None)  # server no longer answers: stalled too
+    with pytest.raises(ValueError, match="stall timeout"):
+        StallDetector(0)
+
+
+def test_stall_detector_waits_for_the_server_to_come_up():
+    s = StallDetector(1.0)
+    assert not s.update(0, in_flight=None, progress=None)
+    assert not s.update(100, in_flight=None, progress=None)
+
+
+# -- the loop over HTTP ------------------------------------------------------------------------
+
+
+def test_watcher_reexports_samples_and_writes_findings(standin, tmp_path):
+    mem = InMemoryExporter()
+    cfg = WatchConfig(urls=[standin.url], run_dir=str(tmp_path), interval_s=1.0, windows_s=(60.0,),
+                      thresholds=Thresholds(queue_depth=10))
+    w = ServeWatcher(cfg, exporters=[mem], root_pid=None)
+    standin.metrics = text("metrics-0.32.0-midflight.txt")
+    standin.load = 32
+    b1 = w.tick()
+    standin.metrics = text("metrics-0.32.0-idle-after-load.txt")
+    standin.load = 0
+    b2 = w.tick()
+    assert [f.kind for f in b1.findings] == ["queue_depth"]  # 24 waiting > 10
+    assert not b2.findings
+    lines = (tmp_path / "findings.serve.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["kind"] == "queue_depth"
+    serving = [s for s in mem.samples if s.get("source") == "serving"]
+    assert all(k.startswith("stepwatch_serving_") for s in serving for k in s if k not in ("source", "time", "labels"))
+    waiting = [s[N.OUT_WAITING] for s in serving if N.OUT_WAITING in s]
+    assert waiting == [24.0, 0.0]
+    ttft = [s for s in serving if N.OUT_TTFT in s and s["labels"].get("quantile") == "0.99"]
+    assert len(ttft) == 1 and ttft[0]["labels"]["window"] == "1m" and ttft[0]["labels"]["engine"] == "0"
+    assert ttft[0][N.OUT_TTFT] > 0
+    reasons = {s["labels"]["reason"]: s[N.OUT_FINISHED] for s in serving if N.OUT_FINISHED in s}
+    assert reasons["length"] > 0 and reasons["error"] == 0.0
+    in_flight = [s[N.OUT_IN_FLIGHT] for s in mem.samples if N.OUT_IN_FLIGHT in s]
+    assert in_flight == [32.0, 0.0]
+
+
+def test_two_api_servers_are_watched_apart(standin, tmp_path):
+    other = StandIn()
+    try:
+        standin.metrics = text("metrics-0.32.0-midflight.txt")
+        other.metrics = text("metrics-v0-oldnames-t1.txt")
+        mem = InMemoryExporter()
+        w = ServeWatcher(WatchConfig(urls=[standin.url, other.url], run_dir=str(tmp_path)), exporters=[mem])
+        w.tick()
+        kv = {s["labels"]["server"]: s[N.OUT_KV] for s in mem.samples if N.OUT_KV in s}
+        assert kv == {standin.url: pytest.approx(0.0009766221082829762), other.url: 0.9}
+    finally:
+        other.close()
+
+
+def test_broken_server_answers_are_counted_never_raised(standin, tmp_path):
+    mem = InMemoryExporter()
+    w = ServeWatcher(WatchConfig(urls=[standin.url], run_dir=str(tmp_path), stall_timeout_s=1000), exporters=[mem])
+    standin.metrics = text("metrics-0.32.0-midflight.txt")[:30000]  # cut mid-line
+    w.tick()
+    assert w.parse_errors.count >= 1
+    standin.status = 500
+    w.tick()
+    assert w.scrape_failures == 1
+    standin.status = 200
+    standin.metrics = "\x00garbage{{{\n"
+    w.tick()
+    errs = [s[N.OUT_SCRAPE_ERRORS] for s in mem.samples if N.OUT_SCRAPE_ERRORS in s]
+    assert errs[-1] >= 3 and errs == sorted(errs)
+
+
+def test_without_load_endpoint_falls_back_to_running_plus_waiting(standin, tmp_path):
+    standin.load = None
+    standin.metrics = text("metrics-0.32.0-midflight.txt")
+    mem = InMemoryExporter()
+    w = ServeWatcher(WatchConfig(urls=[standin.url], run_dir=str(tmp_path)), exporters=[mem])
+    w.tick()
+    assert [s[N.OUT_IN_FLIGHT] for s in mem.samples if N.OUT_IN_FLIGHT in s] == [32.0]  # 8 running + 24 waiting
+
+
+def test_stall_without_pid_is_a_finding_without_dumps(standin, tmp_path):
+    standin.metrics = text("metrics-0.32.0-midflight.txt")
+    standin.load = 5
+    w = ServeWatcher(WatchConfig(urls=[standin.url], run_dir=str(tmp_path), stall_timeout_s=0.3, interval_s=0.1))
+    import time
+
+    w.tick()
+    time.sleep(0.2)
+    w.tick()  # busy from here
+    time.sleep(0.4)
+    b = w.tick()
+    stall = [f for f in b.findings if f.kind == "stall"]
+    assert len(stall) == 1 and stall[0].severity == "critical"
+    assert stall[0].data["in_flight"] == 5.0 and stall[0].data["dumped"] == 0
+    assert not list(tmp_path.glob("stall-*"))
+
+
+def test_exporter_failure_does_not_stop_the_loop(standin, tmp_path):
+    class Boom(InMemoryExporter):
+        def export(self, batch):
+            raise RuntimeError("sink down")
+
+    standin.metrics = text("metrics-0.32.0-midflight.txt")
+    mem = InMemoryExporter()
+    w = ServeWatcher(WatchConfig(urls=[standin.url], run_dir=str(tmp_path)), exporters=[Boom(), mem])
+    w.tick()
+    w.tick()
+    assert w.export_failures == 2 and len(mem.samples) > 0
+
+
+@pytest.mark.parametrize("kw,msg", [({"urls": []}, "urls"), ({"urls": ["localhost:8000"]}, "http"),
+                                    ({"interval_s": 0}, "interval_s"), ({"windows_s": (0,)}, "windows_s")])
+def test_bad_watch_config_names_the_field(kw, msg, tmp_path):
+    args = {"urls": ["http://127.0.0.1:1"], "run_dir": str(tmp_path), **kw}
+    with pytest.raises(ValueError, match=msg):
+        WatchConfig(**args)
+
+
+# -- through stepwatch's OTel exporter ---------------------------------------------------------
+
+
+def test_samples_become_stepwatch_serving_series_in_otel(standin, tmp_path):
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from stepwatch.context import RunContext
+    from stepwatch.exporters.otel import OTelExporter
+
+    reader = InMemoryMetricReader()
+    ctx = RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="r", run_dir=str(tmp_path))
+    otel = OTelExporter(ctx, otlp=False, readers=[reader], environ={})
+    try:
+        w = ServeWatcher(WatchConfig(urls=[standin.url], run_dir=str(tmp_path), windows_s=(60.0,)), exporters=[otel])
+        standin.metrics = text("metrics-0.32.0-midflight.txt")
+        w.tick()
+        standin.metrics = text("metrics-0.32.0-idle-after-load.txt")
+        w.tick()
+        data = reader.get_metrics_data()
+        got = {}
+        for rm in data.resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    got[m.name] = [dict(p.attributes) | {"value": p.value} for p in m.data.data_points]
+        for name in (N.OUT_TTFT, N.OUT_ITL, N.OUT_E2E, N.OUT_RUNNING, N.OUT_WAITING, N.OUT_KV, N.OUT_PREEMPT,
+                     N.OUT_PREFIX_HIT, N.OUT_GEN_TPS, N.OUT_FINISHED):
+            assert name in got, name
+        assert not any(":" in n for n in got)
+        p99 = [p for p in got[N.OUT_TTFT] if p["quantile"] == "0.99"]
+        assert p99 and p99[0]["engine"] == "0" and p99[0]["server"] == standin.url and p99[0]["value"] > 0
+        assert otel.dropped() == 0
+    finally:
+        otel.shutdown()
