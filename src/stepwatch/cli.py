@@ -16,6 +16,9 @@ SUBCOMMAND_MODULES = (
     "stepwatch.report.cli",
     "stepwatch.rules.cli",
     "stepwatch.doctor.cli",
+    "stepwatch.serving.cli",
+    "stepwatch.runner.cli",
+    "stepwatch.comm.cli",
 )
 
 

@@ -464,7 +464,7 @@ class Config:
         default=6.0,
         metadata=_opt(
             "STEPWATCH_SPIKE_MADS",
-            "A step slower than the rolling median plus this many MAD-sigmas (and at least 1.5x the "
+            "A step slower than the rolling median plus this many MAD-sigmas (and at least 2x the "
             "median) is a `step_time_spike`.",
             _float_above(0.0),
         ),

@@ -323,7 +323,8 @@ class Session:
             while q:
                 raws.append(q.popleft())
             self._rss = _peak_rss_bytes() if raws else None
-            if not self._opened and (raws or final or self._held):
+            # Internal-error findings too: taken from the list below, they would be lost with no exporter open.
+            if not self._opened and (raws or final or self._held or self._internal_findings):
                 self._opened = True
                 self._open_exporters()
             records = self._resolve(raws, final=final)

@@ -74,6 +74,41 @@ KINDS: dict[str, Kind] = {
             "enable TF32 (torch.backends.cuda.matmul.allow_tf32 = True) / train in bf16.",
             "B.3 'must be multiples of 8 for BF16 Tensor Cores, multiples of 16 for INT8'",
         ),
+        # -- communication and stragglers (comm/) --
+        Kind(
+            "allreduce_not_overlapped",
+            "warning",
+            "AllReduce is not overlapped with backward: most gradient communication runs after the "
+            "backward compute instead of behind it (overlap below the 80% target); expect a 10-30% "
+            "throughput loss.",
+            "Enable gradient_as_bucket_view=True in DDP, and use buckets small enough to start during "
+            "backward (bucket_cap_mb, default 25); check that no hook or sync point delays the first bucket.",
+            "B.2 'NCCL spans overlap backward kernels -> measure overlap fraction, target > 80%'; "
+            "'NCCL spans are sequential after backward -> Allreduce not overlapped, 10-30% throughput "
+            "loss -> Enable gradient_as_bucket_view=True in DDP'",
+        ),
+        Kind(
+            "low_busbw",
+            "warning",
+            "AllReduce bus bandwidth is below the healthy baseline for this hardware: the NVLink or "
+            "InfiniBand fabric (or NCCL's configuration) is degraded.",
+            "Run `stepwatch bench-comm` (or nccl-tests all_reduce_perf -b 1M -e 1G -f 2) and compare busbw; "
+            "single node: check NVLink (DCGM fields 1011/1012); multi-node: check `ibstatus` and NCCL_IB_HCA.",
+            "B.5 baselines: H100 x8 NVLink busbw >= 160 GB/s at 256MB, >= 180 at 1GB, alert < 140; "
+            "H100 x64 IB NDR >= 40 at 256MB, >= 45 at 1GB, alert < 35; B.10 'busbw vs. healthy baseline'",
+        ),
+        Kind(
+            "straggler",
+            "warning",
+            "Straggler rank: its compute time (step time minus data wait and exposed communication) "
+            "exceeds the median of the other ranks' for several windows in a row; every collective "
+            "waits for it, so the other ranks' step time grows by the same amount.",
+            "Inspect the named ranks and hosts: GPU throttling, XIDs, ECC (`dcgmi dmon -e 1003` across "
+            "nodes), CPU contention or a noisy neighbour, uneven data (sequence lengths) or extra work "
+            "on that rank (logging, eval, checkpoint on rank 0).",
+            "B.4 matrix 'Variable / Any / Any -> Straggler'; B.10 'Straggler node suspected -> outlier "
+            "SM_ACTIVE vs. rest of fleet'; B.7 step time P99",
+        ),
         Kind(
             "internal_error",
             "warning",
@@ -203,6 +238,28 @@ KINDS: dict[str, Kind] = {
             "Read stall-<n>/report.json and the stacks.<pid>.txt files; a stopped (T) or D-state "
             "process points at a signal or the device/driver; restart the server if it does not recover.",
             "stepwatch rule; B.6 troubleshooting 'Training hang ... py-spy dump --pid'",
+        ),
+        # -- hang watchdog and captures (capture/) --
+        Kind(
+            "hang",
+            "critical",
+            "The job stopped making progress (no step end, phase change or completed collective "
+            "for the hang timeout). The summary names the laggard rank(s) that did not enter the "
+            "collective the others wait in -- or, when every rank sits in the same collective, the "
+            "device or the network.",
+            "Read hang-<n>/report.json and the laggard's stacks.rank<R>.txt: its top frames show "
+            "where it is stuck (data loading, a rank-dependent branch, I/O, a GIL-holding C call). "
+            "When no rank is behind, check the GPUs (XIDs, ECC) and the network (NCCL_DEBUG=INFO).",
+            "stepwatch rule; B.6 troubleshooting 'Training hang ... py-spy dump --pid'",
+        ),
+        Kind(
+            "step_time_spike",
+            "warning",
+            "A step took much longer than its neighbours: above the rolling median plus several "
+            "MAD-sigmas (evaluation and checkpoint time excluded).",
+            "Read the capture stepwatch took of the next steps (captures/*.trace.json, open in "
+            "Perfetto) and the step's phase split: data wait, forward, backward, optimizer.",
+            "stepwatch rule: robust outlier test, median + k x 1.4826 x MAD (Rousseeuw & Croux 1993)",
         ),
     )
 }

@@ -1,0 +1,285 @@
+"""Hang watchdog, on-demand stack dumps and anomaly-triggered captures (docs/hang.md).
+
+``install(session)`` wires them into a session at init (training thread, cheap): a progress
+board as ``tracker.progress``, the watchdog sidecar process, the SIGUSR1 stack dump, the
+step-time spike detector and the capture manager. Heavy parts (torch.profiler, py-spy) load only
+when used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from .._log import logger
+
+# Yama (kernel Documentation/admin-guide/LSM/Yama.rst): PR_SET_PTRACER lets the named process
+# attach to us although it is not our ancestor. Value from linux/prctl.h ("Yama" in ASCII).
+PR_SET_PTRACER = 0x59616D61
+YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+
+# PyTorch's Flight Recorder keeps the last N collectives per process group for its own dumps
+# (TORCH_NCCL_DUMP_ON_TIMEOUT, torch.distributed.flight_recorder); off unless a buffer size is set.
+# 2000 entries: the example size of PyTorch's Flight Recorder tutorial. torch 2.13 also reads
+# TORCH_FR_BUFFER_SIZE (falling back to the NCCL name) for backends other than NCCL.
+FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FR_ENTRIES = "2000"
+
+RUN_ENV = "STEPWATCH_RUN"  # set by `stepwatch run` for every process of the job
+SIDECAR_ENV = "STEPWATCH_SIDECAR"
+
+
+def _wanted(setting: str, ctx: Any) -> bool:
+    """``auto``: on in a multi-rank job or under ``stepwatch run``; a lone process (a notebook, a
+    unit test) would pay for a sidecar and profiler warm-up it rarely needs."""
+    if setting == "on":
+        return True
+    if setting == "off":
+        return False
+    return ctx.world_size > 1 or os.environ.get(RUN_ENV) == "1"
+
+
+def grant_ptrace(pid: int) -> str:
+    """Let ``pid`` (our child, the sidecar) read our memory under Yama's ptrace_scope=1."""
+    try:
+        with open(YAMA_SCOPE, encoding="ascii") as f:
+            scope = int(f.read().strip())
+    except (OSError, ValueError):
+        return "no Yama: classic ptrace rules"
+    if scope != 1:
+        return f"Yama ptrace_scope={scope}: PR_SET_PTRACER does not apply"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0) != 0:
+        return f"prctl(PR_SET_PTRACER) failed: {os.strerror(ctypes.get_errno())}"
+    return f"Yama ptrace_scope=1: granted to pid {pid} with prctl(PR_SET_PTRACER)"
+
+
+class Feature:
+    """What ``install`` started; ``stop()`` at shutdown, ``status()`` for run.json (key ``capture``),
+    ``on_findings`` each background pass."""
+
+    name = "capture"
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.board: Any = None
+        self.sidecar: subprocess.Popen | None = None
+        self.ptrace_grant: str | None = None
+        self.signal: Any = None
+        self.captures: Any = None
+        self.timeout: float | None = None
+        self.action = "dump"
+        self.flight_recorder: str | None = None
+        self._watch_off = 0
+        self._watch_t = 0.0
+
+    # -- pieces -------------------------------------------------------------------------------
+
+    def start_board(self) -> None:
+        from . import progress
+
+        ctx = self.session.ctx
+        self.board = progress.Board(progress.default_path(ctx.run_id, ctx.rank, ctx.run_dir), ctx.rank)
+        tr = self.session.tracker
+        if tr is not None:
+            tr.progress = self.board
+
+    def start_sidecar(self) -> None:
+        from .pyspy import find_pyspy
+
+        s, ctx, cfg = self.session, self.session.ctx, self.session.config
+        exe = sys.executable
+        if not exe or not os.path.basename(exe).startswith("python"):
+            logger.warning("hang watchdog off: no Python executable to start the sidecar with (%r)", exe)
+            return
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["STEPWATCH_ENABLED"] = "0"  # the sidecar must not instrument itself (sitecustomize shim)
+        env[SIDECAR_ENV] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+        cmd = [exe, "-m", "stepwatch.capture.watchdog", "--trainer-pid", str(os.getpid()), "--board", self.board.path,
+               "--run-dir", ctx.run_dir, "--run-id", ctx.run_id, "--rank", str(ctx.rank),
+               "--world-size", str(ctx.world_size), "--attempt", str(ctx.attempt), "--action", cfg.hang_action]
+        if cfg.hang_timeout:
+            cmd += ["--timeout", repr(cfg.hang_timeout)]
+        pyspy = find_pyspy()
+        if pyspy:
+            cmd += ["--pyspy", pyspy]
+        if self.signal is not None:
+            cmd += ["--signal-file", self.signal.path]
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if addr and port and port.isdigit():
+            cmd += ["--store-addr", addr, "--store-port", port]
+        self.sidecar = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+        self.ptrace_grant = grant_ptrace(self.sidecar.pid)
+        self.timeout = cfg.hang_timeout
+        self.action = cfg.hang_action
+
+    def start_signal(self) -> None:
+        from .signals import StackSignal, supported
+
+        if not supported():
+            return
+        ctx = self.session.ctx
+        sig = StackSignal(os.path.join(ctx.run_dir, f"sigusr1.rank{ctx.rank}.txt"))
+        sig.install()
+        self.signal = sig
+
+    def start_captures(self) -> None:
+        from . import nsys
+        from .profiler import CaptureManager
+        from .triggers import StepTimeSpikeDetector
+
+        s, cfg = self.session, self.session.config
+        self.captures = CaptureManager(
+            s, steps=cfg.capture_steps, cooldown_s=cfg.capture_cooldown_s, max_count=cfg.capture_max,
+            budget_mb=cfg.capture_budget_mb, board=self.board if self.sidecar is not None else None,
+            nsys=nsys.requested(),
+        )
+        try:
+            took = self.captures.warm()
+            logger.debug("captures: profiler warmed up in %.2f s", took)
+        except Exception as e:  # no torch.profiler: no captures, the rest goes on
+            s._internal_error("capture.warm_up", e)
+            self.captures = None
+            return
+        s.detectors.append(StepTimeSpikeDetector(cfg.window, mads=cfg.spike_mads))
+        s.detectors.append(self.captures)
+
+    def on_step_end(self, ended: int) -> None:
+        """tracker listener (training thread)."""
+        try:
+            if self.signal is not None:
+                self.signal.check()
+            if self.captures is not None:
+                self.captures.on_step_end(ended)
+        except Exception as e:
+            self.session._internal_error("capture.step", e)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        if self.captures is not None:
+            self.captures.stop()
+        if self.board is not None:
+            self.board.close()  # sets the closed flag: the sidecar exits on its next poll
+        if self.sidecar is not None:
+            try:
+                self.sidecar.wait(2.0)
+            except subprocess.TimeoutExpired:
+                self.sidecar.terminate()
+                try:
+                    self.sidecar.wait(2.0)
+                except subprocess.TimeoutExpired:
+                    self.sidecar.kill()
+        if self.signal is not None:
+            self.signal.uninstall()
+
+    def collect(self, records: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Each background pass: the sidecar's ``hang`` findings join this rank's finding stream
+        (exporters, ``findings.rank<R>.jsonl``) when the trainer's pipeline still runs."""
+        now = time.monotonic()
+        if now - self._watch_t < 1.0:
+            return [], []
+        self._watch_t = now
+        path = os.path.join(self.session.ctx.run_dir, f"findings.watchdog.rank{self.session.ctx.rank}.jsonl")
+        try:
+            if os.path.getsize(path) <= self._watch_off:
+                return [], []
+            with open(path, encoding="utf-8") as f:
+                f.seek(self._watch_off)
+                lines = f.readlines()
+        except OSError:
+            return [], []
+        from ..record import Finding
+
+        out = []
+        for line in lines:
+            if not line.endswith("\n"):
+                break  # half written: read it next pass
+            self._watch_off += len(line.encode("utf-8"))
+            try:
+                out.append(Finding(**json.loads(line)))
+            except (ValueError, TypeError):
+                continue
+        return [], out
+
+    def on_findings(self, findings: list[Any]) -> None:
+        """Each background pass, with every finding of the pass (the session calls it)."""
+        if self.captures is not None:
+            self.captures.on_pass(findings)
+
+    def status(self) -> dict[str, Any]:
+        run_dir = self.session.ctx.run_dir
+        methods: dict[str, Any] = {}
+        try:
+            names = sorted(n for n in os.listdir(run_dir) if n.startswith("watchdog.rank") and n.endswith(".json"))
+        except OSError:
+            names = []
+        for n in names:
+            try:
+                with open(os.path.join(run_dir, n), encoding="utf-8") as f:
+                    info = json.load(f)
+                methods[str(info["rank"])] = info["stack_method"]
+            except (OSError, ValueError, KeyError):
+                continue
+        out: dict[str, Any] = {
+            "hang_watchdog": {
+                "enabled": self.sidecar is not None,
+                "timeout_s": self.timeout if self.timeout else "adaptive",
+                "action": self.action,
+                "stack_dump": methods,
+                "ptrace": self.ptrace_grant,
+                "sigusr1": self.signal.manifest() if self.signal is not None else None,
+                "flight_recorder": self.flight_recorder,
+            }
+        }
+        if self.captures is not None:
+            out["captures"] = self.captures.manifest()
+        return out
+
+
+def enable_flight_recorder() -> str:
+    """Turn PyTorch's Flight Recorder on with a bounded buffer unless the job chose a size. It
+    takes effect for process groups created after this (``import stepwatch.auto`` comes first)."""
+    for var in FR_ENV:
+        if os.environ.get(var):
+            return f"{var}={os.environ[var]} (set by the job)"
+    os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = FR_ENTRIES
+    return f"TORCH_NCCL_TRACE_BUFFER_SIZE={FR_ENTRIES} (set by stepwatch)"
+
+
+def install(session: Any) -> Feature | None:
+    """Wire the watchdog, SIGUSR1 dumps and captures into ``session`` (training thread, at init)."""
+    if os.environ.get(SIDECAR_ENV) == "1":
+        return None
+    cfg, ctx = session.config, session.ctx
+    watchdog = _wanted(cfg.watchdog, ctx)
+    capture = _wanted(cfg.capture, ctx)
+    if not (watchdog or capture):
+        return None
+    from ..exporters.records import make_private_dir
+
+    make_private_dir(ctx.run_dir)
+    feat = Feature(session)
+    if watchdog:
+        feat.flight_recorder = enable_flight_recorder()
+        feat.start_board()
+        try:
+            feat.start_signal()
+        except Exception as e:
+            session._internal_error("capture.sigusr1", e)
+        try:
+            feat.start_sidecar()
+        except Exception as e:
+            session._internal_error("capture.watchdog", e)
+    if capture and session.tracker is not None:
+        feat.start_captures()
+    if session.tracker is not None:
+        session.tracker.listeners.append(feat.on_step_end)
+    return feat  # the session keeps it in features_started: stop() at shutdown, status() in run.json

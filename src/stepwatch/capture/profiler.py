@@ -1,0 +1,335 @@
+"""Anomaly-triggered captures: torch.profiler over the next N steps, on every rank, the same steps.
+
+Who does what:
+
+* Background thread (``on_pass``, each pipeline pass): sees trigger findings
+  (``triggers.TRIGGER_KINDS``). Rank 0 decides -- rate limit, cooldown, maximum count, disk
+  budget -- and publishes ``stepwatch/<run_id>/capture/<k> = "<first step>:<reason>"`` in
+  torch.distributed's store; another rank that sees a trigger asks rank 0 through a counter key
+  (``capture/req``, ``store.add``). Every other rank polls for the next key without blocking
+  (``store.check``) each pass. The first step is the current step plus a lag long enough for
+  every rank to read the key first (two seconds of steps, at least two steps).
+* Training thread (a ``tracker.listeners`` callback at each step end): starts the profiler at the
+  boundary before the first step, marks each step (``stepwatch_step_<n>`` ranges), stops it after
+  the N-th. A profiler started from another thread records none of the training thread's ops.
+* An export thread writes the Chrome trace JSON to ``<run_dir>/captures/`` (Perfetto opens it).
+
+Warm-up: the first profiler start in a process costs 1-3 s (Kineto's initialisation; 1.1-1.4 s
+on the issue's machine, 3 s on a loaded 2-core VM), later ones ~2 ms. ``warm()`` pays it once at
+install, on the training thread before the first step (a profiler warmed on another thread works
+too, but Kineto then prints an ERROR line into the job's log). The ~2 ms start and the stop run at
+step boundaries; the tracker ends a step lazily, when the next step's first phase begins, so they
+are counted in that phase (visible, not hidden).
+
+Under ``stepwatch run --nsys`` (``STEPWATCH_NSYS=1``) the same steps also open an nsys capture
+range (``nsys.py``). Each capture also asks the watchdog sidecar for a py-spy dump.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from .._log import logger, warn_once
+from ..record import Finding, StepRecord
+from . import nsys as nsys_mod
+from .triggers import TRIGGER_KINDS
+
+# Seconds of steps between the decision and the first captured step: every rank must read the
+# store key first (one background pass is flush_interval_s, 0.25 s by default) and warm up.
+LAG_S = 2.0
+MIN_LAG_STEPS = 2
+MAX_LAG_STEPS = 100
+
+
+class _Scheduled:
+    __slots__ = ("k", "first", "reason", "pyspy_req", "t")
+
+    def __init__(self, k: int, first: int, reason: str) -> None:
+        self.k, self.first, self.reason = k, first, reason
+        self.pyspy_req: int | None = None
+        self.t = time.time()
+
+
+class CaptureManager:
+    name = "captures"
+
+    def __init__(self, session: Any, *, steps: int, cooldown_s: float, max_count: int, budget_mb: int,
+                 board: Any = None, nsys: bool = False) -> None:
+        self.session = session
+        self.tracker = session.tracker
+        self.ctx = session.ctx
+        self.steps = steps
+        self.cooldown_s = cooldown_s
+        self.max_count = max_count
+        self.budget_bytes = budget_mb * 1024 * 1024
+        self.board = board
+        self.nsys = nsys_mod.Nsys() if nsys else None
+        self.dir = os.path.join(self.ctx.run_dir, "captures")
+        self.scheduled: _Scheduled | None = None  # written by the background thread, read by training
+        self.active: dict[str, Any] | None = None
+        self.count = 0
+        self.skipped: dict[str, int] = {}
+        self.done: list[dict[str, Any]] = []
+        self._last_decision = -math.inf
+        self._next_k = 1
+        self._req_seen = 0
+        self._store: Any = None
+        self._store_state = "unresolved"
+        self.warm_s: float | None = None
+        self._rf: Any = None
+        self._step_s: deque[float] = deque(maxlen=50)
+        self._exports: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    # -- records (background) -------------------------------------------------------------------
+
+    def observe(self, rec: StepRecord) -> list[Finding]:
+        self._step_s.append(rec.step_s)
+        return []
+
+    def _lag(self) -> int:
+        if not self._step_s:
+            return MIN_LAG_STEPS
+        med = statistics.median(self._step_s)
+        return int(min(max(math.ceil(LAG_S / max(med, 1e-6)), MIN_LAG_STEPS), MAX_LAG_STEPS))
+
+    # -- coordination (background) ---------------------------------------------------------------
+
+    def _get_store(self) -> Any:
+        """torch.distributed's default store once a multi-rank process group exists, else None."""
+        if self._store_state == "ok":
+            return self._store
+        dist = sys.modules.get("torch.distributed")
+        try:
+            if dist is None or not dist.is_available() or not dist.is_initialized():
+                return None
+            if dist.get_world_size() < 2:
+                self._store_state = "single"
+                return None
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self._store = _get_default_store()
+            self._store_state = "ok"
+            return self._store
+        except Exception as e:
+            if self._store_state != "failed":
+                self._store_state = "failed"
+                warn_once("capture.store", "captures: no torch.distributed store (%s); each rank decides alone", e)
+            return None
+
+    def _key(self, name: str) -> str:
+        return f"stepwatch/{self.ctx.run_id}/capture/{name}"
+
+    def on_pass(self, findings: list[Finding]) -> None:
+        """Each background pass, with the findings of that pass."""
+        reason = next((f.kind for f in findings if f.kind in TRIGGER_KINDS and f.rank == self.ctx.rank), None)
+        store = self._get_store()
+        rank = self.session.ctx.rank
+        if store is None:
+            # A multi-rank job decides through the store: wait for the process group.
+            if reason and (self.ctx.world_size < 2 or self._store_state in ("single", "failed")):
+                self._decide(reason, None)
+            return
+        if rank == 0:
+            if reason:
+                self._decide(reason, store)
+            n = int(store.add(self._key("req"), 0))
+            if n > self._req_seen:
+                self._req_seen = n
+                self._decide("requested by another rank", store)
+        else:
+            if reason and self._allowed(time.monotonic()) is None:
+                store.add(self._key("req"), 1)
+                self._last_decision = time.monotonic()  # do not ask again within the cooldown
+            key = self._key(str(self._next_k))
+            if store.check([key]):
+                first, _, why = store.get(key).decode().partition(":")
+                self._next_k += 1
+                self._schedule(_Scheduled(self._next_k - 1, int(first), why))
+
+    def _disk_used(self) -> int:
+        total = 0
+        try:
+            with os.scandir(self.dir) as it:
+                for e in it:
+                    if e.is_file(follow_symlinks=False):
+                        total += e.stat().st_size
+        except OSError:
+            pass
+        return total
+
+    def _allowed(self, now: float) -> str | None:
+        """None when a capture may be scheduled now, else why not."""
+        if self.scheduled is not None or self.active is not None:
+            return "busy"
+        if self.count >= self.max_count:
+            return "max_count"
+        if now - self._last_decision < self.cooldown_s:
+            return "cooldown"
+        if self._disk_used() >= self.budget_bytes:
+            return "disk_budget"
+        return None
+
+    def _decide(self, reason: str, store: Any) -> None:
+        now = time.monotonic()
+        why_not = self._allowed(now)
+        if why_not is not None:
+            self.skipped[why_not] = self.skipped.get(why_not, 0) + 1
+            if why_not in ("max_count", "disk_budget"):
+                warn_once(f"capture.{why_not}", "captures: no more captures (%s reached)", why_not.replace("_", " "))
+            return
+        self._last_decision = now
+        k = self._next_k
+        self._next_k += 1
+        first = self.tracker.step + self._lag()
+        if store is not None:
+            store.set(self._key(str(k)), f"{first}:{reason}")
+        self._schedule(_Scheduled(k, first, reason))
+
+    def _schedule(self, sc: _Scheduled) -> None:
+        if self.count >= self.max_count or self._disk_used() >= self.budget_bytes:
+            return  # this rank's own limits still hold
+        self.count += 1
+        self._last_decision = time.monotonic()
+        if self.board is not None:
+            try:
+                sc.pyspy_req = self.board.request_dump()
+            except (ValueError, OSError):
+                sc.pyspy_req = None
+        self.scheduled = sc
+
+    # -- training thread -----------------------------------------------------------------------
+
+    def on_step_end(self, ended: int) -> None:
+        """tracker listener: ``ended`` is the step that just ended; the next one is ``ended + 1``."""
+        a = self.active
+        if a is not None:
+            self._close_range()
+            if ended >= a["last"]:
+                self._stop()
+            else:
+                self._open_range(ended + 1)
+            return
+        sc = self.scheduled
+        if sc is None or ended + 1 < sc.first:
+            return
+        try:
+            self._start(sc, ended + 1)
+        except Exception as e:
+            self.scheduled = None
+            self.session._internal_error("capture.profiler", e)
+
+    def _activities(self) -> list[Any]:
+        import torch
+        from torch.profiler import ProfilerActivity
+
+        acts = [ProfilerActivity.CPU]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            acts.append(ProfilerActivity.CUDA)
+        return acts
+
+    def warm(self) -> float:
+        """Start and stop a profiler once (at install, training thread): Kineto's one-off
+        initialisation happens here, not inside a captured step. Returns the seconds it took."""
+        from torch.profiler import ProfilerActivity, profile
+
+        t = time.perf_counter()
+        p = profile(activities=[ProfilerActivity.CPU])
+        p.start()
+        p.stop()
+        self.warm_s = time.perf_counter() - t
+        return self.warm_s
+
+    def _start(self, sc: _Scheduled, first: int) -> None:
+        from torch.profiler import profile
+
+        prof = profile(activities=self._activities())
+        prof.start()
+        if self.nsys is not None:
+            self.nsys.start()
+        self.active = {"sc": sc, "prof": prof, "first": first, "last": first + self.steps - 1, "t0": time.time()}
+        self.scheduled = None
+        self._open_range(first)
+
+    def _open_range(self, step: int) -> None:
+        from torch.autograd.profiler import record_function
+
+        self._rf = record_function(f"stepwatch_step_{step}")
+        self._rf.__enter__()
+
+    def _close_range(self) -> None:
+        if self._rf is not None:
+            rf, self._rf = self._rf, None
+            rf.__exit__(None, None, None)
+
+    def _stop(self) -> None:
+        a, self.active = self.active, None
+        if a is None:
+            return
+        self._close_range()
+        if self.nsys is not None:
+            self.nsys.stop()
+        a["prof"].stop()
+        th = threading.Thread(target=self._export, args=(a,), name="stepwatch-capture-export", daemon=True)
+        th.start()
+        self._exports.append(th)
+
+    # -- export thread -----------------------------------------------------------------------------
+
+    def _export(self, a: dict[str, Any]) -> None:
+        sc = a["sc"]
+        r = self.ctx.rank
+        stem = f"capture-{sc.k}-steps{a['first']}-{a['last']}.rank{r}"
+        try:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            trace = os.path.join(self.dir, f"{stem}.trace.json")
+            a["prof"].export_chrome_trace(trace)
+            os.chmod(trace, 0o600)
+            meta = {
+                "capture": sc.k,
+                "rank": r,
+                "reason": sc.reason,
+                "first_step": a["first"],
+                "last_step": a["last"],
+                "planned_first_step": sc.first,
+                "started": a["t0"],
+                "trace": trace,
+                "bytes": os.path.getsize(trace),
+                "pyspy": (os.path.join(self.dir, f"pyspy-{sc.pyspy_req}.rank{r}.txt") if sc.pyspy_req else None),
+                "nsys": self.nsys is not None,
+            }
+            tmp = os.path.join(self.dir, f"{stem}.json.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=2)
+            os.replace(tmp, os.path.join(self.dir, f"{stem}.json"))
+            with self._lock:
+                self.done.append(meta)
+            logger.info("captures: rank %d steps %d-%d (%s) -> %s", r, a["first"], a["last"], sc.reason, trace)
+        except Exception as e:
+            self.session._internal_error("capture.export", e)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.active is not None:
+            try:
+                self._stop()
+            except Exception as e:
+                self.session._internal_error("capture.stop", e)
+        for th in self._exports:
+            th.join(timeout_s)
+
+    def manifest(self) -> dict[str, Any]:
+        with self._lock:
+            done = [{k: m[k] for k in ("capture", "reason", "first_step", "last_step", "trace")} for m in self.done]
+        return {"enabled": True, "dir": self.dir, "steps": self.steps, "cooldown_s": self.cooldown_s, "warm_up_s": self.warm_s,
+                "max_count": self.max_count, "captures": done, "skipped": dict(self.skipped)}

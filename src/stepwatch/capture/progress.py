@@ -1,0 +1,267 @@
+"""The progress board: a small fixed-layout shared-memory file per rank.
+
+The training thread writes it with a few ``struct.pack_into`` calls (no locks, no allocation
+beyond the packed ints); the watchdog sidecar maps the same file and reads it from another
+process, so reading never needs the trainer's GIL. Timestamps are ``time.monotonic_ns()``
+(CLOCK_MONOTONIC: one clock for every process of a host, so the sidecar can compare them with
+its own clock).
+
+A read may see a half-written update (there is no lock between the processes). The watchdog
+only judges a board that has stopped changing for seconds, where no update is in flight, and
+a snapshot is re-read when two consecutive reads differ.
+
+Layout (little endian), ``SIZE`` bytes:
+
+====== ===== ===============================================================
+offset type  field
+====== ===== ===============================================================
+0      u32   magic ``SWPB``
+4      u32   layout version
+8      u32   trainer pid
+12     i32   rank
+16     i64   step in progress
+24     i32   phase code (``hooks/phases.py``: PHASE_OTHER..PHASE_CHECKPOINT)
+32     i64   last progress (monotonic ns): a step end, a phase change, a collective
+40     i64   duration of the last step (ns)
+48     i64   steps completed since the board was created
+56     u32   stack-dump requests (the trainer bumps it; the sidecar answers)
+60     u32   closed flag (1: the trainer shut stepwatch down; the sidecar exits)
+64     i64   collectives entered (total; the ring slot is ``count % RING``)
+128    ...   ``GROUPS`` process-group names: code i32, name (28 bytes, UTF-8, NUL padded)
+256    ...   ring of ``RING`` collectives, ``_ENTRY`` bytes each:
+             op i32, group i32, seq i64, nbytes i64, enter ns i64, exit ns i64 (0: open), step i64
+====== ===== ===============================================================
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+import zlib
+from typing import Any
+
+from ..hooks.phases import PHASE_NAMES, PHASE_OTHER
+
+MAGIC = 0x42505753  # b"SWPB" little endian
+VERSION = 1
+RING = 8
+_HEAD = struct.Struct("<IIIi")  # magic, version, pid, rank
+_STEP = struct.Struct("<qi4xqqq")  # step, phase, last progress, last step ns, steps done (at 16)
+_PHASE = struct.Struct("<i4xq")  # phase, last progress (at 24)
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
+_ENTRY = struct.Struct("<iiqqqqq")  # op, group, seq, nbytes, enter, exit, step
+GROUPS = 4
+_GROUP = struct.Struct("<i28s")
+_GROUPS_AT = 128
+_RING_AT = _GROUPS_AT + GROUPS * _GROUP.size
+SIZE = _RING_AT + RING * _ENTRY.size
+
+# Collective names as codes (the comm hook passes a name; the board stores an int).
+OPS = (
+    "unknown",
+    "allreduce",
+    "broadcast",
+    "allgather",
+    "reduce_scatter",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "barrier",
+    "send",
+    "recv",
+)
+_OP_CODE = {name.replace("_", ""): i for i, name in enumerate(OPS)}
+
+_now = time.monotonic_ns
+
+
+def op_code(op: Any) -> int:
+    if isinstance(op, int):
+        return op if 0 <= op < len(OPS) else 0
+    key = str(op).lower().replace("_", "").replace("-", "")
+    for prefix in ("c10d", "nccl", "gloo"):
+        if key.startswith(prefix):
+            key = key[len(prefix):].lstrip(":.")
+    return _OP_CODE.get(key, 0)
+
+
+def group_code(group: Any) -> int:
+    """A process group as an int32: an int as is, a name by its CRC32 (``None``: the default group, 0)."""
+    if group is None:
+        return 0
+    if isinstance(group, int):
+        return group
+    return zlib.crc32(str(group).encode()) & 0x7FFFFFFF
+
+
+def default_path(run_id: str, rank: int, run_dir: str) -> str:
+    """/dev/shm when it exists (memory, never written back to a network file system), else the run dir."""
+    name = f"stepwatch-{os.getuid()}-{run_id}-rank{rank}-{os.getpid()}.board"
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return os.path.join("/dev/shm", name)
+    return os.path.join(run_dir, f".board.rank{rank}.{os.getpid()}")
+
+
+class Board:
+    """The trainer's side: create the file (0600), map it, write progress. Every method is O(1)."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, SIZE)
+            self._mm = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self._buf = self._mm
+        _HEAD.pack_into(self._buf, 0, MAGIC, VERSION, os.getpid(), rank)
+        self._step = 0
+        self._phase = PHASE_OTHER
+        self._done = 0
+        self._t_step = 0
+        self._colls = 0
+        self._slot_seq = [-1] * RING
+        self._dump_req = 0
+        self._groups: dict[int, int] = {}  # code -> table slot
+        self._codes: dict[tuple[Any, Any], tuple[int, int]] = {}
+        _STEP.pack_into(self._buf, 16, 0, PHASE_OTHER, _now(), 0, 0)
+
+    # -- training thread -----------------------------------------------------------------------
+
+    def set_phase(self, code: int) -> None:
+        self._phase = code
+        _PHASE.pack_into(self._buf, 24, code, _now())
+
+    def set_step(self, n: int) -> None:
+        t = _now()
+        dur = t - self._t_step if self._t_step else 0
+        self._t_step = t
+        self._step = n
+        self._done += 1
+        _STEP.pack_into(self._buf, 16, n, self._phase, t, dur, self._done)
+
+    def coll_enter(self, op: Any, group: Any, seq: int, nbytes: int) -> None:
+        """A collective was enqueued (called by the comm hook; any thread)."""
+        codes = self._codes.get((op, group))
+        if codes is None:
+            codes = self._codes_for(op, group)
+        i = self._colls % RING
+        self._colls += 1
+        t = _now()
+        self._slot_seq[i] = seq
+        _ENTRY.pack_into(self._buf, _RING_AT + i * _ENTRY.size, codes[0], codes[1], seq, nbytes, t, 0, self._step)
+        _I64.pack_into(self._buf, 64, self._colls)
+        _I64.pack_into(self._buf, 32, t)
+
+    def _codes_for(self, op: Any, group: Any) -> tuple[int, int]:
+        g = group_code(group)
+        if g not in self._groups and len(self._groups) < GROUPS and not isinstance(group, int):
+            self._groups[g] = len(self._groups)
+            _GROUP.pack_into(self._buf, _GROUPS_AT + self._groups[g] * _GROUP.size, g, str(group).encode()[:28])
+        codes = (op_code(op), g)
+        if len(self._codes) < 64:  # bounded: names come from a small fixed set
+            self._codes[(op, group)] = codes
+        return codes
+
+    def coll_exit(self, seq: int) -> None:
+        """The collective with sequence ``seq`` completed."""
+        t = _now()
+        slots = self._slot_seq
+        for i in range(RING):
+            if slots[i] == seq:
+                _I64.pack_into(self._buf, _RING_AT + i * _ENTRY.size + 32, t)
+                break
+        _I64.pack_into(self._buf, 32, t)
+
+    # -- background thread ---------------------------------------------------------------------
+
+    def request_dump(self) -> int:
+        """Ask the sidecar for a stack dump; returns the request number it will answer."""
+        self._dump_req += 1
+        _U32.pack_into(self._buf, 56, self._dump_req)
+        return self._dump_req
+
+    def close(self, *, unlink: bool = True) -> None:
+        try:
+            _U32.pack_into(self._buf, 60, 1)
+            self._mm.close()
+        except (ValueError, OSError):
+            pass
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+def read(buf: Any) -> dict[str, Any] | None:
+    """Decode a board (the sidecar's side). None when the file is not a board (yet)."""
+    magic, version, pid, rank = _HEAD.unpack_from(buf, 0)
+    if magic != MAGIC or version != VERSION:
+        return None
+    step, phase, progress, last_step, done = _STEP.unpack_from(buf, 16)
+    (dump_req,) = _U32.unpack_from(buf, 56)
+    (closed,) = _U32.unpack_from(buf, 60)
+    (count,) = _I64.unpack_from(buf, 64)
+    names = {}
+    for j in range(GROUPS):
+        code, raw = _GROUP.unpack_from(buf, _GROUPS_AT + j * _GROUP.size)
+        name = raw.rstrip(b"\0").decode("utf-8", "replace")
+        if name:
+            names[code] = name
+    ring = []
+    for k in range(max(count - RING, 0), count):
+        op, group, seq, nbytes, t0, t1, cstep = _ENTRY.unpack_from(buf, _RING_AT + (k % RING) * _ENTRY.size)
+        ring.append(
+            {
+                "op": OPS[op] if 0 <= op < len(OPS) else "unknown",
+                "group": names.get(group, group),
+                "seq": seq,
+                "bytes": nbytes,
+                "enter_ns": t0,
+                "exit_ns": t1,
+                "completed": t1 != 0,
+                "step": cstep,
+            }
+        )
+    return {
+        "pid": pid,
+        "rank": rank,
+        "step": step,
+        "phase": PHASE_NAMES[phase] if 0 <= phase < len(PHASE_NAMES) else "other",
+        "phase_code": phase,
+        "last_progress_ns": progress,
+        "last_step_ns": last_step,
+        "steps_done": done,
+        "dump_req": dump_req,
+        "closed": bool(closed),
+        "collectives": ring,
+    }
+
+
+class Reader:
+    """The sidecar's mapping of a board file (read-only)."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._mm = mmap.mmap(fd, SIZE, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def read(self) -> dict[str, Any] | None:
+        # Two equal reads in a row: no update was in flight.
+        a = read(self._mm)
+        for _ in range(3):
+            b = read(self._mm)
+            if a == b:
+                return b
+            a = b
+        return a
+
+    def close(self) -> None:
+        self._mm.close()

@@ -1,0 +1,131 @@
+"""``kill -USR1 <rank pid>`` writes every thread's Python stack to ``<run_dir>/sigusr1.rank<R>.txt``.
+
+Through ``faulthandler.register``: its handler is C code that runs in the signal handler, so it
+writes the stacks even while the main thread holds the GIL in C code.
+
+Two promises:
+
+* A SIGUSR1 handler the job has (SLURM and Lightning use SIGUSR1) keeps running. With one in
+  place we register with ``chain=True``: faulthandler dumps, then calls the previous handler.
+  Without one (the default action of SIGUSR1 is to *terminate*), we register without chaining.
+  If the job installs its handler *after* stepwatch (``signal.signal`` replaces ours), the
+  training thread notices at the next step boundary and registers again, chained to it.
+* The trainer's system calls are not interrupted. faulthandler sets ``SA_RESTART`` only when it
+  does not chain (CPython Modules/faulthandler.c, ``faulthandler_register_py``: ``sa_flags =
+  SA_RESTART``, replaced by ``SA_NODEFER`` when chaining; checked with sigaction(2) here), so
+  after a chained registration we add ``SA_RESTART`` to the installed action ourselves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import signal
+import sys
+import threading
+from typing import IO, Any
+
+# <signal.h> on Linux (asm-generic/signal.h; x86 and arm64 use the same value).
+SA_RESTART = 0x10000000
+# glibc's struct sigaction: handler pointer, sigset_t (1024 bits), int flags, restorer pointer.
+_SIGSET_BYTES = 128
+
+
+class _Sigaction(ctypes.Structure):
+    _fields_ = [
+        ("handler", ctypes.c_void_p),
+        ("mask", ctypes.c_ubyte * _SIGSET_BYTES),
+        ("flags", ctypes.c_int),
+        ("restorer", ctypes.c_void_p),
+    ]
+
+
+def sa_flags(signum: int) -> int | None:
+    """The flags of the installed action for ``signum`` (None when sigaction is unavailable)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        act = _Sigaction()
+        if libc.sigaction(signum, None, ctypes.byref(act)) != 0:
+            return None
+        return int(act.flags)
+    except (OSError, AttributeError):
+        return None
+
+
+def _add_restart(signum: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        act = _Sigaction()
+        if libc.sigaction(signum, None, ctypes.byref(act)) != 0:
+            return False
+        if act.flags & SA_RESTART:
+            return True
+        act.flags |= SA_RESTART
+        return libc.sigaction(signum, ctypes.byref(act), None) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _has_handler(h: Any) -> bool:
+    return h not in (signal.SIG_DFL, None)
+
+
+class StackSignal:
+    """SIGUSR1 -> all threads' stacks appended to ``path``. ``check()`` runs at step boundaries."""
+
+    def __init__(self, path: str, signum: int = signal.SIGUSR1) -> None:
+        self.path = path
+        self.signum = signum
+        self.chained = False
+        self.restart = False
+        self._file: IO[str] | None = None
+        self._seen: Any = None
+
+    def install(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._file = os.fdopen(fd, "a", buffering=1)
+        self._register()
+
+    def _register(self) -> None:
+        prev = signal.getsignal(self.signum)
+        self.chained = _has_handler(prev)
+        faulthandler.register(self.signum, file=self._file, all_threads=True, chain=self.chained)
+        self.restart = _add_restart(self.signum) if self.chained else True
+        self._seen = prev
+
+    def check(self) -> None:
+        """A step boundary (training thread): did the job replace our handler since?"""
+        if signal.getsignal(self.signum) is self._seen:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal only works on the main thread
+        theirs = signal.getsignal(self.signum)
+        # unregister() puts back the action from before stepwatch; put theirs back, then chain to it.
+        faulthandler.unregister(self.signum)
+        signal.signal(self.signum, theirs)
+        self._register()
+
+    def uninstall(self) -> None:
+        if self._file is None:
+            return
+        theirs = signal.getsignal(self.signum)
+        try:
+            faulthandler.unregister(self.signum)
+            if _has_handler(theirs) and threading.current_thread() is threading.main_thread():
+                signal.signal(self.signum, theirs)
+        except (ValueError, OSError, RuntimeError):
+            pass
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        self._file = None
+
+    def manifest(self) -> dict[str, Any]:
+        return {"signal": signal.Signals(self.signum).name, "file": self.path, "chained": self.chained,
+                "sa_restart": self.restart}
+
+
+def supported() -> bool:
+    return sys.platform.startswith("linux") and hasattr(faulthandler, "register")

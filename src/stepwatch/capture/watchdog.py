@@ -1,0 +1,458 @@
+"""The hang watchdog: a sidecar process per rank, outside the trainer's GIL.
+
+A Python thread inside the trainer cannot run while the main thread holds the GIL in C code, so
+the watchdog is a separate process (``python -m stepwatch.capture.watchdog``, started with
+exec, never forked from the trainer). It maps the rank's progress board read-only, and:
+
+* measures step times and derives the timeout (``STEPWATCH_HANG_TIMEOUT`` overrides);
+* declares a hang when the board shows no progress (a step end, a phase change, a collective)
+  for longer than the timeout -- only after the first step ended, so start-up is not a hang;
+* then dumps its rank's stacks (py-spy, two samples; faulthandler through SIGUSR1 when py-spy
+  cannot attach) into ``<run_dir>/hang-<n>/stacks.rank<R>.txt`` and publishes its snapshot as
+  ``hang-<n>/progress.rank<R>.json``; rank 0's sidecar gathers every rank's snapshot, writes
+  ``hang-<n>/report.json``, logs one paragraph and a ``hang`` finding in
+  ``findings.watchdog.rank0.jsonl``;
+* answers stack-dump requests the trainer posts on the board (capture actions);
+* exits when the trainer exits or closes the board.
+
+Ranks on other hosts (run dir not shared) also publish their snapshot to torch.distributed's
+store under ``stepwatch/<run_id>/hang/<attempt>/<n>/<rank>`` when the store's address is known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from typing import Any
+
+from . import hang as hang_mod
+from . import progress, pyspy
+
+# Default timeout: K x the p99 step time, at least FLOOR_S, at most CAP_S. The cap keeps the
+# dump well inside the process-group timeout that destroys the evidence: NCCL's default is
+# 10 min and gloo's 30 min (torch.distributed: default_pg_nccl_timeout / default_pg_timeout).
+K = 10.0
+FLOOR_S = 30.0
+CAP_S = 300.0
+# Checkpoint saves are one long phase without other progress: the default timeout stretches.
+CHECKPOINT_FACTOR = 5.0
+POLL_S = 0.25
+# Rank 0 waits this long for the other ranks' snapshots before it writes the report anyway.
+GATHER_S = 20.0
+
+
+def default_timeout(step_s: list[float]) -> float:
+    if not step_s:
+        return FLOOR_S
+    xs = sorted(step_s)
+    p99 = xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+    return min(max(K * p99, FLOOR_S), CAP_S)
+
+
+def log(msg: str) -> None:
+    try:
+        sys.stderr.write(f"[stepwatch] {msg}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is dead for us; /proc says so.
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    pyspy.write_private(tmp, json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def can_read_memory(pid: int) -> tuple[bool, str]:
+    """Can this process read ``pid``'s memory (what py-spy does)? Asked of the kernel with one
+    ``process_vm_readv`` of a byte the target has mapped."""
+    import ctypes
+
+    try:
+        with open(f"/proc/{pid}/maps", encoding="ascii") as f:
+            first = f.readline()
+        addr = int(first.split("-", 1)[0], 16)
+    except (OSError, ValueError) as e:
+        return False, f"cannot read /proc/{pid}/maps: {e}"
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(1)
+    local = IoVec(ctypes.cast(buf, ctypes.c_void_p), 1)
+    remote = IoVec(ctypes.c_void_p(addr), 1)
+    n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if n == 1:
+        return True, "process_vm_readv succeeded"
+    return False, os.strerror(ctypes.get_errno())
+
+
+class Store:
+    """torch.distributed's TCPStore as a client, opened on first use (importing torch costs
+    seconds, paid only on a hang). None of its failures stop the run-dir path."""
+
+    def __init__(self, addr: str | None, port: int | None, prefix: str) -> None:
+        self.addr, self.port, self.prefix = addr, port, prefix
+        self._store: Any = None
+        self._failed = addr is None or port is None
+
+    def _get(self) -> Any:
+        if self._store is None and not self._failed:
+            try:
+                from datetime import timedelta
+
+                import torch.distributed as dist
+
+                self._store = dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=10))
+            except Exception as e:  # no torch, store gone: the run dir still works
+                log(f"watchdog: store {self.addr}:{self.port} unavailable ({type(e).__name__}: {e}); using the run dir only")
+                self._failed = True
+        return self._store
+
+    def set(self, key: str, value: str) -> None:
+        s = self._get()
+        if s is not None:
+            try:
+                s.set(f"{self.prefix}/{key}", value)
+            except Exception as e:
+                log(f"watchdog: store set failed ({e}); using the run dir only")
+                self._failed, self._store = True, None
+
+    def try_get(self, key: str) -> str | None:
+        s = self._get()
+        if s is None:
+            return None
+        try:
+            full = f"{self.prefix}/{key}"
+            if s.check([full]):
+                return s.get(full).decode()
+        except Exception:
+            return None
+        return None
+
+
+class Watchdog:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.rank = a.rank
+        self.pid = a.trainer_pid
+        self.run_dir = a.run_dir
+        self.host = socket.gethostname()
+        self.steps: deque[float] = deque(maxlen=500)
+        self.episode = 0
+        self.in_hang = False
+        self.last_done = 0
+        self.last_progress = 0
+        self.dump_seen = 0
+        self.stack_method = "unknown"
+        self.store = Store(a.store_addr, a.store_port, f"stepwatch/{a.run_id}")
+        self.board: progress.Reader | None = None
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def check_permissions(self) -> None:
+        """Pick the stack path that works here and say so in ``watchdog.rank<R>.json``."""
+        info: dict[str, Any] = {"rank": self.rank, "trainer_pid": self.pid, "sidecar_pid": os.getpid(),
+                                "host": self.host, "pyspy": self.a.pyspy}
+        if self.a.pyspy:
+            ok, why = can_read_memory(self.pid)
+            info["ptrace"] = why
+            self.stack_method = "py-spy" if ok else "faulthandler"
+        else:
+            info["ptrace"] = "py-spy not found (pip install py-spy)"
+            self.stack_method = "faulthandler"
+        info["stack_method"] = self.stack_method
+        info["timeout_s"] = self.a.timeout if self.a.timeout else "adaptive"
+        info["action"] = self.a.action
+        try:
+            _write_json(os.path.join(self.run_dir, f"watchdog.rank{self.rank}.json"), info)
+        except OSError as e:
+            log(f"watchdog: cannot write to {self.run_dir}: {e}")
+        if self.stack_method != "py-spy":
+            log(f"watchdog rank {self.rank}: py-spy cannot read the trainer ({info['ptrace']}); "
+                "hang stacks come from faulthandler (Python frames only). "
+                "Fix: CAP_SYS_PTRACE or kernel.yama.ptrace_scope=0 (see docs/hang.md).")
+
+    # -- main loop --------------------------------------------------------------------------------
+
+    def timeout(self, snap: dict[str, Any]) -> float:
+        if self.a.timeout:
+            return self.a.timeout
+        t = default_timeout(list(self.steps))
+        return t * CHECKPOINT_FACTOR if snap["phase"] == "checkpoint" else t
+
+    def run(self) -> int:
+        global _busy
+        deadline = time.monotonic() + 30
+        while self.board is None:
+            try:
+                self.board = progress.Reader(self.a.board)
+            except OSError:
+                if time.monotonic() > deadline or not _alive(self.pid):
+                    return 1
+                time.sleep(0.1)
+        self.check_permissions()
+        while _alive(self.pid):
+            snap = self.board.read()
+            if snap is None or snap["closed"]:
+                break
+            now = time.monotonic_ns()
+            if snap["steps_done"] != self.last_done:
+                if snap["last_step_ns"] > 0 and self.last_done > 0:
+                    self.steps.append(snap["last_step_ns"] / 1e9)
+                self.last_done = snap["steps_done"]
+            if snap["last_progress_ns"] != self.last_progress:
+                self.last_progress = snap["last_progress_ns"]
+                self.in_hang = False
+            if snap["dump_req"] != self.dump_seen:
+                self.dump_seen = snap["dump_req"]
+                self.on_request(snap["dump_req"])
+            stalled = (now - snap["last_progress_ns"]) / 1e9
+            # The clock starts after the first step (steps_done counts step ends).
+            if snap["steps_done"] >= 1 and not self.in_hang:
+                limit = self.timeout(snap)
+                if stalled > limit:
+                    self.in_hang = True
+                    self.episode += 1
+                    _busy = True
+                    try:
+                        self.on_hang(self.episode, snap, stalled, limit)
+                    finally:
+                        _busy = False
+                    if _term:
+                        break
+            time.sleep(POLL_S)
+        return 0
+
+    # -- stacks -----------------------------------------------------------------------------------
+
+    def stacks(self) -> dict[str, Any]:
+        if self.stack_method == "py-spy":
+            res = pyspy.two_samples(self.a.pyspy, self.pid, native_budget_s=self.a.native_budget)
+            if res["ok"]:
+                res["method"] = "py-spy"
+                return res
+            log(f"watchdog rank {self.rank}: py-spy failed ({res['error']}); falling back to faulthandler")
+        return self.faulthandler_stacks()
+
+    def faulthandler_stacks(self) -> dict[str, Any]:
+        """SIGUSR1 makes the trainer's faulthandler append its stacks to the signal file."""
+        path = self.a.signal_file
+        if not path:
+            return {"ok": False, "text": "no stack path available\n", "top_frames": [], "stuck": None, "method": "none"}
+        samples = []
+        for i in range(2):
+            try:
+                start = os.path.getsize(path)
+            except OSError:
+                start = 0
+            try:
+                os.kill(self.pid, signal.SIGUSR1)
+            except OSError as e:
+                return {"ok": False, "text": f"cannot signal {self.pid}: {e}\n", "top_frames": [], "stuck": None,
+                        "method": "faulthandler"}
+            time.sleep(1.0)
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    f.seek(start)
+                    samples.append(f.read())
+            except OSError:
+                samples.append("")
+            if i == 0:
+                time.sleep(1.0)
+        f1 = pyspy.main_frames(samples[0])
+        f2 = pyspy.main_frames(samples[1])
+        text = "".join(f"== sample {i + 1} (faulthandler, SIGUSR1) ==\n{s}\n" for i, s in enumerate(samples))
+        return {"ok": bool(f1 or f2), "text": text, "top_frames": (f2 or f1)[:8], "stuck": bool(f1) and f1 == f2,
+                "method": "faulthandler"}
+
+    def on_request(self, k: int) -> None:
+        """A capture asked for a py-spy dump (request number ``k``)."""
+        d = os.path.join(self.run_dir, "captures")
+        try:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            if self.stack_method == "py-spy":
+                ok, text = pyspy.dump(self.a.pyspy, self.pid)
+            else:
+                ok, text = False, "py-spy cannot attach here (see watchdog.rank<R>.json)"
+            pyspy.write_private(os.path.join(d, f"pyspy-{k}.rank{self.rank}.txt"), text if ok else f"py-spy failed: {text}\n")
+        except OSError as e:
+            log(f"watchdog rank {self.rank}: cannot write the capture dump: {e}")
+
+    # -- a hang -----------------------------------------------------------------------------------
+
+    def hang_dir(self, n: int) -> str:
+        """``hang-<n>``; after an elastic restart ``hang-<n>.attempt<A>``, beside the earlier ones."""
+        name = f"hang-{n}" if not self.a.attempt else f"hang-{n}.attempt{self.a.attempt}"
+        return os.path.join(self.run_dir, name)
+
+    def on_hang(self, n: int, snap: dict[str, Any], stalled: float, limit: float) -> None:
+        d = self.hang_dir(n)
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        mine = dict(snap)
+        mine.update({"host": self.host, "stalled_s": round(stalled, 3), "timeout_s": limit, "complete": False})
+        snap_path = os.path.join(d, f"progress.rank{self.rank}.json")
+        _write_json(snap_path, mine)
+        st = self.stacks()
+        stack_path = os.path.join(d, f"stacks.rank{self.rank}.txt")
+        pyspy.write_private(stack_path, st["text"])
+        mine.update({"top_frames": st.get("top_frames") or [], "stuck": st.get("stuck"), "stacks": stack_path,
+                     "stack_method": st.get("method"), "complete": True})
+        _write_json(snap_path, mine)
+        self.store.set(f"hang/{self.a.attempt}/{n}/{self.rank}", json.dumps(mine, default=str))
+        report = os.path.join(d, "report.json")
+        if self.rank == 0:
+            self.report(n, mine, limit)
+        elif self.a.action == "exit":
+            # Ending this rank makes torchrun stop the others: rank 0 must have its report first.
+            end = time.monotonic() + GATHER_S + 10
+            while not os.path.exists(report) and time.monotonic() < end:
+                time.sleep(0.25)
+        if self.a.action == "exit":
+            self.end_trainer()
+
+    def gather(self, n: int, mine: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        snaps = {self.rank: mine}
+        d = self.hang_dir(n)
+        deadline = time.monotonic() + GATHER_S
+        while True:
+            for r in range(self.a.world_size):
+                if r in snaps and snaps[r].get("complete"):
+                    continue
+                got = None
+                try:
+                    with open(os.path.join(d, f"progress.rank{r}.json"), encoding="utf-8") as f:
+                        got = json.load(f)
+                except (OSError, ValueError):
+                    raw = self.store.try_get(f"hang/{self.a.attempt}/{n}/{r}") if self.a.world_size > 1 else None
+                    if raw:
+                        try:
+                            got = json.loads(raw)
+                        except ValueError:
+                            got = None
+                if got is not None:
+                    snaps[r] = got
+            if all(r in snaps and snaps[r].get("complete") for r in range(self.a.world_size)):
+                return snaps
+            if time.monotonic() > deadline:
+                return snaps
+            time.sleep(0.25)
+
+    def report(self, n: int, mine: dict[str, Any], limit: float) -> None:
+        snaps = self.gather(n, mine)
+        rep = hang_mod.build_report(n, snaps, self.a.world_size, timeout_s=limit, detected_after_s=mine["stalled_s"],
+                                    action=self.a.action, run_dir=self.run_dir, hang_dir=self.hang_dir(n))
+        _write_json(os.path.join(self.hang_dir(n), "report.json"), rep)
+        log(rep["summary"])
+        self.finding(rep)
+
+    def finding(self, rep: dict[str, Any]) -> None:
+        from ..analysis.kinds import make_finding
+
+        lag = rep["laggards"]
+        step = min((r["step"] for r in rep["ranks"]), default=None)
+        f = make_finding(
+            "hang",
+            rank=self.rank,
+            step=step,
+            summary=rep["summary"],
+            data={"hang": rep["hang"], "laggards": lag, "verdict": rep["verdict"], "collective": rep["collective"],
+                  "detected_after_s": rep["detected_after_s"], "report": os.path.join(self.hang_dir(rep["hang"]), "report.json")},
+        )
+        path = os.path.join(self.run_dir, f"findings.watchdog.rank{self.rank}.jsonl")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            with os.fdopen(fd, "a", encoding="utf-8") as out:
+                out.write(json.dumps(f.to_dict(), default=str) + "\n")
+        except OSError as e:
+            log(f"watchdog: cannot write {path}: {e}")
+
+    def end_trainer(self) -> None:
+        """STEPWATCH_HANG_ACTION=exit: end the rank so torchrun sees a failure and can restart."""
+        log(f"watchdog rank {self.rank}: ending the trainer (pid {self.pid}) after the hang dump "
+            "(STEPWATCH_HANG_ACTION=exit)")
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                return
+            end = time.monotonic() + wait
+            while time.monotonic() < end:
+                if not _alive(self.pid):
+                    return
+                time.sleep(0.1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m stepwatch.capture.watchdog", description="stepwatch's hang watchdog sidecar")
+    p.add_argument("--trainer-pid", type=int, required=True)
+    p.add_argument("--board", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--attempt", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--action", choices=("dump", "exit"), default="dump")
+    p.add_argument("--pyspy", default=None)
+    p.add_argument("--native-budget", type=float, default=8.0)
+    p.add_argument("--signal-file", default=None)
+    p.add_argument("--store-addr", default=None)
+    p.add_argument("--store-port", type=int, default=None)
+    return p.parse_args(argv)
+
+
+_busy = False  # inside a hang dump: finish it first (torchrun may stop the whole process group)
+_term = False
+
+
+def _on_term(*_: Any) -> None:
+    global _term
+    _term = True
+    if not _busy:
+        sys.exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C reaches the whole process group: the trainer decides; the sidecar follows it out.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_term)
+    a = parse_args(argv)
+    try:
+        return Watchdog(a).run()
+    except SystemExit:
+        raise
+    except BaseException as e:  # the sidecar must never take the job down; say why it stopped
+        log(f"watchdog rank {a.rank} stopped: {type(e).__name__}: {e}")
+        return 1
+    finally:
+        try:
+            os.unlink(a.board)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

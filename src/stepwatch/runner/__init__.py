@@ -1,0 +1,1 @@
+"""``stepwatch run`` and ``stepwatch dump`` (docs/hang.md)."""

@@ -1,0 +1,127 @@
+"""``stepwatch run [--nsys] -- CMD ...`` and ``stepwatch dump RUN_DIR|PID``.
+
+``run`` starts the command with stepwatch enabled in every rank and no code change: the shim
+directory (``runner/shim``, holding a ``sitecustomize.py``) goes first on ``PYTHONPATH``, and
+Python imports it in every process it starts. Commands are argument lists, never shell strings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from typing import Any
+
+SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# nsys profile options (Nsight Systems user guide, "CLI profile command switch options"):
+# record only between cudaProfilerStart/Stop, once per capture range, up to N ranges.
+NSYS_ARGS = ("profile", "--capture-range=cudaProfilerApi", "--trace=cuda,nvtx,osrt")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="run a training command (e.g. torchrun ...) with stepwatch in every rank, no code change",
+        description="Run CMD with stepwatch enabled in every rank (a sitecustomize shim on PYTHONPATH). "
+        "Example: stepwatch run -- torchrun --nproc-per-node 8 train.py",
+    )
+    p.add_argument("--nsys", action="store_true", help="run under nsys profile; captures open nsys capture ranges")
+    p.add_argument("--nsys-ranges", type=int, default=5, metavar="N",
+                   help="with --nsys: most capture ranges nsys records (--capture-range-end=repeat:N; default 5)")
+    p.add_argument("--dir", default=None, help="run directory (STEPWATCH_DIR)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+    p.set_defaults(func=run_main)
+
+    d = subparsers.add_parser(
+        "dump",
+        help="dump the stacks of a running job's ranks (a run dir) or of one process (a pid)",
+        description="Stacks of every rank of a running job, without stopping it: py-spy when it can "
+        "attach, else SIGUSR1 (faulthandler, Python frames). RUN_DIR: every rank on this host, "
+        "written to RUN_DIR/dump-<n>/stacks.rank<R>.txt. PID: printed.",
+    )
+    d.add_argument("target", metavar="RUN_DIR|PID")
+    d.add_argument("--native", action="store_true", help="include native frames (slower)")
+    d.add_argument("--timeout", type=float, default=10.0, help="seconds per py-spy dump (default 10)")
+    d.set_defaults(func=dump_main)
+
+
+def _is_torchrun(cmd: list[str]) -> bool:
+    base = os.path.basename(cmd[0])
+    if base in ("torchrun", "torchx"):
+        return True
+    return "torch.distributed.run" in cmd[:4] or "torch.distributed.launch" in cmd[:4]
+
+
+def build(cmd: list[str], *, nsys: bool, nsys_ranges: int, run_dir: str | None, environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The argument list and environment ``run`` starts (no shell)."""
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise ValueError("no command given; usage: stepwatch run [--nsys] -- CMD ...")
+    env = dict(environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SHIM, PKG_PARENT, env.get("PYTHONPATH", "")) if p)
+    env["STEPWATCH_RUN"] = "1"
+    env["STEPWATCH_RUN_MODE"] = "ranks" if _is_torchrun(cmd) else "top"
+    env.pop("STEPWATCH_RUN_ACTIVE", None)
+    if run_dir:
+        env["STEPWATCH_DIR"] = os.path.abspath(run_dir)
+    argv = list(cmd)
+    if nsys:
+        exe = shutil.which("nsys", path=env.get("PATH"))
+        if exe is None:
+            raise FileNotFoundError(
+                "--nsys: the nsys command (NVIDIA Nsight Systems) is not on PATH; install Nsight Systems "
+                "(https://developer.nvidia.com/nsight-systems) or run without --nsys"
+            )
+        if nsys_ranges < 1:
+            raise ValueError(f"--nsys-ranges must be >= 1, got {nsys_ranges}")
+        out = os.path.join(env.get("STEPWATCH_DIR") or os.getcwd(), "nsys", "report-%p")
+        env["STEPWATCH_NSYS"] = "1"
+        argv = [exe, *NSYS_ARGS, f"--capture-range-end=repeat:{nsys_ranges}", "-o", out, *cmd]
+    return argv, env
+
+
+def run_main(args: argparse.Namespace) -> int:
+    try:
+        argv, env = build(args.cmd, nsys=args.nsys, nsys_ranges=args.nsys_ranges, run_dir=args.dir, environ=dict(os.environ))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"stepwatch run: {e}", file=sys.stderr)
+        return 2
+    try:
+        proc = subprocess.Popen(argv, env=env)
+    except OSError as e:
+        print(f"stepwatch run: cannot start {argv[0]!r}: {e}", file=sys.stderr)
+        return 127
+
+    def forward(signum: int, _frame: Any) -> None:
+        try:
+            proc.send_signal(signum)
+        except OSError:
+            pass
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(s, forward)
+    while True:
+        try:
+            rc = proc.wait()
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for clarity
+            continue
+    return rc if rc >= 0 else 128 - rc
+
+
+def dump_main(args: argparse.Namespace) -> int:
+    from .dump import dump_pid, dump_run_dir
+
+    t = args.target
+    try:
+        if t.isdigit():
+            return dump_pid(int(t), native=args.native, timeout_s=args.timeout)
+        return dump_run_dir(t, native=args.native, timeout_s=args.timeout)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"stepwatch dump: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,45 @@
+"""Put on PYTHONPATH by ``stepwatch run``: every Python process of the job imports this at start-up
+(the ``site`` module imports ``sitecustomize``), and the job's ranks start stepwatch without a code
+change. Which processes: under torchrun, the ranks (``RANK`` is set; not the agent, not helper
+processes); otherwise the first Python process of the command. Then the next
+``sitecustomize`` on the path, if the environment has one, runs as it would have."""
+
+import os
+import sys
+
+
+def _enable() -> bool:
+    env = os.environ
+    if env.get("STEPWATCH_SIDECAR") == "1" or env.get("STEPWATCH_ENABLED", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if env.get("STEPWATCH_RUN_ACTIVE"):
+        return False  # a process the rank started (spawned DataLoader worker): not a rank
+    if env.get("STEPWATCH_RUN_MODE") == "ranks":
+        return "RANK" in env and "LOCAL_RANK" in env
+    return True  # the first Python process of the command (its children see STEPWATCH_RUN_ACTIVE)
+
+
+def _chain() -> None:
+    """Run the sitecustomize this one shadows (a distribution's, a virtualenv's)."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+
+if _enable():
+    os.environ["STEPWATCH_RUN_ACTIVE"] = str(os.getpid())
+    try:
+        import stepwatch.auto  # noqa: F401
+    except Exception as _e:  # a bad STEPWATCH_* value: say it, and let the job run uninstrumented
+        sys.stderr.write(f"[stepwatch] not started in pid {os.getpid()}: {type(_e).__name__}: {_e}\n")
+try:
+    _chain()
+except Exception as _e:
+    sys.stderr.write(f"[stepwatch] the job's own sitecustomize failed: {type(_e).__name__}: {_e}\n")

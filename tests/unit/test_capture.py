@@ -1,0 +1,388 @@
+"""Progress board, hang verdict, stack parsing, spike detector, SIGUSR1 registration, limits."""
+
+import faulthandler
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+from stepwatch.capture import hang, progress, pyspy, signals
+from stepwatch.capture.profiler import CaptureManager
+from stepwatch.capture.triggers import StepTimeSpikeDetector
+from stepwatch.capture.watchdog import CAP_S, FLOOR_S, K, can_read_memory, default_timeout
+from stepwatch.config import Config, ConfigError
+from stepwatch.hooks.phases import PHASE_BACKWARD, PHASE_FORWARD, StepTracker
+from stepwatch.record import StepRecord
+
+
+# -- progress board -------------------------------------------------------------------------------
+
+
+def test_board_round_trip_through_a_separate_mapping(tmp_path):
+    path = str(tmp_path / "b")
+    b = progress.Board(path, rank=3)
+    r = progress.Reader(path)
+    snap = r.read()
+    assert snap["rank"] == 3 and snap["pid"] == os.getpid() and snap["steps_done"] == 0
+    b.set_step(1)
+    b.set_phase(PHASE_FORWARD)
+    b.set_phase(PHASE_BACKWARD)
+    b.coll_enter("all_reduce", "default", 7, 4096)
+    snap = r.read()
+    assert snap["step"] == 1 and snap["phase"] == "backward" and snap["steps_done"] == 1
+    (c,) = snap["collectives"]
+    assert c == {**c, "op": "allreduce", "group": "default", "seq": 7, "bytes": 4096, "completed": False, "step": 1}
+    t_before = snap["last_progress_ns"]
+    b.coll_exit(7)
+    snap = r.read()
+    assert snap["collectives"][0]["completed"] and snap["last_progress_ns"] >= t_before
+    b.close()
+    assert not os.path.exists(path)
+
+
+def test_board_ring_keeps_the_last_collectives_in_order(tmp_path):
+    b = progress.Board(str(tmp_path / "b"), rank=0)
+    for seq in range(1, 20):
+        b.coll_enter("broadcast", 5, seq, seq * 10)
+        if seq < 19:
+            b.coll_exit(seq)
+    colls = progress.Reader(b.path).read()["collectives"]
+    assert [c["seq"] for c in colls] == list(range(20 - progress.RING, 20))
+    assert [c["completed"] for c in colls] == [True] * (progress.RING - 1) + [False]
+    assert {c["op"] for c in colls} == {"broadcast"} and {c["group"] for c in colls} == {5}
+    b.close()
+
+
+@pytest.mark.parametrize("name,expected", [("allreduce", "allreduce"), ("ALL_REDUCE", "allreduce"),
+                                           ("c10d::allgather_", "allgather"), ("reduce-scatter", "reduce_scatter"),
+                                           ("nccl:broadcast", "broadcast"), ("weird", "unknown")])
+def test_op_names(name, expected):
+    assert progress.OPS[progress.op_code(name)] == expected
+
+
+def test_board_writes_fit_the_step_budget(tmp_path):
+    """The foundation's budget is 20 us per step for everything; a step's board writes (a step end,
+    four phase changes, two collectives) must be a small part of it. Best of several rounds, so a
+    busy machine does not fail it."""
+    b = progress.Board(str(tmp_path / "b"), rank=0)
+    best = float("inf")
+    for _ in range(7):
+        t0 = time.perf_counter_ns()
+        for i in range(2000):
+            b.set_step(i)
+            b.set_phase(1)
+            b.set_phase(2)
+            b.set_phase(3)
+            b.coll_enter("allreduce", 0, i, 100)
+            b.coll_exit(i)
+            b.set_phase(4)
+        best = min(best, (time.perf_counter_ns() - t0) / 2000)
+    b.close()
+    assert best < 8_000, f"{best:.0f} ns per step"
+
+
+# -- verdict ----------------------------------------------------------------------------------------
+
+
+def _snap(step, phase, colls=(), frames=()):
+    return {"step": step, "phase": phase, "collectives": [dict(c) for c in colls], "top_frames": list(frames)}
+
+
+def _c(seq, done, op="allreduce", group="default", step=5, t=0):
+    return {"op": op, "group": group, "seq": seq, "bytes": 1024, "enter_ns": t or seq, "exit_ns": 1 if done else 0,
+            "completed": done, "step": step}
+
+
+def test_laggard_is_the_rank_that_did_not_enter_the_open_collective():
+    snaps = {
+        0: _snap(5, "backward", [_c(5, True), _c(6, False)], ["wait (torch/x.py:1)", "main (/w/train.py:40)"]),
+        1: _snap(4, "other", [_c(4, True), _c(5, True)], ["<module> (/w/train.py:33)"]),
+        2: _snap(5, "backward", [_c(5, True), _c(6, False)]),
+    }
+    v = hang.verdict(snaps, 3)
+    assert v["verdict"] == "laggard" and v["laggards"] == [1] and v["waiting"] == [0, 2]
+    assert v["collective"]["op"] == "allreduce" and v["collective"]["sequence"] == 6
+    assert v["collective"]["call_site"] == "main (/w/train.py:40)"
+
+
+def test_every_rank_in_the_same_collective_is_a_device_or_network_hang():
+    snaps = {r: _snap(5, "backward", [_c(5, True), _c(6, False)]) for r in range(4)}
+    v = hang.verdict(snaps, 4)
+    assert v["verdict"] == "device_or_network" and v["laggards"] == [] and v["waiting"] == [0, 1, 2, 3]
+
+
+def test_laggard_from_phases_when_no_collective_was_published():
+    snaps = {0: _snap(7, "backward"), 1: _snap(7, "forward"), 2: _snap(7, "backward")}
+    v = hang.verdict(snaps, 4)
+    assert v["laggards"] == [1] and v["collective"]["op"] == "allreduce"
+    assert "phases" in v["collective"]["source"] and v["missing_ranks"] == [3]
+    # An earlier step is behind too.
+    v = hang.verdict({0: _snap(7, "backward"), 1: _snap(6, "data")}, 2)
+    assert v["laggards"] == [1]
+
+
+def test_report_has_the_promised_fields_and_a_readable_summary():
+    snaps = {
+        0: {**_snap(5, "backward", [_c(6, False)], ["backward (torch/_tensor.py:1)"]), "pid": 10, "host": "h"},
+        1: {**_snap(4, "other", [_c(5, True)], ["<module> (job.py:33)"]), "pid": 11, "host": "h"},
+    }
+    rep = hang.build_report(2, snaps, 2, timeout_s=5.0, detected_after_s=5.4, action="dump", run_dir="/r")
+    assert rep["laggards"] == [1] and rep["detected_after_s"] == 5.4
+    assert {"op", "group", "sequence", "bytes", "call_site"} <= set(rep["collective"])
+    assert [r["rank"] for r in rep["ranks"]] == [0, 1]
+    assert rep["ranks"][1]["last_collective"]["seq"] == 5 and rep["ranks"][1]["top_frames"] == ["<module> (job.py:33)"]
+    assert "Laggard: rank 1" in rep["summary"] and "job.py:33" in rep["summary"] and "/r/hang-2/" in rep["summary"]
+
+
+# -- stacks -----------------------------------------------------------------------------------------
+
+PYSPY_TEXT = """Process 31842: python -u job.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 31842 (idle): "MainThread"
+    _engine_run_backward (torch/autograd/graph.py:979)
+    Tensor.backward (torch/_tensor.py:623)
+    <module> (job.py:41)
+Thread 31890 (idle): "stepwatch-pipeline"
+    Condition.wait (threading.py:331)
+"""
+
+
+def test_parse_pyspy_dump_and_call_site():
+    threads = pyspy.parse_threads(PYSPY_TEXT)
+    assert [t["name"] for t in threads] == ["MainThread", "stepwatch-pipeline"]
+    frames = pyspy.main_frames(PYSPY_TEXT)
+    assert frames[0].startswith("_engine_run_backward") and len(frames) == 3
+    assert pyspy.call_site(frames) == "<module> (job.py:41)"
+
+
+def test_parse_a_real_faulthandler_dump(tmp_path):
+    path = tmp_path / "fh.txt"
+
+    def inner():
+        with open(path, "w") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+
+    inner()
+    frames = pyspy.main_frames(path.read_text())
+    assert frames[0].startswith("inner (") and __file__ in frames[0]
+    assert pyspy.call_site(frames) == frames[0]
+
+
+def test_sidecar_side_memory_read_check_on_a_child():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        ok, why = can_read_memory(child.pid)
+        assert isinstance(ok, bool) and why
+        bad, why = can_read_memory(2**22 + 12345)  # no such pid
+        assert not bad and "maps" in why
+    finally:
+        child.kill()
+        child.wait()
+
+
+# -- timeout and spikes ------------------------------------------------------------------------------
+
+
+def test_default_timeout_adapts_within_floor_and_cap():
+    assert default_timeout([]) == FLOOR_S
+    assert default_timeout([0.1] * 100) == FLOOR_S
+    assert default_timeout([5.0] * 100) == pytest.approx(K * 5.0)
+    assert default_timeout([100.0] * 10) == CAP_S
+
+
+def _rec(step, s, **kw):
+    return StepRecord(step=step, rank=0, time=float(step), step_s=s, **kw)
+
+
+def test_spike_detector_fires_once_per_burst_and_ignores_eval():
+    det = StepTimeSpikeDetector(window=20, hold=10)
+    out = []
+    for i in range(30):
+        out += det.observe(_rec(i, 0.100 + 0.002 * (i % 3)))
+    assert out == []
+    # An eval pass is outside step_s: a normal step_s with a long eval is no spike.
+    assert det.observe(_rec(30, 0.101, eval_s=5.0)) == []
+    (f,) = det.observe(_rec(31, 0.400))
+    assert f.kind == "step_time_spike" and f.step == 31 and f.data["median_s"] == pytest.approx(0.102, abs=0.002)
+    assert det.observe(_rec(32, 0.400)) == []  # same burst (within hold)
+    for i in range(33, 45):
+        det.observe(_rec(i, 0.101))
+    assert len(det.observe(_rec(45, 0.500))) == 1
+
+
+def test_spike_detector_needs_history():
+    det = StepTimeSpikeDetector(window=50)
+    assert det.observe(_rec(0, 10.0)) == []  # a long first step is not a spike
+    assert all(det.observe(_rec(i, 0.1)) == [] for i in range(1, 10))
+
+
+# -- capture limits ------------------------------------------------------------------------------------
+
+
+def _manager(tmp_path, **kw):
+    tracker = StepTracker(lambda raw: None)
+    errors = []
+    session = types.SimpleNamespace(
+        tracker=tracker, ctx=types.SimpleNamespace(rank=0, world_size=1, run_dir=str(tmp_path), run_id="t"),
+        _internal_error=lambda where, e: errors.append((where, e)))
+    args = dict(steps=2, cooldown_s=0.3, max_count=2, budget_mb=1)
+    args.update(kw)
+    return CaptureManager(session, **args), errors
+
+
+def test_capture_limits_cooldown_and_max_count(tmp_path):
+    from stepwatch.analysis.kinds import make_finding
+
+    m, errors = _manager(tmp_path)
+    spike = [make_finding("step_time_spike", rank=0, step=1, summary="s")]
+    other_rank = [make_finding("step_time_spike", rank=1, step=1, summary="s")]
+    m.on_pass(other_rank)
+    assert m.scheduled is None  # another rank's finding is that rank's trigger
+    m.on_pass(spike)
+    first = m.scheduled
+    assert first is not None and first.k == 1 and first.first >= 2
+    m.scheduled = None  # as if it ran
+    m.on_pass(spike)
+    assert m.scheduled is None and m.skipped == {"cooldown": 1}
+    time.sleep(0.35)
+    m.on_pass(spike)
+    assert m.scheduled is not None and m.scheduled.k == 2
+    m.scheduled = None
+    time.sleep(0.35)
+    m.on_pass(spike)
+    assert m.scheduled is None and m.skipped["max_count"] == 1 and errors == []
+
+
+def test_capture_disk_budget(tmp_path):
+    from stepwatch.analysis.kinds import make_finding
+
+    m, _ = _manager(tmp_path, budget_mb=1)
+    os.makedirs(m.dir)
+    with open(os.path.join(m.dir, "old.trace.json"), "wb") as f:
+        f.write(b"x" * (1024 * 1024 + 1))
+    m.on_pass([make_finding("mfu_drop", rank=0, step=1, summary="s")])
+    assert m.scheduled is None and m.skipped == {"disk_budget": 1}
+
+
+# -- SIGUSR1 ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def usr1():
+    saved = signal.getsignal(signal.SIGUSR1)
+    yield
+    try:
+        faulthandler.unregister(signal.SIGUSR1)
+    except Exception:
+        pass
+    signal.signal(signal.SIGUSR1, saved if saved is not None else signal.SIG_DFL)
+
+
+def _kill_and_wait(path, start):
+    os.kill(os.getpid(), signal.SIGUSR1)
+    for _ in range(100):
+        if os.path.getsize(path) > start:
+            break
+        time.sleep(0.01)
+    time.sleep(0.05)  # let Python run its own handler too
+
+
+@pytest.mark.skipif(not signals.supported(), reason="faulthandler.register needs Linux")
+def test_sigusr1_chains_to_the_jobs_handler_and_keeps_sa_restart(tmp_path, usr1):
+    calls = []
+    signal.signal(signal.SIGUSR1, lambda s, f: calls.append(s))
+    path = str(tmp_path / "sig.txt")
+    st = signals.StackSignal(path)
+    st.install()
+    assert st.chained
+    flags = signals.sa_flags(signal.SIGUSR1)
+    assert flags is not None and flags & signals.SA_RESTART
+    _kill_and_wait(path, 0)
+    assert calls == [signal.SIGUSR1]
+    assert "test_sigusr1_chains" in open(path).read()
+    st.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is not None
+
+
+@pytest.mark.skipif(not signals.supported(), reason="faulthandler.register needs Linux")
+def test_sigusr1_handler_installed_after_stepwatch_still_runs(tmp_path, usr1):
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    path = str(tmp_path / "sig.txt")
+    st = signals.StackSignal(path)
+    st.install()
+    assert not st.chained  # nothing to chain to: the default action would kill the process
+    calls = []
+    signal.signal(signal.SIGUSR1, lambda s, f: calls.append(s))  # the job, after the import
+    st.check()  # the next step boundary
+    assert st.chained
+    _kill_and_wait(path, 0)
+    assert calls == [signal.SIGUSR1] and os.path.getsize(path) > 0
+    st.uninstall()
+
+
+# -- config ---------------------------------------------------------------------------------------------
+
+
+def test_config_fields_name_the_variable_on_bad_values():
+    c = Config.from_env({"STEPWATCH_HANG_TIMEOUT": "12.5", "STEPWATCH_HANG_ACTION": "exit", "STEPWATCH_CAPTURE": "on"})
+    assert c.hang_timeout == 12.5 and c.hang_action == "exit" and c.capture == "on"
+    assert Config.from_env({}).hang_timeout is None
+    with pytest.raises(ConfigError, match="STEPWATCH_HANG_ACTION.*dump, exit"):
+        Config.from_env({"STEPWATCH_HANG_ACTION": "kill"})
+    with pytest.raises(ConfigError, match="STEPWATCH_HANG_TIMEOUT"):
+        Config.from_env({"STEPWATCH_HANG_TIMEOUT": "-3"})
+    with pytest.raises(ConfigError, match="STEPWATCH_WATCHDOG"):
+        Config.from_env({"STEPWATCH_WATCHDOG": "maybe"})
+
+
+# -- install in a session ------------------------------------------------------------------------------
+
+
+def test_install_starts_board_sidecar_and_signal_and_shutdown_stops_them(sw, tmp_path, monkeypatch):
+    """A real session in this process with the watchdog forced on: the tracker publishes to the
+    board the sidecar maps; shutdown closes the board, the sidecar exits, SIGUSR1 is given back."""
+    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    saved = signal.getsignal(signal.SIGUSR1)
+    stepwatch, mem, start = sw
+    s = start(watchdog="on", capture="on", hang_timeout=60)
+    try:
+        (feat,) = [f for f in s.features_started if getattr(f, "name", "") == "capture"]
+        board = feat.board
+        assert s.tracker.progress is board and feat.sidecar is not None and feat.sidecar.poll() is None
+        reader = progress.Reader(board.path)
+        for _ in range(3):
+            with stepwatch.phase("work"):
+                pass
+            stepwatch.step()
+        snap = reader.read()
+        assert snap["steps_done"] == 3 and snap["pid"] == os.getpid()
+        info = tmp_path / "run" / "watchdog.rank0.json"
+        for _ in range(100):
+            if info.exists():
+                break
+            time.sleep(0.05)
+        assert info.exists()
+        assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    finally:
+        stepwatch.shutdown()
+    assert feat.sidecar.poll() is not None
+    assert not os.path.exists(board.path)
+    assert signal.getsignal(signal.SIGUSR1) == saved
+    status = feat.status()
+    assert status["hang_watchdog"]["enabled"] and status["hang_watchdog"]["timeout_s"] == 60
+    assert status["hang_watchdog"]["stack_dump"]["0"] in ("py-spy", "faulthandler")
+
+
+def test_auto_leaves_a_single_process_alone(sw, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("STEPWATCH_RUN", raising=False)
+    stepwatch, mem, start = sw
+    s = start()
+    assert not [f for f in s.features_started if getattr(f, "name", "") == "capture"]
+    assert s.tracker.progress is None

@@ -1,0 +1,49 @@
+"""`stepwatch run`: the argument list and environment it builds, and its errors
+(tests/integration/test_dump.py runs it for real)."""
+
+import os
+import sys
+
+import pytest
+
+from stepwatch.cli import main
+from stepwatch.runner import cli as runner
+
+ENV = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": "/elsewhere"}
+
+
+def test_torchrun_commands_enable_only_the_ranks():
+    argv, env = runner.build(["--", "torchrun", "--nproc-per-node", "2", "train.py"], nsys=False, nsys_ranges=5,
+                             run_dir=None, environ=ENV)
+    assert argv == ["torchrun", "--nproc-per-node", "2", "train.py"]
+    assert env["STEPWATCH_RUN_MODE"] == "ranks"
+    parts = env["PYTHONPATH"].split(os.pathsep)
+    assert parts[0] == runner.SHIM and parts[-1] == "/elsewhere"
+    _, env = runner.build([sys.executable, "-m", "torch.distributed.run", "x.py"], nsys=False, nsys_ranges=5,
+                          run_dir="r", environ=ENV)
+    assert env["STEPWATCH_RUN_MODE"] == "ranks" and env["STEPWATCH_DIR"] == os.path.abspath("r")
+    _, env = runner.build(["python", "train.py"], nsys=False, nsys_ranges=5, run_dir=None, environ=ENV)
+    assert env["STEPWATCH_RUN_MODE"] == "top"
+
+
+def test_nsys_wraps_the_command_or_says_it_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nsys.*not on PATH.*without --nsys"):
+        runner.build(["python", "t.py"], nsys=True, nsys_ranges=5, run_dir=None, environ={"PATH": str(tmp_path)})
+    fake = tmp_path / "nsys"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    argv, env = runner.build(["torchrun", "t.py"], nsys=True, nsys_ranges=3, run_dir=str(tmp_path / "r"),
+                             environ={"PATH": str(tmp_path)})
+    assert argv[:2] == [str(fake), "profile"] and "--capture-range=cudaProfilerApi" in argv
+    assert "--capture-range-end=repeat:3" in argv and argv[-2:] == ["torchrun", "t.py"]
+    assert env["STEPWATCH_NSYS"] == "1"
+
+
+def test_run_without_a_command_is_a_clear_error(capsys):
+    assert main(["run"]) == 2
+    assert "no command given" in capsys.readouterr().err
+
+
+def test_dump_of_a_missing_target_is_a_clear_error(capsys, tmp_path):
+    assert main(["dump", str(tmp_path / "nope")]) == 2
+    assert "neither a directory nor a pid" in capsys.readouterr().err
