@@ -318,6 +318,11 @@ def unwrap_module(module: Any) -> Any:
     return module
 
 
+def _redirects_forward(module: Any) -> bool:
+    """A framework wrapper whose forward is a whole training step, not a model call."""
+    return any(c.__name__ == "_LightningModuleWrapperBase" for c in type(module).__mro__)
+
+
 def _is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor"
 
@@ -488,6 +493,14 @@ def count_step_flops(
     root = unwrap_module(module)
     if not isinstance(root, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if _redirects_forward(root):
+        # Lightning's strategy wrapper runs training_step (self.log stores tensors in the trainer's
+        # state): replaying it on fake tensors would leak fakes into the job. Never replay it.
+        raise FlopCountError(
+            f"{type(root).__name__} runs Lightning's training_step, not a model forward: FLOPs are "
+            "not counted here; add stepwatch.integrations.lightning.StepwatchCallback() to the "
+            "Trainer's callbacks so stepwatch times and counts the model's own modules"
+        )
     if backward is None:
         backward = torch.is_grad_enabled()
     from torch.nn.parameter import UninitializedParameter

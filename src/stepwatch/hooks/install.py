@@ -2,6 +2,8 @@
 
 What is hooked, and why this way:
 - Optimizer steps: torch's *global* optimizer step pre/post hooks (every optimizer, no wrapping).
+  A closure passed to ``step(closure)`` is handed on wrapped (the pre-hook may replace arguments),
+  so the closure's time stays out of ``optimizer_s`` and observers see the grads it made.
 - Backward: ``torch.autograd.backward`` (what ``Tensor.backward`` calls), replaced by a timing wrapper.
 - Data wait: ``_BaseDataLoaderIter.__next__`` (single- and multi-process DataLoader iterators).
 - GradScaler: ``torch.amp.GradScaler.step``, to see a step the scaler skips.
@@ -11,7 +13,8 @@ What is hooked, and why this way:
   on a 49-module GPT and make torch.compile guard on them, so roots are found once by scanning
   the live modules (``gc``) when training starts and get per-module hooks. A module compiled in
   place (``model.compile()``) runs its own hooks inside the compiled region; there the compiled
-  callable is wrapped instead, so timing stays outside compiled code.
+  callable is wrapped instead, so timing stays outside compiled code. Framework adapters may
+  declare more roots, or wrappers that are not model calls (:meth:`Instrumentation.declare_roots`).
 
 Everything is undone by :meth:`Instrumentation.uninstall`.
 """
@@ -48,6 +51,8 @@ class Instrumentation:
         # (optimizer), on the training thread, before the phase opens.
         self.forward_observers: list[Callable[[Any, Any, Any], None]] = []
         self.optimizer_observers: list[Callable[[Any], None]] = []
+        # Modules a framework adapter declared not to be model calls (ids; see ``declare_roots``).
+        self._not_roots: set[int] = set()
 
     # -- install / uninstall ----------------------------------------------------------------
 
@@ -168,7 +173,7 @@ class Instrumentation:
 
     # -- optimizer hooks --------------------------------------------------------------------------
 
-    def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         tr = self.tracker
         if not tr.enabled:
             return
@@ -179,12 +184,47 @@ class Instrumentation:
                 self._patch_dcp()
             except Exception as e:
                 self._on_error("hooks.discovery", e)
+        result = None
+        closure = _closure_arg(args, kwargs)
+        if closure is None:
+            if self.optimizer_observers:
+                self._observe_optimizer(optimizer)
+        else:
+            # optimizer.step(closure) (Lightning, LBFGS): forward and backward run inside step();
+            # the closure is kept out of optimizer_s, and the gradients exist only once it has
+            # run, so the observers see them right after its first call.
+            try:
+                result = _with_closure(args, kwargs, self._wrap_closure(closure, optimizer))
+            except Exception as e:
+                self._on_error("hooks.closure", e)
+        tr.optimizer_begin()
+        return result
+
+    def _observe_optimizer(self, optimizer: Any) -> None:
         for fn in self.optimizer_observers:
             try:
                 fn(optimizer)
             except Exception as e:
                 self._drop_observer(self.optimizer_observers, fn, e)
-        tr.optimizer_begin()
+
+    def _wrap_closure(self, closure: Callable[..., Any], optimizer: Any) -> Callable[..., Any]:
+        tr = self.tracker
+        first = [True]
+
+        @functools.wraps(closure)
+        def closure_in_step(*a: Any, **k: Any) -> Any:
+            paused = tr.pause_optimizer()
+            try:
+                out = closure(*a, **k)
+                if first[0]:
+                    first[0] = False
+                    self._observe_optimizer(optimizer)
+                return out
+            finally:
+                if paused:
+                    tr.resume_optimizer()
+
+        return closure_in_step
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.tracker.optimizer_end()
@@ -203,6 +243,24 @@ class Instrumentation:
 
     # -- root module discovery ------------------------------------------------------------------
 
+    def declare_roots(self, model: Any = (), not_model: Any = ()) -> None:
+        """For framework adapters (``stepwatch.integrations``), who know what the step calls.
+
+        ``model``: modules the training step calls directly (a LightningModule's submodules, which
+        the scan cannot see as roots because they have a parent): hooked as roots now. Calls nested
+        inside another root's call are timed and observed once, as part of the outer call.
+        ``not_model``: modules whose call is not a model call (Lightning's DDP wrapper runs
+        ``training_step``): never hooked by a scan; hooks already on them stop timing.
+        """
+        for m in not_model:
+            if id(m) not in self._not_roots:
+                self._not_roots.add(id(m))
+                # Ids are reused once an object is freed: forget the id with the module.
+                weakref.finalize(m, self._not_roots.discard, id(m))
+        for m in model:
+            if id(m) not in self._not_roots and m not in self._hooked:
+                self._hook_root(m)
+
     def _scan(self, why: str) -> None:
         if self._scans >= MAX_SCANS:
             return
@@ -219,7 +277,7 @@ class Instrumentation:
                     if c is not None:
                         children.add(id(c))
             for m in modules:
-                if id(m) not in children and m not in self._hooked:
+                if id(m) not in children and m not in self._hooked and id(m) not in self._not_roots:
                     self._hook_root(m)
         except Exception as e:
             self._on_error("hooks.discovery", e)
@@ -234,6 +292,7 @@ class Instrumentation:
         tr = self.tracker
         from ..analysis.flops import is_counting
 
+        not_roots = self._not_roots
         compiled = getattr(m, "_compiled_call_impl", None)
         if compiled is not None:
             # model.compile(): the module's hooks would run inside the compiled region.
@@ -241,9 +300,10 @@ class Instrumentation:
             def timed_call(*args: Any, **kwargs: Any) -> Any:
                 import torch
 
-                if is_counting():
+                if is_counting() or (not_roots and id(m) in not_roots):
                     return compiled(*args, **kwargs)
-                if self.forward_observers and tr.enabled:
+                if self.forward_observers and tr.enabled and not tr._fwd_depth:
+                    tr.work_begins()  # what the observers count belongs to the step this forward opens
                     self._observe_forward(m, args, kwargs)
                 tr.forward_begin(torch.is_grad_enabled())
                 try:
@@ -263,18 +323,45 @@ class Instrumentation:
         def pre(mod: Any, args: Any, kwargs: Any) -> None:
             if is_compiling() or is_counting():  # is_compiling is constant-folded by dynamo
                 return
-            if self.forward_observers and tr.enabled:
+            if not_roots and id(mod) in not_roots:
+                return
+            # Only the outermost call is observed: a declared root nested in another is part of it.
+            if self.forward_observers and tr.enabled and not tr._fwd_depth:
+                tr.work_begins()  # what the observers count belongs to the step this forward opens
                 self._observe_forward(mod, args, kwargs)
             tr.forward_begin(is_grad_enabled())
 
         def post(mod: Any, args: Any, out: Any) -> None:
             if is_compiling() or is_counting():
                 return
+            if not_roots and id(mod) in not_roots:
+                return
             tr.forward_end()
 
         self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(m.register_forward_hook(post, always_call=True))
 
+
+
+# A step pre-hook gets ``args`` of ``step`` as called through the optimizer's hook wrapper: the
+# optimizer itself first (torch/optim/optimizer.py, ``profile_hook_step``), then the closure.
+_CLOSURE_AT = 1
+
+
+def _closure_arg(args: Any, kwargs: Any) -> Any:
+    """The closure passed to ``optimizer.step(closure)``, or None."""
+    c = kwargs.get("closure") if kwargs else None
+    if c is None and len(args) > _CLOSURE_AT:
+        c = args[_CLOSURE_AT]
+    return c if callable(c) else None
+
+
+def _with_closure(args: Any, kwargs: Any, closure: Any) -> tuple[Any, Any]:
+    """(args, kwargs) for the optimizer with its closure replaced (a step pre-hook may return them)."""
+    if kwargs and kwargs.get("closure") is not None:
+        return tuple(args), {**kwargs, "closure": closure}
+    a = tuple(args)
+    return (*a[:_CLOSURE_AT], closure, *a[_CLOSURE_AT + 1 :]), dict(kwargs or {})
 
 
 def _position(f: Any) -> int | None:

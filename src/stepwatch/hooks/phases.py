@@ -14,6 +14,13 @@ Evaluation. A forward of a hooked root module with grad disabled opens an *eval 
 fetch right before it and every fetch inside the span belong to it. The span closes at the next
 training work. Its length goes to ``eval_s``, never to ``step_s``. Checkpoint saves go to
 ``checkpoint_s`` likewise.
+
+Closures. ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS) runs forward and
+backward *inside* the optimizer phase. The optimizer phase is paused while the closure runs
+(``pause_optimizer``, from the hooks' closure wrapper) and while an outermost forward or backward
+runs inside it, so that time lands in ``forward_s``/``backward_s`` (the closure's other work in
+``other_s``) and ``optimizer_s`` is the optimizer's own work; on the device clock too, the
+optimizer's event pair is closed and reopened around them.
 """
 
 from __future__ import annotations
@@ -101,6 +108,11 @@ class StepTracker:
         self._bwd_t0 = 0
         self._opt_depth = 0
         self._opt_t0 = 0
+        # Forward/backward run *inside* ``optimizer.step(closure)`` (Lightning, LBFGS): the
+        # optimizer phase is paused around them so their time is not counted twice.
+        self._opt_paused = 0
+        self._fwd_paused_opt = False
+        self._bwd_paused_opt = False
         self._ckpt_depth = 0
         self._ckpt_t0 = 0
         self._phase_depth: dict[str, int] = {}
@@ -140,6 +152,45 @@ class StepTracker:
         if not self._step_open:
             self._step_open = True
             self._nvtx.push_step(self.step)
+
+    def _pause_opt(self, t: int) -> bool:
+        """A forward/backward starts inside the optimizer phase: close the optimizer's segment."""
+        if not self._opt_depth:
+            return False
+        self._opt_paused += 1
+        if self._opt_paused == 1:
+            self._opt += t - self._opt_t0
+            if self.device is not None:
+                self.device.end(self._dslot_opt)
+        return True
+
+    def _resume_opt(self, t: int) -> None:
+        self._opt_paused = max(self._opt_paused - 1, 0)
+        if self._opt_paused == 0 and self._opt_depth:
+            self._opt_t0 = t
+            if self.device is not None:
+                self._dslot_opt = self.device.begin(PHASE_OPTIMIZER)
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_OPTIMIZER)
+
+    def pause_optimizer(self) -> bool:
+        """``optimizer.step(closure)`` enters its closure: the closure is not the optimizer's own
+        work. Returns whether the phase was paused (call :meth:`resume_optimizer` then)."""
+        if not self.enabled:
+            return False
+        try:
+            return self._pause_opt(_now())
+        except Exception as e:
+            self._fail("pause_optimizer", e)
+            return False
+
+    def resume_optimizer(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._resume_opt(_now())
+        except Exception as e:
+            self._fail("resume_optimizer", e)
 
     def _close_eval(self) -> None:
         if self._eval_open:
@@ -227,6 +278,7 @@ class StepTracker:
             if self._fwd_depth > 1:
                 return
             t = _now()
+            self._fwd_paused_opt = self._pause_opt(t)
             self._fwd_grad = grad_enabled
             self._fwd_t0 = t
             if self._pending_end is not None or self._prev_end is None:
@@ -269,6 +321,9 @@ class StepTracker:
                 self._fwd += t - self._fwd_t0
             else:
                 self._eval_last = t
+            if self._fwd_paused_opt:
+                self._fwd_paused_opt = False
+                self._resume_opt(t)
         except Exception as e:
             self._fail("forward_end", e)
 
@@ -286,6 +341,7 @@ class StepTracker:
                 self._start_work(t)
             self._close_eval()
             self._last_fetch_t0 = None
+            self._bwd_paused_opt = self._pause_opt(t)
             self._bwd_t0 = t
             if self.device is not None:
                 self._dslot_bwd = self.device.begin(PHASE_BACKWARD)
@@ -310,6 +366,9 @@ class StepTracker:
             self._nvtx.pop()
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
+            if self._bwd_paused_opt:
+                self._bwd_paused_opt = False
+                self._resume_opt(t)
         except Exception as e:
             self._fail("backward_end", e)
 
@@ -333,6 +392,7 @@ class StepTracker:
             self._close_eval()
             self._last_fetch_t0 = None
             self._opt_t0 = t
+            self._opt_paused = 0
             if self.device is not None:
                 self._dslot_opt = self.device.begin(PHASE_OPTIMIZER)
             self._nvtx.push("optimizer")
@@ -349,9 +409,10 @@ class StepTracker:
             if self._opt_depth:
                 return
             t = _now()
-            if self.device is not None:
-                self.device.end(self._dslot_opt)
-            self._opt += t - self._opt_t0
+            if not self._opt_paused:  # paused: the closure's forward/backward never ended (it raised)
+                if self.device is not None:
+                    self.device.end(self._dslot_opt)
+                self._opt += t - self._opt_t0
             self._nvtx.pop()
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
@@ -467,6 +528,16 @@ class StepTracker:
             self._scalars.update(scalars)
         except Exception as e:
             self._fail("log", e)
+
+    def work_begins(self) -> None:
+        """Training work is about to start and a hook wants to attribute something to its step
+        before timing it (FLOPs/tokens of a forward): a pending step end becomes final now."""
+        if not self.enabled or self._pending_end is None:
+            return
+        try:
+            self._start_work(_now())
+        except Exception as e:
+            self._fail("work_begins", e)
 
     def end_step(self) -> None:
         """Explicit boundary: finalize the pending step, or end one now."""
