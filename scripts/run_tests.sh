@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+# The framework support matrix (tests/frameworks): pinned, cached by pip when already satisfied.
+.venv/bin/python -m pip install -q -r requirements-frameworks.txt
 bash scripts/install_prometheus.sh
 # The vLLM CPU server for the serving tests: a cached venv (~2 min and ~3.4 GB the first time).
 # If it cannot be installed, the serving integration tests skip and say why (pytest's summary).

@@ -24,6 +24,8 @@ class RunContext:
     # torchrun's restart counter: an elastic restart writes new files beside the old ones.
     attempt: int = 0
     pid: int = 0
+    # The accelerator's name once training ran a step (``torch.cuda.get_device_name``), "cpu" on CPU.
+    device: str | None = None
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:

@@ -50,6 +50,10 @@ class StepRecord:
     # Checkpoint saves in this record's checkpoint_s: bytes written and GB/s (None when unknown).
     checkpoint_bytes: int | None = None
     checkpoint_gbps: float | None = None
+    # MFU's denominator: the step's matmul dtype ("bf16", "fp32", "tf32", "mixed") and the peak
+    # TFLOP/s it was divided by (FLOP-weighted over dtypes).
+    mfu_dtype: str | None = None
+    peak_tflops: float | None = None
     # Samples (sequences) in the step, summed over micro-batches; None when unknowable.
     samples: int | None = None
     # GPU health over the step (telemetry window summary), None without a GPU sample in the step.

@@ -368,7 +368,7 @@ def test_install_starts_board_sidecar_and_signal_and_shutdown_stops_them(sw, tmp
                 break
             time.sleep(0.05)
         assert info.exists()
-        assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+        assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"  # torch >= 2.7 name (the old one warns)
     finally:
         stepwatch.shutdown()
     assert feat.sidecar.poll() is not None

@@ -109,8 +109,9 @@ def test_console_on_a_terminal_updates_every_interval():
 
 
 def test_console_line_content():
-    window = [rec(i, tokens=1000, mfu=0.4, grad_norm=1.5) for i in range(10)]
-    line = format_line(window)
+    window = [rec(i, tokens=1000, mfu=0.4, grad_norm=1.5, mfu_dtype="bf16", peak_tflops=989.0) for i in range(10)]
+    line = format_line(window, "NVIDIA H100 80GB HBM3")
+    assert "MFU 40.0% (NVIDIA H100 80GB HBM3, bf16, peak 989 TFLOP/s)" in line
     assert "step 9" in line and "p50 100.0ms" in line and "fwd 30%" in line and "bwd 40%" in line
     assert "10.0 steps/s" in line and "10,000 tok/s" in line and "MFU 40.0%" in line and "grad-norm 1.5" in line
 

@@ -394,5 +394,10 @@ class MfuEnricher:
             return True
         rec.flops = float(fc.total)
         rec.mfu = compute_mfu(fc.by_dtype, rec.step_s, self.peaks)
+        # The denominator, shown beside MFU: the step's matmul dtype and the (FLOP-weighted) peak.
+        by = {k: v for k, v in fc.by_dtype.items() if v}
+        rec.mfu_dtype = next(iter(by)) if len(by) == 1 else ("mixed" if by else None)
+        if rec.mfu and rec.step_s:
+            rec.peak_tflops = rec.flops / (rec.mfu * rec.step_s) / 1e12
         rec.hfu = compute_mfu(fc.hfu_by_dtype, rec.step_s, self.peaks) if fc.recompute else rec.mfu
         return True

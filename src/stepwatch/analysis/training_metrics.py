@@ -65,6 +65,7 @@ class TrainingMetrics:
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             name = torch.cuda.get_device_name(torch.cuda.current_device())
         self.device = name or "cpu"
+        self.session.ctx.device = self.device
         self.mfu.peaks = self.resolver.peaks(name)
 
     # -- background thread -------------------------------------------------------------------------

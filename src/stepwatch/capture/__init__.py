@@ -250,8 +250,13 @@ def enable_flight_recorder() -> str:
     for var in FR_ENV:
         if os.environ.get(var):
             return f"{var}={os.environ[var]} (set by the job)"
-    os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = FR_ENTRIES
-    return f"TORCH_NCCL_TRACE_BUFFER_SIZE={FR_ENTRIES} (set by stepwatch)"
+    # torch 2.7 renamed the variable (the old name still works there but warns on every rank).
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    var = FR_ENV[0] if (major, minor) >= (2, 7) else FR_ENV[1]
+    os.environ[var] = FR_ENTRIES
+    return f"{var}={FR_ENTRIES} (set by stepwatch)"
 
 
 def install(session: Any) -> Feature | None:

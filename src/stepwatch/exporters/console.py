@@ -31,7 +31,7 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f}ms" if s < 10 else f"{s:.1f}s"
 
 
-def format_line(window: list[StepRecord], elapsed_s: float | None = None) -> str:
+def format_line(window: list[StepRecord], device: str | None = None) -> str:
     """The console line for a window of records (also used by tests and the report)."""
     if not window:
         return "stepwatch | waiting for the first step"
@@ -57,7 +57,10 @@ def format_line(window: list[StepRecord], elapsed_s: float | None = None) -> str
         parts.append(f"{sum(tokens) / total:,.0f} tok/s")
     mfu = [r.mfu for r in live if r.mfu is not None]
     if mfu:
-        parts.append(f"MFU {sum(mfu) / len(mfu):.1%}")
+        basis = [x for x in (device, last.mfu_dtype) if x]
+        if last.peak_tflops:
+            basis.append(f"peak {last.peak_tflops:,.4g} TFLOP/s")
+        parts.append(f"MFU {sum(mfu) / len(mfu):.1%}" + (f" ({', '.join(basis)})" if basis else ""))
     gn = last.grad_norm
     if gn is not None:
         parts.append(f"grad-norm {gn:.3g}")
@@ -88,6 +91,7 @@ class ConsoleExporter(Exporter):
             self.interval = config.console_interval_s
         else:
             self.interval = max(NON_TTY_INTERVAL_S, config.console_interval_s)
+        self.ctx = ctx
         self.window: deque[StepRecord] = deque(maxlen=config.window)
         self._last_print = clock()
         self.total_steps = 0
@@ -107,8 +111,8 @@ class ConsoleExporter(Exporter):
         now = self.clock()
         if batch.records and now - self._last_print >= self.interval:
             self._last_print = now
-            self._write(format_line(list(self.window)))
+            self._write(format_line(list(self.window), self.ctx.device))
 
     def shutdown(self) -> None:
         if self.window:
-            self._write(format_line(list(self.window)) + f" | done: {self.total_steps} steps")
+            self._write(format_line(list(self.window), self.ctx.device) + f" | done: {self.total_steps} steps")

@@ -27,7 +27,7 @@ _NUMERIC = frozenset(
     (
         "time", "step_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s",
         "eval_s", "checkpoint_s", "mem_peak_bytes", "flops", "mfu", "hfu", "tokens", "grad_norm",
-        "comm_s", "comm_exposed_s", "overlap", "allreduce_s",
+        "comm_s", "comm_exposed_s", "overlap", "allreduce_s", "peak_tflops",
     )
 )
 _FIELDS = frozenset(STEP_FIELDS)

@@ -52,6 +52,9 @@ class Stats:
     steps_per_s: float | None = None
     tokens_per_s: float | None = None
     mfu_mean: float | None = None
+    # MFU's denominator, as the records state it: the matmul dtype(s) and the peak TFLOP/s.
+    mfu_dtypes: tuple[str, ...] = ()
+    peak_tflops: float | None = None
     hfu_mean: float | None = None
     grad_norm_last: float | None = None
     grad_norm_max: float | None = None  # of the finite ones
@@ -154,6 +157,9 @@ def stats_for(recs: list[StepRecord], rank: int | None) -> Stats:
             s.tokens_per_s = float(tok[known].sum() / step_s[known].sum())
 
     s.mfu_mean = _nanmean(column(recs, "mfu"))
+    s.mfu_dtypes = tuple(sorted({r.mfu_dtype for r in recs if r.mfu_dtype}))
+    peaks = [r.peak_tflops for r in recs if r.peak_tflops]
+    s.peak_tflops = float(peaks[-1]) if peaks else None
     s.hfu_mean = _nanmean(column(recs, "hfu"))
     norms = [r.grad_norm for r in recs if r.grad_norm is not None]
     if norms:

@@ -80,6 +80,17 @@ def _utc(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
+def _mfu_basis(s: Summary) -> str:
+    """MFU's denominator: device (from run.json), dtype and peak, as far as they are known."""
+    o = s.overall
+    tm = ((s.run.manifest or {}).get("features") or {}).get("training_metrics") or {}
+    parts = [str(tm["device"])] if tm.get("device") else []
+    parts += list(o.mfu_dtypes)
+    if o.peak_tflops:
+        parts.append(f"peak {o.peak_tflops:,.4g} TFLOP/s")
+    return f" ({', '.join(parts)})" if parts and o.mfu_mean is not None else ""
+
+
 def overview(s: Summary) -> Table:
     o = s.overall
     rows = [
@@ -88,7 +99,7 @@ def overview(s: Summary) -> Table:
         ["step time p50 / p90 / p99", " / ".join(fmt.dur(o.step_p.get(p)) for p in (50, 90, 99))],
         ["step time mean / max", f"{fmt.dur(o.step_mean)} / {fmt.dur(o.step_max)}"],
         ["throughput", f"{fmt.rate(o.steps_per_s)} steps/s, {fmt.rate(o.tokens_per_s)} tokens/s"],
-        ["MFU mean / HFU mean", f"{fmt.pct(o.mfu_mean)} / {fmt.pct(o.hfu_mean)}"],
+        ["MFU mean / HFU mean", f"{fmt.pct(o.mfu_mean)} / {fmt.pct(o.hfu_mean)}" + _mfu_basis(s)],
         ["grad norm last / max", f"{fmt.num(o.grad_norm_last)} / {fmt.num(o.grad_norm_max)}"
          + (f" ({o.grad_norm_nonfinite} non-finite)" if o.grad_norm_nonfinite else "")],
         ["comm mean / exposed mean", f"{fmt.dur(o.comm_mean)} / {fmt.dur(o.comm_exposed_mean)}"],
