@@ -1,0 +1,130 @@
+"""Communication: AllReduce time and overlap with backward, bus bandwidth, stragglers (docs/comm.md).
+
+``install(session)`` wires everything into a session: a collector on the training thread (spans
+of DDP buckets and FSDP2 collectives), an enricher on the background thread (comm_s,
+allreduce_s, comm_exposed_s, overlap, algbw/busbw, comm_wait_s), and detectors (overlap, busbw,
+the cross-rank straggler exchange). Importing this package is cheap; torch loads at install.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+__all__ = ["CommFeature", "install"]
+
+
+class CommFeature:
+    """What ``install`` started; ``stop()`` undoes the patches (called at shutdown)."""
+
+    def __init__(self) -> None:
+        self.collector: Any = None
+        self.ddp: Any = None
+        self.collectives: Any = None
+        self.enricher: Any = None
+        self.stragglers: Any = None
+        self.overlap: Any = None
+        self.busbw: Any = None
+
+    def stop(self) -> None:
+        for part in (self.ddp, self.collectives):
+            if part is not None:
+                part.uninstall()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "ddp_models": len(self.ddp.models) if self.ddp is not None else 0,
+            "not_measured": list(self.ddp.unmeasured) if self.ddp is not None else [],
+        }
+
+
+def _default_store() -> Any:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def _world() -> int:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size()
+
+
+def install(session: Any) -> CommFeature | None:
+    """Register the comm collector, enricher and detectors on ``session``; None when off."""
+    cfg = session.config
+    if not getattr(cfg, "comm", True) or session.tracker is None:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        from .._log import logger
+
+        logger.info("torch.distributed is not available: communication is not measured")
+        return None
+    from .findings import LowBusbwDetector, OverlapDetector
+    from .fsdp import CollectivePatches
+    from .hooks import DDPCommHooks
+    from .overlap import CommEnricher
+    from .spans import CommCollector
+    from .stragglers import StragglerDetector
+
+    tracker = session.tracker
+    feat = CommFeature()
+    feat.collector = CommCollector(progress_getter=lambda: getattr(tracker, "progress", None))
+    feat.busbw = LowBusbwDetector(None)
+    timeline = None
+    if cfg.records:
+        from .timeline import TimelineWriter
+
+        timeline = TimelineWriter(session.ctx.run_dir, cfg.window)
+    feat.enricher = CommEnricher(cfg.window, large_sink=_large_sink(feat.busbw), timeline=timeline)
+    feat.ddp = DDPCommHooks(feat.collector, session._internal_error)
+    feat.collectives = CollectivePatches(feat.collector, session._internal_error)
+    feat.ddp.install()
+    feat.collectives.install()
+    tracker.collectors.append(feat.collector)
+    session.enrichers.append(feat.enricher)
+    feat.overlap = OverlapDetector(cfg.window, cfg.overlap_threshold)
+    ctx = session.ctx
+    enricher = feat.enricher
+
+    def on_floor(floor_s: float) -> None:
+        enricher.global_floor_s = floor_s
+
+    feat.stragglers = StragglerDetector(
+        every=cfg.straggler_every,
+        margin=cfg.straggler_margin,
+        windows=cfg.straggler_windows,
+        rank=ctx.rank,
+        host=ctx.host,
+        store_factory=_default_store,
+        world_factory=_world,
+        namespace=f"stepwatch/{ctx.run_id}/{getattr(ctx, 'attempt', 0)}/strag",
+        on_floor=on_floor,
+    )
+    session.detectors.extend([feat.overlap, feat.busbw, feat.stragglers])
+    return feat  # the session keeps it in features_started and calls stop() at shutdown
+
+
+def _large_sink(det: Any) -> Any:
+    """Feed large CUDA collectives to the busbw detector, resolving the baseline on first use."""
+    from .findings import baseline
+
+    state = {"resolved": False}
+
+    def sink(rec: Any, span: Any, algbw: float, busbw: float) -> None:
+        if not state["resolved"]:
+            state["resolved"] = True
+            import torch
+
+            name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", span.world) or span.world)
+            det.base = baseline(name, span.world, max(1, span.world // max(local, 1)))
+        if det.base is not None:
+            det.note(rec, span, algbw, busbw)
+
+    return sink

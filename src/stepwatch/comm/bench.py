@@ -1,0 +1,158 @@
+"""An nccl-tests-style AllReduce sweep through torch.distributed (``stepwatch bench-comm``).
+
+Columns and formulas follow nccl-tests (doc/PERFORMANCE.md): ``time`` is the mean time of one
+AllReduce (the slowest rank's), ``algbw = size / time`` and ``busbw = algbw * 2(n-1)/n`` for
+AllReduce, in GB/s with GB = 1e9 bytes. Sizes take K/M/G suffixes as powers of 1024 like
+nccl-tests' ``-b``/``-e``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from .findings import baseline, verdict
+from .overlap import GB, bus_factor
+from .spans import ALLREDUCE
+
+_SUFFIX = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+_DTYPES = {"float": "float32", "float32": "float32", "half": "float16", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def parse_size(s: str, name: str = "size") -> int:
+    """'1M' -> 1048576; bad input names the option and what is valid."""
+    t = str(s).strip().upper().removesuffix("B")
+    suf = t[-1:] if t[-1:] in ("K", "M", "G") else ""
+    num = t[: len(t) - len(suf)]
+    try:
+        v = int(float(num) * _SUFFIX[suf])
+    except ValueError:
+        raise ValueError(f"{name}={s!r} is not a size: expected a number of bytes with an optional K, M or G suffix (e.g. 1M)") from None
+    if v <= 0:
+        raise ValueError(f"{name}={s!r} must be > 0 bytes")
+    return v
+
+
+def sizes(begin: int, end: int, factor: float) -> list[int]:
+    if end < begin:
+        raise ValueError(f"-e/--maxbytes ({end}) must be >= -b/--minbytes ({begin})")
+    if factor <= 1:
+        raise ValueError(f"-f/--stepfactor must be > 1, got {factor}")
+    out, s = [], begin
+    while s <= end:
+        out.append(int(s))
+        s *= factor
+    return out
+
+
+@dataclass(slots=True)
+class Row:
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    time_us: float
+    algbw: float
+    busbw: float
+    bus_factor: float
+    verdict: str
+
+
+def row(size: int, elem: int, dtype: str, seconds: float, world: int, base: dict[str, Any] | None) -> Row:
+    f = bus_factor(ALLREDUCE, world)
+    algbw = size / seconds / GB
+    busbw = algbw * f
+    return Row(size, size // elem, dtype, "sum", -1, seconds * 1e6, algbw, busbw, f, verdict(busbw, size, base))
+
+
+def header(world: int, backend: str, base: dict[str, Any] | None) -> str:
+    b = f"baseline: {base['name']}" if base else "baseline: none for this hardware (the reference has H100 numbers only); verdict n/a"
+    return (
+        f"# stepwatch bench-comm: AllReduce, {world} ranks, backend {backend}\n# {b}\n"
+        "#\n#       size         count      type   redop    root     time   algbw   busbw  verdict\n"
+        "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)"
+    )
+
+
+def fmt(r: Row) -> str:
+    return (
+        f"{r.size:12d}  {r.count:12d}  {r.type:>8s}  {r.redop:>6s}  {r.root:6d}  {r.time_us:9.1f}  "
+        f"{r.algbw:6.2f}  {r.busbw:6.2f}  {r.verdict}"
+    )
+
+
+def run(
+    begin: int,
+    end: int,
+    factor: float,
+    iters: int,
+    warmup: int,
+    dtype: str = "float32",
+    backend: str | None = None,
+    out: Callable[[str], None] = print,
+    json_path: str | None = None,
+) -> list[Row]:
+    import torch
+    import torch.distributed as dist
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype={dtype!r}: expected one of {', '.join(sorted(_DTYPES))}")
+    tdtype = getattr(torch, _DTYPES[dtype])
+    if "RANK" not in os.environ and not dist.is_initialized():
+        raise RuntimeError(
+            "bench-comm runs one process per rank: start it under torchrun, e.g. "
+            "`torchrun --nproc-per-node 8 -m stepwatch bench-comm -b 1M -e 1G -f 2`"
+        )
+    cuda = torch.cuda.is_available()
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+        base = baseline(torch.cuda.get_device_name(device) if cuda else None, world, max(1, world // max(local, 1)))
+        elem = torch.tensor([], dtype=tdtype).element_size()
+        rows = []
+        if rank == 0:
+            out(header(world, dist.get_backend(), base))
+        for size in sizes(begin, end, factor):
+            n = max(size // elem, 1)
+            buf = torch.ones(n, dtype=tdtype, device=device)
+            for _ in range(warmup):
+                dist.all_reduce(buf)
+            if cuda:
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(buf)
+            if cuda:
+                torch.cuda.synchronize(device)
+            t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time, as nccl-tests
+            r = row(n * elem, elem, str(tdtype).removeprefix("torch."), float(t.item()), world, base)
+            rows.append(r)
+            if rank == 0:
+                out(fmt(r))
+        if rank == 0 and rows:
+            out(f"# Avg bus bandwidth    : {sum(r.busbw for r in rows) / len(rows):.4g} GB/s")
+            judged = [r for r in rows if r.verdict != "n/a"]
+            if judged:
+                worst = min(judged, key=lambda r: r.busbw)
+                out(f"# verdict: {'healthy' if all(r.verdict == 'ok' for r in judged) else 'BELOW BASELINE'} "
+                    f"(lowest busbw {worst.busbw:.1f} GB/s at {worst.size} B)")
+            if json_path:
+                with open(json_path, "w", encoding="utf-8") as f:
+                    json.dump({"world": world, "backend": dist.get_backend(), "baseline": base,
+                               "rows": [asdict(r) for r in rows]}, f, indent=1)
+        return rows
+    finally:
+        if own:
+            dist.destroy_process_group()

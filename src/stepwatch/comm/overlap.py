@@ -1,0 +1,163 @@
+"""Per step: communication time, how much of it hid behind backward, and bandwidth.
+
+Definitions (per step, per rank):
+
+- ``comm_s``: length of the union of the step's collective spans (overlapping buckets count once).
+- ``allreduce_s``: sum of the DDP AllReduce spans' durations (buckets in flight together count
+  each time).
+- ``comm_exposed_s``: the part of the AllReduce union that lies outside this rank's backward
+  *compute*: each backward interval from the tracker (``extras["backward_spans"]``), cut at the
+  moment the last bucket issued inside it was handed to the hook (its gradients are all computed). ``loss.backward()`` returns only after DDP waited
+  for every bucket, so the tracker's interval alone would hide the wait; the last bucket being
+  ready is when gradient computation ended. On CUDA the same cut is made on the device clock:
+  compute = [end of the DDP forward, last bucket ready], both CUDA events on the compute stream.
+- ``overlap = 1 - comm_exposed_s / comm`` (Holistic Trace Analysis' comm/compute overlap, per step).
+- ``algbw_gbps``: bytes reduced / time in collective, over the step's spans whose bytes are known
+  (nccl-tests' algbw, GB = 1e9 bytes). ``busbw_gbps``: algbw times the ring factor, 2(n-1)/n for
+  AllReduce and (n-1)/n for all-gather / reduce-scatter (nccl-tests doc/PERFORMANCE.md).
+- ``comm_wait_s``: the share of ``allreduce_s`` spent waiting for peers, estimated as the excess
+  over the transfer floor: the smallest of the ranks' median per-step ``allreduce_s`` in the last
+  exchange window (the last rank to arrive does not wait, so its time is transfer only). None
+  until the first window's verdict arrived (and in a single-rank job).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..record import StepRecord
+from .spans import ALLREDUCE
+
+GB = 1e9  # nccl-tests reports GB/s with GB = 1e9 bytes (doc/PERFORMANCE.md)
+# Live bandwidth is judged only on messages as large as the reference baselines' (B.5: 256 MB, 1 GB).
+LARGE_BYTES = 256 * 1024 * 1024
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests doc/PERFORMANCE.md: AllReduce 2(n-1)/n; AllGather and ReduceScatter (n-1)/n."""
+    if n <= 1:
+        return 0.0
+    return 2.0 * (n - 1) / n if op == ALLREDUCE else (n - 1) / n
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of union(a) minus union(b)."""
+    ua, ub = union(a), union(b)
+    inter = 0.0
+    j = 0
+    for x0, x1 in ua:
+        while j < len(ub) and ub[j][1] <= x0:
+            j += 1
+        k = j
+        while k < len(ub) and ub[k][0] < x1:
+            inter += max(0.0, min(x1, ub[k][1]) - max(x0, ub[k][0]))
+            k += 1
+    return length(ua) - inter
+
+
+def compute_intervals(backward: list[tuple[int, int]], issues: list[float]) -> list[tuple[float, float]]:
+    """Each backward interval, cut at the last bucket issued inside it (host clock, ns)."""
+    out = []
+    for b0, b1 in backward:
+        inside = [t for t in issues if b0 <= t <= b1]
+        out.append((float(b0), max(inside) if inside else float(b1)))
+    return out
+
+
+class CommEnricher:
+    """Background thread: fills the comm fields of a record from ``extras["comm"]``."""
+
+    def __init__(self, window: int = 50, large_sink: Any = None, timeline: Any = None) -> None:
+        self.timeline = timeline  # a TimelineWriter: one step's intervals every window
+        # Smallest per-step allreduce time reported by any rank (set by the straggler exchange).
+        self.global_floor_s: float | None = None
+        self._large_sink = large_sink
+
+    def enrich(self, rec: StepRecord, extras: dict, *, force: bool) -> bool:
+        c = extras.get("comm")
+        if not c:
+            return True
+        spans = c["spans"]
+        if not force and not all(s.done() for s in spans):
+            return False
+        spans = [s for s in spans if not s.failed and s.done() and (s.t1 is not None or s.ev1 is not None)]
+        if not spans:
+            return True
+        if any(s.ev0 is not None for s in spans):
+            iv, compute = self._device_intervals(spans, c.get("fwd_end_ev"))
+        else:
+            iv = [(float(s.t0), float(s.t1)) for s in spans]
+            issues = [float(s.t0) for s in spans if s.op == ALLREDUCE]
+            compute = compute_intervals(extras.get("backward_spans") or [], issues) if issues else None
+        ns = 1e-9
+        rec.comm_s = length(union(iv)) * ns
+        ar = [x for x, s in zip(iv, spans) if s.op == ALLREDUCE]
+        only_ddp = len(ar) == len(iv)
+        if ar:
+            rec.allreduce_s = sum(b - a for a, b in ar) * ns
+            if compute is not None and only_ddp:
+                exposed = minus(ar, compute) * ns
+                comm = length(union(ar)) * ns
+                rec.comm_exposed_s = exposed
+                rec.overlap = 1.0 - exposed / comm if comm > 0 else None
+            self._wait(rec)
+        self._bandwidth(rec, spans, iv)
+        if self.timeline is not None and self.timeline.want(rec.step):
+            from .timeline import snapshot
+
+            self.timeline.write(snapshot(rec.step, rec.rank, compute or [], spans, iv))
+        return True
+
+    def _wait(self, rec: StepRecord) -> None:
+        g = self.global_floor_s
+        if g is not None:  # unknown until the first exchange window: None, not a guess
+            rec.comm_wait_s = max(rec.allreduce_s - g, 0.0)
+
+    def _bandwidth(self, rec: StepRecord, spans: list, iv: list[tuple[float, float]]) -> None:
+        nbytes = 0.0
+        bus_bytes = 0.0
+        dur = 0.0
+        for s, (a, b) in zip(spans, iv):
+            if s.nbytes is None or b <= a:
+                continue
+            d = (b - a) * 1e-9
+            nbytes += s.nbytes
+            bus_bytes += s.nbytes * bus_factor(s.op, s.world)
+            dur += d
+            if self._large_sink is not None and s.nbytes >= LARGE_BYTES and s.ev0 is not None:
+                self._large_sink(rec, s, s.nbytes / d / GB, s.nbytes * bus_factor(s.op, s.world) / d / GB)
+        if dur > 0 and hasattr(rec, "algbw_gbps"):
+            rec.algbw_gbps = nbytes / dur / GB
+            rec.busbw_gbps = bus_bytes / dur / GB
+
+    @staticmethod
+    def _device_intervals(spans: list, fwd_end: Any) -> tuple[list[tuple[float, float]], Any]:
+        """Device events -> ns on one axis (relative to the forward end, or the first span)."""
+        anchor = fwd_end if fwd_end is not None else spans[0].ev0
+        ms = 1e6
+        iv = []
+        for s in spans:
+            a = anchor.elapsed_time(s.ev0) * ms if s.ev0 is not anchor else 0.0
+            b = anchor.elapsed_time(s.ev1) * ms
+            iv.append((a, b))
+        if fwd_end is None:
+            return iv, None
+        issues = [a for (a, _), s in zip(iv, spans) if s.op == ALLREDUCE]
+        return iv, ([(0.0, max(issues))] if issues else None)

@@ -1,0 +1,114 @@
+"""One collective as stepwatch saw it, and the collector that hands a step's collectives over.
+
+A span is created on the thread that issues the collective (the training thread, or the autograd
+engine's device thread for CUDA backward) and closed by the collective's completion callback,
+which may run on another thread (a gloo worker). Closing only writes the span's own slots, so a
+span handed to the background thread already is still completed in place; the enricher waits
+for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+from ..hooks.phases import Collector
+
+_now = time.perf_counter_ns
+
+# Spans kept per step at most: bounds memory if steps stop ending (a tracker that disabled
+# itself never calls take()); a DDP step has one span per bucket, FSDP two per wrapped module.
+MAX_SPANS = 4096
+
+# Collective kinds stepwatch times. ``allreduce`` is DDP's gradient reduction (one per bucket).
+ALLREDUCE, ALL_GATHER, REDUCE_SCATTER = "allreduce", "all_gather", "reduce_scatter"
+
+
+class Span:
+    """One collective. Host clock (``perf_counter_ns``) in ``t0``/``t1``; on CUDA, device events
+    in ``ev0``/``ev1`` (resolved by the enricher without blocking)."""
+
+    __slots__ = ("op", "nbytes", "world", "seq", "hook", "t0", "t_ret", "t1", "ev0", "ev1", "failed")
+
+    def __init__(self, op: str, nbytes: int | None, world: int, seq: int, hook: str) -> None:
+        self.op = op
+        self.nbytes = nbytes
+        self.world = world
+        self.seq = seq
+        self.hook = hook
+        self.t0 = _now()
+        self.t_ret: int | None = None  # when the issuing call returned (the hook, on the issuing thread)
+        self.t1: int | None = None
+        self.ev0: Any = None
+        self.ev1: Any = None
+        self.failed = False
+
+    def done(self) -> bool:
+        if self.failed:
+            return True
+        if self.ev1 is not None:
+            return bool(self.ev1.query())
+        return self.t1 is not None
+
+
+class CommCollector(Collector):
+    """Collects the spans issued during a step; ``take()`` (training thread, step end) swaps the list."""
+
+    name = "comm"
+
+    def __init__(self, progress_getter: Any = None) -> None:
+        self._buf: list[Span] = []
+        self._seq = itertools.count(1)
+        self._progress_getter = progress_getter
+        self._lock = threading.Lock()
+        self.enabled = True
+        self.dropped = 0  # spans not kept because a step already held MAX_SPANS
+        # Forward-end device event of the step (CUDA only): start of backward compute on the device.
+        self._fwd_end_ev: Any = None
+
+    def take(self) -> Any:
+        buf, self._buf = self._buf, []
+        ev, self._fwd_end_ev = self._fwd_end_ev, None
+        if not buf and ev is None:
+            return None
+        return {"spans": buf, "fwd_end_ev": ev}
+
+    def set_forward_end_event(self, ev: Any) -> None:
+        self._fwd_end_ev = ev
+
+    # -- issuing side ---------------------------------------------------------------------------
+
+    def begin(self, op: str, nbytes: int | None, world: int, hook: str, group: str = "default") -> Span:
+        with self._lock:  # issue can come from the autograd engine's threads as well
+            seq = next(self._seq)
+        span = Span(op, nbytes, world, seq, hook)
+        if len(self._buf) < MAX_SPANS:
+            self._buf.append(span)
+        else:
+            self.dropped += 1
+        progress = self._progress()
+        if progress is not None:
+            try:
+                progress.coll_enter(op, group, seq, int(nbytes or 0))
+            except Exception:
+                pass  # the watchdog's board is best effort; never let it break a collective
+        return span
+
+    def end(self, span: Span) -> None:
+        span.t1 = _now()
+        progress = self._progress()
+        if progress is not None:
+            try:
+                progress.coll_exit(span.seq)
+            except Exception:
+                pass
+
+    def _progress(self) -> Any:
+        if self._progress_getter is None:
+            return None
+        p = self._progress_getter()
+        if p is None or not hasattr(p, "coll_enter") or not hasattr(p, "coll_exit"):
+            return None
+        return p

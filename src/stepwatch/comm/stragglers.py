@@ -1,0 +1,330 @@
+"""Which rank is the straggler: a cross-rank exchange of compact per-window summaries.
+
+The DDP trap: a slow rank makes every other rank wait inside AllReduce, so all ranks show the
+same step time, and the fast ranks show the *most* communication time. Naming the rank with the
+most comm time names a victim. stepwatch compares *compute* instead: step time minus data wait
+minus exposed communication (the time this rank sat in collectives after its own compute ended).
+
+Exchange (background thread only; never a collective, never a blocking wait):
+
+- every ``every`` steps (a *window*, numbered by step // every so all ranks agree on it), each rank
+  appends one line (~60 bytes: rank, medians of compute / step / data wait / allreduce, host) to
+  the store key ``<ns>/w<W>/d`` and increments ``<ns>/w<W>/n``: 2 store operations;
+- the leader (rank 0) polls the counter (one non-blocking ``add(key, 0)`` per pending window, at
+  most every ``POLL_S``); when every rank is in, or when it has itself moved ``LATE_WINDOWS`` windows past W, it
+  reads the one key, judges, writes a small verdict ``<ns>/v<W>`` and deletes the window's keys;
+- every rank reads the verdict with a non-blocking ``check`` then ``get`` (2 operations) to learn
+  the transfer floor used for ``comm_wait_s``.
+
+Ranks that disagree on the step only delay a window's verdict; nothing waits for them. Keys are
+namespaced by run id and attempt, so a restarted job never reads an old attempt's summaries.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..analysis.kinds import make_finding
+from ..record import Finding, StepRecord
+
+# The leader judges a window with whatever arrived once it is this many windows further and
+# this many seconds passed since it published its own part (ranks' background passes drift).
+LATE_WINDOWS = 2
+LATE_S = 5.0
+# The store is polled (counter reads, verdict checks) at most this often, however many records
+# a background pass brings: the cost per rank is bounded by time, not by step rate.
+POLL_S = 0.25
+# A persistent straggler is repeated at most every this many windows (like the windowed detectors).
+REPEAT_WINDOWS = 20
+# Compute below this difference is noise, whatever the ratio (host timer granularity and jitter).
+MIN_EXCESS_S = 2e-4
+
+
+@dataclass(slots=True)
+class Summary:
+    rank: int
+    compute_s: float
+    step_s: float
+    data_wait_s: float
+    allreduce_s: float | None
+    host: str
+
+    def encode(self) -> bytes:
+        ar = "-" if self.allreduce_s is None else f"{self.allreduce_s:.6g}"
+        host = (self.host or "?").replace(" ", "_")
+        return f"{self.rank} {self.compute_s:.6g} {self.step_s:.6g} {self.data_wait_s:.6g} {ar} {host}\n".encode()
+
+    @staticmethod
+    def decode_all(blob: bytes) -> dict[int, "Summary"]:
+        out: dict[int, Summary] = {}
+        for line in blob.decode(errors="replace").splitlines():
+            p = line.split()
+            if len(p) != 6:
+                continue  # a torn or foreign line: skip it, never fail the pass
+            try:
+                out[int(p[0])] = Summary(
+                    int(p[0]), float(p[1]), float(p[2]), float(p[3]), None if p[4] == "-" else float(p[4]), p[5]
+                )
+            except ValueError:
+                continue
+        return out
+
+
+def summarize(records: list[StepRecord], rank: int, host: str) -> Summary:
+    """Medians over the window: robust to one slow step (a checkpoint, a GC pause)."""
+
+    def compute(r: StepRecord) -> float:
+        return max(r.step_s - r.data_wait_s - (r.comm_exposed_s or 0.0), 0.0)
+
+    ars = [r.allreduce_s for r in records if r.allreduce_s is not None]
+    return Summary(
+        rank=rank,
+        compute_s=statistics.median(compute(r) for r in records),
+        step_s=statistics.median(r.step_s for r in records),
+        data_wait_s=statistics.median(r.data_wait_s for r in records),
+        allreduce_s=statistics.median(ars) if ars else None,
+        host=host,
+    )
+
+
+def slow_ranks(summaries: dict[int, Summary], margin: float) -> dict[int, float]:
+    """Ranks whose compute exceeds the median of the *others* by ``margin``: rank -> that median."""
+    out = {}
+    for r, s in summaries.items():
+        others = [o.compute_s for q, o in summaries.items() if q != r]
+        if not others:
+            continue
+        med = statistics.median(others)
+        if s.compute_s > med * (1.0 + margin) and s.compute_s - med > MIN_EXCESS_S:
+            out[r] = med
+    return out
+
+
+class StragglerExchange:
+    """One rank's side of the exchange. ``store`` is any c10d store (TCPStore, PrefixStore...)."""
+
+    def __init__(self, store: Any, namespace: str, rank: int, world: int, host: str, leader: int = 0) -> None:
+        self.store = store
+        self.ns = namespace
+        self.rank = rank
+        self.world = world
+        self.host = host
+        self.leader = leader
+        self.pending: dict[int, float] = {}  # windows published, not yet judged (leader only) -> when
+        self._to_delete: dict[int, list[str]] = {}
+        self.last_verdict: dict[str, Any] | None = None
+        self._verdict_seen = -1
+
+    def _k(self, w: int, part: str) -> str:
+        return f"{self.ns}/w{w}/{part}"
+
+    def publish(self, w: int, s: Summary) -> None:
+        self.store.append(self._k(w, "d"), s.encode())
+        self.store.add(self._k(w, "n"), 1)
+        if self.rank == self.leader:
+            self.pending[w] = time.monotonic()
+
+    def collect(self, latest: int) -> list[tuple[int, dict[int, Summary]]]:
+        """Leader: windows that are complete (or late enough to judge with what arrived)."""
+        ready = []
+        now = time.monotonic()
+        for w, since in sorted(self.pending.items()):
+            n = self.store.add(self._k(w, "n"), 0)
+            if n < self.world and (latest - w < LATE_WINDOWS or now - since < LATE_S):
+                continue
+            blob = self.store.get(self._k(w, "d"))  # exists: the leader appended to it itself
+            del self.pending[w]
+            ready.append((w, Summary.decode_all(blob)))
+            self._cleanup(w)
+        return ready
+
+    def post_verdict(self, w: int, verdict: dict[str, Any]) -> None:
+        self.store.set(f"{self.ns}/v{w}", json.dumps(verdict, separators=(",", ":")).encode())
+        self._to_delete.setdefault(w + LATE_WINDOWS + 1, []).append(f"{self.ns}/v{w}")
+
+    def read_verdict(self, w: int) -> dict[str, Any] | None:
+        """Any rank: the verdict of window ``w`` if the leader wrote it (never waits)."""
+        if w <= self._verdict_seen:
+            return None
+        key = f"{self.ns}/v{w}"
+        if not self.store.check([key]):
+            return None
+        try:
+            v = json.loads(self.store.get(key))
+        except ValueError:
+            return None
+        self._verdict_seen = w
+        self.last_verdict = v
+        return v
+
+    def _cleanup(self, w: int) -> None:
+        # The window's keys now, and again a few windows later: a rank that appended late
+        # re-created them after the first delete.
+        keys = [self._k(w, "d"), self._k(w, "n")]
+        for k in keys:
+            self.store.delete_key(k)
+        self._to_delete.setdefault(w + LATE_WINDOWS + 1, []).extend(keys)
+        for old in [x for x in self._to_delete if x <= w]:
+            for k in self._to_delete.pop(old):
+                self.store.delete_key(k)
+
+
+class StragglerDetector:
+    """Background thread: windows of this rank's records -> exchange -> (leader) findings."""
+
+    def __init__(
+        self,
+        *,
+        every: int,
+        margin: float,
+        windows: int,
+        rank: int,
+        host: str,
+        store_factory: Callable[[], Any],
+        namespace: str,
+        on_floor: Callable[[float], None] | None = None,
+        world_factory: Callable[[], int] | None = None,
+    ) -> None:
+        self.every = every
+        self.margin = margin
+        self.windows = windows
+        self.rank = rank
+        self.host = host
+        self._store_factory = store_factory
+        self._world_factory = world_factory
+        self.namespace = namespace
+        self._on_floor = on_floor
+        self._buf: list[StepRecord] = []
+        self._win: int | None = None
+        self.exchange: StragglerExchange | None = None
+        self._disabled = False
+        self._streak: dict[int, int] = {}
+        self._reported_at: int | None = None
+        self._reported_set: frozenset[int] = frozenset()
+        self.latest = -1
+        self.verdicts: list[dict[str, Any]] = []
+        # The first window is warm-up (DDP's bucket rebuild, allocator, lazy init, ranks starting
+        # at different times): not published, not judged.
+        self.skip_windows = 1
+        self._last_poll = -1e9
+
+    def _ensure(self) -> StragglerExchange | None:
+        if self.exchange is None and not self._disabled:
+            store = self._store_factory()
+            if store is None:
+                return None  # not distributed (yet)
+            world = self._world_factory() if self._world_factory else 1
+            if world < 2:
+                self._disabled = True
+                return None
+            self.exchange = StragglerExchange(store, self.namespace, self.rank, world, self.host)
+        return self.exchange
+
+    def observe(self, rec: StepRecord) -> list[Finding]:
+        w = rec.step // self.every
+        out: list[Finding] = []
+        if self._win is not None and w != self._win and self._buf:
+            out += self._close()
+        self._win = w
+        self._buf.append(rec)
+        if len(self._buf) >= self.every:
+            out += self._close()
+        out += self.poll()
+        return out
+
+    def _close(self) -> list[Finding]:
+        buf, self._buf = self._buf, []
+        w = self._win if self._win is not None else buf[-1].step // self.every
+        self._win = None
+        if w < self.skip_windows:
+            return []
+        ex = self._ensure()
+        if ex is None:
+            return []
+        ex.rank = self.rank = buf[-1].rank
+        ex.publish(w, summarize(buf, self.rank, self.host))
+        self.latest = max(self.latest, w)
+        return []
+
+    def poll(self) -> list[Finding]:
+        ex = self.exchange
+        if ex is None:
+            return []
+        now = time.monotonic()
+        if now - self._last_poll < POLL_S:
+            return []
+        self._last_poll = now
+        out: list[Finding] = []
+        if ex.rank == ex.leader:
+            for w, sums in ex.collect(self.latest):
+                out += self._judge(w, sums)
+        else:
+            for w in range(max(ex._verdict_seen + 1, self.latest - LATE_WINDOWS - 1), self.latest + 1):
+                v = ex.read_verdict(w)
+                if v is not None and v.get("floor_s") is not None and self._on_floor is not None:
+                    self._on_floor(v["floor_s"])
+        return out
+
+    def _judge(self, w: int, sums: dict[int, Summary]) -> list[Finding]:
+        slow = slow_ranks(sums, self.margin)
+        for r in set(self._streak) | set(sums):
+            self._streak[r] = self._streak.get(r, 0) + 1 if r in slow else 0
+        named = sorted(r for r, n in self._streak.items() if n >= self.windows)
+        floors = [s.allreduce_s for s in sums.values() if s.allreduce_s is not None]
+        floor = min(floors) if floors else None
+        verdict = {"w": w, "slow": sorted(slow), "named": named, "floor_s": floor, "ranks": len(sums)}
+        self.verdicts.append(verdict)
+        del self.verdicts[:-8]
+        self.exchange.post_verdict(w, verdict)
+        if floor is not None and self._on_floor is not None:
+            self._on_floor(floor)
+        if not named:
+            self._reported_set = frozenset()
+            return []
+        key = frozenset(named)
+        if key == self._reported_set and self._reported_at is not None and w - self._reported_at < REPEAT_WINDOWS:
+            return []
+        self._reported_set, self._reported_at = key, w
+        return [self._finding(w, sums, named, slow)]
+
+    def _finding(self, w: int, sums: dict[int, Summary], named: list[int], slow: dict[int, float]) -> Finding:
+        hosts = {str(r): sums[r].host for r in named if r in sums}
+        compute = {str(r): s.compute_s for r, s in sorted(sums.items())}
+        wait = {str(r): s.allreduce_s for r, s in sorted(sums.items())}
+        most_comm = max((r for r in sums if sums[r].allreduce_s is not None), key=lambda r: sums[r].allreduce_s, default=None)
+        parts = []
+        for r in named:
+            med = slow.get(r)
+            s = sums.get(r)
+            if s is None or med is None:
+                parts.append(f"rank {r}")
+                continue
+            parts.append(
+                f"rank {r} ({s.host}) computes {s.compute_s * 1e3:.1f} ms per step vs "
+                f"{med * 1e3:.1f} ms median of the others (+{(s.compute_s / med - 1) * 100 if med > 0 else 0:.0f}%)"
+            )
+        summary = "; ".join(parts) + f", {self.windows} windows of {self.every} steps in a row"
+        if most_comm is not None and most_comm not in named:
+            summary += f"; rank {most_comm} spends the most time in AllReduce because it waits for the straggler"
+        return make_finding(
+            "straggler",
+            rank=self.rank,
+            step=(w + 1) * self.every - 1,
+            summary=summary,
+            data={
+                "ranks": named,
+                "hosts": hosts,
+                "compute_s": compute,
+                "allreduce_s": wait,
+                "median_others_s": {str(r): slow[r] for r in named if r in slow},
+                "margin": self.margin,
+                "windows": self.windows,
+                "window_steps": self.every,
+                "window": w,
+                "ranks_reporting": len(sums),
+            },
+        )

@@ -1,0 +1,433 @@
+"""stepwatch.comm: interval arithmetic, the enricher, findings, the bench math, the DDP hook
+patching (real DDP over a one-rank gloo group) and the config fields."""
+
+import math
+import socket
+
+import pytest
+
+from stepwatch.comm.bench import parse_size, row, sizes
+from stepwatch.comm.findings import LowBusbwDetector, OverlapDetector, baseline, verdict
+from stepwatch.comm.overlap import CommEnricher, bus_factor, compute_intervals, length, minus, union
+from stepwatch.comm.spans import ALL_GATHER, ALLREDUCE, CommCollector, Span
+from stepwatch.config import Config, ConfigError
+from stepwatch.record import StepRecord
+
+MS = 1_000_000  # ns
+
+
+def span(op, t0, t1, nbytes=None, world=2):
+    s = Span(op, nbytes, world, 0, "h")
+    s.t0, s.t1 = t0, t1
+    return s
+
+
+def rec(step=0, step_s=0.1, **kw):
+    return StepRecord(step=step, rank=0, time=0.0, step_s=step_s, **kw)
+
+
+# -- interval arithmetic ----------------------------------------------------------------------
+
+
+def test_union_merges_overlapping_and_touching_intervals():
+    assert union([(5, 7), (0, 2), (1, 3), (3, 4), (9, 9)]) == [(0, 4), (5, 7)]
+    assert length(union([(0, 2), (1, 3)])) == 3
+
+
+def test_minus_is_the_part_outside():
+    assert minus([(0, 10)], [(2, 4), (6, 8)]) == 6
+    assert minus([(0, 10)], []) == 10
+    assert minus([(0, 2), (1, 5)], [(0, 10)]) == 0
+    assert minus([(0, 4), (6, 10)], [(3, 7)]) == 6
+
+
+def test_compute_interval_is_cut_at_the_last_bucket_issued():
+    # backward 0..100 ms returns only after DDP waited; the last bucket was issued at 60 ms.
+    assert compute_intervals([(0, 100)], [10.0, 60.0, 150.0]) == [(0.0, 60.0)]
+    assert compute_intervals([(0, 100)], []) == [(0.0, 100.0)]
+
+
+# -- enricher --------------------------------------------------------------------------------
+
+
+def test_enricher_fills_comm_fields_with_the_hta_definition():
+    e = CommEnricher()
+    # backward 0-100 ms, buckets issued at 20 and 80 ms; the last bucket runs until 120 ms.
+    spans = [span(ALLREDUCE, 20 * MS, 50 * MS, 1_000_000), span(ALLREDUCE, 80 * MS, 120 * MS, 1_000_000)]
+    r = rec()
+    assert e.enrich(r, {"comm": {"spans": spans}, "backward_spans": [(0, 130 * MS)]}, force=False)
+    assert r.comm_s == pytest.approx(0.070)
+    assert r.allreduce_s == pytest.approx(0.070)
+    assert r.comm_exposed_s == pytest.approx(0.040)  # 80-120 ms lies after the compute end (80 ms)
+    assert r.overlap == pytest.approx(1 - 0.040 / 0.070)
+    assert r.algbw_gbps == pytest.approx(2e6 / 0.070 / 1e9)
+    assert r.busbw_gbps == pytest.approx(r.algbw_gbps * 2 * (2 - 1) / 2)
+
+
+def test_one_bucket_after_backward_has_zero_overlap():
+    e = CommEnricher()
+    r = rec()
+    e.enrich(r, {"comm": {"spans": [span(ALLREDUCE, 90 * MS, 140 * MS)]}, "backward_spans": [(0, 141 * MS)]}, force=False)
+    assert r.overlap == 0.0 and r.comm_exposed_s == pytest.approx(0.050)
+    assert r.busbw_gbps is None  # no bytes known (a user hook): no bandwidth, not a made-up one
+
+
+def test_enricher_waits_for_open_spans_and_gives_up_when_forced():
+    e = CommEnricher()
+    open_span = span(ALLREDUCE, 10 * MS, None)
+    extras = {"comm": {"spans": [span(ALLREDUCE, 0, 5 * MS), open_span]}, "backward_spans": [(0, 20 * MS)]}
+    r = rec()
+    assert e.enrich(r, extras, force=False) is False
+    assert e.enrich(r, extras, force=True) is True
+    assert r.comm_s == pytest.approx(0.005)
+
+
+def test_fsdp_spans_count_in_comm_but_leave_exposure_unknown():
+    e = CommEnricher()
+    r = rec()
+    spans = [span(ALL_GATHER, 0, 10 * MS, 4_000_000, world=4), span(ALLREDUCE, 20 * MS, 30 * MS)]
+    e.enrich(r, {"comm": {"spans": spans}, "backward_spans": [(0, 40 * MS)]}, force=False)
+    assert r.comm_s == pytest.approx(0.020)
+    assert r.comm_exposed_s is None and r.overlap is None
+    assert r.busbw_gbps == pytest.approx(4e6 * 3 / 4 / 0.010 / 1e9)  # (n-1)/n for all-gather
+
+
+def test_comm_wait_uses_the_fastest_rank_as_transfer_floor():
+    e = CommEnricher(window=10)
+    e.global_floor_s = 0.004  # the last rank to arrive needed 4 ms
+    r = rec()
+    e.enrich(r, {"comm": {"spans": [span(ALLREDUCE, 0, 30 * MS)]}, "backward_spans": [(0, 5 * MS)]}, force=False)
+    assert r.comm_wait_s == pytest.approx(0.026)
+    e2 = CommEnricher()  # no exchange verdict yet: unknown, not guessed
+    r2 = rec()
+    e2.enrich(r2, {"comm": {"spans": [span(ALLREDUCE, 0, 30 * MS)]}, "backward_spans": [(0, 5 * MS)]}, force=False)
+    assert r2.allreduce_s == pytest.approx(0.030) and r2.comm_wait_s is None
+
+
+def test_collector_take_swaps_and_reports_progress():
+    calls = []
+
+    class Board:
+        def coll_enter(self, op, group, seq, nbytes):
+            calls.append(("enter", op, group, seq, nbytes))
+
+        def coll_exit(self, seq):
+            calls.append(("exit", seq))
+
+    c = CommCollector(progress_getter=lambda: Board())
+    s = c.begin(ALLREDUCE, 64, 2, "h")
+    c.end(s)
+    assert calls == [("enter", "allreduce", "default", 1, 64), ("exit", 1)]
+    assert c.take()["spans"] == [s] and c.take() is None
+    # A board without the methods is skipped silently.
+    c2 = CommCollector(progress_getter=lambda: object())
+    c2.end(c2.begin(ALLREDUCE, 1, 2, "h"))
+
+
+# -- findings --------------------------------------------------------------------------------
+
+
+def test_overlap_detector_names_the_fix():
+    d = OverlapDetector(window=4, threshold=0.8)
+    out = []
+    for i in range(4):
+        out += d.observe(rec(i, step_s=0.1, overlap=0.1, comm_exposed_s=0.03))
+    assert len(out) == 1 and out[0].kind == "allreduce_not_overlapped"
+    assert "gradient_as_bucket_view=True" in out[0].action
+    d2 = OverlapDetector(window=4, threshold=0.8)
+    assert not [f for i in range(4) for f in d2.observe(rec(i, overlap=0.95, comm_exposed_s=0.001))]
+
+
+def test_baselines_follow_the_reference():
+    nv = baseline("NVIDIA H100 80GB HBM3", 8, 1)
+    ib = baseline("NVIDIA H100 80GB HBM3", 64, 8)
+    assert (nv["256MB"], nv["1GB"], nv["alert"]) == (160.0, 180.0, 140.0)
+    assert (ib["256MB"], ib["1GB"], ib["alert"]) == (40.0, 45.0, 35.0)
+    assert baseline("NVIDIA A100", 8, 1) is None and baseline(None, 8, 1) is None
+    assert verdict(170.0, 256 * 2**20, nv) == "ok"
+    assert verdict(170.0, 2**30, nv) == "low"
+    assert verdict(120.0, 2**30, nv) == "alert"
+    assert verdict(10.0, 25 * 2**20, nv) == "n/a"  # a DDP-bucket-sized message is not judged
+
+
+def test_low_busbw_detector_only_judges_large_messages():
+    d = LowBusbwDetector(baseline("H100", 8, 1))
+    big = span(ALLREDUCE, 0, 1, 2**30, world=8)
+    d.note(rec(5), big, 50.0, 87.5)
+    out = d.observe(rec(5))
+    assert len(out) == 1 and out[0].kind == "low_busbw" and out[0].severity == "critical"
+    d.note(rec(6), span(ALLREDUCE, 0, 1, 2**20, world=8), 1.0, 1.75)
+    assert d.observe(rec(6)) == []
+
+
+# -- bench math --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 64])
+def test_busbw_over_algbw_is_the_ring_factor(n):
+    r = row(2**20, 4, "float32", 1e-3, n, None)
+    assert r.bus_factor == 2 * (n - 1) / n
+    assert r.busbw == r.algbw * r.bus_factor
+    assert math.isclose(r.busbw / r.algbw, 2 * (n - 1) / n, rel_tol=1e-15)
+    assert bus_factor(ALLREDUCE, n) == 2 * (n - 1) / n
+
+
+def test_size_options_like_nccl_tests():
+    assert parse_size("1M") == 2**20 and parse_size("1G") == 2**30 and parse_size("512") == 512
+    assert sizes(2**20, 2**23, 2) == [2**20, 2**21, 2**22, 2**23]
+    with pytest.raises(ValueError, match="-b/--minbytes"):
+        parse_size("lots", "-b/--minbytes")
+    with pytest.raises(ValueError, match="stepfactor"):
+        sizes(1, 2, 1)
+
+
+def test_bench_without_torchrun_says_how_to_run(monkeypatch, capsys):
+    from stepwatch.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["bench-comm", "-b", "1K", "-e", "4K"]) == 2
+    assert "torchrun" in capsys.readouterr().err
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+def test_config_fields_parse_and_name_the_variable():
+    c = Config.from_env({"STEPWATCH_COMM": "0", "STEPWATCH_STRAGGLER_MARGIN": "0.5", "STEPWATCH_STRAGGLER_EVERY": "10"})
+    assert (c.comm, c.straggler_margin, c.straggler_every, c.straggler_windows, c.overlap_threshold) == (
+        False, 0.5, 10, 3, 0.8)
+    with pytest.raises(ConfigError, match="STEPWATCH_STRAGGLER_WINDOWS"):
+        Config.from_env({"STEPWATCH_STRAGGLER_WINDOWS": "0"})
+    with pytest.raises(ConfigError, match="STEPWATCH_OVERLAP_THRESHOLD"):
+        Config.from_env({"STEPWATCH_OVERLAP_THRESHOLD": "1.5"})
+
+
+# -- DDP hook patching over a real one-rank gloo group -----------------------------------------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def ddp_hooks():
+    from stepwatch.comm.hooks import DDPCommHooks
+
+    errors = []
+    col = CommCollector()
+    h = DDPCommHooks(col, lambda where, e: errors.append((where, e)))
+    h.install()
+    try:
+        yield h, col, errors
+    finally:
+        h.uninstall()
+
+
+def _ddp(**kw):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    return DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), **kw)
+
+
+def test_own_hook_is_registered_at_first_forward_and_times_every_bucket(one_rank_group, ddp_hooks):
+    import torch
+
+    h, col, errors = ddp_hooks
+    m = _ddp(bucket_cap_mb=0.0001)
+    for _ in range(2):
+        m(torch.ones(4, 8)).sum().backward()
+    got = col.take()["spans"]
+    assert len(got) >= 2 and all(s.done() and s.op == "allreduce" for s in got)
+    assert all(s.nbytes is not None and s.t1 >= s.t0 for s in got)
+    assert m.__dict__["_stepwatch_comm"].shim_slot is not None and not errors
+
+
+def test_user_hook_registered_after_wrapping_runs_and_its_result_is_used(one_rank_group, ddp_hooks):
+    import torch
+
+    h, col, errors = ddp_hooks
+    m = _ddp()
+    calls = []
+
+    def zero_hook(state, bucket):
+        calls.append(state)
+        fut = torch.futures.Future()
+        fut.set_result(torch.zeros_like(bucket.buffer()))
+        return fut
+
+    m.register_comm_hook("mine", zero_hook)
+    m(torch.ones(4, 8)).sum().backward()
+    assert calls == ["mine"]
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in m.parameters())  # their result was used
+    assert len(col.take()["spans"]) == 1
+    assert m._get_ddp_logging_data().get("comm_hook") == "test_user_hook_registered_after_wrapping_runs_and_its_result_is_used.<locals>.zero_hook"
+
+
+def test_user_hook_after_the_first_forward_replaces_stepwatch_inner_hook(one_rank_group, ddp_hooks):
+    import torch
+
+    h, col, errors = ddp_hooks
+    m = _ddp()
+    m(torch.ones(4, 8)).sum().backward()  # stepwatch's own hook goes in at this forward
+    col.take()
+    calls = []
+
+    def noop(state, bucket):
+        calls.append(1)
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    m.register_comm_hook(None, noop)  # DDP alone would refuse a second hook; the user's must win
+    m(torch.ones(4, 8)).sum().backward()
+    assert calls == [1] and len(col.take()["spans"]) == 1 and not errors
+
+
+def test_builtin_hook_passes_through_and_is_reported_unmeasured(one_rank_group, ddp_hooks, caplog):
+    import torch
+    import torch.distributed as dist
+
+    h, col, errors = ddp_hooks
+    m = _ddp()
+    m._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    m(torch.ones(4, 8)).sum().backward()
+    assert col.take() is None
+    assert h.unmeasured and "builtin" in h.unmeasured[0]
+
+
+def test_uninstall_restores_ddp():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from stepwatch.comm.hooks import DDPCommHooks
+
+    before = (DDP.register_comm_hook, DDP._register_builtin_comm_hook, DDP._pre_forward)
+    h = DDPCommHooks(CommCollector(), lambda *a: None)
+    h.install()
+    assert DDP._pre_forward is not before[2]
+    h.uninstall()
+    assert (DDP.register_comm_hook, DDP._register_builtin_comm_hook, DDP._pre_forward) == before
+
+
+def test_builtin_hook_after_the_first_forward_runs_its_python_equivalent(one_rank_group, ddp_hooks):
+    import torch
+    import torch.distributed as dist
+
+    h, col, errors = ddp_hooks
+    m = _ddp()
+    m(torch.ones(4, 8)).sum().backward()
+    col.take()
+    m._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)  # DDP alone would raise here
+    m(torch.ones(4, 8)).sum().backward()
+    spans = col.take()["spans"]
+    assert [s.hook for s in spans] == ["fp16_compress_hook"] and not errors
+
+
+def test_timeline_of_one_step_is_written_per_rank_and_rendered(tmp_path):
+    from stepwatch.comm.timeline import TimelineWriter, load, render
+
+    e = CommEnricher(timeline=TimelineWriter(str(tmp_path), every=5))
+    spans = [span(ALLREDUCE, 20 * MS, 50 * MS, 1000), span(ALLREDUCE, 80 * MS, 120 * MS, 1000)]
+    for step in range(5):
+        r = rec(step)
+        r.rank = 3
+        e.enrich(r, {"comm": {"spans": spans}, "backward_spans": [(10 * MS, 130 * MS)]}, force=False)
+    snaps = load(str(tmp_path))
+    assert [s["step"] for s in snaps] == [4] and snaps[0]["rank"] == 3
+    assert snaps[0]["compute_ms"] == [[0.0, 70.0]]  # backward from 10 ms, compute ends at the last issue (80 ms)
+    text = render(snaps, width=11)
+    row = text.splitlines()[1]
+    assert row.endswith("|=###===!!!!|"), text  # 0-110 ms in 11 columns of 10 ms
+
+
+def test_collector_is_bounded_when_steps_stop_ending(monkeypatch):
+    from stepwatch.comm import spans as sp
+
+    monkeypatch.setattr(sp, "MAX_SPANS", 8)
+    c = CommCollector()
+    for _ in range(20):
+        c.end(c.begin(ALLREDUCE, 1, 2, "h"))
+    assert len(c.take()["spans"]) == 8 and c.dropped == 12
+
+
+def test_hook_registered_before_stepwatch_started_is_left_alone(one_rank_group):
+    import torch
+    import torch.distributed as dist
+
+    from stepwatch.comm.hooks import DDPCommHooks
+
+    m = _ddp()
+    m._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # before install
+    col = CommCollector()
+    errors = []
+    h = DDPCommHooks(col, lambda where, e: errors.append(e))
+    h.install()
+    try:
+        m(torch.ones(4, 8)).sum().backward()  # no second registration attempt, no error
+    finally:
+        h.uninstall()
+    assert not errors and col.take() is None and "before stepwatch started" in h.unmeasured[0]
+
+
+def test_a_second_user_hook_is_refused_as_ddp_refuses_it(one_rank_group, ddp_hooks):
+    import torch
+
+    h, col, errors = ddp_hooks
+    m = _ddp()
+    m(torch.ones(4, 8)).sum().backward()
+
+    def noop(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    m.register_comm_hook(None, noop)
+    with pytest.raises(RuntimeError, match="only be called once"):
+        m.register_comm_hook(None, noop)
+
+
+def test_session_wires_comm_and_shutdown_restores_ddp(sw, one_rank_group):
+    """Through the public API: records carry the comm fields; shutdown undoes the patches."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    stepwatch, mem, start = sw
+    orig = DDP.__dict__["_pre_forward"]
+    start()
+    assert DDP.__dict__["_pre_forward"] is not orig
+    m = _ddp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(4):
+        m(torch.ones(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert DDP.__dict__["_pre_forward"] is orig
+    recs = mem.records
+    assert len(recs) >= 3
+    for r in recs[1:]:
+        assert r.comm_s > 0 and r.allreduce_s > 0 and r.overlap is not None and 0 <= r.overlap <= 1
+        assert r.busbw_gbps == 0.0  # one rank: nothing crosses a wire, 2(n-1)/n = 0
+
+
+def test_comm_off_patches_nothing(sw):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    stepwatch, mem, start = sw
+    orig = DDP.__dict__["_pre_forward"]
+    start(comm=False)
+    assert DDP.__dict__["_pre_forward"] is orig

@@ -1,0 +1,162 @@
+"""The straggler exchange over a real TCPStore, several ranks simulated in one process (each with
+its own store client, as real ranks have)."""
+
+from datetime import timedelta
+
+import pytest
+
+from stepwatch.comm import stragglers as S
+from stepwatch.comm.stragglers import StragglerDetector, Summary, slow_ranks, summarize
+from stepwatch.record import StepRecord
+
+
+@pytest.fixture(autouse=True)
+def poll_every_record(monkeypatch):
+    # The detector polls the store at most every POLL_S; these tests feed records back to back.
+    monkeypatch.setattr(S, "POLL_S", 0.0)
+
+
+@pytest.fixture
+def store():
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    clients = []
+
+    def client():
+        c = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+        clients.append(c)
+        return c
+
+    yield server, client
+
+
+def rec(rank, step, compute, wait=0.0, data=0.0):
+    # A DDP step: the fast rank's step is as long as the slow one's, the difference spent in AllReduce.
+    return StepRecord(step=step, rank=rank, time=0.0, step_s=compute + wait + data, data_wait_s=data,
+                      comm_exposed_s=wait, allreduce_s=wait + 0.001)
+
+
+def detectors(client, world, every=4, windows=3, margin=0.2):
+    floors = {}
+    out = []
+    for r in range(world):
+        d = StragglerDetector(every=every, margin=margin, windows=windows, rank=r, host=f"host{r}",
+                              store_factory=client, world_factory=lambda: world, namespace="stepwatch/t/0/strag",
+                              on_floor=lambda f, r=r: floors.__setitem__(r, f))
+        out.append(d)
+    return out, floors
+
+
+def run(dets, steps, compute_of):
+    findings = []
+    for step in range(steps):
+        for d in dets:
+            c = compute_of(d.rank)
+            slowest = max(compute_of(r) for r in range(len(dets)))
+            findings += d.observe(rec(d.rank, step, c, wait=slowest - c))
+    return findings
+
+
+def test_summary_roundtrip_and_torn_lines():
+    s = Summary(3, 0.01, 0.02, 0.001, None, "node 7")
+    blob = s.encode() + b"garbage\n" + Summary(4, 0.5, 0.6, 0.0, 0.1, "n").encode()
+    got = Summary.decode_all(blob)
+    assert got[3] == Summary(3, 0.01, 0.02, 0.001, None, "node_7") and got[4].allreduce_s == 0.1
+    assert len(got) == 2
+
+
+def test_compute_excludes_data_wait_and_exposed_comm():
+    s = summarize([rec(0, i, 0.010, wait=0.030, data=0.005) for i in range(5)], 0, "h")
+    assert s.compute_s == pytest.approx(0.010)
+    assert s.step_s == pytest.approx(0.045)
+
+
+def test_slow_rank_is_measured_against_the_median_of_the_others():
+    sums = {r: Summary(r, c, 0, 0, None, "h") for r, c in enumerate([0.010, 0.011, 0.010, 0.0135])}
+    assert list(slow_ranks(sums, 0.2)) == [3]
+    assert slow_ranks(sums, 0.5) == {}
+
+
+def test_slow_rank_is_named_not_the_rank_that_waits_most(store):
+    server, client = store
+    dets, floors = detectors(client, 4)
+    found = run(dets, 20, lambda r: 0.030 if r == 2 else 0.010)
+    assert len(found) == 1
+    f = found[0]
+    assert f.kind == "straggler" and f.rank == 0 and f.data["ranks"] == [2]
+    assert f.data["hosts"] == {"2": "host2"}
+    # The fast ranks spent 20 ms more in AllReduce than rank 2: the finding says so.
+    assert "waits for the straggler" in f.summary
+    assert floors and all(v == pytest.approx(0.001) for v in floors.values())  # rank 2 did not wait
+
+
+def test_balanced_job_names_no_one(store):
+    server, client = store
+    dets, _ = detectors(client, 4)
+    assert run(dets, 20, lambda r: 0.010 + 0.0005 * r) == []
+
+
+def test_a_rank_slow_in_fewer_than_k_windows_is_not_named(store):
+    server, client = store
+    dets, _ = detectors(client, 2, windows=3)
+    windows_slow = {1, 2, 4}  # window 0 is warm-up; slow twice, fine, slow: never 3 in a row
+
+    found = []
+    for step in range(24):
+        for d in dets:
+            slow = d.rank == 1 and (step // 4) in windows_slow
+            c = 0.03 if slow else 0.01
+            found += d.observe(rec(d.rank, step, c))
+    assert found == []
+
+
+def test_ranks_that_disagree_on_the_step_never_block(store, monkeypatch):
+    """Rank 1 stops publishing after window 0 (hung, or far behind): the leader keeps going,
+    judges late windows with what arrived, and nothing waits."""
+    import time
+
+    monkeypatch.setattr(S, "LATE_S", 0.0)
+    server, client = store
+    dets, _ = detectors(client, 2)
+    t0 = time.monotonic()
+    for step in range(40):
+        dets[0].observe(rec(0, step, 0.01))
+        if step < 4:
+            dets[1].observe(rec(1, step, 0.01))
+    assert time.monotonic() - t0 < 5
+    ex = dets[0].exchange
+    assert len(ex.pending) <= S.LATE_WINDOWS + 1  # old windows were judged, not queued forever
+    # Window keys of judged windows are gone from the store (bounded, no leak per window).
+    assert server.num_keys() < 12
+
+
+def test_not_distributed_means_no_exchange():
+    d = StragglerDetector(every=2, margin=0.2, windows=1, rank=0, host="h", store_factory=lambda: None,
+                          namespace="x")
+    assert [f for i in range(6) for f in d.observe(rec(0, i, 0.01))] == []
+    assert d.exchange is None
+
+
+def test_polling_is_bounded_by_time_not_by_step_rate(store, monkeypatch):
+    monkeypatch.setattr(S, "POLL_S", 3600.0)
+    server, client = store
+    dets, _ = detectors(client, 2)
+    ops = {"n": 0}
+    for d in dets:
+        real = d._store_factory
+
+        def counting(real=real):
+            st = real()
+
+            class Counting:
+                def __getattr__(self, name):
+                    ops["n"] += 1
+                    return getattr(st, name)
+
+            return Counting()
+
+        d._store_factory = counting
+    run(dets, 40, lambda r: 0.01)
+    # 2 ranks x 9 judged windows x 2 publish ops, plus one poll each at most in the hour.
+    assert ops["n"] <= 2 * 9 * 2 + 2 * 4, ops
