@@ -30,11 +30,16 @@ _FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent c
 _FH_FRAME = re.compile(r'^\s+File "(.+)", line (\d+) in (.+)$')
 
 
-def dump(pyspy: str, pid: int, *, native: bool = False, timeout_s: float = 10.0) -> tuple[bool, str]:
-    """One ``py-spy dump`` of ``pid``: (succeeded, output or the reason it failed)."""
+def dump(
+    pyspy: str, pid: int, *, native: bool = False, nonblocking: bool = False, timeout_s: float = 10.0
+) -> tuple[bool, str]:
+    """One ``py-spy dump`` of ``pid``: (succeeded, output or the reason it failed).
+    ``nonblocking`` reads without pausing the process (needed for a stopped or D-state one)."""
     cmd = [pyspy, "dump", "--pid", str(pid)]
     if native:
         cmd.append("--native")
+    if nonblocking:
+        cmd.append("--nonblocking")
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:

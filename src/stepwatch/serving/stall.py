@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..capture.pyspy import dump as pyspy_dump
+from ..capture.pyspy import parse_threads
 from . import procs
 
 # -- the detector ------------------------------------------------------------------------------
@@ -85,21 +85,9 @@ class StallDetector:
 
 # -- py-spy dumps ------------------------------------------------------------------------------
 
-_THREAD = re.compile(r'^Thread (0x[0-9A-Fa-f]+|\d+) \(([^)]*)\)(?::\s*"(.*)")?')
-
-
 def parse_pyspy(text: str) -> dict[str, dict[str, Any]]:
     """py-spy 0.4 ``dump`` text -> {thread id: {"status", "name", "frames": [...] innermost first}}."""
-    threads: dict[str, dict[str, Any]] = {}
-    cur: dict[str, Any] | None = None
-    for line in text.splitlines():
-        m = _THREAD.match(line)
-        if m:
-            cur = {"status": m.group(2), "name": m.group(3) or "", "frames": []}
-            threads[m.group(1)] = cur
-        elif cur is not None and line.startswith("    ") and line.strip():
-            cur["frames"].append(line.strip())
-    return threads
+    return {t["id"]: {"status": t["state"], "name": t["name"], "frames": t["frames"]} for t in parse_threads(text)}
 
 
 @dataclass
@@ -112,19 +100,6 @@ class Dump:
     nonblocking: bool
 
 
-def _pyspy_once(pyspy: str, pid: int, nonblocking: bool, timeout_s: float) -> tuple[bool, str]:
-    cmd = [pyspy, "dump", "--pid", str(pid)] + (["--nonblocking"] if nonblocking else [])
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return False, f"py-spy timed out after {timeout_s:.0f} s"
-    except OSError as e:
-        return False, f"py-spy could not run: {e}"
-    if r.returncode != 0:
-        return False, (r.stderr or r.stdout or f"py-spy exited {r.returncode}").strip()
-    return True, r.stdout
-
-
 def dump_one(pyspy: str | None, pid: int, timeout_s: float = 15.0) -> Dump:
     """Stacks of one process. A stopped or D-state process is read without pausing it
     (``--nonblocking``: py-spy would wait to stop a process that cannot answer); a normal one
@@ -135,10 +110,10 @@ def dump_one(pyspy: str | None, pid: int, timeout_s: float = 15.0) -> Dump:
     if pyspy is None:
         return Dump(pid, state, False, "py-spy not found (pip install py-spy)", 0.0, False)
     nonblocking = state in procs.STUCK_STATES
-    ok, text = _pyspy_once(pyspy, pid, nonblocking, timeout_s)
+    ok, text = pyspy_dump(pyspy, pid, nonblocking=nonblocking, timeout_s=timeout_s)
     if not ok and not nonblocking:
         nonblocking = True
-        ok2, text2 = _pyspy_once(pyspy, pid, True, timeout_s)
+        ok2, text2 = pyspy_dump(pyspy, pid, nonblocking=True, timeout_s=timeout_s)
         ok, text = (ok2, text2) if ok2 else (False, f"{text}\n(--nonblocking: {text2})")
     return Dump(pid, state, ok, text, time.monotonic() - t0, nonblocking)
 
