@@ -11,6 +11,7 @@ returns a slot or -1, ``end`` ignores -1 and stale slots, ``poll`` never blocks 
 
 from __future__ import annotations
 
+import abc
 import os
 import weakref
 from time import perf_counter_ns
@@ -62,7 +63,7 @@ class _Region:
         return False
 
 
-class _PyRing:
+class _PyRing(abc.ABC):
     """Ring bookkeeping shared by the Python backends; subclasses stamp and resolve a slot."""
 
     name = "python"
@@ -88,14 +89,17 @@ class _PyRing:
         _live.add(self)
 
     # -- subclass hooks --
-    def _stamp_begin(self, i: int, stream: Any) -> bool:  # False: nothing recorded
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _stamp_begin(self, i: int, stream: Any) -> bool:
+        """Stamp slot ``i``'s start; False when nothing was recorded."""
 
+    @abc.abstractmethod
     def _stamp_end(self, i: int, stream: Any) -> bool:
-        raise NotImplementedError
+        """Stamp slot ``i``'s end; False when nothing was recorded."""
 
-    def _resolve(self, i: int) -> float | None:  # None: not ready yet; raises on failure
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _resolve(self, i: int) -> float | None:
+        """Seconds of slot ``i``; None when not ready yet; raises on failure."""
 
     # -- the ring API --
     @property

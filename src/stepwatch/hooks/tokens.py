@@ -36,7 +36,8 @@ class BatchCounts:
     _event: Any = None
 
     def resolve(self) -> "BatchCounts | None":
-        """Background thread: fill ``tokens`` from the device; None if not ready yet."""
+        """Background thread: fill ``tokens`` from the device; None if not ready yet. Reads only a
+        host copy whose event completed, or a CPU tensor: never a device sync."""
         if self._pending is None:
             return self
         if self._event is not None:
