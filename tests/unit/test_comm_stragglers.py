@@ -160,3 +160,32 @@ def test_polling_is_bounded_by_time_not_by_step_rate(store, monkeypatch):
     run(dets, 40, lambda r: 0.01)
     # 2 ranks x 9 judged windows x 2 publish ops, plus one poll each at most in the hour.
     assert ops["n"] <= 2 * 9 * 2 + 2 * 4, ops
+
+
+def test_gpu_straggler_is_judged_from_the_exchanged_sm_activity():
+    """Reference B.4's last row through the real exchange path: each rank publishes its window's
+    mean SM activity (from GPU telemetry, here written into the records since this machine has no
+    GPU); the leader names the rank whose activity varies while the others hold, once."""
+    from stepwatch.comm.stragglers import Summary, StragglerDetector
+
+    det = StragglerDetector(every=4, margin=0.2, windows=3, rank=0, host="h",
+                            store_factory=lambda: None, namespace="t")
+    found = []
+    for w in range(8):
+        sums = {
+            0: Summary(0, 0.01, 0.02, 0.0, 0.005, "h0", 0.90),
+            1: Summary(1, 0.01, 0.02, 0.0, 0.005, "h1", 0.30 if w % 2 else 0.85),
+            2: Summary(2, 0.01, 0.02, 0.0, 0.005, "h2", 0.91),
+        }
+        found += det._judge_gpus(w, sums)
+    assert [f.kind for f in found] == ["gpu_straggler"]
+    assert found[0].data["straggler_rank"] == 1
+
+
+def test_summary_line_round_trips_with_and_without_sm_activity():
+    from stepwatch.comm.stragglers import Summary
+
+    a = Summary(3, 0.5, 0.6, 0.01, None, "node-1", 0.75)
+    b = Summary(4, 0.5, 0.6, 0.01, 0.2, "node-2", None)
+    got = Summary.decode_all(a.encode() + b.encode() + b"5 0.1 0.2 0.0 - old-writer\n")
+    assert got[3] == a and got[4] == b and got[5].sm_active is None

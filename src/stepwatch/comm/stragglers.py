@@ -52,22 +52,26 @@ class Summary:
     data_wait_s: float
     allreduce_s: float | None
     host: str
+    # Mean SM activity (DCGM ratio) over the window from GPU telemetry; None without a GPU.
+    sm_active: float | None = None
 
     def encode(self) -> bytes:
         ar = "-" if self.allreduce_s is None else f"{self.allreduce_s:.6g}"
+        sm = "-" if self.sm_active is None else f"{self.sm_active:.4g}"
         host = (self.host or "?").replace(" ", "_")
-        return f"{self.rank} {self.compute_s:.6g} {self.step_s:.6g} {self.data_wait_s:.6g} {ar} {host}\n".encode()
+        return f"{self.rank} {self.compute_s:.6g} {self.step_s:.6g} {self.data_wait_s:.6g} {ar} {host} {sm}\n".encode()
 
     @staticmethod
     def decode_all(blob: bytes) -> dict[int, "Summary"]:
         out: dict[int, Summary] = {}
         for line in blob.decode(errors="replace").splitlines():
             p = line.split()
-            if len(p) != 6:
+            if len(p) not in (6, 7):
                 continue  # a torn or foreign line: skip it, never fail the pass
             try:
+                sm = None if len(p) == 6 or p[6] == "-" else float(p[6])
                 out[int(p[0])] = Summary(
-                    int(p[0]), float(p[1]), float(p[2]), float(p[3]), None if p[4] == "-" else float(p[4]), p[5]
+                    int(p[0]), float(p[1]), float(p[2]), float(p[3]), None if p[4] == "-" else float(p[4]), p[5], sm
                 )
             except ValueError:
                 continue
@@ -81,6 +85,7 @@ def summarize(records: list[StepRecord], rank: int, host: str) -> Summary:
         return max(r.step_s - r.data_wait_s - (r.comm_exposed_s or 0.0), 0.0)
 
     ars = [r.allreduce_s for r in records if r.allreduce_s is not None]
+    sms = [r.gpu["sm_active"] for r in records if r.gpu and r.gpu.get("sm_active") is not None]
     return Summary(
         rank=rank,
         compute_s=statistics.median(compute(r) for r in records),
@@ -88,6 +93,7 @@ def summarize(records: list[StepRecord], rank: int, host: str) -> Summary:
         data_wait_s=statistics.median(r.data_wait_s for r in records),
         allreduce_s=statistics.median(ars) if ars else None,
         host=host,
+        sm_active=sum(sms) / len(sms) if sms else None,
     )
 
 
@@ -211,6 +217,9 @@ class StragglerDetector:
         # at different times): not published, not judged.
         self.skip_windows = 1
         self._last_poll = -1e9
+        # Leader: each rank's SM activity per window (GPU telemetry), for the B.4 straggler-GPU row.
+        self._sm: dict[int, Any] = {}
+        self._gpu_reported: frozenset[int] = frozenset()
 
     def _ensure(self) -> StragglerExchange | None:
         if self.exchange is None and not self._disabled:
@@ -270,6 +279,29 @@ class StragglerDetector:
         return out
 
     def _judge(self, w: int, sums: dict[int, Summary]) -> list[Finding]:
+        return self._judge_gpus(w, sums) + self._judge_compute(w, sums)
+
+    def _judge_gpus(self, w: int, sums: dict[int, Summary]) -> list[Finding]:
+        """One rank's SM activity varying while the others hold (reference B.4): judged on the
+        per-window means the ranks publish, once per episode."""
+        import collections
+
+        from ..telemetry.diagnose import find_gpu_stragglers
+
+        for r, su in sums.items():
+            if su.sm_active is not None:
+                self._sm.setdefault(r, collections.deque(maxlen=30)).append(su.sm_active)
+        if len(self._sm) < 2:
+            return []
+        found = find_gpu_stragglers({r: list(d) for r, d in self._sm.items()}, rank=self.rank,
+                                    step=(w + 1) * self.every - 1)
+        named = frozenset(f.data["straggler_rank"] for f in found)
+        if named == self._gpu_reported:
+            return []
+        self._gpu_reported = named
+        return found
+
+    def _judge_compute(self, w: int, sums: dict[int, Summary]) -> list[Finding]:
         slow = slow_ranks(sums, self.margin)
         for r in set(self._streak) | set(sums):
             self._streak[r] = self._streak.get(r, 0) + 1 if r in slow else 0
