@@ -23,7 +23,8 @@ from .analysis.kinds import make_finding
 from .config import Config
 from .context import RunContext, from_env
 from .exporters.base import Batch, Exporter
-from .exporters.records import dumps, free_name, make_private_dir, open_private
+from ._files import make_private_dir, write_json_private
+from .exporters.records import free_name
 from .hooks.nvtx import Nvtx
 from .hooks.phases import StepTracker
 from .record import SCHEMA_VERSION, Finding, StepRecord
@@ -236,6 +237,18 @@ class Session:
         else:
             self.dropped += 1
 
+    def total_dropped(self) -> int:
+        """Records dropped on the bounded queue plus what exporters dropped (e.g. OTLP down)."""
+        n = self.dropped
+        for e in self.exporters:
+            fn = getattr(e, "dropped", None)
+            if callable(fn):
+                try:
+                    n += int(fn())
+                except Exception:  # an exporter's counter must not break the console
+                    continue
+        return n
+
     def step(self) -> None:
         if self.tracker is not None:
             self.tracker.end_step()
@@ -314,6 +327,9 @@ class Session:
             exporters = list(self.config.exporters)
         self.exporters = exporters
         self._exporter_names = [getattr(e, "name", type(e).__name__) for e in exporters]
+        for e in exporters:
+            if hasattr(e, "drops"):
+                e.drops = self.total_dropped
         self._write_manifest(final=False)
 
     def _pass(self, *, final: bool) -> None:
@@ -455,7 +471,7 @@ class Session:
                 "attempt": ctx.attempt,
                 "start_time": self._start_wall,
             }
-            _write_json(os.path.join(ctx.run_dir, f"rank{ctx.rank}.json"), me)
+            write_json_private(os.path.join(ctx.run_dir, f"rank{ctx.rank}.json"), me)
             if ctx.rank != 0:
                 return
             hosts = sorted({ctx.host} | set(_hosts_in(ctx.run_dir)))
@@ -478,7 +494,7 @@ class Session:
             }
             if not hasattr(self, "_manifest_path"):
                 self._manifest_path = free_name(ctx.run_dir, "run", "json")
-            _write_json(self._manifest_path, manifest)
+            write_json_private(self._manifest_path, manifest)
         except OSError as e:
             logger.warning("cannot write the manifest in %s: %s", ctx.run_dir, e)
 
@@ -514,15 +530,6 @@ def _to_float(v: Any) -> float | None:
         return float(v)
     except (TypeError, ValueError, RuntimeError):
         return None
-
-
-def _write_json(path: str, obj: dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    if os.path.exists(tmp):
-        os.unlink(tmp)
-    with open_private(tmp) as f:
-        f.write(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def _hosts_in(run_dir: str) -> list[str]:

@@ -31,7 +31,7 @@ def read_jsonl(path):
 def test_two_rank_job_writes_one_record_per_step_per_rank(tmp_path):
     run = tmp_path / "run"
     torchrun(
-        ["--steps", "24", "--batch-size", "2", "--slow-data-ms", "8", "--eval-every", "10",
+        ["--steps", "40", "--batch-size", "2", "--slow-data-ms", "8", "--eval-every", "10",
          "--ckpt-every", "12", "--ckpt-dir", str(tmp_path)],
         {"STEPWATCH_DIR": str(run), "STEPWATCH_WINDOW": "6"},
         cwd=tmp_path,
@@ -42,7 +42,7 @@ def test_two_rank_job_writes_one_record_per_step_per_rank(tmp_path):
     assert manifest["features"]["root_modules"], manifest["features"]
     for rank in (0, 1):
         recs = read_jsonl(run / f"steps.rank{rank}.jsonl")
-        assert [r["step"] for r in recs] == list(range(24))
+        assert [r["step"] for r in recs] == list(range(40))
         assert {r["rank"] for r in recs} == {rank}
         for r in recs:
             parts = r["data_wait_s"] + r["forward_s"] + r["backward_s"] + r["optimizer_s"] + r["other_s"]
@@ -60,6 +60,12 @@ def test_two_rank_job_writes_one_record_per_step_per_rank(tmp_path):
         assert "num_workers" in f["action"] and f["rank"] == rank
     ckpt = read_jsonl(run / "steps.rank0.jsonl")[12]
     assert ckpt["checkpoint_s"] > 0
+    # Everything stepwatch left in the run dir is the job user's only.
+    for dirpath, dirnames, filenames in os.walk(run):
+        assert os.stat(dirpath).st_mode & 0o777 == 0o700, dirpath
+        for n in filenames:
+            assert os.stat(os.path.join(dirpath, n)).st_mode & 0o777 == 0o600, n
+    assert (run / "comm_timeline.rank1.json").exists()
 
 
 def test_losses_are_bit_identical_with_and_without_stepwatch(tmp_path):

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .._files import write_private
 from ..doctor.pyspy import find_pyspy
 
 __all__ = ["find_pyspy", "dump", "two_samples", "parse_threads", "main_frames", "call_site", "parallel"]
@@ -176,7 +177,3 @@ def parallel(pyspy: str, pids: dict[int, int], out_dir: str, *, native: bool = F
         return dict(ex.map(one, sorted(pids.items())))
 
 
-def write_private(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)

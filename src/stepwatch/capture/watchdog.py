@@ -31,6 +31,7 @@ import time
 from collections import deque
 from typing import Any
 
+from .._files import write_json_private
 from . import hang as hang_mod
 from . import progress, pyspy
 
@@ -79,9 +80,7 @@ def _alive(pid: int) -> bool:
 
 
 def _write_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    pyspy.write_private(tmp, json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    write_json_private(path, obj)
 
 
 def can_read_memory(pid: int) -> tuple[bool, str]:

@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from .._files import make_private_dir, write_private
 from .._log import logger
 
 
@@ -42,11 +43,8 @@ class TimelineWriter:
     def write(self, snap: dict[str, Any]) -> None:
         path = os.path.join(self.run_dir, f"comm_timeline.rank{snap['rank']}.json")
         try:
-            os.makedirs(self.run_dir, exist_ok=True)
-            tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(snap, f)
-            os.replace(tmp, path)
+            make_private_dir(self.run_dir)
+            write_private(path, json.dumps(snap))
         except OSError as e:
             self._failed = True
             logger.warning("cannot write the comm timeline in %s: %s", self.run_dir, e)

@@ -95,6 +95,14 @@ class ConsoleExporter(Exporter):
         self.window: deque[StepRecord] = deque(maxlen=config.window)
         self._last_print = clock()
         self.total_steps = 0
+        # Set by the session: records and metric points dropped anywhere (bounded queues, a
+        # collector that is down), shown on the line when not zero.
+        self.drops: Callable[[], int] | None = None
+
+    def _line(self) -> str:
+        line = format_line(list(self.window), self.ctx.device)
+        n = self.drops() if self.drops is not None else 0
+        return line + (f" | {n:,} dropped" if n else "")
 
     def _write(self, line: str) -> None:
         try:
@@ -111,8 +119,8 @@ class ConsoleExporter(Exporter):
         now = self.clock()
         if batch.records and now - self._last_print >= self.interval:
             self._last_print = now
-            self._write(format_line(list(self.window), self.ctx.device))
+            self._write(self._line())
 
     def shutdown(self) -> None:
         if self.window:
-            self._write(format_line(list(self.window), self.ctx.device) + f" | done: {self.total_steps} steps")
+            self._write(self._line() + f" | done: {self.total_steps} steps")

@@ -12,38 +12,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import IO, Any
+from typing import Any
 
+from .._files import make_private_dir, open_private
 from ..context import RunContext
 from .base import Batch, Exporter
 
 # Share of a rank's budget per file kind; each keeps one rotated segment beside the live one.
 _STEPS_SHARE = 0.35
 _FINDINGS_SHARE = 0.10
-
-
-def make_private_dir(path: str) -> None:
-    """Create ``path`` (and missing parents) with mode 0700."""
-    path = os.path.abspath(path)
-    missing = []
-    p = path
-    while not os.path.isdir(p):
-        missing.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass
-
-
-def open_private(path: str, *, exclusive: bool = True) -> IO[str]:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_EXCL if exclusive else 0)
-    fd = os.open(path, flags, 0o600)
-    return os.fdopen(fd, "a", encoding="utf-8", buffering=1 << 16)
 
 
 def free_name(run_dir: str, stem: str, ext: str) -> str:

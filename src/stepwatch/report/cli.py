@@ -49,6 +49,9 @@ def run_report(args: argparse.Namespace) -> int:
 
     if b is None:
         terminal.render(tables.all_tables(a))
+        tl = page.comm_timeline(args.run_dir)
+        if tl:
+            print(tl + "\n")
     else:
         ta, tb = tables.all_tables(a), tables.all_tables(b)
         for t, label in ((ta, "A"), (tb, "B")):

@@ -166,8 +166,21 @@ def _run_section(s: Summary, label: str = "") -> str:
     # The short key-value tables side by side; the wide ones below at full width.
     parts.append('<div class="row">' + "".join(f"<div>{t}</div>" for t in ts[:3]) + "</div>")
     parts.extend(ts[3:])
+    tl = comm_timeline(s.run.path)
+    if tl:
+        parts.append(f"<h3>{escape(prefix)}Communication in one step, per rank</h3><pre>{escape(tl)}</pre>")
     parts.append(_charts(s, prefix))
     return "<section>" + "\n".join(parts) + "</section>"
+
+
+def comm_timeline(run_dir: str) -> str:
+    """The per-rank one-step timeline the comm feature leaves in the run dir (text; '' if none)."""
+    from ..comm import timeline
+
+    try:
+        return timeline.render(timeline.load(run_dir))
+    except (OSError, KeyError, TypeError, ValueError):  # a run dir from another writer
+        return ""
 
 
 def _page(title: str, body: str) -> str:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._files import make_private_dir, write_json_private, write_private
 from ..capture.pyspy import dump as pyspy_dump
 from ..capture.pyspy import parse_threads
 from . import procs
@@ -225,7 +226,7 @@ def capture_stall(
     gap_s: float = 1.0,
 ) -> dict[str, Any]:
     """Dump every process under ``root`` twice into ``out_dir``; write and return the report."""
-    os.makedirs(out_dir, exist_ok=True)
+    make_private_dir(out_dir)
     t0 = time.time()
     members = procs.tree(root)
     stats = {p.pid: p for p in members}
@@ -236,16 +237,15 @@ def capture_stall(
     v = verdict(root, stats, first, second)
     for pid in pids:
         a, b = first.get(pid), second.get(pid)
-        path = os.path.join(out_dir, f"stacks.{pid}.txt")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(f"# pid {pid}: {procs.cmdline(pid) or stats[pid].comm}\n")
-            for n, d in ((1, a), (2, b)):
-                if d is None:
-                    f.write(f"\n## sample {n}: not taken (process gone)\n")
-                    continue
-                mode = "--nonblocking" if d.nonblocking else "paused"
-                f.write(f"\n## sample {n}: state {d.state} ({procs.STATES.get(d.state, '?')}), py-spy {mode}, {d.seconds:.2f} s\n")
-                f.write(d.text if d.ok else f"(no stacks: {d.text})\n")
+        parts = [f"# pid {pid}: {procs.cmdline(pid) or stats[pid].comm}\n"]
+        for n, d in ((1, a), (2, b)):
+            if d is None:
+                parts.append(f"\n## sample {n}: not taken (process gone)\n")
+                continue
+            mode = "--nonblocking" if d.nonblocking else "paused"
+            parts.append(f"\n## sample {n}: state {d.state} ({procs.STATES.get(d.state, '?')}), py-spy {mode}, {d.seconds:.2f} s\n")
+            parts.append(d.text if d.ok else f"(no stacks: {d.text})\n")
+        write_private(os.path.join(out_dir, f"stacks.{pid}.txt"), "".join(parts))
     report = {
         **info,
         "time": t0,
@@ -255,8 +255,7 @@ def capture_stall(
         "dumped": sum(1 for r in v["processes"] if r["dumped"]),
         **v,
     }
-    with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2, default=str)
+    write_json_private(os.path.join(out_dir, "report.json"), report)
     return report
 
 

@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .._files import make_private_dir, open_private
 from ..exporters.base import Batch, Exporter
 from ..record import Finding
 from . import names as N
@@ -133,7 +134,7 @@ class ServeWatcher:
         self._warned: set[str] = set()
         # Loopback servers: never through an HTTP proxy from the environment.
         self._opener = opener or urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        os.makedirs(config.run_dir, exist_ok=True)
+        make_private_dir(config.run_dir)
         self.findings_path = os.path.join(config.run_dir, "findings.serve.jsonl")
         self._findings_bytes = 0
         self._lock = threading.Lock()
@@ -375,7 +376,7 @@ class ServeWatcher:
                                 self.findings_path, FINDINGS_FILE_BYTES)
                 return
             try:
-                with open(self.findings_path, "a", encoding="utf-8") as fh:
+                with open_private(self.findings_path, exclusive=False) as fh:
                     fh.write(line)
                 self._findings_bytes += len(line)
             except OSError as e:
