@@ -42,7 +42,8 @@ def main() -> int:
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     cmd = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model_dir,
            "--host", "127.0.0.1", "--port", str(args.port), "--served-model-name", "model",
-           "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager"]
+           # float32: bfloat16's AMX kernels killed the CPU worker (SIGILL) under bursts on our test machine.
+           "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--enforce-eager"]
     server = VllmServer(cmd, env=env).start()  # adds --enable-server-load-tracking
     mem = InMemoryExporter()  # or stepwatch.exporters.otel.OTelExporter(ctx, prometheus_port=...)
     watcher = ServeWatcher(

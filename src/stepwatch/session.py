@@ -525,8 +525,10 @@ def _checkpoint_fields(nbytes: int | None, seconds: float) -> dict[str, Any]:
 
 def _to_float(v: Any) -> float | None:
     try:
-        if hasattr(v, "numel") and v.numel() != 1:
-            return None
+        if hasattr(v, "numel"):
+            if v.numel() != 1:
+                return None
+            v = v.detach()
         return float(v)
     except (TypeError, ValueError, RuntimeError):
         return None

@@ -126,7 +126,9 @@ def served(tmp_path_factory):
         "--interval", "1", "--queue-threshold", "5", "--windows", "30,60", "--prometheus-port", str(prom_port),
         "--grace", "30",
         "--", py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-        "--port", str(port), "--served-model-name", MODEL, "--dtype", "bfloat16", "--max-model-len", "512",
+        # float32: with bfloat16 the CPU worker died of SIGILL (its AMX kernels) under a 64-request
+        # burst on this machine, so every request then failed with HTTP 500.
+        "--port", str(port), "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "512",
         "--max-num-seqs", "8", "--enforce-eager",
     ]
     t0 = time.monotonic()
@@ -206,13 +208,14 @@ def test_serving_metrics_are_reexported(served):
 
 
 def test_burst_raises_queue_and_fires_the_queue_finding(served):
-    burst = Burst(served.url, MODEL, 40, max_tokens=64)
+    # Enough work that the queue outlives several 1 s scrapes (measured here: ~5 s of waiting > 5).
+    burst = Burst(served.url, MODEL, 64, max_tokens=256)
     f = served.wait_finding("queue_depth", 90)
     results = burst.wait(180)
     assert f is not None, f"no queue_depth finding; findings: {served.findings()}\n{served.log_tail()}"
     assert f["data"]["waiting"] > 5 and f["data"]["threshold"] == 5
     assert f["diagnosis"] and f["action"]
-    assert len(results) == 40 and all(r.status == 200 for r in results)
+    assert len(results) == 64 and all(r.status == 200 for r in results)
 
 
 def test_sigstop_worker_gives_stall_finding_and_dumps(served):
