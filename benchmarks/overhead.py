@@ -64,33 +64,47 @@ def make_loop(width: int, batch: int, steps: int):
     return run_block
 
 
+# What runs "on": the foundation alone (step/phase timing, NVTX, records, detectors), and every
+# default feature on top (FLOPs/tokens/grad-norm are real work on CPU: see flops_gradnorm.py).
+VARIANTS = {
+    "foundation": dict(training_metrics=False, comm=False, gpu_telemetry=False),
+    "all defaults": dict(),
+}
+
+
 def side_by_side(blocks: int, steps: int, run_dir: str) -> None:
     print("wall = median step time; cpu = the training thread's own CPU time per step (immune to other")
     print("processes on the machine, and what stepwatch adds to the training thread)")
-    print(f"{'step size':>10} {'wall off':>9} {'wall on':>9} {'added':>9} {'ratio':>6} | "
+    print(f"{'step size':>10} {'stepwatch':>13} {'wall off':>9} {'wall on':>9} {'added':>9} {'ratio':>6} | "
           f"{'cpu off':>9} {'cpu on':>9} {'added':>9} {'ratio':>6}")
     for label, (width, batch) in SIZES.items():
         run_block = make_loop(width, batch, steps)
         run_block()  # warm torch up
-        off, on = [], []
-        for i in range(blocks):
+        off: list[tuple[float, float]] = []
+        on: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
+        for i in range(blocks):  # interleaved: off, then each variant, every block
             off.append(run_block())
-            stepwatch.init(dir=os.path.join(run_dir, f"{label.strip('~ ')}-{i}"), console="off")
-            on.append(run_block())
-            stepwatch.shutdown()
-        w_off, w_on = statistics.median(x[0] for x in off), statistics.median(x[0] for x in on)
-        c_off, c_on = statistics.median(x[1] for x in off), statistics.median(x[1] for x in on)
-        print(
-            f"{label:>10} {w_off * 1e3:7.3f}ms {w_on * 1e3:7.3f}ms {(w_on - w_off) * 1e6:7.1f}us {w_on / w_off:6.3f} | "
-            f"{c_off * 1e3:7.3f}ms {c_on * 1e3:7.3f}ms {(c_on - c_off) * 1e6:7.1f}us {c_on / c_off:6.3f}"
-        )
+            for name, cfg in VARIANTS.items():
+                stepwatch.init(dir=os.path.join(run_dir, f"{label.strip('~ ')}-{name}-{i}"), console="off", **cfg)
+                on[name].append(run_block())
+                stepwatch.shutdown()
+        w_off, c_off = statistics.median(x[0] for x in off), statistics.median(x[1] for x in off)
+        for name in VARIANTS:
+            w_on = statistics.median(x[0] for x in on[name])
+            c_on = statistics.median(x[1] for x in on[name])
+            print(
+                f"{label:>10} {name:>13} {w_off * 1e3:7.3f}ms {w_on * 1e3:7.3f}ms {(w_on - w_off) * 1e6:7.1f}us "
+                f"{w_on / w_off:6.3f} | {c_off * 1e3:7.3f}ms {c_on * 1e3:7.3f}ms {(c_on - c_off) * 1e6:7.1f}us "
+                f"{c_on / c_off:6.3f}"
+            )
 
 
 def bookkeeping(n: int, run_dir: str) -> None:
     """The tracker's per-step work in isolation: the hook sequence of one step, n times, timed as
     the training thread's own CPU time (the background thread runs as in a job, but its work is
     not counted here); then the background pass over a batch of records, timed on its own."""
-    s = stepwatch.init(dir=os.path.join(run_dir, "bookkeeping"), console="off", queue_size=n + 16)
+    s = stepwatch.init(dir=os.path.join(run_dir, "bookkeeping"), console="off", queue_size=n + 16,
+                       **VARIANTS["foundation"])
     tr = s.tracker
     loss = torch.ones(())
 

@@ -302,6 +302,15 @@ class Config:
             _float_above(0.0, optional=True),
         ),
     )
+    training_metrics: bool = field(
+        default=True,
+        metadata=_opt(
+            "STEPWATCH_TRAINING_METRICS",
+            "FLOPs, MFU/HFU, tokens and grad-norm (docs/mfu.md). On CPU the grad norm is real compute "
+            "on the training thread (see benchmarks/flops_gradnorm.py); `0` leaves those fields null.",
+            _bool_value,
+        ),
+    )
     grad_norm_every: int = field(
         default=1,
         metadata=_opt(

@@ -166,7 +166,7 @@ class Session:
         wanted = [
             ("gpu_telemetry", cfg.gpu_telemetry, "stepwatch.telemetry.feature"),
             # FLOPs, MFU, tokens, grad-norm (docs/mfu.md).
-            ("training_metrics", True, "stepwatch.analysis.training_metrics"),
+            ("training_metrics", cfg.training_metrics, "stepwatch.analysis.training_metrics"),
             ("comm", cfg.comm, "stepwatch.comm"),
             # Hang watchdog, SIGUSR1 stack dumps, anomaly-triggered captures (docs/hang.md).
             ("capture", cfg.watchdog != "off" or cfg.capture != "off", "stepwatch.capture"),
