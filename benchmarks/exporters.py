@@ -30,13 +30,12 @@ from concurrent import futures
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import stepwatch  # noqa: E402
-
-SIZES = {"~0.5 ms": (8, 4), "~2 ms": (256, 64), "~20 ms": (768, 192)}
+from overhead import SIZES, make_loop  # noqa: E402  -- the same loop as the overhead benchmark
 BUDGET_US = 20.0  # the foundation's per-step budget on the training thread (README, "Overhead")
 
 
@@ -120,32 +119,6 @@ def export_cost(n: int) -> None:
           f"in passes of 25, {per_sample / 1e3:.1f} us per GPU sample")
 
 
-def make_loop(width: int, batch: int, steps: int):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
-    lossf = nn.MSELoss()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    rows = batch * 4
-    data = TensorDataset(torch.randn(rows, width), torch.randn(rows, width))
-    order = [i % rows for i in range(batch * steps)]
-
-    def run_block() -> list[float]:
-        times = []
-        t_prev = time.perf_counter()
-        for x, y in DataLoader(data, batch_size=batch, sampler=order):
-            loss = lossf(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            stepwatch.log(loss=loss)
-            t = time.perf_counter()
-            times.append(t - t_prev)
-            t_prev = t
-        return times[5:]
-
-    return run_block
-
-
 def init_all(run_dir: str, prom_port: int) -> None:
     stepwatch.init(dir=run_dir, console="off", prometheus_port=prom_port, flush_interval_s=0.25)
 
@@ -158,11 +131,11 @@ def side_by_side(blocks: int, steps: int, run_dir: str) -> None:
         run_block()
         off, on = [], []
         for i in range(blocks):
-            off.append(statistics.median(run_block()))
+            off.append(run_block()[0])  # median wall time per step
             port = free_port()
             init_all(os.path.join(run_dir, f"{label.strip('~ ')}-{i}"), port)
             scraper = Scraper(f"http://127.0.0.1:{port}/metrics")
-            on.append(statistics.median(run_block()))
+            on.append(run_block()[0])
             scraper.close()
             stepwatch.shutdown()
         m_off, m_on = statistics.median(off), statistics.median(on)
