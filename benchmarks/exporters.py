@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import stepwatch  # noqa: E402
-from overhead import SIZES, make_loop  # noqa: E402  -- the same loop as the overhead benchmark
+from overhead import SIZES, hook_sequence, make_loop  # noqa: E402  -- the same loop as the overhead benchmark
 BUDGET_US = 20.0  # the foundation's per-step budget on the training thread (README, "Overhead")
 
 
@@ -146,21 +146,7 @@ def bookkeeping(n: int, run_dir: str) -> None:
     port = free_port()
     s = stepwatch.init(dir=os.path.join(run_dir, "bookkeeping"), console="off", queue_size=n + 16, prometheus_port=port)
     scraper = Scraper(f"http://127.0.0.1:{port}/metrics")
-    tr = s.tracker
-    loss = torch.ones(())
-
-    def one_step() -> None:
-        t0 = tr.data_begin()
-        tr.data_end(t0)
-        tr.forward_begin(True)
-        tr.forward_end()
-        tr.forward_begin(True)
-        tr.forward_end()
-        tr.backward_begin()
-        tr.backward_end()
-        tr.optimizer_begin()
-        tr.optimizer_end()
-        stepwatch.log(loss=loss)
+    one_step = hook_sequence(s.tracker)
 
     def noop() -> None:
         pass

@@ -99,13 +99,9 @@ def side_by_side(blocks: int, steps: int, run_dir: str) -> None:
             )
 
 
-def bookkeeping(n: int, run_dir: str) -> None:
-    """The tracker's per-step work in isolation: the hook sequence of one step, n times, timed as
-    the training thread's own CPU time (the background thread runs as in a job, but its work is
-    not counted here); then the background pass over a batch of records, timed on its own."""
-    s = stepwatch.init(dir=os.path.join(run_dir, "bookkeeping"), console="off", queue_size=n + 16,
-                       **VARIANTS["foundation"])
-    tr = s.tracker
+def hook_sequence(tr):
+    """What the hooks call on the training thread in one step of the loop above: a fetch, two root
+    forwards (model, loss module), a backward, an optimizer step and a log()."""
     loss = torch.ones(())
 
     def one_step() -> None:
@@ -120,6 +116,17 @@ def bookkeeping(n: int, run_dir: str) -> None:
         tr.optimizer_begin()
         tr.optimizer_end()
         stepwatch.log(loss=loss)
+
+    return one_step
+
+
+def bookkeeping(n: int, run_dir: str) -> None:
+    """The tracker's per-step work in isolation: the hook sequence of one step, n times, timed as
+    the training thread's own CPU time (the background thread runs as in a job, but its work is
+    not counted here); then the background pass over a batch of records, timed on its own."""
+    s = stepwatch.init(dir=os.path.join(run_dir, "bookkeeping"), console="off", queue_size=n + 16,
+                       **VARIANTS["foundation"])
+    one_step = hook_sequence(s.tracker)
 
     def timed(fn, reps: int) -> float:
         best = float("inf")
