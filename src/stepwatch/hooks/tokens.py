@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..analysis.flops import FlopCache, is_counting, resolve_override
+from ..analysis.peaks import matmul_dtype_key
 from .phases import Collector
 
 
@@ -158,8 +160,6 @@ class ThroughputCollector(Collector):
         pad_token_id: int | None = None,
         max_misses: int = 32,
     ) -> None:
-        from ..analysis.flops import FlopCache
-
         if flops is not None and not callable(flops):
             if isinstance(flops, bool) or not isinstance(flops, (int, float)) or flops < 0:
                 raise ValueError(f"flops must be a number >= 0 or a callable(batch), got {flops!r}")
@@ -181,8 +181,6 @@ class ThroughputCollector(Collector):
     def _dtype_key(self, module: Any) -> str:
         import torch
 
-        from ..analysis.peaks import matmul_dtype_key
-
         for dev in ("cuda", "cpu"):
             if torch.is_autocast_enabled(dev):
                 return matmul_dtype_key(None, torch.get_autocast_dtype(dev))
@@ -200,8 +198,6 @@ class ThroughputCollector(Collector):
 
     def on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
         import torch
-
-        from ..analysis.flops import is_counting, resolve_override
 
         if is_counting() or not torch.is_grad_enabled():
             return
