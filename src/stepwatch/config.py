@@ -225,6 +225,16 @@ class Config:
             _bool_value,
         ),
     )
+    lightning_callback: bool = field(
+        default=True,
+        metadata=_opt(
+            "STEPWATCH_LIGHTNING_CALLBACK",
+            "Add stepwatch's Lightning callback to every `lightning.pytorch.Trainer` built while a "
+            "session runs (Lightning's `callbacks_factory` entry point), so forward time, FLOPs, "
+            "tokens, loss and lr need no code change. `0`: only the callbacks you pass yourself.",
+            _bool_value,
+        ),
+    )
     queue_size: int = field(
         default=4096,
         metadata=_opt(

@@ -2,7 +2,9 @@
 
     torchrun --nproc-per-node 2 lightning_ddp_job.py OUT [--no-stepwatch | --no-callback]
 
-With stepwatch (default): the one-line import plus the Lightning callback. Each rank writes what Lightning
+With stepwatch (default): the one-line import plus the Lightning callback passed by hand;
+``--no-callback``: the import alone (the entry point adds the callback unless
+STEPWATCH_LIGHTNING_CALLBACK=0). Each rank writes what Lightning
 saw (losses, tokens, grad norms) to OUT.rank<R>.json for the test to compare with the records.
 """
 

@@ -28,17 +28,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SLEEP = 0.03  # seconds slept in each forward (a Sleep module inside the model)
 
 
-def test_lightning_records_match_what_lightning_did(tmp_path):
+def _stepwatch_callbacks(trainer):
     from stepwatch.integrations.lightning import StepwatchCallback
 
-    ref_flops = plain_loop_flops(tmp_path, make_model(), batch_of(range(BS)))
-    mem = start(tmp_path, "on")
-    lit, trainer = fit([StepwatchCallback()], sleep_s=SLEEP)
-    stepwatch.shutdown()
-    recs = mem.records
-    no_internal_errors(mem)
+    return [c for c in trainer.callbacks if isinstance(c, StepwatchCallback)]
+
+
+def check_records_match(recs, lit, ref_flops):
+    """What the callback adds (forward time, FLOPs, tokens, loss, lr) and what the core hooks give."""
     # One record per optimizer step (not per micro-batch), numbered like trainer.global_step.
-    assert trainer.global_step == STEPS
     assert [r.step for r in recs] == list(range(STEPS))
     for i, r in enumerate(recs):
         assert identity_holds(r), r
@@ -58,35 +56,76 @@ def test_lightning_records_match_what_lightning_did(tmp_path):
         assert r.scalars["lr"] == LR
     assert statistics.median(r.optimizer_s for r in recs) < SLEEP / 2
 
+
+def test_lightning_records_match_what_lightning_did(tmp_path):
+    """The callback passed by hand; the automatic one (entry point) stands down for it."""
+    from stepwatch.integrations.lightning import StepwatchCallback
+
+    ref_flops = plain_loop_flops(tmp_path, make_model(), batch_of(range(BS)))
+    mem = start(tmp_path, "on")
+    mine = StepwatchCallback()
+    lit, trainer = fit([mine], sleep_s=SLEEP)
+    stepwatch.shutdown()
+    no_internal_errors(mem)
+    assert trainer.global_step == STEPS
+    check_records_match(mem.records, lit, ref_flops)
+    auto = [c for c in _stepwatch_callbacks(trainer) if c is not mine]
+    assert len(auto) == 1 and auto[0].automatic and not auto[0].active and mine.active
     # Same losses, bit for bit, with stepwatch off.
     lit_off, _ = fit([], sleep_s=SLEEP)
     assert lit_off.losses == lit.losses
 
 
-def test_lightning_one_line_import_without_callback(tmp_path):
-    """Without the callback: step boundaries, the optimizer phase and the grad norm are still
-    right (they come from the core hooks); forward/FLOPs/tokens need the callback (see docs)."""
+def test_lightning_one_line_import_adds_the_callback(tmp_path):
+    """With a session running, every Trainer gets the callback through Lightning's
+    callbacks_factory entry point: the same records as with the callback passed by hand."""
+    ref_flops = plain_loop_flops(tmp_path, make_model(), batch_of(range(BS)))
     mem = start(tmp_path, "on")
     lit, trainer = fit([], sleep_s=SLEEP)
     stepwatch.shutdown()
     no_internal_errors(mem)
+    (cb,) = _stepwatch_callbacks(trainer)
+    assert cb.automatic and cb.active
+    check_records_match(mem.records, lit, ref_flops)
+
+
+def test_lightning_without_any_session_gets_no_callback():
+    assert stepwatch.get_session() is None
+    _, trainer = fit([], steps=1)
+    assert _stepwatch_callbacks(trainer) == []
+
+
+def test_lightning_without_the_callback(tmp_path):
+    """STEPWATCH_LIGHTNING_CALLBACK=0 and no callback: step boundaries, the optimizer phase and
+    the grad norm are still right (they come from the core hooks); forward time, FLOPs and
+    tokens are unknown, never wrong (see docs/frameworks.md)."""
+    mem = start(tmp_path, "on", lightning_callback=False)
+    lit, trainer = fit([], sleep_s=SLEEP)
+    stepwatch.shutdown()
+    no_internal_errors(mem)
+    assert _stepwatch_callbacks(trainer) == []
     recs = mem.records
     assert [r.step for r in recs] == list(range(STEPS))
     for i, r in enumerate(recs):
         assert identity_holds(r), r
         assert r.optimizer_s < SLEEP or i == 0, r
         assert r.grad_norm == pytest.approx(lit.norms[i], rel=1e-5)
+        assert r.flops is None and r.tokens is None
+        assert "loss" not in r.scalars
 
 
 @pytest.mark.integration
-def test_lightning_ddp_two_ranks_gloo(tmp_path):
+@pytest.mark.parametrize("callback", ["by hand", "automatic"])
+def test_lightning_ddp_two_ranks_gloo(tmp_path, callback):
+    """The callback passed by hand, or added by the entry point to a script that has only the
+    one-line import: under DDP the wrappers are declared not-the-model either way."""
     ref_flops = plain_loop_flops(tmp_path, make_model(), batch_of(range(BS)))
     job = os.path.join(HERE, "lightning_ddp_job.py")
     run = tmp_path / "run"
     env = {"STEPWATCH_DIR": str(run), "STEPWATCH_WATCHDOG": "off", "STEPWATCH_CAPTURE": "off"}
     # One launch, stepwatch on (bit-identical losses with DDP are proven by the single-process test
     # above and by tests/integration/test_ddp_job.py; a second launch costs ~15 s on 2 cores).
-    torchrun(job, [str(tmp_path / "on")], env, cwd=tmp_path)
+    torchrun(job, [str(tmp_path / "on")] + (["--no-callback"] if callback == "automatic" else []), env, cwd=tmp_path)
     for rank in (0, 1):
         on = json.loads((tmp_path / f"on.rank{rank}.json").read_text())
         recs = read_jsonl(run / f"steps.rank{rank}.jsonl")
@@ -108,13 +147,15 @@ def test_lightning_ddp_two_ranks_gloo(tmp_path):
 
 @pytest.mark.integration
 def test_lightning_ddp_one_line_import_without_callback_trains_safely(tmp_path):
-    """The one-line import alone under Lightning DDP (no callback): Lightning calls its DDP wrapper
-    with training_step as forward, which stepwatch refuses to replay for FLOPs (a replay on fake
-    tensors could leak fakes into Lightning's logging state; a crash of that kind was seen once
-    during development). The job trains to the end; steps and grad norms still come out."""
+    """The one-line import under Lightning DDP with the automatic callback turned off
+    (STEPWATCH_LIGHTNING_CALLBACK=0): Lightning calls its DDP wrapper with training_step as
+    forward, which stepwatch refuses to replay for FLOPs (a replay on fake tensors could leak fakes
+    into Lightning's logging state; a crash of that kind was seen once during development). The
+    job trains to the end; steps and grad norms still come out."""
     job = os.path.join(HERE, "lightning_ddp_job.py")
     run = tmp_path / "run"
-    env = {"STEPWATCH_DIR": str(run), "STEPWATCH_WATCHDOG": "off", "STEPWATCH_CAPTURE": "off"}
+    env = {"STEPWATCH_DIR": str(run), "STEPWATCH_WATCHDOG": "off", "STEPWATCH_CAPTURE": "off",
+           "STEPWATCH_LIGHTNING_CALLBACK": "0"}
     torchrun(job, [str(tmp_path / "nocb"), "--no-callback"], env, cwd=tmp_path)
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"nocb.rank{rank}.json").read_text())

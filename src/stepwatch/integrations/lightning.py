@@ -15,6 +15,11 @@ What the hooks see in Lightning without help, and what this callback adds (docs/
 - Step numbers follow ``trainer.global_step`` (a resumed run keeps counting); the step's loss (mean
   of its micro-batches, as ``training_step`` returned it) and learning rate go to the record's
   ``scalars`` as ``loss`` and ``lr``.
+
+With ``import stepwatch.auto`` nobody needs to add the callback: Lightning asks the
+``lightning.pytorch.callbacks_factory`` entry points for callbacks when it builds a ``Trainer``,
+and ``callbacks_factory`` returns one while a session runs (``STEPWATCH_LIGHTNING_CALLBACK=0``
+turns that off). A callback passed by hand wins: the automatic one then does nothing.
 """
 
 from __future__ import annotations
@@ -71,6 +76,9 @@ class StepwatchCallback(Callback):
         self._loss_sum: Any = None
         self._loss_n = 0
         self._logged_step = -1
+        # Set on the callback the entry point adds; it stands down for one passed by hand.
+        self.automatic = False
+        self.active = True
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled into spawned workers: no tensors.
@@ -79,6 +87,12 @@ class StepwatchCallback(Callback):
         return d
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.automatic:
+            self.active = not any(
+                isinstance(c, StepwatchCallback) and not c.automatic for c in trainer.callbacks
+            )
+        if not self.active:
+            return
         s = ensure_session(self._config)
         if s is None or s.instrumentation is None:
             return
@@ -96,11 +110,15 @@ class StepwatchCallback(Callback):
             internal_error(s, "lightning.on_fit_start", e)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self.active:
+            return
         self._logged_step = trainer.global_step
         if stepwatch.get_session() is not None:
             stepwatch.set_step(int(trainer.global_step))
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if not self.active:
+            return
         try:
             lr = optimizer.param_groups[0]["lr"]
             stepwatch.log(lr=lr)
@@ -108,6 +126,8 @@ class StepwatchCallback(Callback):
             internal_error(stepwatch.get_session(), "lightning.lr", e)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.active:
+            return
         try:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if hasattr(loss, "detach"):
@@ -124,3 +144,19 @@ class StepwatchCallback(Callback):
                 self._loss_sum, self._loss_n = None, 0
         except Exception as e:
             internal_error(stepwatch.get_session(), "lightning.loss", e)
+
+
+def callbacks_factory() -> list[Any]:
+    """Lightning's ``lightning.pytorch.callbacks_factory`` entry point (pyproject.toml): called for
+    every ``Trainer`` built in any process where stepwatch is installed, so it must be cheap and
+    must never raise. One callback while a session runs and the config allows it, else none."""
+    try:
+        s = stepwatch.get_session()
+        if s is None or not s.config.lightning_callback:
+            return []
+        cb = StepwatchCallback(init=False)
+        cb.automatic = True
+        return [cb]
+    except Exception as e:  # never break the user's Trainer
+        internal_error(stepwatch.get_session(), "lightning.callbacks_factory", e)
+        return []
