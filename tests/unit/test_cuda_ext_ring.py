@@ -275,7 +275,7 @@ def test_get_timer_host_uses_the_native_ring_when_built():
 def test_without_the_extension_the_python_ring_serves_the_same_api(monkeypatch):
     monkeypatch.setattr(cuda_ext, "_native", None)
     monkeypatch.setattr(cuda_ext, "_NATIVE_ERROR", "not built (test)")
-    monkeypatch.setattr(cuda_ext, "_names", {})
+    monkeypatch.setattr(cuda_ext, "_backends", {})
     t = cuda_ext.get_timer(capacity=8)
     assert isinstance(t, PyHostRing) and t.name == "python"
     assert cuda_ext.backend_name() == "python"

@@ -58,7 +58,14 @@ def test_doctor_cli_here_exits_0_names_the_driver_and_attaches_pyspy():
         assert spy["details"]["attach"] is True and spy["status"] == "ok", spy
     elif not spy["details"]["attach"]:
         assert spy["status"] == "warn" and "CAP_SYS_PTRACE" in spy["action"]
-    assert by["timing backend"]["details"]["host"]
+    timing = by["timing backend"]
+    assert timing["details"]["host"]
+    if timing["details"]["device"] == "unavailable":
+        # says why, in the words of what failed (no GPU here: torch and the runtime say so)
+        why = timing["details"]["device_unavailable_because"]
+        assert why and "GPU" in why and why in timing["summary"]
+    else:
+        assert timing["details"]["device_unavailable_because"] is None
     assert report["exit_code"] == 0
 
 

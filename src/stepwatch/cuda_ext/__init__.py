@@ -36,6 +36,7 @@ __all__ = [
     "RuntimeUnavailable",
     "Timer",
     "backend_name",
+    "backend_status",
     "get_timer",
     "native_status",
 ]
@@ -183,20 +184,26 @@ def get_timer(
     return TorchEventRing(capacity, dev)
 
 
-_names: dict[Any, str] = {}
+_backends: dict[Any, tuple[str, str | None]] = {}
+
+
+def backend_status(device: Any = None) -> tuple[str, str | None]:
+    """``(backend_name(device), why)``: ``why`` is the error that made it "unavailable" (what was
+    tried and what failed), else None. For ``stepwatch doctor``."""
+    key = _device_index(device)
+    if key not in _backends:
+        try:
+            with get_timer(device, capacity=2) as t:
+                _backends[key] = (t.name, None)
+        except (RuntimeError, ImportError) as exc:
+            _backends[key] = ("unavailable", str(exc))
+    return _backends[key]
 
 
 def backend_name(device: Any = None) -> str:
     """What ``get_timer(device)`` would use: "native cuda", "native hip", "native host", "python",
-    or "unavailable" for a device timer on a machine without a GPU. For ``stepwatch doctor``."""
-    key = _device_index(device)
-    if key not in _names:
-        try:
-            with get_timer(device, capacity=2) as t:
-                _names[key] = t.name
-        except (RuntimeError, ImportError):
-            _names[key] = "unavailable"
-    return _names[key]
+    or "unavailable" for a device timer on a machine without a GPU."""
+    return backend_status(device)[0]
 
 
 def native_status() -> dict[str, Any]:

@@ -158,14 +158,15 @@ def check_timing() -> Check:
                      {"host": "python", "device": "python"})
     try:
         host = cuda_ext.backend_name(None)
-        device = cuda_ext.backend_name("cuda")
+        device, why = cuda_ext.backend_status("cuda")
     except (AttributeError, RuntimeError, ImportError, OSError) as e:
         return Check("timing backend", "info", f"python (cuda_ext could not say: {e})", None,
                      {"host": "python", "device": "python"})
     native = host.startswith("native")
-    return Check("timing backend", "ok" if native else "info", f"host: {host}; device: {device}",
+    return Check("timing backend", "ok" if native else "info",
+                 f"host: {host}; device: {device}" + (f" ({why})" if why else ""),
                  None if native else "Build the native extension for lower overhead (see docs/timing.md).",
-                 {"host": host, "device": device})
+                 {"host": host, "device": device, "device_unavailable_because": why})
 
 
 def check_pyspy(attach: bool = True) -> Check:
