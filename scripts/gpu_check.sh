@@ -6,7 +6,7 @@
 # Needs on that machine: torch with CUDA, numpy, nvidia-ml-py and rich (no venv of ours: without
 # .venv it uses python3), and a C compiler with Python headers, because gpu_check_timing.py builds
 # the native extension for that Python. opentelemetry, nvtx and py-spy are optional here.
-# Takes about a minute on an H200; exit 0 = every check passed. For a timed device lease:
+# Expected to take 1-2 minutes (not yet timed on a GPU); exit 0 = every check passed. In a timed lease:
 #   PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh 2>&1 | tee "$OUT/gpu_check.log"
 set -uo pipefail
 cd "$(dirname "$0")/.."
