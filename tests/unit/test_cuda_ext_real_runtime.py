@@ -113,6 +113,7 @@ def test_a_runtime_already_in_the_process_is_reused_not_loaded_again(native, tmp
 
 
 ABI_CHECK = r"""
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include "runtime.h"
 
@@ -128,6 +129,8 @@ _Static_assert(sizeof(cudaEvent_t) == sizeof(sw_event_t), "cudaEvent_t is an opa
 _Static_assert(sizeof(cudaStream_t) == sizeof(sw_stream_t), "cudaStream_t is an opaque pointer");
 _Static_assert(sizeof(enum cudaStreamCaptureStatus) == sizeof(int), "capture status is read as int");
 _Static_assert(sizeof(enum cudaStreamCaptureMode) == sizeof(int), "capture mode is passed as int");
+_Static_assert(sizeof(CUresult) == sizeof(int) && CUDA_SUCCESS == 0, "driver results are read as int, 0 = success");
+_Static_assert(sizeof(CUdevice) == sizeof(int), "CUdevice is passed as int");
 
 /* One forwarder per table entry: each compiles (under -Werror) only if the real function takes
  * as many arguments as our pointer type, of the same kinds (pointer / integer), and returns the
@@ -142,12 +145,15 @@ static sw_err_t set_device(int d) { return cudaSetDevice(d); }
 static sw_err_t get_device(int *d) { return cudaGetDevice(d); }
 static const char *error_string(sw_err_t c) { return cudaGetErrorString((cudaError_t)c); }
 static sw_err_t exchange(int *m) { return cudaThreadExchangeStreamCaptureMode((enum cudaStreamCaptureMode *)m); }
+/* the two driver entry points (libcuda.so.1) used to restore a device without creating a context */
+static int device_get(int *d, int ordinal) { return cuDeviceGet((CUdevice *)d, ordinal); }
+static int ctx_state(int d, unsigned int *flags, int *active) { return cuDevicePrimaryCtxGetState((CUdevice)d, flags, active); }
 
 sw_runtime table = {
     .kind = SW_KIND_CUDA, .event_create_with_flags = create, .event_record = record, .event_query = query,
     .event_elapsed_time = elapsed, .event_destroy = destroy, .stream_is_capturing = capturing,
     .set_device = set_device, .get_device = get_device, .get_error_string = error_string,
-    .thread_exchange_capture_mode = exchange,
+    .thread_exchange_capture_mode = exchange, .device_get = device_get, .primary_ctx_get_state = ctx_state,
 };
 """
 

@@ -153,24 +153,48 @@ def test_runtime_errors_are_counted_not_raised(ring, fake):
     assert ring.errors == 2 and ring.pending == 0
 
 
-def test_poller_thread_switches_to_the_ring_device_and_back(native, fake):
-    fake.set_device(1)  # the training thread works on device 1
-    r = native.Ring(4, "cuda", fake.path)
-    assert r.device == 1
-    r.end(r.begin(STREAM, "on-1"), STREAM)
+def _poll_from_fresh_thread(r, fake):
+    """Poll from a new thread, which starts on device 0 like a real one; what it saw."""
     got, seen_device = [], []
 
-    def poll_from_fresh_thread():  # a new thread starts on device 0, like a real one
+    def run():
         got.extend(r.poll())
         seen_device.append(fake.get_device())
 
-    w0 = fake.counter("wrong_device")
-    t = threading.Thread(target=poll_from_fresh_thread)
+    t = threading.Thread(target=run)
     t.start()
     t.join(5)
+    return got, seen_device[0]
+
+
+def test_poller_thread_switches_to_the_ring_device_and_creates_no_context_on_device_0(native, fake):
+    """Rank 1 of a node: it never used GPU 0. A fresh poller thread reports device 0 without
+    having a context there; switching to the ring's device and "restoring" 0 afterwards would
+    initialize a context on GPU 0 (CUDA >= 12 cudaSetDevice does), for every rank."""
+    fake.reset_contexts()
+    fake.set_device(1)  # the training thread works on device 1 only
+    r = native.Ring(4, "cuda", fake.path)
+    assert r.device == 1
+    r.end(r.begin(STREAM, "on-1"), STREAM)
+    w0 = fake.counter("wrong_device")
+    got, device_after = _poll_from_fresh_thread(r, fake)
     assert [x[0] for x in got] == ["on-1"]
     assert fake.counter("wrong_device") == w0
-    assert seen_device == [0]  # restored afterwards
+    assert fake.contexts_created(0) == 0, "the poller put a context on device 0"
+    assert device_after == 1  # left on the ring's device: 0 had no context to go back to
+    r.close()
+    assert fake.contexts_created(0) == 0
+
+
+def test_poller_thread_goes_back_to_a_device_that_has_a_context(native, fake):
+    fake.reset_contexts()
+    fake.set_device(0)  # device 0 in use by this process: going back to it creates nothing
+    fake.set_device(1)
+    r = native.Ring(4, "cuda", fake.path)
+    r.end(r.begin(STREAM, "on-1"), STREAM)
+    got, device_after = _poll_from_fresh_thread(r, fake)
+    assert [x[0] for x in got] == ["on-1"] and device_after == 0
+    assert fake.contexts_created(0) == 1  # the one this test made, none more
     r.close()
 
 

@@ -80,6 +80,8 @@ class FakeRuntime:
         self.lib.fake_set_capture.argtypes = [ctypes.c_void_p, ctypes.c_int]
         self.lib.fake_counter.argtypes = [ctypes.c_char_p]
         self.lib.fake_counter.restype = ctypes.c_int64
+        self.lib.fake_contexts_created.argtypes = [ctypes.c_int]
+        self.lib.fake_contexts_created.restype = ctypes.c_int64
 
     def reset(self) -> None:
         self.lib.fake_set_lag_ns(0)
@@ -99,6 +101,14 @@ class FakeRuntime:
 
     def set_no_device(self, on: bool) -> None:
         self.lib.fake_set_no_device(1 if on else 0)
+
+    def reset_contexts(self) -> None:
+        """No device has a context yet (a process before its first CUDA use)."""
+        self.lib.fake_reset_contexts()
+
+    def contexts_created(self, device: int) -> int:
+        """How many times a primary context was initialized on ``device`` since the last reset."""
+        return int(self.lib.fake_contexts_created(device))
 
     def set_device(self, d: int) -> int:
         return self._set_device(d)

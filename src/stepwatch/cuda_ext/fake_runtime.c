@@ -15,8 +15,10 @@
 
 #ifdef FAKE_HIP
 #define API(name) hip##name
+#define DRV(name) hip##name
 #else
 #define API(name) cuda##name
+#define DRV(name) cu##name /* driver API: libcuda.so.1 in real life, exported here too */
 #endif
 
 /* The codes the ring distinguishes, as in driver_types.h / hip_runtime_api.h. */
@@ -48,6 +50,21 @@ static void *g_capture_stream = NULL;
 static int g_capture_on = 0;
 static int g_fail_records = 0;
 static __thread int t_device = 0;
+/* Primary contexts, per device and process-wide. As in CUDA >= 12, SetDevice initializes the
+ * device's context, and so does a call that needs a context on a thread that has none current
+ * (made current on the thread's device: 0 on a fresh thread). */
+#define MAX_DEVICES 4
+static int g_ctx_active[MAX_DEVICES];
+static int64_t c_ctx_created[MAX_DEVICES];
+static __thread int t_has_ctx = 0;
+static void need_ctx(void) {
+    if (t_has_ctx) return;
+    t_has_ctx = 1;
+    if (!g_ctx_active[t_device]) {
+        g_ctx_active[t_device] = 1;
+        c_ctx_created[t_device]++;
+    }
+}
 static __thread int t_capture_mode = MODE_GLOBAL;
 
 /* counters, read by fake_counter() */
@@ -75,6 +92,7 @@ static fake_event *ev(void *p) {
 int API(EventCreateWithFlags)(void **out, unsigned flags) {
     (void)flags;
     if (g_no_device) return ERR_INSUFFICIENT_DRIVER;
+    need_ctx();
     fake_event *e = calloc(1, sizeof *e);
     if (!e) return 2;
     e->magic = MAGIC;
@@ -104,6 +122,7 @@ int API(EventRecord)(void *p, void *stream) {
 int API(EventQuery)(void *p) {
     fake_event *e = ev(p);
     c_queries++;
+    need_ctx();
     if (!e) return ERR_INVALID_HANDLE;
     /* as the real runtime in cudaStreamCaptureModeGlobal: while any thread captures, a query
      * from a thread not in Relaxed mode is an "unsafe" call that invalidates the capture */
@@ -145,6 +164,7 @@ int API(StreamIsCapturing)(void *stream, int *status) {
 
 int API(ThreadExchangeStreamCaptureMode)(int *mode) {
     if (*mode < MODE_GLOBAL || *mode > MODE_RELAXED) return ERR_INVALID_VALUE;
+    need_ctx(); /* seen with the real runtime on a fresh thread (meta-pytorch/torchcomms#777) */
     int old = t_capture_mode;
     t_capture_mode = *mode;
     *mode = old;
@@ -155,6 +175,21 @@ int API(SetDevice)(int d) {
     if (d < 0 || d >= g_device_count) return ERR_INVALID_DEVICE;
     t_device = d;
     c_set_device++;
+    t_has_ctx = 0;
+    need_ctx();
+    return OK;
+}
+
+int DRV(DeviceGet)(int *dev, int ordinal) {
+    if (ordinal < 0 || ordinal >= g_device_count) return ERR_INVALID_DEVICE;
+    *dev = ordinal;
+    return OK;
+}
+
+int DRV(DevicePrimaryCtxGetState)(int dev, unsigned *flags, int *active) {
+    if (dev < 0 || dev >= g_device_count) return ERR_INVALID_DEVICE;
+    *flags = 0;
+    *active = g_ctx_active[dev];
     return OK;
 }
 
@@ -178,6 +213,12 @@ void fake_set_capture(void *stream, int on) {
 }
 void fake_fail_records(int n) { g_fail_records = n; }
 void fake_set_no_device(int on) { g_no_device = on; }
+/* Forget every context (the calling thread's included): a process that has not used a GPU. */
+void fake_reset_contexts(void) {
+    for (int i = 0; i < MAX_DEVICES; i++) g_ctx_active[i] = 0, c_ctx_created[i] = 0;
+    t_has_ctx = 0;
+}
+int64_t fake_contexts_created(int d) { return d >= 0 && d < MAX_DEVICES ? c_ctx_created[d] : -1; }
 
 int64_t fake_counter(const char *name) {
     struct {

@@ -23,8 +23,24 @@ static int enter_device(const sw_runtime *rt, int device) {
     return prev;
 }
 
+/* 1: the device's primary context is active, 0: it is not, -1: cannot tell. */
+static int has_context(const sw_runtime *rt, int device) {
+    if (!rt->primary_ctx_get_state) return -1;
+    int dev = device;
+    unsigned int flags = 0;
+    int active = 0;
+    if (rt->device_get(&dev, device) != 0) return -1;
+    if (rt->primary_ctx_get_state(dev, &flags, &active) != 0) return -1;
+    return active != 0;
+}
+
+/* Give the thread its device back, but only one that has a context. Since CUDA 12,
+ * cudaSetDevice initializes the device's primary context; a fresh thread (our poller) reports
+ * device 0 without ever having used it, so restoring it would put a context (hundreds of MiB)
+ * on GPU 0 for every rank of the node. torch restores devices the same way (c10::cuda::
+ * MaybeSetDevice). When we cannot tell, the thread stays on the ring's device. */
 static void leave_device(const sw_runtime *rt, int prev) {
-    if (prev >= 0) rt->set_device(prev);
+    if (prev >= 0 && has_context(rt, prev) == 1) rt->set_device(prev);
 }
 
 int sw_ring_init(sw_ring *r, uint64_t cap, const sw_runtime *rt, int device, char *err, size_t errlen) {
@@ -181,13 +197,15 @@ long sw_ring_poll(sw_ring *r, sw_emit_fn emit, sw_release_fn release, void *ctx)
     int nblocked = 0;
     int mode = SW_CAPTURE_MODE_RELAXED;
     if (r->rt) {
+        /* The ring's device first: any runtime call that needs a context, made before it, would
+         * initialize one on the thread's default device 0. */
+        prev = enter_device(r->rt, r->device);
         /* Relaxed for the duration of the poll, pushed and popped as cuda_runtime_api.h
          * advises for cudaThreadExchangeStreamCaptureMode: in the default Global mode, a
          * capture running on any thread prohibits "potentially unsafe" calls such as our
          * EventQuery here, and the violation invalidates the user's capture. */
         if (r->rt->thread_exchange_capture_mode && r->rt->thread_exchange_capture_mode(&mode) != SW_SUCCESS)
             mode = -1;
-        prev = enter_device(r->rt, r->device);
     }
     for (uint64_t q = r->tail; q != r->head; q++) {
         sw_slot *s = &r->slots[q & r->mask];
@@ -229,8 +247,8 @@ long sw_ring_poll(sw_ring *r, sw_emit_fn emit, sw_release_fn release, void *ctx)
     }
     advance_tail(r);
     if (r->rt) {
-        leave_device(r->rt, prev);
         if (r->rt->thread_exchange_capture_mode && mode >= 0) r->rt->thread_exchange_capture_mode(&mode);
+        leave_device(r->rt, prev);
     }
     return emitted;
 }

@@ -35,6 +35,24 @@ static void trim(char *err) {
     while (n && (err[n - 1] == ' ' || err[n - 1] == ';')) err[--n] = '\0';
 }
 
+/* The driver-level primary-context query (optional). HIP exports it from the runtime library;
+ * CUDA's is in the driver library, which a working runtime has already loaded (RTLD_NOLOAD: never
+ * load a driver ourselves). Both functions or neither. */
+static void bind_primary_ctx(void *lib, int kind, sw_runtime *rt) {
+    const char *get = kind == SW_KIND_HIP ? "hipDeviceGet" : "cuDeviceGet";
+    const char *state = kind == SW_KIND_HIP ? "hipDevicePrimaryCtxGetState" : "cuDevicePrimaryCtxGetState";
+    void *from[2] = {lib, NULL};
+    if (kind == SW_KIND_CUDA) from[1] = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    for (int i = 0; i < 2 && from[i]; i++) {
+        void *g = dlsym(from[i], get), *st = dlsym(from[i], state);
+        if (g && st) {
+            *(void **)(&rt->device_get) = g;
+            *(void **)(&rt->primary_ctx_get_state) = st;
+            return;
+        }
+    }
+}
+
 /* Fill a runtime table from an open library; 0 on success, else names the missing symbol. */
 static int bind(void *lib, int kind, sw_runtime *rt, const char **missing) {
     const char *p = kind == SW_KIND_HIP ? "hip" : "cuda";
@@ -62,6 +80,7 @@ static int bind(void *lib, int kind, sw_runtime *rt, const char **missing) {
 #undef BIND
     *(void **)(&rt->get_error_string) = sym(lib, p, "GetErrorString");
     *(void **)(&rt->thread_exchange_capture_mode) = sym(lib, p, "ThreadExchangeStreamCaptureMode");
+    bind_primary_ctx(lib, kind, rt);
     return 0;
 }
 

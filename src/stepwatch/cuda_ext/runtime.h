@@ -50,6 +50,12 @@ typedef struct sw_runtime {
     /* optional: lets the poller query events while another thread captures a graph in
      * cudaStreamCaptureModeGlobal (where EventQuery is a prohibited "unsafe" call) */
     sw_err_t (*thread_exchange_capture_mode)(int *);
+    /* optional, driver level (CUresult / hipError_t, 0 = success): is a device's primary context
+     * active? cuDeviceGet + cuDevicePrimaryCtxGetState from libcuda.so.1 (already loaded by the
+     * runtime), hipDeviceGet + hipDevicePrimaryCtxGetState from libamdhip64 itself. Lets a
+     * thread's device be restored without creating a context (see ring.c, leave_device). */
+    int (*device_get)(int *, int);
+    int (*primary_ctx_get_state)(int, unsigned int *, int *);
     struct sw_runtime *next;
 } sw_runtime;
 
