@@ -25,6 +25,7 @@ from .context import RunContext, from_env
 from .exporters.base import Batch, Exporter
 from ._files import make_private_dir, write_json_private
 from .exporters.records import free_name
+from .cuda_ext import event_done
 from .hooks.nvtx import Nvtx
 from .hooks.phases import StepTracker
 from .record import SCHEMA_VERSION, Finding, StepRecord
@@ -65,11 +66,12 @@ class _Pending:
     """A scalar the training thread logged as a CUDA tensor: copied to host without blocking,
     read by the background thread once its event says the copy is done."""
 
-    __slots__ = ("host", "event")
+    __slots__ = ("host", "event", "device")
 
-    def __init__(self, host: Any, event: Any) -> None:
+    def __init__(self, host: Any, event: Any, device: int) -> None:
         self.host = host
         self.event = event
+        self.device = device
 
 
 class Session:
@@ -271,8 +273,9 @@ class Session:
 
                         host = v.detach().to("cpu", non_blocking=True)
                         ev = torch.cuda.Event()
-                        ev.record()
-                        v = _Pending(host, ev)
+                        # the copy runs on the tensor's device's stream, not the current device's
+                        ev.record(torch.cuda.current_stream(v.device))
+                        v = _Pending(host, ev, v.device.index)
                     else:
                         # A CPU tensor is plain memory: read it now (no device to wait for), so a
                         # later in-place update cannot change what was logged and no graph is kept.
@@ -421,7 +424,7 @@ class Session:
         pending = [k for k, v in rec.scalars.items() if isinstance(v, _Pending)]
         for k in pending:
             p = rec.scalars[k]
-            if p.event.query():
+            if event_done(p.event, p.device):
                 rec.scalars[k] = _to_float(p.host)
             elif force:
                 rec.scalars[k] = None

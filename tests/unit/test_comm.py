@@ -64,6 +64,35 @@ def test_enricher_fills_comm_fields_with_the_hta_definition():
     assert r.busbw_gbps == pytest.approx(r.algbw_gbps * 2 * (2 - 1) / 2)
 
 
+class _DeviceEvent:
+    """Stands in for a recorded torch.cuda.Event (no GPU here): a time on the device clock, in ms."""
+
+    def __init__(self, ms):
+        self.ms = ms
+
+
+def test_device_spans_are_timed_on_the_device_clock_and_host_only_spans_left_out(monkeypatch):
+    """A CUDA job with a CPU-side collective beside DDP's (e.g. a gloo object gather): the two
+    clocks share no axis, so the device-timed spans are the step's comm. The events are read
+    through cuda_ext (right device, relaxed capture mode), faked here at that boundary."""
+    import stepwatch.comm.overlap as overlap
+    import stepwatch.comm.spans as spans_mod
+
+    seen_devices = []
+    monkeypatch.setattr(spans_mod, "event_done", lambda ev, device: seen_devices.append(device) or True)
+    monkeypatch.setattr(overlap, "event_elapsed_s", lambda a, b, device: (b.ms - a.ms) * 1e-3)
+    fwd_end = _DeviceEvent(0.0)  # backward compute starts at the forward's end on the device
+    gpu = span(ALLREDUCE, 0, 0, 4_000_000)
+    gpu.ev0, gpu.ev1, gpu.device = _DeviceEvent(30.0), _DeviceEvent(50.0), 3
+    cpu = span(ALL_GATHER, 5 * MS, 9 * MS, 100)  # host clock only
+    r = rec()
+    assert CommEnricher().enrich(r, {"comm": {"spans": [gpu, cpu], "fwd_end_ev": fwd_end}}, force=False)
+    assert set(seen_devices) == {3}  # queried on the device its events were recorded on
+    assert r.comm_s == pytest.approx(0.020) and r.allreduce_s == pytest.approx(0.020)
+    # the last (only) bucket was issued at 30 ms: compute ends there, so 30-50 ms is all exposed
+    assert r.comm_exposed_s == pytest.approx(0.020) and r.overlap == pytest.approx(0.0)
+
+
 def test_one_bucket_after_backward_has_zero_overlap():
     e = CommEnricher()
     r = rec()

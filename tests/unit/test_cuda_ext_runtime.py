@@ -365,6 +365,9 @@ def stand_in(monkeypatch):
     cuda = _StandInCuda()
     cuda.install(monkeypatch, torch)
     monkeypatch.setattr(cuda_ext, "_warned", set())
+    # No runtime library answers for these events (they are Python objects): the queries go
+    # through torch's own Event.query(), as on a machine where the extension cannot load one.
+    monkeypatch.setattr(cuda_ext, "_direct", False)
     return cuda
 
 
@@ -410,3 +413,84 @@ def test_python_device_ring_turns_off_in_a_forked_child(stand_in):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert [x[0] for x in t.poll()] == ["parent"]
+
+
+# -- event queries for the background thread (cuda_ext.event_done / event_elapsed_s) --
+
+
+def _raw_event(fake, stream=STREAM):
+    """A recorded event of the fake runtime, as torch.cuda.Event.cuda_event would hand it over."""
+    import ctypes
+
+    ev = ctypes.c_void_p()
+    assert getattr(fake.lib, "cudaEventCreateWithFlags")(ctypes.byref(ev), 0) == 0
+    assert getattr(fake.lib, "cudaEventRecord")(ev, ctypes.c_void_p(stream)) == 0
+    return ev.value
+
+
+def test_event_query_never_blocks_and_reads_elapsed_time(native, fake):
+    fake.set_lag(0.05)
+    a = _raw_event(fake)
+    time.sleep(0.01)
+    b = _raw_event(fake)
+    assert native.event_query(b, 0, fake.path) is False  # the "kernel" is still running
+    with pytest.raises(RuntimeError, match="EventQuery"):
+        native.event_elapsed_ms(a, b, 0, fake.path)
+    time.sleep(0.08)
+    assert native.event_query(b, 0, fake.path) is True
+    assert 9.0 < native.event_elapsed_ms(a, b, 0, fake.path) < 50.0
+    assert native.event_query(0, 0, fake.path) is True  # torch's lazily created, never recorded
+
+
+def test_event_query_does_not_break_another_threads_capture(native, fake):
+    """torch.cuda.graph captures in "global" mode: an event query from any other thread would
+    invalidate the capture; ours runs in relaxed mode."""
+    ev = _raw_event(fake)
+    fake.set_capture(OTHER)  # another thread captures on its stream
+    v0 = fake.counter("capture_violations")
+    done = []
+    t = threading.Thread(target=lambda: done.append(native.event_query(ev, 0, fake.path)))
+    t.start()
+    t.join(5)
+    assert done == [True] and fake.counter("capture_violations") == v0
+
+
+def test_event_query_on_a_fresh_thread_uses_the_events_device_and_no_other(native, fake):
+    """The background thread has never set a device: the query runs on the event's device
+    (wrong_device counts a query made elsewhere) and puts no context on device 0."""
+    fake.reset_contexts()
+    fake.set_device(1)
+    ev = _raw_event(fake)
+    w0 = fake.counter("wrong_device")
+    got = []
+    t = threading.Thread(target=lambda: got.append(native.event_query(ev, 1, fake.path)))
+    t.start()
+    t.join(5)
+    assert got == [True] and fake.counter("wrong_device") == w0
+    assert fake.contexts_created(0) == 0
+
+
+def test_event_done_passes_torch_events_to_the_extension(native, fake, monkeypatch):
+    """cuda_ext.event_done / event_elapsed_s hand the torch event's raw handle and device to the
+    extension (here bound to the fake runtime)."""
+    import functools
+    import types
+
+    shim = types.SimpleNamespace(
+        event_query=functools.partial(native.event_query, library=fake.path),
+        event_elapsed_ms=functools.partial(native.event_elapsed_ms, library=fake.path),
+    )
+    monkeypatch.setattr(cuda_ext, "_direct", shim)
+
+    class TorchLikeEvent:
+        def __init__(self, handle):
+            self.cuda_event = handle
+
+        def query(self):  # must not be used
+            raise AssertionError("torch's Event.query() was called")
+
+    a = TorchLikeEvent(_raw_event(fake))
+    time.sleep(0.005)
+    b = TorchLikeEvent(_raw_event(fake))
+    assert cuda_ext.event_done(b, 0) is True
+    assert 0.004 < cuda_ext.event_elapsed_s(a, b, 0) < 0.05

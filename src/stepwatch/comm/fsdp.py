@@ -91,6 +91,7 @@ class CollectivePatches:
 
             span.ev0 = torch.cuda.Event(enable_timing=True)
             span.ev0.record()
+            span.device = t.device.index
         return span
 
     def _attach(self, span: Any, work: Any) -> None:

@@ -267,6 +267,7 @@ class DDPCommHooks:
 
             span.ev0 = torch.cuda.Event(enable_timing=True)
             span.ev0.record()
+            span.device = buf.device.index
         return span
 
     def _done(self, span: Span, fut: Any) -> None:

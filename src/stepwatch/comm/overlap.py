@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..cuda_ext import event_elapsed_s
 from ..record import StepRecord
 from .spans import ALLREDUCE
 
@@ -100,7 +101,11 @@ class CommEnricher:
         spans = [s for s in spans if not s.failed and s.done() and (s.t1 is not None or s.ev1 is not None)]
         if not spans:
             return True
-        if any(s.ev0 is not None for s in spans):
+        timed = [s for s in spans if s.ev0 is not None and s.ev1 is not None]
+        if timed:
+            # Device and host clocks do not share an axis: in a job with both (a CPU-side gloo
+            # collective beside NCCL ones), the device-timed spans are the step's comm.
+            spans = timed
             iv, compute = self._device_intervals(spans, c.get("fwd_end_ev"))
         else:
             iv = [(float(s.t0), float(s.t1)) for s in spans]
@@ -151,11 +156,11 @@ class CommEnricher:
     def _device_intervals(spans: list, fwd_end: Any) -> tuple[list[tuple[float, float]], Any]:
         """Device events -> ns on one axis (relative to the forward end, or the first span)."""
         anchor = fwd_end if fwd_end is not None else spans[0].ev0
-        ms = 1e6
+        ns = 1e9
         iv = []
         for s in spans:
-            a = anchor.elapsed_time(s.ev0) * ms if s.ev0 is not anchor else 0.0
-            b = anchor.elapsed_time(s.ev1) * ms
+            a = event_elapsed_s(anchor, s.ev0, s.device) * ns if s.ev0 is not anchor else 0.0
+            b = event_elapsed_s(anchor, s.ev1, s.device) * ns
             iv.append((a, b))
         if fwd_end is None:
             return iv, None

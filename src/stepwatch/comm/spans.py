@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from ..cuda_ext import event_done
 from ..hooks.phases import Collector
 
 _now = time.perf_counter_ns
@@ -30,7 +31,7 @@ class Span:
     """One collective. Host clock (``perf_counter_ns``) in ``t0``/``t1``; on CUDA, device events
     in ``ev0``/``ev1`` (resolved by the enricher without blocking)."""
 
-    __slots__ = ("op", "nbytes", "world", "seq", "hook", "t0", "t_ret", "t1", "ev0", "ev1", "failed")
+    __slots__ = ("op", "nbytes", "world", "seq", "hook", "t0", "t_ret", "t1", "ev0", "ev1", "device", "failed")
 
     def __init__(self, op: str, nbytes: int | None, world: int, seq: int, hook: str) -> None:
         self.op = op
@@ -43,13 +44,14 @@ class Span:
         self.t1: int | None = None
         self.ev0: Any = None
         self.ev1: Any = None
+        self.device = -1  # CUDA device of ev0/ev1 (-1: the querying thread's current one)
         self.failed = False
 
     def done(self) -> bool:
         if self.failed:
             return True
         if self.ev1 is not None:
-            return bool(self.ev1.query())
+            return event_done(self.ev1, self.device)
         return self.t1 is not None
 
 

@@ -37,6 +37,8 @@ __all__ = [
     "Timer",
     "backend_name",
     "backend_status",
+    "event_done",
+    "event_elapsed_s",
     "get_timer",
     "native_status",
 ]
@@ -216,3 +218,53 @@ def native_status() -> dict[str, Any]:
         except RuntimeUnavailable as exc:
             status["runtime_error"] = str(exc)
     return status
+
+
+# -- torch.cuda.Event queries from stepwatch's background thread -----------------------------------
+#
+# Two things go wrong when a background thread calls torch.cuda.Event.query() / elapsed_time():
+# 1. the thread has never set a device, so the call initializes a CUDA context on device 0 (every
+#    rank of a node would put one on GPU 0);
+# 2. in the default capture mode ("global", torch.cuda.graph's), an event query from any thread
+#    while another thread captures a CUDA graph is a prohibited call that invalidates the capture.
+# The native functions run the query on the event's device and in relaxed capture mode; without
+# the extension, torch's device guard fixes (1) (it restores only a device that has a context).
+
+_direct: Any = None  # the extension once its runtime loaded; False when it cannot
+
+
+def _direct_module() -> Any:
+    global _direct
+    if _direct is None:
+        _direct = False
+        if _native is not None:
+            try:
+                _native.load_runtime("device")
+                _direct = _native
+            except RuntimeUnavailable as exc:
+                _log.debug("stepwatch: event queries through torch (%s)", exc)
+    return _direct or None
+
+
+def event_done(event: Any, device: int) -> bool:
+    """Has ``event`` (a ``torch.cuda.Event``, recorded on CUDA device ``device``) completed?
+    Never blocks; safe from a background thread. An event never recorded counts as done."""
+    native = _direct_module()
+    if native is not None:
+        return native.event_query(event.cuda_event, device)
+    import torch
+
+    with torch.cuda.device(device):
+        return bool(event.query())
+
+
+def event_elapsed_s(start: Any, end: Any, device: int) -> float:
+    """Seconds from ``start`` to ``end`` (completed ``torch.cuda.Event`` s with timing, on
+    ``device``); as ``event_done``. RuntimeError when ``end`` has not completed."""
+    native = _direct_module()
+    if native is not None:
+        return native.event_elapsed_ms(start.cuda_event, end.cuda_event, device) * 1e-3
+    import torch
+
+    with torch.cuda.device(device):
+        return start.elapsed_time(end) * 1e-3

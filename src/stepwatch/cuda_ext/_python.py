@@ -304,9 +304,11 @@ class TorchEventRing(_PyRing):
         return self._record(self._ev1[i], stream)
 
     def _resolve(self, i: int) -> float | None:
-        if not self._ev1[i].query() or not self._ev0[i].query():
+        from . import event_done, event_elapsed_s  # the package imports this module first
+
+        if not event_done(self._ev1[i], self.device) or not event_done(self._ev0[i], self.device):
             return None
-        return self._ev0[i].elapsed_time(self._ev1[i]) * 1e-3
+        return event_elapsed_s(self._ev0[i], self._ev1[i], self.device)
 
     def _after_fork(self) -> None:
         super()._after_fork()

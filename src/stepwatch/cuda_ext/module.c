@@ -381,6 +381,55 @@ static PyObject *mod_load_runtime(PyObject *Py_UNUSED(m), PyObject *args, PyObje
     return Py_BuildValue("(ss)", rt->kind == SW_KIND_HIP ? "hip" : "cuda", rt->path);
 }
 
+/* The runtime for the module-level event functions; sets RuntimeUnavailable when none loads. */
+static const sw_runtime *event_runtime(const char *library) {
+    char err[2048];
+    const sw_runtime *rt = sw_runtime_load(SW_WANT_ANY, library, err, sizeof err);
+    if (!rt) PyErr_Format(RuntimeUnavailable, "no usable runtime library; tried: %s", err);
+    return rt;
+}
+
+static PyObject *event_error(const sw_runtime *rt, const char *call, sw_err_t e) {
+    PyErr_Format(PyExc_RuntimeError, "%s%s failed: %s (%d)", rt->kind == SW_KIND_HIP ? "hip" : "cuda", call,
+                 sw_runtime_strerror(rt, e), e);
+    return NULL;
+}
+
+static PyObject *mod_event_query(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"event", "device", "library", NULL};
+    unsigned long long handle = 0;
+    int device = -1;
+    const char *library = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Ki|z:event_query", kwlist, &handle, &device, &library))
+        return NULL;
+    if (!handle) Py_RETURN_TRUE; /* torch creates events lazily: never recorded, nothing to wait for */
+    const sw_runtime *rt = event_runtime(library);
+    if (!rt) return NULL;
+    sw_err_t e = sw_event_query(rt, device, (sw_event_t)(uintptr_t)handle, NULL, NULL);
+    if (e == SW_SUCCESS) Py_RETURN_TRUE;
+    if (e == SW_ERR_NOT_READY) Py_RETURN_FALSE;
+    return event_error(rt, "EventQuery", e);
+}
+
+static PyObject *mod_event_elapsed_ms(PyObject *Py_UNUSED(m), PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"start", "end", "device", "library", NULL};
+    unsigned long long start = 0, end = 0;
+    int device = -1;
+    const char *library = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KKi|z:event_elapsed_ms", kwlist, &start, &end, &device, &library))
+        return NULL;
+    if (!start || !end) {
+        PyErr_SetString(PyExc_ValueError, "event_elapsed_ms: both events must have been recorded (handle 0 given)");
+        return NULL;
+    }
+    const sw_runtime *rt = event_runtime(library);
+    if (!rt) return NULL;
+    float ms = 0.0f;
+    sw_err_t e = sw_event_query(rt, device, (sw_event_t)(uintptr_t)end, (sw_event_t)(uintptr_t)start, &ms);
+    if (e != SW_SUCCESS) return event_error(rt, e == SW_ERR_NOT_READY ? "EventQuery" : "EventElapsedTime", e);
+    return PyFloat_FromDouble((double)ms);
+}
+
 static PyObject *mod_now_ns(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     return PyLong_FromLongLong(sw_now_ns());
 }
@@ -390,6 +439,13 @@ static PyMethodDef module_methods[] = {
      "load_runtime(backend='device', library=None) -> (kind, path): find the CUDA/HIP runtime "
      "(already loaded first). Raises RuntimeUnavailable naming every library tried."},
     {"now_ns", mod_now_ns, METH_NOARGS, "CLOCK_MONOTONIC in ns (the host backend's clock)."},
+    {"event_query", (PyCFunction)(void (*)(void))mod_event_query, METH_VARARGS | METH_KEYWORDS,
+     "event_query(event, device, library=None) -> bool: has the event (a raw handle, e.g. "
+     "torch.cuda.Event.cuda_event) completed? Never blocks; runs on `device` (negative: the current "
+     "one) in relaxed capture mode, so it is safe from a background thread during a graph capture."},
+    {"event_elapsed_ms", (PyCFunction)(void (*)(void))mod_event_elapsed_ms, METH_VARARGS | METH_KEYWORDS,
+     "event_elapsed_ms(start, end, device, library=None) -> float: ms between two completed events, "
+     "as event_query; RuntimeError when `end` is not done."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_native",

@@ -15,7 +15,7 @@ int64_t sw_now_ns(void) {
 }
 
 /* Make `device` current for the calling thread; returns the previous one (or -1 if unchanged). */
-static int enter_device(const sw_runtime *rt, int device) {
+int sw_enter_device(const sw_runtime *rt, int device) {
     int prev = -1;
     if (rt->get_device(&prev) != SW_SUCCESS) return -1;
     if (prev == device) return -1;
@@ -39,7 +39,7 @@ static int has_context(const sw_runtime *rt, int device) {
  * device 0 without ever having used it, so restoring it would put a context (hundreds of MiB)
  * on GPU 0 for every rank of the node. torch restores devices the same way (c10::cuda::
  * MaybeSetDevice). When we cannot tell, the thread stays on the ring's device. */
-static void leave_device(const sw_runtime *rt, int prev) {
+void sw_leave_device(const sw_runtime *rt, int prev) {
     if (prev >= 0 && has_context(rt, prev) == 1) rt->set_device(prev);
 }
 
@@ -67,7 +67,7 @@ int sw_ring_init(sw_ring *r, uint64_t cap, const sw_runtime *rt, int device, cha
         return -1;
     }
     r->device = device < 0 ? cur : device;
-    int prev = enter_device(rt, r->device);
+    int prev = sw_enter_device(rt, r->device);
     for (uint64_t i = 0; i < n; i++) {
         sw_slot *s = &r->slots[i];
         e = rt->event_create_with_flags(&s->ev0, SW_EVENT_DEFAULT);
@@ -75,24 +75,24 @@ int sw_ring_init(sw_ring *r, uint64_t cap, const sw_runtime *rt, int device, cha
         if (e != SW_SUCCESS) {
             snprintf(err, errlen, "%sEventCreateWithFlags failed on device %d: %s (%d)",
                      rt->kind == SW_KIND_HIP ? "hip" : "cuda", r->device, sw_runtime_strerror(rt, e), e);
-            leave_device(rt, prev);
+            sw_leave_device(rt, prev);
             sw_ring_free(r, 1);
             return -1;
         }
     }
-    leave_device(rt, prev);
+    sw_leave_device(rt, prev);
     return 0;
 }
 
 void sw_ring_free(sw_ring *r, int destroy_events) {
     if (!r->slots) return;
     if (r->rt && destroy_events) {
-        int prev = enter_device(r->rt, r->device);
+        int prev = sw_enter_device(r->rt, r->device);
         for (uint64_t i = 0; i < r->cap; i++) {
             if (r->slots[i].ev0) r->rt->event_destroy(r->slots[i].ev0);
             if (r->slots[i].ev1) r->rt->event_destroy(r->slots[i].ev1);
         }
-        leave_device(r->rt, prev);
+        sw_leave_device(r->rt, prev);
     }
     free(r->slots);
     r->slots = NULL;
@@ -199,7 +199,7 @@ long sw_ring_poll(sw_ring *r, sw_emit_fn emit, sw_release_fn release, void *ctx)
     if (r->rt) {
         /* The ring's device first: any runtime call that needs a context, made before it, would
          * initialize one on the thread's default device 0. */
-        prev = enter_device(r->rt, r->device);
+        prev = sw_enter_device(r->rt, r->device);
         /* Relaxed for the duration of the poll, pushed and popped as cuda_runtime_api.h
          * advises for cudaThreadExchangeStreamCaptureMode: in the default Global mode, a
          * capture running on any thread prohibits "potentially unsafe" calls such as our
@@ -248,7 +248,7 @@ long sw_ring_poll(sw_ring *r, sw_emit_fn emit, sw_release_fn release, void *ctx)
     advance_tail(r);
     if (r->rt) {
         if (r->rt->thread_exchange_capture_mode && mode >= 0) r->rt->thread_exchange_capture_mode(&mode);
-        leave_device(r->rt, prev);
+        sw_leave_device(r->rt, prev);
     }
     return emitted;
 }
@@ -264,4 +264,15 @@ void sw_ring_clear(sw_ring *r, sw_release_fn release, void *ctx) {
         }
     }
     r->tail = r->head;
+}
+
+sw_err_t sw_event_query(const sw_runtime *rt, int device, sw_event_t ev, sw_event_t start, float *ms) {
+    int prev = device >= 0 ? sw_enter_device(rt, device) : -1;
+    int mode = SW_CAPTURE_MODE_RELAXED; /* as in sw_ring_poll: never invalidate a user's capture */
+    if (rt->thread_exchange_capture_mode && rt->thread_exchange_capture_mode(&mode) != SW_SUCCESS) mode = -1;
+    sw_err_t e = rt->event_query(ev);
+    if (e == SW_SUCCESS && start) e = rt->event_elapsed_time(ms, start, ev);
+    if (mode >= 0) rt->thread_exchange_capture_mode(&mode);
+    sw_leave_device(rt, prev);
+    return e;
 }

@@ -75,4 +75,14 @@ void sw_ring_clear(sw_ring *r, sw_release_fn release, void *ctx);
 
 int64_t sw_now_ns(void);
 
+/* Make `device` current for the calling thread: returns the previous device, or -1 when nothing
+ * changed. sw_leave_device gives it back only if that device has a context (see ring.c). */
+int sw_enter_device(const sw_runtime *rt, int device);
+void sw_leave_device(const sw_runtime *rt, int prev);
+
+/* Query one event (not necessarily ours: torch's too) from any thread without blocking: on
+ * `device` (negative: the thread's current one), in relaxed capture mode. With `start`, also
+ * the milliseconds from `start` to `ev` into *ms. SW_ERR_NOT_READY while the work runs. */
+sw_err_t sw_event_query(const sw_runtime *rt, int device, sw_event_t ev, sw_event_t start, float *ms);
+
 #endif

@@ -30,6 +30,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ..cuda_ext import event_done
 from .phases import Collector
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class PendingGradNorm:
     from_clip: bool = False
     skipped: bool = False
     optimizer_id: int = 0
+    device: int = -1  # CUDA device of ``event``
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,12 +381,15 @@ class GradNormProbe:
             s = scale.to(device=values.device, dtype=torch.float32)
             values = values / torch.stack([s * s, s])
         host = event = None
+        device = -1
         if values.device.type == "cuda":
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             host.copy_(values, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
-        return PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer))
+            # the copy runs on the grads' device's stream, which need not be the current device's
+            event.record(torch.cuda.current_stream(values.device))
+            device = values.device.index
+        return PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer), device)
 
     @staticmethod
     def _from_clip(total: Any) -> tuple[Any, bool]:
@@ -438,7 +443,7 @@ class GradNormProbe:
     def resolve(pending: PendingGradNorm) -> GradNormResult | None:
         """The value, or None if the device has not produced it yet (poll again later)."""
         if pending.event is not None:
-            if not pending.event.query():
+            if not event_done(pending.event, pending.device):
                 return None
             sq, rep = pending.host.tolist()
         else:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..analysis.flops import FlopCache, is_counting, resolve_override
+from ..cuda_ext import event_done
 from ..analysis.peaks import matmul_dtype_key
 from .phases import Collector
 
@@ -36,6 +37,7 @@ class BatchCounts:
     _pending: Any = None
     _host: Any = None
     _event: Any = None
+    _device: int = -1
 
     def resolve(self) -> "BatchCounts | None":
         """Background thread: fill ``tokens`` from the device; None if not ready yet. Reads only a
@@ -43,7 +45,7 @@ class BatchCounts:
         if self._pending is None:
             return self
         if self._event is not None:
-            if not self._event.query():
+            if not event_done(self._event, self._device):
                 return None
             value = int(self._host.item())
         else:
@@ -69,8 +71,8 @@ def _count_nonzero(mask: Any) -> BatchCounts:
         host = torch.empty((), dtype=n.dtype, pin_memory=True)
         host.copy_(n, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
-        return BatchCounts(None, None, n, host, event)
+        event.record(torch.cuda.current_stream(n.device))  # the copy's stream: n's device's
+        return BatchCounts(None, None, n, host, event, n.device.index)
     return BatchCounts(None, None, n)
 
 
