@@ -122,6 +122,18 @@ def test_graph_capture_is_skipped_and_never_recorded_into(ring, fake):
     assert [t for t, _, _ in ring.poll()] == ["eager"]
 
 
+def test_legacy_stream_is_not_recorded_while_a_blocking_stream_captures(ring, fake):
+    """The legacy stream cannot say whether it takes part in a blocking stream's capture (the
+    runtime answers an error); recording there could invalidate it, so nothing is recorded."""
+    fake.set_capture(OTHER, blocking=True)
+    r0 = fake.counter("records")
+    assert ring.begin(0, "legacy") == -1
+    assert fake.counter("records") == r0 and ring.captured == 1
+    fake.set_capture(OTHER)  # a non-blocking capture leaves the legacy stream alone
+    ring.end(ring.begin(0, "legacy"), 0)
+    assert fake.counter("records") == r0 + 2
+
+
 def test_poll_during_another_threads_global_capture_does_not_break_it(ring, fake):
     """In cudaStreamCaptureModeGlobal an EventQuery from any thread not in Relaxed mode fails
     and invalidates the capture; the poller switches itself to Relaxed and back."""

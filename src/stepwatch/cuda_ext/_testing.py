@@ -93,8 +93,10 @@ class FakeRuntime:
     def set_lag(self, seconds: float) -> None:
         self.lib.fake_set_lag_ns(int(seconds * 1e9))
 
-    def set_capture(self, stream: int | None, on: bool = True) -> None:
+    def set_capture(self, stream: int | None, on: bool = True, *, blocking: bool = False) -> None:
+        """``stream`` captures (``blocking``: a stream that syncs with the legacy stream 0)."""
         self.lib.fake_set_capture(stream, 1 if on else 0)
+        self.lib.fake_set_capture_blocking(1 if blocking else 0)
 
     def fail_records(self, n: int) -> None:
         self.lib.fake_fail_records(n)

@@ -48,6 +48,7 @@ static int g_device_count = 2;
 static int g_no_device = 0;
 static void *g_capture_stream = NULL;
 static int g_capture_on = 0;
+static int g_capture_blocking = 0; /* the capturing stream is a blocking one */
 static int g_fail_records = 0;
 static __thread int t_device = 0;
 /* Primary contexts, per device and process-wide. As in CUDA >= 12, SetDevice initializes the
@@ -158,6 +159,8 @@ int API(EventDestroy)(void *p) {
 }
 
 int API(StreamIsCapturing)(void *stream, int *status) {
+    /* as the real runtime: the legacy stream (0) cannot say while a blocking stream captures */
+    if (g_capture_on && g_capture_blocking && stream == NULL) return ERR_CAPTURE_IMPLICIT;
     *status = g_capture_on && stream == g_capture_stream ? 1 : 0;
     return OK;
 }
@@ -210,7 +213,9 @@ void fake_set_lag_ns(int64_t ns) { g_lag_ns = ns; }
 void fake_set_capture(void *stream, int on) {
     g_capture_stream = stream;
     g_capture_on = on;
+    g_capture_blocking = 0;
 }
+void fake_set_capture_blocking(int blocking) { g_capture_blocking = blocking; }
 void fake_fail_records(int n) { g_fail_records = n; }
 void fake_set_no_device(int on) { g_no_device = on; }
 /* Forget every context (the calling thread's included): a process that has not used a GPU. */

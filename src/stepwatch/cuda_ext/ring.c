@@ -100,7 +100,10 @@ void sw_ring_free(sw_ring *r, int destroy_events) {
 
 static inline int capturing(const sw_ring *r, sw_stream_t stream) {
     int status = SW_CAPTURE_NONE;
-    if (r->rt->stream_is_capturing(stream, &status) != SW_SUCCESS) return 0;
+    /* An error counts as capturing: on the legacy stream, StreamIsCapturing answers
+     * cudaErrorStreamCaptureImplicit while a blocking stream captures, and recording there
+     * would invalidate that capture. Not recording is the safe side. */
+    if (r->rt->stream_is_capturing(stream, &status) != SW_SUCCESS) return 1;
     return status != SW_CAPTURE_NONE;
 }
 
