@@ -6,7 +6,9 @@
 # Needs on that machine: torch with CUDA, numpy, nvidia-ml-py and rich (no venv of ours: without
 # .venv it uses python3), and a C compiler with Python headers, because gpu_check_timing.py builds
 # the native extension for that Python. opentelemetry, nvtx and py-spy are optional here.
-# Expected to take 1-2 minutes (not yet timed on a GPU); exit 0 = every check passed. In a timed lease:
+# Expected to take 1-2 minutes (not yet timed on a GPU); exit 0 = every check passed, 1 = a
+# check failed, 2 = the timing check could not run. GPU_CHECK_JSON=path keeps its observations.
+# In a timed lease:
 #   PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh 2>&1 | tee "$OUT/gpu_check.log"
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,13 +35,22 @@ print("status:", src.status)
 if not src.status.get("running"):
     sys.exit("sampler did not start: %s" % src.status.get("error"))
 
-# The sampler must not have created a CUDA context: this pid must not be a compute process yet.
+# The sampler must not have created a CUDA context. Asked of the driver itself (NVML's process
+# list shows host pids, which a container's pid namespace hides): is device 0's primary context
+# active in this process? cuInit creates none.
+import ctypes
+cu = ctypes.CDLL("libcuda.so.1")
+dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+rc = (cu.cuInit(0), cu.cuDeviceGet(ctypes.byref(dev), 0),
+      cu.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)))
+print("driver calls", rc, "-> device 0 primary context active before torch touches CUDA:", bool(active.value))
+if any(rc):
+    problems.append(f"could not ask the driver about contexts: {rc}")
+elif active.value:
+    problems.append("sampler created a CUDA context")
 pynvml.nvmlInit()
 h = pynvml.nvmlDeviceGetHandleByUUID(src.status["uuid"])
-pids = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
-print("compute pids on our GPU before torch touches CUDA:", pids)
-if os.getpid() in pids:
-    problems.append("sampler created a CUDA context")
+print("compute pids on our GPU (NVML, host pid namespace):", [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)])
 
 import torch
 torch.cuda.set_device(0)
@@ -49,6 +60,7 @@ uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid)
 print("torch device 0 uuid:", uuid, "| sampler matched:", src.status["uuid"], "by", src.status["matched_by"])
 if uuid != src.status["uuid"]:
     problems.append("sampler matched another GPU than torch's device 0")
+src.drain()  # what came before (imports, context creation) is not the loaded window
 t0 = time.time()
 while time.time() - t0 < 6:
     for _ in range(20):
@@ -90,10 +102,12 @@ EOF
 echo "== stepwatch doctor --storage (256 MiB in \${TMPDIR:-/tmp})"
 "$PY" -m stepwatch doctor --storage "${TMPDIR:-/tmp}" --storage-size-mb 256 || status=1
 
-if [ -f scripts/gpu_check_timing.py ]; then
-  echo "== timing extension (scripts/gpu_check_timing.py)"
-  "$PY" scripts/gpu_check_timing.py || status=1
-fi
+echo "== timing extension (scripts/gpu_check_timing.py)"
+"$PY" scripts/gpu_check_timing.py ${GPU_CHECK_JSON:+--json "$GPU_CHECK_JSON"}
+rc=$?
+# 2 = could not run (no compiler or Python headers to build the extension): not a pass.
+if [ $rc = 2 ]; then incomplete=1; elif [ $rc != 0 ]; then status=1; fi
 
-echo "== gpu_check: $([ $status = 0 ] && echo OK || echo PROBLEMS)"
+if [ $status != 0 ]; then verdict=PROBLEMS; elif [ -n "${incomplete:-}" ]; then verdict=INCOMPLETE; status=2; else verdict=OK; fi
+echo "== gpu_check: $verdict"
 exit $status

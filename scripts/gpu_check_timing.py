@@ -10,11 +10,16 @@ What it checks, on the real CUDA (or HIP) runtime, printing what it saw:
 2. no sync: begin, end and poll return while a long torch.cuda._sleep kernel still runs
    (stream.query() is still False afterwards, poll() returned nothing) -- set_sync_debug_mode
    cannot see syncs made inside our extension, so this is the test;
-3. graph capture: begin/end inside torch.cuda.graph record nothing (counted in `captured`) and
-   the graph still replays;
-4. cost: ns per begin+end pair, native vs torch.cuda.Event.
+3. graph capture (global mode, begun while earlier work still runs): begin/end on the capturing
+   stream record nothing (counted in `captured`), begin/end on the job's stream beside it still
+   record, a background poll and a background cuda_ext.event_done during the capture do not
+   invalidate it, and the graph replays;
+4. background event queries (cuda_ext.event_done / event_elapsed_s, what the session uses for
+   torch.cuda.Event): the same answers as torch's own, without blocking;
+5. cost: ns per begin+end pair, native vs torch.cuda.Event.
 
-Builds the extension with the machine's C compiler when the tree was not built there.
+Always builds the extension from the current C sources with the machine's C compiler (an old
+build lying in the tree is not what we want to check).
 Exit status: 0 all checks passed, 1 a check failed, 2 could not run (no GPU, no compiler).
 """
 
@@ -49,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="sw-native-")
     try:
-        native = _testing.load_native(tmp)
+        native = _testing.build_native(tmp)
     except RuntimeError as exc:
         print(f"gpu_check_timing: cannot build the extension here: {exc}")
         return 2
+    _testing.install_native(native)  # cuda_ext.event_done & co. use this build too
     Ring = cuda_ext.native_ring_class(native)
     try:
         ring = Ring(1024, "device")
@@ -147,6 +153,18 @@ def main(argv: list[str] | None = None) -> int:
           f"poll {calls['poll_us']:.1f} us -> {len(polled)} intervals; kernel still running after: {still_running}")
     if not still_running or polled or (c3 - c0) > 50e6:
         failures.append(f"no-sync: still_running={still_running}, polled={polled}, calls={calls}")
+    # the session's way to ask about torch's events, from a fresh thread, while the kernel runs
+    tev = torch.cuda.Event(enable_timing=True)
+    tev.record(stream)
+    bg: list = []
+    b0 = time.perf_counter_ns()
+    th = threading.Thread(target=lambda: bg.append(cuda_ext.event_done(tev, dev)))
+    th.start()
+    th.join()
+    bg_us = (time.perf_counter_ns() - b0) / 1e3
+    print(f"  background cuda_ext.event_done while it runs: {bg} in {bg_us:.0f} us (thread start included)")
+    if bg != [False] or stream.query():
+        failures.append(f"no-sync: background event_done={bg}, kernel still running={not stream.query()}")
     torch.cuda.synchronize()
     after = ring.poll()
     print(f"  after synchronize: poll -> {[(t, round(e * 1e6, 1)) for t, _, e in after]} (us)")
@@ -154,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(f"no-sync: interval not delivered after the kernel finished: {after}")
     seen["no_sync"] = dict(calls, still_running=still_running, polled_while_running=len(polled))
 
-    # 3. graph capture: skipped, counted, replay unaffected
+    # 3. graph capture, global mode, begun by hand while earlier work still runs (torch.cuda.graph()
+    # would synchronize first, and nothing would be in flight)
     cap0 = ring.captured
     g = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -162,23 +181,39 @@ def main(argv: list[str] | None = None) -> int:
     with torch.cuda.stream(side):
         a @ a  # warm up on the capture stream
     stream.wait_stream(side)
-    # an interval still in flight when the capture starts, so the poller has events to query
+    torch.cuda.synchronize()
     torch.cuda._sleep(int(200 * cycles_per_ms))
     pend = ring.begin(raw, "in-flight-during-capture")
     ring.end(pend, raw)
+    tev = torch.cuda.Event(enable_timing=True)
+    tev.record(stream)
     polled_during: list = []
+    done_during: list = []
     err0 = ring.errors
-    s_in, y, cap_error = None, torch.zeros(1, device="cuda"), None
+    s_in = beside = None
+    y = torch.zeros(1, device="cuda")
+    cap_error = None
     try:
-        with torch.cuda.graph(g):  # capture_error_mode "global": the strictest
-            cs = torch.cuda.current_stream().cuda_stream
-            s_in = ring.begin(cs, "in-capture")
-            y = a @ a
-            ring.end(s_in, cs)
-            th = threading.Thread(target=lambda: polled_during.extend(ring.poll()))  # background poller
-            th.start()
-            th.join()
-            polled_during.extend(ring.poll())  # and the capturing thread itself
+        with torch.cuda.stream(side):
+            g.capture_begin(capture_error_mode="global")
+            try:
+                cs = side.cuda_stream
+                s_in = ring.begin(cs, "in-capture")
+                y = a @ a
+                ring.end(s_in, cs)
+                beside = ring.begin(raw, "beside-capture")  # the job's stream, not capturing
+                ring.end(beside, raw)
+
+                def background() -> None:  # the session's pipeline thread, during the capture
+                    polled_during.extend(ring.poll())
+                    done_during.append(cuda_ext.event_done(tev, dev))
+
+                th = threading.Thread(target=background)
+                th.start()
+                th.join()
+                polled_during.extend(ring.poll())  # and the capturing thread itself
+            finally:
+                g.capture_end()
         g.replay()
         torch.cuda.synchronize()
     except RuntimeError as exc:  # a capture our calls invalidated
@@ -187,16 +222,37 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(f"graph capture raised: {exc}")
         torch.cuda.synchronize()
     captured = ring.captured - cap0
-    after_cap = ring.poll()
-    ok = cap_error is None and s_in == -1 and captured >= 1 and bool(torch.isfinite(y).all()) and ring.errors == err0
-    print(f"graph capture: begin returned {s_in}, captured +{captured}, polls during capture returned "
-          f"{len(polled_during)} intervals, errors +{ring.errors - err0}, capture and replay ok: {ok}; "
-          f"after: {[t for t, _, _ in after_cap]}")
+    after_cap = [t for t, _, _ in ring.poll()]
+    delivered = sorted([t for t, _, _ in polled_during] + after_cap)  # during or after: both fine
+    ok = (cap_error is None and s_in == -1 and beside is not None and beside >= 0 and captured >= 1
+          and bool(torch.isfinite(y).all()) and ring.errors == err0
+          and delivered == ["beside-capture", "in-flight-during-capture"])
+    print(f"graph capture: begin on the capturing stream returned {s_in}, beside it {beside}, captured +{captured}, "
+          f"polls during capture returned {len(polled_during)} intervals, background event_done {done_during}, "
+          f"errors +{ring.errors - err0}, capture and replay ok: {ok}; after: {after_cap}")
     if not ok:
-        failures.append(f"graph capture: slot={s_in}, captured={captured}, errors+={ring.errors - err0}")
-    seen["graph_capture"] = {"slot": s_in, "captured": captured, "errors": ring.errors - err0}
+        failures.append(f"graph capture: slot={s_in}, beside={beside}, captured={captured}, "
+                        f"errors+={ring.errors - err0}, after={after_cap}")
+    seen["graph_capture"] = {"slot": s_in, "beside": beside, "captured": captured, "errors": ring.errors - err0,
+                             "event_done_during": done_during}
 
-    # 4. cost per begin+end pair on the GPU: native vs torch.cuda.Event
+    # 4. background event queries agree with torch's own
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record(stream)
+    torch.cuda._sleep(int(5 * cycles_per_ms))
+    e1.record(stream)
+    torch.cuda.synchronize()
+    mine_s: list = []
+    th = threading.Thread(target=lambda: mine_s.append((cuda_ext.event_done(e1, dev), cuda_ext.event_elapsed_s(e0, e1, dev))))
+    th.start()
+    th.join()
+    ref_s = e0.elapsed_time(e1) * 1e-3
+    print(f"event_elapsed_s from a background thread: {mine_s}, torch.cuda.Event.elapsed_time: {ref_s:.6f} s")
+    if not mine_s or mine_s[0][0] is not True or abs(mine_s[0][1] - ref_s) > 1e-6:
+        failures.append(f"background event queries: {mine_s} vs torch {ref_s}")
+    seen["event_queries"] = {"native": mine_s, "torch_s": ref_s}
+
+    # 5. cost per begin+end pair on the GPU: native vs torch.cuda.Event
     n = 20000
     ring.poll()
     best_native = float("inf")

@@ -67,6 +67,19 @@ def load_native(tmp: str | os.PathLike[str]) -> ModuleType:
         return build_native(tmp)
 
 
+def install_native(module: ModuleType) -> None:
+    """Make ``module`` (e.g. from ``build_native``) the extension stepwatch.cuda_ext uses, as if
+    pip had built it: for scripts/gpu_check_timing.py, which tests the current C sources."""
+    from stepwatch import cuda_ext
+
+    cuda_ext._native = module
+    cuda_ext._NATIVE_ERROR = None
+    cuda_ext.RuntimeUnavailable = module.RuntimeUnavailable
+    cuda_ext.NativeRing = cuda_ext.native_ring_class(module)
+    cuda_ext._direct = None
+    cuda_ext._backends.clear()
+
+
 class FakeRuntime:
     """ctypes handle on a compiled fake runtime: the controls tests turn."""
 
