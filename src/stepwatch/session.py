@@ -108,6 +108,7 @@ class Session:
         # ``enrich(record, extras, *, force) -> bool`` fills fields from the step's extras and
         # returns False while it still waits on the device (``force`` means: give up, use None).
         self.enrichers: list[Any] = []
+        self._new_enrichers: list[Any] = []  # from the training thread; first in the list
         # Features that started with the session; each has ``stop()``, called at shutdown. A
         # feature with ``collect(records) -> (samples, findings)`` is also called once per pass.
         self.features_started: list[Any] = []
@@ -157,7 +158,8 @@ class Session:
 
             timer = get_timer("cuda", capacity=4096)
             _, enricher = install(tr, timer, torch.cuda.current_stream().cuda_stream)
-            self.enrichers.insert(0, enricher)
+            # Taken in by the pipeline thread, which alone touches the list (see _pass).
+            self._new_enrichers.append(enricher)
             self.timing_backend = getattr(timer, "name", "python")
         except Exception as e:
             self._internal_error("device_timing", e)
@@ -337,6 +339,8 @@ class Session:
 
     def _pass(self, *, final: bool) -> None:
         try:
+            while self._new_enrichers:
+                self.enrichers.insert(0, self._new_enrichers.pop())
             raws = []
             q = self._queue
             while q:
@@ -390,7 +394,7 @@ class Session:
     def _resolve(self, raws: list[tuple], *, final: bool) -> list[StepRecord]:
         now = time.monotonic()
         for raw in raws:
-            self._held.append([now, self._build(raw), raw[-1], 0])
+            self._held.append([now, self._build(raw), raw[-1], []])
         out: list[StepRecord] = []
         # Records leave in order: the first one still waiting on the device holds the rest.
         while self._held:
@@ -404,20 +408,20 @@ class Session:
         return out
 
     def _enrich(self, entry: list, *, force: bool) -> bool:
-        """Run the enrichers in order; an enricher that waits on the device holds the record."""
-        _, rec, extras, i = entry
-        while i < len(self.enrichers):
-            e = self.enrichers[i]
+        """Run the enrichers in order; an enricher that waits on the device holds the record.
+        ``entry[3]`` holds the enrichers done with it (by identity: the list can change while
+        records wait, and an enricher must run once per record)."""
+        _, rec, extras, done = entry
+        for e in list(self.enrichers):
+            if e in done:
+                continue
             try:
                 if not e.enrich(rec, extras, force=force):
-                    entry[3] = i
                     return False
             except Exception as exc:
                 self._internal_error(f"enricher.{type(e).__name__}", exc)
                 self.enrichers = [x for x in self.enrichers if x is not e]
-                continue
-            i += 1
-        entry[3] = i
+            done.append(e)
         return True
 
     def _ready(self, rec: StepRecord, *, force: bool) -> bool:

@@ -506,3 +506,56 @@ def test_event_done_passes_torch_events_to_the_extension(native, fake, monkeypat
     b = TorchLikeEvent(_raw_event(fake))
     assert cuda_ext.event_done(b, 0) is True
     assert 0.004 < cuda_ext.event_elapsed_s(a, b, 0) < 0.05
+
+
+# -- device phase timing (hooks/device.py) with intervals that never come back --
+
+
+def test_end_says_whether_the_interval_will_come_out_of_poll(ring, fake):
+    assert ring.end(ring.begin(STREAM, "ok"), STREAM) is True
+    s = ring.begin(STREAM, "lost")
+    fake.set_capture(STREAM)  # a capture began between begin and end: the slot is given up
+    assert ring.end(s, STREAM) is False
+    fake.set_capture(None, False)
+    assert ring.end(-1, STREAM) is False and ring.end(s, STREAM) is False  # nothing / stale
+    assert [x[0] for x in ring.poll()] == ["ok"]
+
+
+def test_a_phase_given_up_at_its_end_is_not_waited_for(ring, fake):
+    """Without this, the step's record (and every record behind it) waited for an interval that
+    never comes, until the 30 s hold limit."""
+    from stepwatch.hooks.device import DeviceTiming, DeviceTimingEnricher
+    from stepwatch.record import StepRecord
+
+    dev = DeviceTiming(ring, STREAM)
+    dev.end(dev.begin(2))  # forward, recorded
+    s = dev.begin(3)  # backward ...
+    fake.set_capture(STREAM)  # ... during which a capture starts on the stream
+    dev.end(s)
+    fake.set_capture(None, False)
+    info = dev.take()
+    assert info == (0, 1)
+    rec = StepRecord(step=0, rank=0, time=0.0, step_s=1.0, data_wait_s=0.0, forward_s=0.5, backward_s=0.2,
+                     optimizer_s=0.1, other_s=0.2)
+    assert DeviceTimingEnricher(ring).enrich(rec, {DeviceTiming.name: info}, force=False)
+    assert rec.clock == "device" and rec.forward_s < 0.5  # the recorded interval, from the ring
+
+
+def test_an_interval_lost_in_poll_releases_the_waiting_record():
+    from stepwatch.hooks.device import DeviceTiming, DeviceTimingEnricher
+    from stepwatch.record import StepRecord
+
+    class Ring:  # the poll-side facts only: nothing finished, and then a runtime error
+        errors = 0
+
+        def poll(self):
+            return []
+
+    timer = Ring()
+    e = DeviceTimingEnricher(timer)
+    rec = StepRecord(step=0, rank=0, time=0.0, step_s=1.0, forward_s=0.5)
+    extras = {DeviceTiming.name: (0, 2)}
+    assert e.enrich(rec, extras, force=False) is False  # waits for its two intervals
+    timer.errors = 1
+    assert e.enrich(rec, extras, force=False) is True  # one was lost: host times are kept
+    assert rec.clock == "host" and rec.forward_s == 0.5

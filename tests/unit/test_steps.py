@@ -239,3 +239,39 @@ def test_device_timing_path_fills_phases_from_the_timer_ring(sw):
         assert r.forward_s > 0 and r.backward_s > 0 and r.optimizer_s > 0
         assert _identity_holds(r)
     assert timer.pending == 0 and timer.dropped == 0
+
+
+def test_each_enricher_runs_once_per_record_while_the_list_changes(sw):
+    """A record held by a waiting enricher while another enricher fails (and is dropped) and a
+    new one arrives from the training thread (device timing, at the first step end): every
+    enricher runs exactly once on it, none is skipped or repeated (the new one too: it has no
+    data for a record built before it, which is its own business)."""
+    stepwatch, mem, start = sw
+    s = start()
+    calls = []
+    gate = {"open": False}
+
+    class Named:
+        def __init__(self, name, *, waits=False, fails=False):
+            self.name, self.waits, self.fails = name, waits, fails
+
+        def enrich(self, rec, extras, *, force):
+            calls.append((self.name, rec.step))
+            if self.fails:
+                raise RuntimeError("enricher bug")
+            return not self.waits or gate["open"] or force
+
+    s._stop.set()
+    s._thread.join()  # drive the pipeline by hand
+    s.enrichers[:] = [Named("fails", fails=True), Named("a"), Named("waits", waits=True), Named("b")]
+    opt = torch.optim.SGD(_model().parameters(), lr=0.0)
+    opt.step()  # step 0 ends at the next step's work; end it explicitly
+    stepwatch.step()
+    s._pass(final=False)
+    assert [c for c in calls] == [("fails", 0), ("a", 0), ("waits", 0)] and not mem.records
+    s._new_enrichers.append(Named("new"))  # as _maybe_device_timing does, on the training thread
+    gate["open"] = True
+    s._pass(final=False)
+    assert [c for c in calls if c[1] == 0] == [("fails", 0), ("a", 0), ("waits", 0), ("new", 0), ("waits", 0), ("b", 0)]
+    assert [r.step for r in mem.records] == [0]
+    assert [getattr(e, "name", None) for e in s.enrichers] == ["new", "a", "waits", "b"]

@@ -139,19 +139,21 @@ class _PyRing(abc.ABC):
             return -1
         return i
 
-    def end(self, slot: int, stream: Any = None) -> None:
+    def end(self, slot: int, stream: Any = None) -> bool:
+        """True when the interval will come out of ``poll``; False when nothing was recorded."""
         if isinstance(slot, int) and slot == -1:
-            return
+            return False
         i = self._open(slot)
         if self.closed or self.disabled or 0 <= slot < self._reset_seq:
-            return
+            return False
         if i < 0:
             self.bad_end += 1
-            return
+            return False
         if self._stamp_end(i, stream):
             self._state[i] = _ENDED
-        else:
-            self._give_up(i)
+            return True
+        self._give_up(i)
+        return False
 
     def cancel(self, slot: int) -> bool:
         i = self._open(slot)

@@ -145,16 +145,18 @@ static PyObject *Ring_end(RingObject *self, PyObject *const *args, Py_ssize_t na
     long long seq = PyLong_AsLongLong(args[0]);
     if (seq == -1) {
         if (PyErr_Occurred()) return NULL;
-        Py_RETURN_NONE; /* begin() recorded nothing */
+        Py_RETURN_FALSE; /* begin() recorded nothing */
     }
     CHECK_FORK(self);
-    if (UNLIKELY(self->closed || self->disabled)) Py_RETURN_NONE;
+    if (UNLIKELY(self->closed || self->disabled)) Py_RETURN_FALSE;
     sw_stream_t stream = NULL;
     if (self->ring.rt && nargs == 2 && parse_stream(args[1], &stream) != 0) return NULL;
-    if (UNLIKELY(seq >= 0 && (uint64_t)seq < self->reset_seq)) Py_RETURN_NONE; /* opened before fork */
+    if (UNLIKELY(seq >= 0 && (uint64_t)seq < self->reset_seq)) Py_RETURN_FALSE; /* opened before fork */
     void *release = NULL;
-    if (sw_ring_end(&self->ring, seq, stream, &release) == 1) Py_XDECREF((PyObject *)release);
-    Py_RETURN_NONE;
+    int r = sw_ring_end(&self->ring, seq, stream, &release);
+    if (r == 1) Py_XDECREF((PyObject *)release);
+    if (r == 0) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
 }
 
 static PyObject *Ring_cancel(RingObject *self, PyObject *arg) {
@@ -324,7 +326,8 @@ static PyMethodDef Ring_methods[] = {
      "begin(stream, tag) -> slot: record the start of an interval on the raw stream (ignored on host).\n"
      "Returns -1 when nothing was recorded (ring full, stream capturing a graph, runtime error)."},
     {"end", (PyCFunction)(void (*)(void))Ring_end, METH_FASTCALL,
-     "end(slot, stream=None): record the end of the interval begun as slot; -1 and stale slots are ignored."},
+     "end(slot, stream=None) -> bool: record the end of the interval begun as slot; True when it "
+     "will come out of poll(), False when given up (capture began, runtime error) or ignored (-1, stale)."},
     {"cancel", (PyCFunction)Ring_cancel, METH_O, "cancel(slot) -> bool: give up an open interval."},
     {"poll", (PyCFunction)Ring_poll, METH_NOARGS,
      "poll() -> [(tag, slot, elapsed_s)]: finished intervals, oldest first; never blocks."},

@@ -38,8 +38,10 @@ class DeviceTiming:
         return slot
 
     def end(self, slot: int) -> None:
-        if slot >= 0:
-            self.timer.end(slot, self.stream)
+        # An interval given up at its end (a capture began, a runtime error) never comes out of
+        # poll(): not expected, or the record would wait for it until the hold limit.
+        if slot >= 0 and not self.timer.end(slot, self.stream):
+            self._begun -= 1
 
     def take(self) -> tuple[int, int]:
         """At step end (training thread): (step, intervals begun in it); then the next step."""
@@ -56,6 +58,7 @@ class DeviceTimingEnricher:
         self.timer = timer
         self._sums: dict[int, dict[int, float]] = {}
         self._counts: dict[int, int] = {}
+        self._errors = 0
 
     def _poll(self) -> None:
         for tag, _slot, elapsed in self.timer.poll():
@@ -70,6 +73,12 @@ class DeviceTimingEnricher:
             return True
         step, expected = info
         self._poll()
+        errors = getattr(self.timer, "errors", 0)
+        if errors != self._errors:
+            # An interval was lost to a runtime error while polling: the step waiting now may
+            # be missing it. Keep its host times rather than hold every record behind it.
+            self._errors = errors
+            force = True
         if self._counts.get(step, 0) < expected and not force:
             return False
         sums = self._sums.pop(step, {})
