@@ -273,6 +273,11 @@ class Session:
                         # Copied to host without blocking; read once its event completes.
                         import torch
 
+                        if torch.cuda.is_current_stream_capturing():
+                            # inside a CUDA graph capture the copy would be a graph node and
+                            # the host value the capture's, not a replay's: unknown instead
+                            out[k] = None
+                            continue
                         host = v.detach().to("cpu", non_blocking=True)
                         ev = torch.cuda.Event()
                         # the copy runs on the tensor's device's stream, not the current device's

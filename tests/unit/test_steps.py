@@ -275,3 +275,31 @@ def test_each_enricher_runs_once_per_record_while_the_list_changes(sw):
     assert [c for c in calls if c[1] == 0] == [("fails", 0), ("a", 0), ("waits", 0), ("new", 0), ("waits", 0), ("b", 0)]
     assert [r.step for r in mem.records] == [0]
     assert [getattr(e, "name", None) for e in s.enrichers] == ["new", "a", "waits", "b"]
+
+
+class _CapturedCudaTensor:
+    """A CUDA tensor as the probes see it, inside a CUDA graph capture (no GPU here: only the
+    attributes read before the capture check; any other use fails the test)."""
+
+    is_cuda = True
+
+    def detach(self):
+        raise AssertionError("a tensor was copied inside a graph capture")
+
+
+def test_values_inside_a_graph_capture_are_unknown_not_captured(sw, monkeypatch):
+    """log() of a CUDA scalar and the token count of a CUDA mask queue a copy and an event;
+    inside a CUDA graph capture both would be graph nodes holding the capture's values, so
+    they are left unknown (torch.cuda.is_current_stream_capturing faked: no GPU here)."""
+    from stepwatch.hooks.tokens import _count_nonzero
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    stepwatch, mem, start = sw
+    start()
+    opt = torch.optim.SGD(_model().parameters(), lr=0.0)
+    opt.step()
+    stepwatch.log(loss=_CapturedCudaTensor(), lr=0.5)
+    stepwatch.shutdown()
+    assert mem.records[0].scalars == {"loss": None, "lr": 0.5}
+    c = _count_nonzero(_CapturedCudaTensor())
+    assert (c.samples, c.tokens, c._pending) == (None, None, None)

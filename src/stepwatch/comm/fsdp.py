@@ -89,6 +89,8 @@ class CollectivePatches:
         if t is not None and t.is_cuda:
             import torch
 
+            if torch.cuda.is_current_stream_capturing():
+                return span  # events recorded in a graph capture cannot be queried: host clock only
             span.ev0 = torch.cuda.Event(enable_timing=True)
             span.ev0.record()
             span.device = t.device.index

@@ -191,6 +191,8 @@ class DDPCommHooks:
         if not self.active or not self.collector.enabled or not torch.is_grad_enabled():
             return
         try:
+            if torch.cuda.is_current_stream_capturing():
+                return  # an event recorded in a graph capture cannot be queried later
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self.collector.set_forward_end_event(ev)
@@ -265,6 +267,8 @@ class DDPCommHooks:
         if buf.is_cuda:
             import torch
 
+            if torch.cuda.is_current_stream_capturing():
+                return span  # events recorded in a graph capture cannot be queried: host clock only
             span.ev0 = torch.cuda.Event(enable_timing=True)
             span.ev0.record()
             span.device = buf.device.index

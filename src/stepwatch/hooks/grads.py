@@ -346,6 +346,10 @@ class GradNormProbe:
         params = self._optimizer_params(optimizer)
         if not params:
             return None
+        if params[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            # The optimizer step is being captured into a CUDA graph: the probe's kernels would
+            # join the graph and its host copy hold the capture's values. Unknown instead.
+            return None
         scale = getattr(optimizer, "grad_scale", None)  # set by GradScaler.step for fused optimizers
         values = None
         sharded = False

@@ -66,6 +66,8 @@ class BatchCounts:
 def _count_nonzero(mask: Any) -> BatchCounts:
     import torch
 
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return BatchCounts(None, None)  # a count queued in a graph capture is the capture's: unknown
     n = (mask != 0).sum()
     if n.device.type == "cuda":
         host = torch.empty((), dtype=n.dtype, pin_memory=True)
