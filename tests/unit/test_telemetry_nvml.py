@@ -356,6 +356,14 @@ def test_xid_event_thread_delivers_through_the_event_api():
     assert nvml.freed_event_sets == 1
 
 
+def test_a_mig_instance_named_by_torch_without_prefix_is_found():
+    """torch's uuid of a MIG instance carries no prefix; NVML knows it as MIG-<uuid>."""
+    mig = "MIG-0d1e2f3a-4b5c-6d7e-8f90-a1b2c3d4e5f6"
+    nvml = FakeNvml(uuids=[*UUIDS, mig])
+    h, _ = resolve_device(nvml, env={}, torch_uuid=lambda env: "GPU-" + mig[4:])
+    assert h == ("h", len(UUIDS))
+
+
 def test_device_matching_by_uuid_pci_and_visible_devices():
     nvml = FakeNvml()
     no_torch = lambda env: None  # noqa: E731

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import os
+import threading
 import weakref
 from time import perf_counter_ns
 from typing import Any
@@ -78,6 +79,9 @@ class _PyRing(abc.ABC):
         self._tags: list[Any] = [None] * cap
         self._head = 0
         self._tail = 0
+        # _advance runs on the poller's thread and, when end() gives a slot up, on the training
+        # thread: `_tail += 1` from both at once could move the tail back or past the head.
+        self._advance_lock = threading.Lock()
         self._reset_seq = 0
         self.dropped = 0
         self.captured = 0
@@ -168,8 +172,9 @@ class _PyRing(abc.ABC):
         self._advance()
 
     def _advance(self) -> None:
-        while self._tail != self._head and self._state[self._tail & self._mask] == _FREE:
-            self._tail += 1
+        with self._advance_lock:
+            while self._tail != self._head and self._state[self._tail & self._mask] == _FREE:
+                self._tail += 1
 
     def poll(self) -> list[tuple[Any, int, float]]:
         out: list[tuple[Any, int, float]] = []
@@ -225,6 +230,7 @@ class _PyRing(abc.ABC):
             self.closed = True
 
     def _after_fork(self) -> None:
+        self._advance_lock = threading.Lock()  # another thread may have held it at fork()
         self._clear()
         self._reset_seq = self._head
         self.dropped = self.captured = self.errors = self.completed = self.bad_end = 0

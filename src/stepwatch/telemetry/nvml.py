@@ -106,6 +106,13 @@ def _by_uuid_prefix(nvml: Any, prefix: str) -> Any:
         return nvml.nvmlDeviceGetHandleByUUID(prefix)
     except nvml.NVMLError:
         pass
+    if prefix.startswith("GPU-"):
+        # torch prints a MIG instance's UUID bare too, and _uuid_text guessed "GPU-": NVML knows
+        # a MIG instance by "MIG-<uuid>" (its handle, not its parent GPU's, found by index below).
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID("MIG-" + prefix[4:])
+        except nvml.NVMLError:
+            pass
     for i in range(nvml.nvmlDeviceGetCount()):
         h = nvml.nvmlDeviceGetHandleByIndex(i)
         if text(nvml.nvmlDeviceGetUUID(h)).startswith(prefix):
