@@ -31,3 +31,14 @@ def sw(tmp_path, monkeypatch):
 
     yield stepwatch, mem, start
     stepwatch.shutdown()
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """The native cuda_ext module: the built one, else compiled here (skips without a compiler)."""
+    from stepwatch.cuda_ext import _testing
+
+    try:
+        return _testing.load_native(tmp_path_factory.mktemp("native"))
+    except RuntimeError as exc:
+        pytest.skip(f"native extension not built and cannot be compiled here: {exc}")

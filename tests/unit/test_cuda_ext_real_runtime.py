@@ -49,14 +49,6 @@ needs_cudart = pytest.mark.skipif(CUDART is None, reason="no CUDA toolkit runtim
 NO_DRIVER = not Path("/proc/driver/nvidia").exists()
 
 
-@pytest.fixture(scope="module")
-def native(tmp_path_factory):
-    try:
-        return _testing.load_native(tmp_path_factory.mktemp("native"))
-    except RuntimeError as exc:
-        pytest.skip(f"native extension not built and cannot be compiled here: {exc}")
-
-
 @needs_cudart
 @pytest.mark.skipif(not NO_DRIVER, reason="a GPU driver is present: scripts/gpu_check_timing.py covers this machine")
 def test_real_cudart_binds_every_symbol_and_reports_the_missing_driver(native):

@@ -15,16 +15,7 @@ import time
 import pytest
 
 import stepwatch.cuda_ext as cuda_ext
-from stepwatch.cuda_ext import _testing
 from stepwatch.cuda_ext._python import PyHostRing
-
-
-@pytest.fixture(scope="module")
-def native(tmp_path_factory):
-    try:
-        return _testing.load_native(tmp_path_factory.mktemp("native"))
-    except RuntimeError as exc:
-        pytest.skip(f"native extension not built and cannot be compiled here: {exc}")
 
 
 @pytest.fixture(params=["native", "python"])

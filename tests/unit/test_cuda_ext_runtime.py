@@ -24,14 +24,6 @@ OTHER = 0x6000
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory):
-    try:
-        return _testing.load_native(tmp_path_factory.mktemp("native"))
-    except RuntimeError as exc:
-        pytest.skip(f"native extension not built and cannot be compiled here: {exc}")
-
-
-@pytest.fixture(scope="module")
 def fake_paths(tmp_path_factory):
     d = tmp_path_factory.mktemp("fake")
     try:
@@ -165,18 +157,19 @@ def test_runtime_errors_are_counted_not_raised(ring, fake):
     assert ring.errors == 2 and ring.pending == 0
 
 
-def _poll_from_fresh_thread(r, fake):
-    """Poll from a new thread, which starts on device 0 like a real one; what it saw."""
-    got, seen_device = [], []
-
-    def run():
-        got.extend(r.poll())
-        seen_device.append(fake.get_device())
-
-    t = threading.Thread(target=run)
+def _on_fresh_thread(fn):
+    """fn() on a new thread, which starts on device 0 like a real one (e.g. stepwatch's poller)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
     t.start()
     t.join(5)
-    return got, seen_device[0]
+    assert out, "the thread did not finish"
+    return out[0]
+
+
+def _poll_from_fresh_thread(r, fake):
+    """Poll from a new thread; what it got, and the device it was left on."""
+    return _on_fresh_thread(lambda: (r.poll(), fake.get_device()))
 
 
 def test_poller_thread_switches_to_the_ring_device_and_creates_no_context_on_device_0(native, fake):
@@ -460,11 +453,8 @@ def test_event_query_does_not_break_another_threads_capture(native, fake):
     ev = _raw_event(fake)
     fake.set_capture(OTHER)  # another thread captures on its stream
     v0 = fake.counter("capture_violations")
-    done = []
-    t = threading.Thread(target=lambda: done.append(native.event_query(ev, 0, fake.path)))
-    t.start()
-    t.join(5)
-    assert done == [True] and fake.counter("capture_violations") == v0
+    assert _on_fresh_thread(lambda: native.event_query(ev, 0, fake.path)) is True
+    assert fake.counter("capture_violations") == v0
 
 
 def test_event_query_on_a_fresh_thread_uses_the_events_device_and_no_other(native, fake):
@@ -474,11 +464,8 @@ def test_event_query_on_a_fresh_thread_uses_the_events_device_and_no_other(nativ
     fake.set_device(1)
     ev = _raw_event(fake)
     w0 = fake.counter("wrong_device")
-    got = []
-    t = threading.Thread(target=lambda: got.append(native.event_query(ev, 1, fake.path)))
-    t.start()
-    t.join(5)
-    assert got == [True] and fake.counter("wrong_device") == w0
+    assert _on_fresh_thread(lambda: native.event_query(ev, 1, fake.path)) is True
+    assert fake.counter("wrong_device") == w0
     assert fake.contexts_created(0) == 0
 
 

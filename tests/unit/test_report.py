@@ -162,10 +162,10 @@ def test_rotated_segments_and_restart_attempts_are_merged_in_time_order(tmp_path
     write_jsonl(tmp_path / "steps.rank0.1.jsonl", restart)  # attempt 1
     write_jsonl(tmp_path / "findings.rank0.1.jsonl.2", [finding(0, 60)])
     run = load_run(str(tmp_path))
-    got = run.records[0]
+    got = run.columns[0]
     assert len(got) == 80
-    assert [r.time for r in got] == sorted(r.time for r in first + second + restart)
-    assert [r.step for r in got] == list(range(60)) + list(range(50, 70))
+    assert got.time.tolist() == sorted(r.time for r in first + second + restart)
+    assert got.step.tolist() == list(range(60)) + list(range(50, 70))
     assert run.attempts == {0: [0, 1]}
     assert [f.step for f in run.findings] == [60]
 
@@ -177,7 +177,7 @@ def test_truncated_last_line_and_garbage_are_skipped_and_counted(tmp_path, capsy
     with open(tmp_path / "findings.rank0.jsonl", "a") as f:
         f.write('{"kind": "data_lo')
     run = load_run(str(tmp_path))
-    assert len(run.records[0]) == 40
+    assert len(run.columns[0]) == 40
     assert run.bad_lines == 4
     assert run.bad_lines_by_file == {"steps.rank0.jsonl": 3, "findings.rank0.jsonl": 1}
     assert cli(["report", str(tmp_path), "--no-html"]) == 0
@@ -212,19 +212,20 @@ def test_slow_rank_is_marked_only_when_it_stands_out(tmp_path):
     s = summarize(load_run(str(d)))
     assert s.slowest_rank == 1 and s.most_data_wait_rank == 1 and s.slowest_compute_rank is None
     # DDP: rank 0 computes 30 ms more per step; rank 1 sits those 30 ms in backward's AllReduce.
-    d = tmp_path / "ddp"
+    d, unknown = tmp_path / "ddp", tmp_path / "ddp-no-comm"
     d.mkdir()
+    unknown.mkdir()
     for r in range(2):
         recs = make_records(r, 100, rng, backward_s=0.04)
         for x in recs:
             x.forward_s += 0.03 if r == 0 else 0.0
             x.comm_exposed_s = 0.0 if r == 0 else 0.03
         write_jsonl(d / f"steps.rank{r}.jsonl", recs)
-    s = summarize(load_run(str(d)))
-    assert s.slowest_compute_rank == 0
-    for x in s.run.records[0] + s.run.records[1]:
-        x.comm_exposed_s = None  # unknown: the longer backward proves nothing
-    assert summarize(s.run).slowest_compute_rank is None
+        for x in recs:
+            x.comm_exposed_s = None  # unknown: the longer backward proves nothing
+        write_jsonl(unknown / f"steps.rank{r}.jsonl", recs)
+    assert summarize(load_run(str(d))).slowest_compute_rank == 0
+    assert summarize(load_run(str(unknown))).slowest_compute_rank is None
 
 
 def test_compare_rows_direction(tmp_path):
@@ -494,3 +495,106 @@ def test_any_mix_of_unknown_fields_reports_without_crashing(tmp_path, capsys):
     for chart in re.findall(r"<svg.*?</svg>", page):
         assert "nan" not in chart.lower() and "inf" not in chart.lower()  # no broken coordinates
     assert charts(page).count("phases") == 3
+
+
+# --- columns: how records are held --------------------------------------------------------------
+
+
+def test_sparse_phases_and_scalars_become_columns_with_unknown_apart_from_recorded_nan(tmp_path):
+    rows = []
+    for i in range(30):
+        phases = {"fetch": 0.002} if i % 3 == 0 else {}
+        if i == 4:
+            phases["zeta"] = "nan"  # the writer's NaN: known, and it makes the total NaN
+        scalars = {"loss": 3.0 - i / 10}
+        if i % 10 == 0:
+            scalars["lr"] = 1e-3
+        if i >= 25:
+            scalars["tokens_seen"] = 1_000_000 + i  # an integer stays one on the page
+        if i == 29:
+            scalars["loss"] = "nan"
+        rows.append(StepRecord(step=i, rank=0, time=100.0 + i, step_s=0.1, phases=phases,
+                               scalars=scalars).to_dict())
+    write_jsonl(tmp_path / "steps.rank0.jsonl", rows)
+    c = load_run(str(tmp_path)).columns[0]
+    fetch = c.phase("fetch")
+    assert np.isnan(fetch.values).tolist() == [i % 3 != 0 for i in range(30)]
+    assert fetch.known().sum() == 10
+    zeta = c.phase("zeta")
+    assert zeta.known().tolist() == [i == 4 for i in range(30)] and np.isnan(zeta.values).all()
+    assert c.scalar_names == ["loss", "lr", "tokens_seen"]  # order of first appearance
+    assert c.scalar("lr").known().sum() == 3
+    st = summarize(load_run(str(tmp_path))).per_rank[0]
+    assert st.user_phase_mean["fetch"] == pytest.approx(10 * 0.002 / 30)
+    assert np.isnan(st.user_phase_mean["zeta"])
+    assert st.scalars_last["tokens_seen"] == 1_000_029
+    assert type(st.scalars_last["tokens_seen"]) is int
+    assert np.isnan(st.scalars_last["loss"]) and st.scalars_last["lr"] == 1e-3
+
+
+def test_half_line_rotated_segment_and_a_line_of_another_rank(tmp_path):
+    rng = np.random.default_rng(8)
+    old = make_records(0, 10, rng, t0=1000.0)
+    new = make_records(0, 10, rng, t0=old[-1].time, first_step=10)
+    moved = StepRecord(step=3, rank=1, time=1000.5, step_s=0.01)  # rank 1's, in rank 0's file
+    half = '{"step": 20, "time": 1.7e9, "st'  # the crash came mid-write
+    write_jsonl(tmp_path / "steps.rank0.jsonl", new + [moved], tail=half)
+    write_jsonl(tmp_path / "steps.rank0.jsonl.1", old)
+    run = load_run(str(tmp_path))
+    assert run.bad_lines_by_file == {"steps.rank0.jsonl": 1}
+    assert run.ranks == [0, 1]
+    assert run.columns[0].step.tolist() == list(range(20))  # the older segment first
+    assert run.columns[0].num("step_s").tolist() == [r.step_s for r in old + new]
+    assert run.columns[1].step.tolist() == [3]
+
+
+def test_unchanging_and_never_recorded_fields_cost_no_memory_per_record(tmp_path):
+    rng = np.random.default_rng(9)
+    recs = make_records(0, 5000, rng, tokens=512)  # more than one chunk of lines
+    for i, r in enumerate(recs):
+        r.grad_norm = None if i < 4500 else float(i)  # first known past the first chunk
+        r.mem_peak_bytes = 2**30 if i < 4200 else 2**31  # changes in the second chunk
+    write_jsonl(tmp_path / "steps.rank0.jsonl", recs)
+    c = load_run(str(tmp_path)).columns[0]
+    assert np.isnan(c.num("mfu")).all() and (c.num("tokens") == 512).all()
+    assert c.num("mem_peak_bytes").tolist() == [float(r.mem_peak_bytes) for r in recs]
+    g = c.grad_norm
+    assert g.known().tolist() == [i >= 4500 for i in range(5000)]
+    assert g.values[4500:].tolist() == [float(i) for i in range(4500, 5000)]
+    # What varies: time, step, step_s, five phases, memory, grad norm (8 bytes each), skipped (1).
+    assert c.nbytes() <= 5000 * (10 * 8 + 1) + 1000
+
+
+def test_grad_norm_nulls_beside_nans_integers_and_infinities(tmp_path):
+    norms = [None, float("nan"), "nan", 3, 2.5, float("inf"), None, 3.0, "many", True]
+    lines = [json.dumps({"step": i, "rank": 0, "time": 10.0 + i, "step_s": 0.1, "grad_norm": g})
+             for i, g in enumerate(norms)]  # json.dumps writes NaN and Infinity literals
+    (tmp_path / "steps.rank0.jsonl").write_text("\n".join(lines) + "\n")
+    # Only floats and nulls: a NaN beside a null is still known.
+    lines = [json.dumps({"step": i, "time": 10.0 + i, "step_s": 0.1, "grad_norm": g})
+             for i, g in enumerate([None, float("nan"), 1.5, None])]
+    (tmp_path / "steps.rank1.jsonl").write_text("\n".join(lines) + "\n")
+    s = summarize(load_run(str(tmp_path)))
+    st = s.per_rank[0]
+    assert st.grad_norm_nonfinite == 3  # NaN, "nan", inf; null, "many" and true are unknown
+    assert st.grad_norm_max == 3 and type(st.grad_norm_max) is int  # the first maximum, as written
+    assert st.grad_norm_last == 3.0
+    assert (s.per_rank[1].grad_norm_nonfinite, s.per_rank[1].grad_norm_last) == (1, 1.5)
+
+
+def test_pooled_ranks_in_time_order_ties_by_rank_then_record_order(tmp_path):
+    times = {0: [50.0, 51.0, 52.0, 53.0], 1: [49.0, 50.0, 51.0, 53.0]}
+    first = {0: ["b"], 1: ["c", "a"]}  # scalars logged once, before the loss
+    for r in range(2):
+        rows = []
+        for i, t in enumerate(times[r]):
+            names = first[r][i:i + 1] if i < len(first[r]) else ["loss"]
+            rows.append(StepRecord(step=i, rank=r, time=t, step_s=0.1 + r,
+                                   scalars={k: 10.0 * r + i for k in names}).to_dict())
+        write_jsonl(tmp_path / f"steps.rank{r}.jsonl", rows)
+    s = summarize(load_run(str(tmp_path)))
+    # Pooled: 49 r1 (c), 50 r0 (b), 50 r1 (a), 51 r0, 51 r1, 52 r0, 53 r0 (3.0), 53 r1 (13.0).
+    assert list(s.overall.scalars_last) == ["c", "b", "a", "loss"]
+    assert s.overall.scalars_last["loss"] == 13.0
+    assert s.per_rank[0].scalars_last == {"b": 0.0, "loss": 3.0}
+    assert s.overall.step_mean == pytest.approx(0.6)

@@ -3,6 +3,9 @@
 The files are JSON Lines written while the job ran, so a crash can leave half a line at the end
 of a file. Such lines are skipped and counted, never fatal: a report of a crashed run is the one
 a user needs most.
+
+Step records are read line by line into columns (``columns.RankColumns``, built by ``ingest``):
+a long job's records would not fit in memory as one object each.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
-from ..record import STEP_FIELDS, Finding, StepRecord
+from ..record import Finding
+from .columns import RankColumns
+from .ingest import RankBuilder, _is_num, add_step
 
 # steps.rank<R>.jsonl, steps.rank<R>.<K>.jsonl (attempt K after an elastic restart), and the
 # rotated older segments of either, suffixed .<N>.
@@ -22,19 +28,6 @@ _FILE_RE = re.compile(r"^(steps|findings)\.rank(\d+)(?:\.(\d+))?\.jsonl(?:\.(\d+
 _MANIFEST_RE = re.compile(r"^run(?:\.(\d+))?\.json$")
 # Each rank's own line of the manifest: host, pid, attempt.
 _RANK_INFO_RE = re.compile(r"^rank(\d+)\.json$")
-
-_NUMERIC = frozenset(
-    (
-        "time", "step_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s",
-        "eval_s", "checkpoint_s", "mem_peak_bytes", "flops", "mfu", "hfu", "tokens", "grad_norm",
-        "comm_s", "comm_exposed_s", "overlap", "allreduce_s", "peak_tflops",
-    )
-)
-_FIELDS = frozenset(STEP_FIELDS)
-# Fields the writer always fills; a line that lacks one is from an older or foreign writer, and
-# the dataclass default (0.0) would pass for a measurement. Unknown stays None.
-_PHASE_DEFAULTS_TO_NONE = ("step_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s",
-                           "other_s", "eval_s", "checkpoint_s")
 
 
 class ReportError(Exception):
@@ -45,7 +38,7 @@ class ReportError(Exception):
 class Run:
     path: str
     manifest: dict[str, Any] | None
-    records: dict[int, list[StepRecord]]  # rank -> records ordered by time
+    columns: dict[int, RankColumns]  # rank -> its records as columns, ordered by time
     findings: list[Finding]  # ordered by time
     bad_lines: int = 0
     bad_lines_by_file: dict[str, int] = field(default_factory=dict)
@@ -63,62 +56,7 @@ class Run:
 
     @property
     def ranks(self) -> list[int]:
-        return sorted(self.records)
-
-
-def _is_num(v: Any) -> bool:
-    # json gives exactly int or float (bool is its own type); v - v is 0 only when v is finite.
-    t = type(v)
-    return t is int or (t is float and v - v == 0.0)
-
-
-# The records writer spells non-finite floats as strings (JSON has no NaN); json.dumps's own NaN
-# and Infinity literals parse to floats already.
-_NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
-# A non-finite loss or gradient norm is the news (divergence, overflow), not an unknown.
-_KEEP_NONFINITE = frozenset(("grad_norm",))
-
-
-def _value(v: Any) -> float | None:
-    """A number, non-finite included, or None."""
-    t = type(v)
-    if t is int or t is float:
-        return v
-    return _NONFINITE.get(v) if t is str else None
-
-
-def _num_map(v: Any) -> dict[str, float]:
-    if type(v) is not dict:
-        return {}
-    out = {}
-    for a, b in v.items():
-        if (x := _value(b)) is not None:
-            out[a] = x
-    return out
-
-
-def _parse_step(d: Any, file_rank: int) -> StepRecord | None:
-    if type(d) is not dict or not (_is_num(d.get("step")) and _is_num(d.get("time"))):
-        return None
-    kw: dict[str, Any] = dict.fromkeys(_PHASE_DEFAULTS_TO_NONE)
-    # One pass over the line: 200,000 steps x ranks makes this loop the report's hot spot.
-    for k, v in d.items():
-        if k in _NUMERIC:
-            t = type(v)
-            # A NaN, an infinity or a string where a number belongs: unknown, not a crash.
-            if v is None or t is int or (t is float and v - v == 0.0):
-                kw[k] = v
-            else:
-                kw[k] = _value(v) if k in _KEEP_NONFINITE else None
-        elif k in _FIELDS:
-            kw[k] = v
-    if type(kw.get("rank")) is not int:
-        kw["rank"] = file_rank
-    kw["step"] = int(kw["step"])
-    kw["phases"] = _num_map(kw.get("phases"))
-    kw["scalars"] = _num_map(kw.get("scalars"))
-    kw["skipped"] = bool(kw.get("skipped", False))
-    return StepRecord(**kw)
+        return sorted(self.columns)
 
 
 def _parse_finding(d: Any, file_rank: int) -> Finding | None:
@@ -138,22 +76,28 @@ def _parse_finding(d: Any, file_rank: int) -> Finding | None:
     return Finding(**kw)
 
 
-def _read_jsonl(path: str, parse, file_rank: int) -> tuple[list, int]:
-    out, bad = [], 0
+def _read_jsonl(path: str, take: Callable[[Any], bool]) -> int:
+    """Hand each line's JSON to ``take``, one line at a time; returns the lines it refused."""
+    bad = 0
     # errors="replace": a torn multi-byte character at a crash must not lose the whole file.
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             if not line.strip():
                 continue
             try:
-                obj = parse(json.loads(line), file_rank)
+                ok = take(json.loads(line))
             except (ValueError, TypeError):
-                obj = None
-            if obj is None:
+                ok = False
+            if not ok:
                 bad += 1
-            else:
-                out.append(obj)
-    return out, bad
+    return bad
+
+
+def _take_finding(into: list[Finding], d: Any, file_rank: int) -> bool:
+    f = _parse_finding(d, file_rank)
+    if f is not None:
+        into.append(f)
+    return f is not None
 
 
 def _hint_for(path: str, names: list[str]) -> str:
@@ -225,15 +169,20 @@ def load_run(path: str) -> Run:
         )
 
     manifest, manifest_name, manifest_error = _read_manifest(path, names)
-    run = Run(path=path, manifest=manifest, records={}, findings=[], manifest_error=manifest_error,
+    run = Run(path=path, manifest=manifest, columns={}, findings=[], manifest_error=manifest_error,
               manifest_name=manifest_name, rank_info=_read_rank_info(path, names))
     attempts: dict[int, set[int]] = {}
+    # A line's "rank" decides its rank, not the file name it is in: one builder per rank seen.
+    builders: dict[int, RankBuilder] = {}
     for name, m in matched:
         kind, rank, attempt = m.group(1), int(m.group(2)), int(m.group(3) or 0)
         fpath = os.path.join(path, name)
-        parse = _parse_step if kind == "steps" else _parse_finding
+        if kind == "steps":
+            take = partial(add_step, builders, file_rank=rank)
+        else:
+            take = partial(_take_finding, run.findings, file_rank=rank)
         try:
-            items, bad = _read_jsonl(fpath, parse, rank)
+            bad = _read_jsonl(fpath, take)
         except OSError as e:
             raise ReportError(f"cannot read {fpath!r}: {e.strerror}") from None
         run.files.append(name)
@@ -242,13 +191,8 @@ def load_run(path: str) -> Run:
             run.bad_lines_by_file[name] = bad
         if kind == "steps":
             attempts.setdefault(rank, set()).add(attempt)
-            for r in items:
-                run.records.setdefault(r.rank, []).append(r)
-        else:
-            run.findings.extend(items)
-    for recs in run.records.values():
-        # Stable: records written in the same clock tick keep their file order.
-        recs.sort(key=lambda r: r.time)
+    # Each rank's segments and attempts merged, ordered by time (finish sorts).
+    run.columns = {r: b.finish() for r, b in builders.items()}
     run.findings.sort(key=lambda f: f.time)
     run.attempts = {r: sorted(a) for r, a in attempts.items()}
     return run

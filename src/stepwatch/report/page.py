@@ -7,9 +7,9 @@ from html import escape
 
 import numpy as np
 
-from .. import record
 from . import fmt, svg
-from .summary import PHASE_LABELS, PHASES, Summary, column, compare
+from .columns import RankColumns
+from .summary import PHASE_LABELS, PHASES, Summary, compare
 from .tables import Table, all_tables, comparison
 
 # Past this many ranks a stacked chart each would make the page long and heavy; the ranks that
@@ -68,11 +68,11 @@ def _legend(items: list[tuple[str, str]]) -> str:
     ) + "</div>"
 
 
-def _x_of(recs: list[record.StepRecord]) -> tuple[np.ndarray, str]:
-    steps = np.fromiter((r.step for r in recs), dtype=float, count=len(recs))
+def _x_of(c: RankColumns) -> tuple[np.ndarray, str]:
+    steps = c.step
     if len(steps) > 1 and (np.diff(steps) < 0).any():
         # A restart resumed from an earlier step: stacked areas need a monotonic axis.
-        return np.arange(len(recs), dtype=float), "record # (steps repeat after a restart)"
+        return np.arange(len(c), dtype=float), "record # (steps repeat after a restart)"
     return steps, "step"
 
 
@@ -85,16 +85,16 @@ def _charts(s: Summary, prefix: str = "") -> str:
     per_series = max(200, min(MAX_POINTS_PER_SERIES, LINE_POINT_BUDGET // len(ranks)))
     series, legend = [], []
     for i, r in enumerate(ranks):
-        recs = run.records[r]
+        c = run.columns[r]
         color = svg.PALETTE[i % len(svg.PALETTE)]
-        x = np.fromiter((rec.step for rec in recs), dtype=float, count=len(recs))
-        series.append((f"rank {r}", x, column(recs, "step_s"), color))
+        # Steps as stored: the chart makes each rank's floats in turn, not all ranks' at once.
+        series.append((f"rank {r}", c.step, c.num("step_s"), color))
         legend.append((f"rank {r}", color))
     out.append(f"<h3>{escape(prefix)}Step time per step</h3>")
     out.append(svg.line_chart(series, title=f"{prefix}step time per step, per rank",
                               yfmt=fmt.dur, max_points=per_series, kind="step_time"))
     out.append(_legend(legend))
-    if any(len(run.records[r]) > per_series for r in ranks):
+    if any(len(run.columns[r]) > per_series for r in ranks):
         out.append(f'<p class="note">Thinned to at most {per_series} points per rank, keeping '
                    "each bucket's fastest and slowest step.</p>")
 
@@ -103,10 +103,9 @@ def _charts(s: Summary, prefix: str = "") -> str:
     out.append(_legend([(PHASE_LABELS[k], PHASE_COLORS[k]) for k in PHASES]))
     stacks = {}
     for r in shown:
-        recs = run.records[r]
-        x, xlabel = _x_of(recs)
-        stacks[r] = (x, xlabel, [(PHASE_LABELS[k], column(recs, k), PHASE_COLORS[k])
-                                 for k in PHASES])
+        c = run.columns[r]
+        x, xlabel = _x_of(c)
+        stacks[r] = (x, xlabel, [(PHASE_LABELS[k], c.num(k), PHASE_COLORS[k]) for k in PHASES])
     # One y axis for all ranks, so the eye compares heights across the small multiples.
     y_max = max(svg.stacked_top(x, [y for _, y, _ in layers]) for x, _, layers in stacks.values())
     for r, (x, xlabel, layers) in stacks.items():
@@ -117,7 +116,7 @@ def _charts(s: Summary, prefix: str = "") -> str:
         rest = [r for r in ranks if r not in shown]
         out.append(f'<p class="note">Phase charts for ranks {", ".join(map(str, rest))} left out '
                    f"to keep the page small; their means are in the per-rank table.</p>")
-    if any(len(run.records[r]) > svg.STACK_POINTS for r in shown):
+    if any(len(run.columns[r]) > svg.STACK_POINTS for r in shown):
         out.append('<p class="note">Long runs: each point of a phase chart is the mean of a '
                    "bucket of consecutive steps.</p>")
 
@@ -143,16 +142,11 @@ def _stacked_ranks(s: Summary) -> list[int]:
 def _scalar_charts(s: Summary, prefix: str) -> str:
     """Logged scalars (loss, lr, ...) of the lowest rank: every rank logs the same loss in DDP."""
     run = s.run
-    recs = run.records[run.ranks[0]]
-    names: list[str] = []
-    for rec in recs:
-        for k in rec.scalars:
-            if k not in names:
-                names.append(k)
+    c = run.columns[run.ranks[0]]
     out = []
-    for k in names[:MAX_SCALAR_CHARTS]:
-        x = np.fromiter((rec.step for rec in recs), dtype=float, count=len(recs))
-        y = np.fromiter((rec.scalars.get(k, np.nan) for rec in recs), dtype=float, count=len(recs))
+    for k in c.scalar_names[:MAX_SCALAR_CHARTS]:  # in order of first appearance
+        # A recorded NaN and a step without the scalar both leave a gap.
+        x, y = c.step, c.scalar(k).values
         out.append(f"<h3>{escape(prefix)}{escape(k)} (rank {run.ranks[0]})</h3>")
         out.append(svg.line_chart([(k, x, y, svg.PALETTE[0])], title=f"{prefix}{k}",
                                   yfmt=fmt.num, kind="scalar", from_zero=False))
@@ -201,16 +195,22 @@ def render_html(s: Summary) -> str:
 
 def _job_series(s: Summary) -> tuple[np.ndarray, np.ndarray]:
     """Each step's slowest rank: the time the whole job spent on that step."""
-    per_step: dict[int, float] = {}
-    for recs in s.run.records.values():
-        latest: dict[int, float] = {}
-        for r in recs:  # time order: a re-run step after a restart replaces the earlier one
-            if r.step_s is not None and not r.skipped:
-                latest[r.step] = r.step_s
-        for k, v in latest.items():
-            per_step[k] = max(per_step.get(k, v), v)
-    steps = sorted(per_step)
-    return np.asarray(steps, float), np.asarray([per_step[k] for k in steps], float)
+    steps, times = [], []
+    for c in s.run.columns.values():
+        step_s = c.num("step_s")
+        ok = ~np.isnan(step_s) & ~c.skipped
+        # Time order: a step run again after a restart replaces the earlier run, so keep each
+        # step's last record (np.unique on the reversed steps finds the last first).
+        st, v = c.step[ok][::-1], step_s[ok][::-1]
+        st, first = np.unique(st, return_index=True)
+        steps.append(st)
+        times.append(v[first])
+    if not steps:
+        return np.zeros(0), np.zeros(0)
+    st, where = np.unique(np.concatenate(steps), return_inverse=True)
+    slowest = np.full(len(st), -np.inf)
+    np.maximum.at(slowest, where, np.concatenate(times))
+    return st.astype(float), slowest
 
 
 def render_compare_html(a: Summary, b: Summary) -> str:

@@ -5,13 +5,13 @@ Unknown stays ``None`` all the way to the page: a field that no step recorded is
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..record import SEVERITIES, StepRecord
+from ..record import SEVERITIES
+from .columns import PooledColumns, RankColumns, Series, pool
 from .load import Run
 
 PHASES = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s")
@@ -91,100 +91,151 @@ class Summary:
     most_data_wait_rank: int | None
 
 
-def column(recs: list[StepRecord], name: str) -> np.ndarray:
-    """One field as floats, NaN where unknown (numpy turns None into NaN for a float array)."""
-    return np.array([getattr(r, name) for r in recs], dtype=float)
+Columns = RankColumns | PooledColumns
+
+
+def _where(a: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``a[mask]``, without the copy when every element is chosen (the same numbers in the same
+    order: the sums come out the same). A long run's column is megabytes."""
+    return a if mask.all() else a[mask]
 
 
 def _nanmean(a: np.ndarray) -> float | None:
-    a = a[~np.isnan(a)]
+    a = _where(a, ~np.isnan(a))
     return float(a.mean()) if a.size else None
 
 
 def _nansum(a: np.ndarray) -> float | None:
-    a = a[~np.isnan(a)]
+    a = _where(a, ~np.isnan(a))
     return float(a.sum()) if a.size else None
 
 
-def stats_for(recs: list[StepRecord], rank: int | None) -> Stats:
-    s = Stats(rank=rank, steps=len(recs))
-    if not recs:
+def stats_for(c: Columns, rank: int | None) -> Stats:
+    """The statistics of records in time order (one rank's, or all ranks' pooled)."""
+    n = len(c)
+    s = Stats(rank=rank, steps=n)
+    if not n:
         s.step_p = {p: None for p in PERCENTILES}
         s.phase_share = {k: None for k in PHASES}
         s.phase_mean = {k: None for k in PHASES}
         return s
-    skipped = np.fromiter((r.skipped for r in recs), dtype=bool, count=len(recs))
+    skipped = c.skipped
     s.skipped = int(skipped.sum())
-    steps = [r.step for r in recs]
-    s.first_step, s.last_step = min(steps), max(steps)
-    times = column(recs, "time")
-    s.wall_s = float(times.max() - times.min()) if len(recs) > 1 else None
+    steps = c.step
+    s.first_step, s.last_step = int(steps.min()), int(steps.max())
+    times = c.time
+    s.wall_s = float(times.max() - times.min()) if n > 1 else None
+    del steps, times  # a pooled column is a copy: hold few at a time
 
-    step_s = column(recs, "step_s")
+    step_s = c.num("step_s")
     # A skipped step did no optimizer work; its time is real but it is not a training step's
     # time, so it is counted but kept out of the distribution.
     timed = step_s[~skipped & ~np.isnan(step_s)]
+    del skipped
     if timed.size:
-        s.step_p = {p: float(v) for p, v in zip(PERCENTILES, np.percentile(timed, PERCENTILES))}
         s.step_mean, s.step_max = float(timed.mean()), float(timed.max())
+        # After the mean (it sums in array order): the percentiles may reorder the array, which
+        # is this function's own copy, instead of copying it once more.
+        pcts = np.percentile(timed, PERCENTILES, overwrite_input=True)
+        s.step_p = {p: float(v) for p, v in zip(PERCENTILES, pcts)}
     else:
         s.step_p = {p: None for p in PERCENTILES}
+    del timed
     s.step_total = _nansum(step_s)
 
     for k in PHASES:
-        ph = column(recs, k)
-        known = ~np.isnan(ph) & ~np.isnan(step_s)
-        denom = step_s[known].sum()
-        s.phase_share[k] = float(ph[known].sum() / denom) if known.any() and denom > 0 else None
-        s.phase_mean[k] = _nanmean(ph)
-    user: dict[str, float] = {}
-    for r in recs:
-        for name, v in r.phases.items():
-            user[name] = user.get(name, 0.0) + v
+        s.phase_share[k], s.phase_mean[k] = _phase(c.num(k), step_s)
     total = s.step_total
-    for name, v in sorted(user.items()):
-        s.user_phase_mean[name] = v / len(recs)
-        s.user_phase_share[name] = v / total if total else None
-    s.eval_total = _nansum(column(recs, "eval_s"))
-    s.checkpoint_total = _nansum(column(recs, "checkpoint_s"))
+    for name in sorted(c.phase_names):
+        v = _running_sum(c.phase(name))
+        if v is not None:
+            s.user_phase_mean[name] = v / n
+            s.user_phase_share[name] = v / total if total else None
+    s.eval_total = _nansum(c.num("eval_s"))
+    s.checkpoint_total = _nansum(c.num("checkpoint_s"))
 
     # Throughput over training time only: eval and checkpoint time are already out of step_s.
     if total and total > 0:
-        s.steps_per_s = len(recs) / total
-        tok = column(recs, "tokens")
+        s.steps_per_s = n / total
+        tok = c.num("tokens")
         known = ~np.isnan(tok) & ~np.isnan(step_s)
-        if known.any() and step_s[known].sum() > 0:
-            s.tokens_per_s = float(tok[known].sum() / step_s[known].sum())
+        if known.any() and _where(step_s, known).sum() > 0:
+            s.tokens_per_s = float(_where(tok, known).sum() / _where(step_s, known).sum())
+    del step_s
 
-    s.mfu_mean = _nanmean(column(recs, "mfu"))
-    s.mfu_dtypes = tuple(sorted({r.mfu_dtype for r in recs if r.mfu_dtype}))
-    peaks = [r.peak_tflops for r in recs if r.peak_tflops]
-    s.peak_tflops = float(peaks[-1]) if peaks else None
-    s.hfu_mean = _nanmean(column(recs, "hfu"))
-    norms = [r.grad_norm for r in recs if r.grad_norm is not None]
-    if norms:
-        s.grad_norm_last = float(norms[-1])
-        finite = [g for g in norms if math.isfinite(g)]
-        s.grad_norm_max = max(finite) if finite else None
-        s.grad_norm_nonfinite = len(norms) - len(finite)
-    s.comm_mean = _nanmean(column(recs, "comm_s"))
-    s.comm_exposed_mean = _nanmean(column(recs, "comm_exposed_s"))
-    s.overlap_mean = _nanmean(column(recs, "overlap"))
-    s.allreduce_mean = _nanmean(column(recs, "allreduce_s"))
-    mem = [r.mem_peak_bytes for r in recs if r.mem_peak_bytes is not None]
-    s.mem_peak_max = int(max(mem)) if mem else None
-    for r in recs:
-        s.scalars_last.update(r.scalars)
+    s.mfu_mean = _nanmean(c.num("mfu"))
+    s.mfu_dtypes = tuple(sorted(c.mfu_dtypes))
+    peaks = c.num("peak_tflops")
+    peaks = peaks[~np.isnan(peaks) & (peaks != 0)]  # unknown or 0: no peak to name
+    s.peak_tflops = float(peaks[-1]) if peaks.size else None
+    s.hfu_mean = _nanmean(c.num("hfu"))
+    _grad_norm(s, c.grad_norm)
+    s.comm_mean = _nanmean(c.num("comm_s"))
+    s.comm_exposed_mean = _nanmean(c.num("comm_exposed_s"))
+    s.overlap_mean = _nanmean(c.num("overlap"))
+    s.allreduce_mean = _nanmean(c.num("allreduce_s"))
+    mem = c.num("mem_peak_bytes")
+    mem = mem[~np.isnan(mem)]
+    s.mem_peak_max = int(mem.max()) if mem.size else None
+    for name in c.scalar_names:  # in order of first appearance
+        sc = c.scalar(name)
+        i = _last(sc.known())
+        if i is not None:
+            s.scalars_last[name] = sc.item(i)
     return s
 
 
-def _overall(per_rank: dict[int, Stats], recs: list[StepRecord]) -> Stats:
+def _last(mask: np.ndarray) -> int | None:
+    """Index of the last True (argmax finds the first, so look from the end)."""
+    if not mask.any():
+        return None
+    return len(mask) - 1 - int(np.argmax(mask[::-1]))
+
+
+def _phase(ph: np.ndarray, step_s: np.ndarray) -> tuple[float | None, float | None]:
+    """Share of step time and mean of one phase (a function: its arrays go when it returns)."""
+    known = ~np.isnan(ph) & ~np.isnan(step_s)
+    denom = _where(step_s, known).sum()
+    share = float(_where(ph, known).sum() / denom) if known.any() and denom > 0 else None
+    return share, _nanmean(ph)
+
+
+def _running_sum(ser: Series) -> float | None:
+    """The known values added one after another in record order.
+
+    Not numpy's pairwise sum, which rounds differently: a user phase's total stays the figure
+    a running total gives.
+    """
+    vals = ser.values[ser.known()]
+    if not vals.size:
+        return None
+    with np.errstate(invalid="ignore"):  # inf + -inf is NaN, without a warning, as in Python
+        return float(np.add.accumulate(np.concatenate(([0.0], vals)))[-1])
+
+
+def _grad_norm(s: Stats, g: Series) -> None:
+    """Last known norm, the largest finite one, and how many were NaN or infinite."""
+    known = g.known()
+    last = _last(known)
+    if last is None:
+        return
+    s.grad_norm_last = float(g.values[last])
+    finite = np.isfinite(g.values)  # unknown is NaN: not finite
+    if finite.any():
+        top = np.max(g.values, where=finite, initial=-np.inf)
+        # The first record holding the maximum, as written: an integer stays one, and of 0.0
+        # and -0.0 the first is shown.
+        s.grad_norm_max = g.item(int(np.argmax(finite & (g.values == top))))
+    s.grad_norm_nonfinite = int(known.sum() - finite.sum())
+
+
+def _overall(per_rank: dict[int, Stats], pooled: Columns) -> Stats:
     """All ranks pooled for the distributions; throughput is the job's, not a sum of steps.
 
     Every rank runs every step of a data-parallel job, so the job advances at the pace of its
     slowest rank (the lowest steps/s), while tokens are each rank's own batch and add up.
     """
-    o = stats_for(recs, None)
+    o = stats_for(pooled, None)
     # Records pooled over ranks count each step once per rank; the job ran each step once.
     o.steps = max((s.steps for s in per_rank.values()), default=0)
     o.skipped = max((s.skipped for s in per_rank.values()), default=0)
@@ -256,12 +307,11 @@ def _compute_mean(s: Stats) -> float | None:
 
 
 def summarize(run: Run) -> Summary:
-    per_rank = {r: stats_for(recs, r) for r, recs in sorted(run.records.items())}
-    pooled = [r for recs in run.records.values() for r in recs]
-    pooled.sort(key=lambda r: r.time)
+    per_rank = {r: stats_for(c, r) for r, c in sorted(run.columns.items())}
     return Summary(
         run=run,
-        overall=_overall(per_rank, pooled),
+        # Ranks in the order they were read, as records of equal time were always pooled.
+        overall=_overall(per_rank, pool(list(run.columns.values()))),
         per_rank=per_rank,
         findings=group_findings(run),
         slowest_rank=_argmax(per_rank, lambda s: s.step_mean),

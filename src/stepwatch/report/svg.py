@@ -170,11 +170,20 @@ def line_chart(
 
 def stacked_top(x: np.ndarray, ys: Sequence[np.ndarray], max_points: int = STACK_POINTS) -> float:
     """The highest point ``stacked_chart`` would draw: small multiples share one y axis."""
-    clean = [np.nan_to_num(np.asarray(y, float), nan=0.0) for y in ys]
-    if len(x) == 0 or not clean:
+    if len(x) == 0 or not ys:
         return 0.0
-    _, thin = mean_downsample(np.asarray(x, float), clean, max_points)
+    _, thin = _thin_layers(np.asarray(x, float), ys, max_points)
     return float(np.sum(np.vstack(thin), axis=0).max())
+
+
+def _thin_layers(x: np.ndarray, ys: Sequence[np.ndarray], max_points: int):
+    """``mean_downsample`` of the layers, unknown counted as zero, one layer at a time: a long
+    run's layers are megabytes each, their thinned points a few kilobytes."""
+    thin = []
+    for y in ys:
+        xt, (yt,) = mean_downsample(x, [np.nan_to_num(np.asarray(y, float), nan=0.0)], max_points)
+        thin.append(yt)
+    return xt, thin
 
 
 def stacked_chart(
@@ -190,11 +199,10 @@ def stacked_chart(
 ) -> str:
     """Stacked areas, bottom layer first. Unknown values count as zero height."""
     x = np.asarray(x, float)
-    ys = [np.nan_to_num(np.asarray(y, float), nan=0.0) for _, y, _ in layers]
-    if len(x) == 0 or not ys:
+    if len(x) == 0 or not layers:
         return _svg(title, [f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle">no data</text>'],
                     kind)
-    x, ys = mean_downsample(x, ys, max_points)
+    x, ys = _thin_layers(x, [y for _, y, _ in layers], max_points)
     tops = np.cumsum(np.vstack(ys), axis=0)
     top = max(float(tops[-1].max()), y_max or 0.0)
     f = _Frame(float(x.min()), float(x.max()), 0.0, top * 1.05 or 1.0)
