@@ -389,3 +389,31 @@ def test_spike_detector_record_interface():
     assert f.kind == "nonfinite_grads" and f.step == 3 and f.time == 1003.0
     (f,) = d.observe(_rec(4, grad_norm=25.0))
     assert f.kind == "grad_norm_spike"
+
+
+def test_sparse_grads_norm_on_cpu_and_unknown_for_uncoalesced_cuda(hooked, caplog):
+    """nn.Embedding(sparse=True): on CPU the norm is the coalesced grad's (duplicate ids summed).
+    A CUDA sparse grad that is not coalesced would need a device sync to coalesce: unknown, with
+    one warning (that case faked at the grad: no GPU here)."""
+    h = hooked()
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1, 1, 3])).sum().backward()  # id 1 twice: an uncoalesced grad
+    want = emb.weight.grad.coalesce()._values().norm().item()
+    opt.step()
+    (r,) = h.values()
+    assert rel(r.norm, want) < 1e-6
+
+    class UncoalescedCudaGrad:
+        is_sparse = is_cuda = True
+
+        def is_coalesced(self):
+            return False
+
+    class Param:
+        grad = UncoalescedCudaGrad()
+
+    with caplog.at_level("WARNING", logger="stepwatch.hooks.grads"):
+        assert h.probe._compute([Param()]) == (None, False)
+        assert h.probe._compute([Param()]) == (None, False)
+    assert len([m for m in caplog.messages if "sparse" in m]) == 1

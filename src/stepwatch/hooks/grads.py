@@ -293,6 +293,7 @@ class GradNormProbe:
         self._params: "weakref.WeakKeyDictionary[Any, tuple[int, list[Any]]]" = weakref.WeakKeyDictionary()
         self._installed = False
         self._warned_fsdp1 = False
+        self._warned_sparse = False
 
     # -- lifecycle
 
@@ -410,8 +411,7 @@ class GradNormProbe:
             return torch.stack([zero, local]), False
         return torch.stack([zero, total.detach().float()]), False
 
-    @staticmethod
-    def _compute(params: list[Any]) -> tuple[Any, bool]:
+    def _compute(self, params: list[Any]) -> tuple[Any, bool]:
         import torch
 
         plain: list[Any] = []
@@ -426,6 +426,17 @@ class GradNormProbe:
                 else:
                     plain.append(g.to_local())
             else:
+                if g.is_sparse and g.is_cuda and not g.is_coalesced():
+                    # Summing an uncoalesced sparse grad's duplicates (coalesce) waits for the
+                    # device to learn the new size: unknown rather than a sync every step.
+                    if not self._warned_sparse:
+                        self._warned_sparse = True
+                        log.warning(
+                            "stepwatch: grad_norm is null while a CUDA gradient is sparse and "
+                            "uncoalesced (e.g. nn.Embedding(sparse=True)): its norm needs a "
+                            "device sync stepwatch does not make."
+                        )
+                    return None, False
                 plain.append(g)
         if not plain and not sharded:
             return None, False
