@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU check for maintainers: run on a real NVIDIA machine (Hopper or newer for GPM).
 # Exercises the real sampler (NVML + GPM + XID thread), checks it creates no CUDA context,
-# loads the GPU with BF16 matmuls and prints what the sampler saw, then runs `stepwatch doctor`.
+# loads the GPU with BF16 matmuls and prints what the sampler saw, runs `stepwatch doctor`, then
+# checks the native timing extension (gpu_check_timing.py) and a whole session (gpu_check_session.py).
 # Usage: scripts/gpu_check.sh            (PYTHON=... to pick the interpreter)
 # Needs on that machine: torch with CUDA, numpy, nvidia-ml-py and rich (no venv of ours: without
 # .venv it uses python3), and a C compiler with Python headers, because gpu_check_timing.py builds
 # the native extension for that Python. opentelemetry, nvtx and py-spy are optional here.
 # Expected to take 1-2 minutes (not yet timed on a GPU); exit 0 = every check passed, 1 = a
-# check failed, 2 = the timing check could not run. GPU_CHECK_JSON=path keeps its observations.
+# check failed, 2 = the timing or session check could not run. GPU_CHECK_JSON=path keeps its observations.
 # In a timed lease:
 #   PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh 2>&1 | tee "$OUT/gpu_check.log"
 set -uo pipefail
@@ -106,6 +107,11 @@ echo "== timing extension (scripts/gpu_check_timing.py)"
 "$PY" scripts/gpu_check_timing.py ${GPU_CHECK_JSON:+--json "$GPU_CHECK_JSON"}
 rc=$?
 # 2 = could not run (no compiler or Python headers to build the extension): not a pass.
+if [ $rc = 2 ]; then incomplete=1; elif [ $rc != 0 ]; then status=1; fi
+
+echo "== a whole session on the GPU (scripts/gpu_check_session.py)"
+"$PY" scripts/gpu_check_session.py
+rc=$?
 if [ $rc = 2 ]; then incomplete=1; elif [ $rc != 0 ]; then status=1; fi
 
 if [ $status != 0 ]; then verdict=PROBLEMS; elif [ -n "${incomplete:-}" ]; then verdict=INCOMPLETE; status=2; else verdict=OK; fi
