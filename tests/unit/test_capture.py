@@ -258,6 +258,29 @@ def test_capture_limits_cooldown_and_max_count(tmp_path):
     assert m.scheduled is None and m.skipped["max_count"] == 1 and errors == []
 
 
+def test_a_capture_never_takes_over_the_jobs_own_profiler(tmp_path):
+    """torch 2.13 lets a second profiler start and take the running one's session: the job's
+    trace would come back empty. With the job's profiler running, the capture is skipped."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from stepwatch.analysis.kinds import make_finding
+
+    m, errors = _manager(tmp_path)
+    m.on_pass([make_finding("step_time_spike", rank=0, step=1, summary="s")])
+    sc = m.scheduled
+    assert sc is not None
+    with profile(activities=[ProfilerActivity.CPU]) as job:
+        torch.ones(8).sum()
+        m.on_step_end(sc.first - 1)  # the step before the capture's first ends: it would start
+        torch.ones(8).mul(2)
+        m.on_step_end(sc.first)
+    assert m.active is None and m.skipped == {"busy: the job's own profiler is running": 1}
+    names = {e.name for e in job.events()}
+    assert "aten::sum" in names and "aten::mul" in names and errors == []
+    assert not torch.autograd._profiler_enabled()
+
+
 def test_capture_disk_budget(tmp_path):
     from stepwatch.analysis.kinds import make_finding
 
@@ -369,6 +392,10 @@ def test_install_starts_board_sidecar_and_signal_and_shutdown_stops_them(sw, tmp
             time.sleep(0.05)
         assert info.exists()
         assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"  # torch >= 2.7 name (the old one warns)
+        # SLURM's --signal=USR1@T reaches every process of the step: the sidecar stays up
+        os.kill(feat.sidecar.pid, signal.SIGUSR1)
+        time.sleep(0.3)
+        assert feat.sidecar.poll() is None
     finally:
         stepwatch.shutdown()
     assert feat.sidecar.poll() is not None
@@ -377,6 +404,30 @@ def test_install_starts_board_sidecar_and_signal_and_shutdown_stops_them(sw, tmp
     status = feat.status()
     assert status["hang_watchdog"]["enabled"] and status["hang_watchdog"]["timeout_s"] == 60
     assert status["hang_watchdog"]["stack_dump"]["0"] in ("py-spy", "faulthandler")
+
+
+def test_hang_findings_of_an_earlier_attempt_are_not_news(sw, tmp_path):
+    """The run dir outlives an elastic restart, and the sidecar's findings file with it: the new
+    attempt passes on only what its own sidecar writes."""
+    import json
+
+    from stepwatch.analysis.kinds import make_finding
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    path = run / "findings.watchdog.rank0.jsonl"
+    old = make_finding("hang", rank=0, step=7, summary="the last attempt's hang")
+    path.write_text(json.dumps(old.to_dict()) + "\n")
+    stepwatch, mem, start = sw
+    s = start(watchdog="on", capture="off", hang_timeout=60)
+    (feat,) = [f for f in s.features_started if getattr(f, "name", "") == "capture"]
+    assert feat.collect([]) == ([], [])
+    new = make_finding("hang", rank=0, step=3, summary="this attempt's hang")
+    with open(path, "a") as f:
+        f.write(json.dumps(new.to_dict()) + "\n")
+    feat._watch_t = 0.0  # the reader looks once a second
+    _, got = feat.collect([])
+    assert [f.summary for f in got] == ["this attempt's hang"]
 
 
 def test_auto_leaves_a_single_process_alone(sw, monkeypatch):

@@ -47,3 +47,33 @@ def test_run_without_a_command_is_a_clear_error(capsys):
 def test_dump_of_a_missing_target_is_a_clear_error(capsys, tmp_path):
     assert main(["dump", str(tmp_path / "nope")]) == 2
     assert "neither a directory nor a pid" in capsys.readouterr().err
+
+
+def test_a_failed_py_spy_leaves_no_process_stopped():
+    """py-spy stops threads while it reads them; when it fails or is killed midway the target
+    can be left stopped (py-spy #390, #416). dump() resumes it. Here the target is stopped by
+    hand and the "py-spy" is a program that fails."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from stepwatch.capture.pyspy import dump
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+
+        def state():
+            with open(f"/proc/{child.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+
+        assert state() == "T"
+        ok, _ = dump("/bin/false", child.pid)
+        assert not ok
+        time.sleep(0.1)
+        assert state() in ("S", "R")
+    finally:
+        child.kill()
+        child.wait()

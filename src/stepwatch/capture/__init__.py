@@ -75,7 +75,9 @@ class Feature:
         self.timeout: float | None = None
         self.action = "dump"
         self.flight_recorder: str | None = None
-        self._watch_off = 0
+        # Where this attempt starts reading the sidecar's findings file: the run dir (and so the
+        # file) survives an elastic restart, and the last attempt's hangs are not news.
+        self._watch_off: int | None = None
         self._watch_t = 0.0
 
     # -- pieces -------------------------------------------------------------------------------
@@ -189,6 +191,8 @@ class Feature:
         self._watch_t = now
         path = os.path.join(self.session.ctx.run_dir, f"findings.watchdog.rank{self.session.ctx.rank}.jsonl")
         try:
+            if self._watch_off is None:
+                self._watch_off = os.path.getsize(path) if os.path.exists(path) else 0
             if os.path.getsize(path) <= self._watch_off:
                 return [], []
             with open(path, encoding="utf-8") as f:

@@ -232,7 +232,9 @@ class CaptureManager:
         from torch.profiler import ProfilerActivity
 
         acts = [ProfilerActivity.CPU]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # Under `stepwatch run --nsys`, nsys holds CUPTI (one subscriber per process): Kineto's
+        # CUDA activity would fail beside it, and nsys records the GPU side anyway.
+        if self.nsys is None and torch.cuda.is_available() and torch.cuda.is_initialized():
             acts.append(ProfilerActivity.CUDA)
         return acts
 
@@ -249,15 +251,26 @@ class CaptureManager:
         return self.warm_s
 
     def _start(self, sc: _Scheduled, first: int) -> None:
+        import torch
         from torch.profiler import profile
 
+        self.scheduled = None
+        if torch.autograd._profiler_enabled():
+            # The job profiles itself (torch.profiler, a Trainer's profiler): a second profiler
+            # would take its session over and leave the job's trace empty. The job's wins.
+            self.skipped["busy: the job's own profiler is running"] = (
+                self.skipped.get("busy: the job's own profiler is running", 0) + 1)
+            return
         prof = profile(activities=self._activities())
         prof.start()
-        if self.nsys is not None:
-            self.nsys.start()
+        try:
+            if self.nsys is not None:
+                self.nsys.start()
+            self._open_range(first)
+        except BaseException:
+            prof.stop()  # never leave a profiler recording for the rest of the run
+            raise
         self.active = {"sc": sc, "prof": prof, "first": first, "last": first + self.steps - 1, "t0": time.time()}
-        self.scheduled = None
-        self._open_range(first)
 
     def _open_range(self, step: int) -> None:
         from torch.autograd.profiler import record_function
@@ -274,10 +287,12 @@ class CaptureManager:
         a, self.active = self.active, None
         if a is None:
             return
-        self._close_range()
-        if self.nsys is not None:
-            self.nsys.stop()
-        a["prof"].stop()
+        try:
+            self._close_range()
+            if self.nsys is not None:
+                self.nsys.stop()
+        finally:
+            a["prof"].stop()  # whatever failed above, the profiler stops recording
         th = threading.Thread(target=self._export, args=(a,), name="stepwatch-capture-export", daemon=True)
         th.start()
         self._exports.append(th)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +32,15 @@ _FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+) \(most recent c
 _FH_FRAME = re.compile(r'^\s+File "(.+)", line (\d+) in (.+)$')
 
 
+def _resume(pid: int) -> None:
+    """py-spy stops each thread (ptrace) while it reads it; killed or failed midway, it can leave
+    the trainer stopped (py-spy issues #390, #416). A SIGCONT to a running process does nothing."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except OSError:
+        pass
+
+
 def dump(
     pyspy: str, pid: int, *, native: bool = False, nonblocking: bool = False, timeout_s: float = 10.0
 ) -> tuple[bool, str]:
@@ -44,10 +54,14 @@ def dump(
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
+        if not nonblocking:
+            _resume(pid)
         return False, f"py-spy dump{' --native' if native else ''} did not finish within {timeout_s:.0f} s"
     except OSError as e:
         return False, f"cannot run {pyspy}: {e}"
     if r.returncode != 0 or "Thread" not in r.stdout:
+        if not nonblocking:
+            _resume(pid)
         msg = (r.stderr or r.stdout).strip().splitlines()
         return False, " ".join(msg[-3:]) or f"py-spy exited with code {r.returncode}"
     return True, r.stdout

@@ -437,6 +437,10 @@ def _on_term(*_: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     # Ctrl-C reaches the whole process group: the trainer decides; the sidecar follows it out.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SLURM's --signal=USR1@T and `scancel -s` signal every process of the step: the default
+    # action would end the watchdog for the rest of the job, unnoticed.
+    for name in ("SIGUSR1", "SIGUSR2", "SIGHUP"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_term)
     a = parse_args(argv)
     try:
