@@ -37,6 +37,15 @@ def test_nsys_wraps_the_command_or_says_it_is_missing(tmp_path):
     assert argv[:2] == [str(fake), "profile"] and "--capture-range=cudaProfilerApi" in argv
     assert "--capture-range-end=repeat:3" in argv and argv[-2:] == ["torchrun", "t.py"]
     assert env["STEPWATCH_NSYS"] == "1"
+    # one report per node and nsys process, in a private folder of the run dir
+    import socket
+    import stat
+
+    out = argv[argv.index("-o") + 1]
+    assert os.path.dirname(out) == str(tmp_path / "r" / "nsys")
+    assert os.path.basename(out).startswith("report-") and out.endswith("-%p")
+    assert socket.gethostname().split(".")[0] in out
+    assert stat.S_IMODE(os.stat(tmp_path / "r" / "nsys").st_mode) == 0o700
 
 
 def test_run_without_a_command_is_a_clear_error(capsys):

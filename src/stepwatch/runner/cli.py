@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from typing import Any
+
+from .._files import make_private_dir
 
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,7 +83,12 @@ def build(cmd: list[str], *, nsys: bool, nsys_ranges: int, run_dir: str | None, 
             )
         if nsys_ranges < 1:
             raise ValueError(f"--nsys-ranges must be >= 1, got {nsys_ranges}")
-        out = os.path.join(env.get("STEPWATCH_DIR") or os.getcwd(), "nsys", "report-%p")
+        out_dir = os.path.join(env.get("STEPWATCH_DIR") or os.getcwd(), "nsys")
+        make_private_dir(out_dir)
+        # One nsys per node: its pid alone repeats across nodes in containers (and across
+        # relaunches), so the node's name goes in too (only [A-Za-z0-9._-]: nsys expands %).
+        host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+        out = os.path.join(out_dir, f"report-{host}-%p")
         env["STEPWATCH_NSYS"] = "1"
         argv = [exe, *NSYS_ARGS, f"--capture-range-end=repeat:{nsys_ranges}", "-o", out, *cmd]
     return argv, env
