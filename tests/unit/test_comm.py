@@ -173,6 +173,8 @@ def test_baselines_follow_the_reference():
     assert (nv["256MB"], nv["1GB"], nv["alert"]) == (160.0, 180.0, 140.0)
     assert (ib["256MB"], ib["1GB"], ib["alert"]) == (40.0, 45.0, 35.0)
     assert baseline("NVIDIA A100", 8, 1) is None and baseline(None, 8, 1) is None
+    # no NVSwitch on these: not judged against the SXM numbers
+    assert baseline("NVIDIA H100 PCIe", 8, 1) is None and baseline("NVIDIA H100 NVL", 2, 1) is None
     assert verdict(170.0, 256 * 2**20, nv) == "ok"
     assert verdict(170.0, 2**30, nv) == "low"
     assert verdict(120.0, 2**30, nv) == "alert"

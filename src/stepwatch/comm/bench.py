@@ -1,7 +1,7 @@
 """An nccl-tests-style AllReduce sweep through torch.distributed (``stepwatch bench-comm``).
 
 Columns and formulas follow nccl-tests (doc/PERFORMANCE.md): ``time`` is the mean time of one
-AllReduce (the slowest rank's), ``algbw = size / time`` and ``busbw = algbw * 2(n-1)/n`` for
+AllReduce, averaged over the ranks (nccl-tests' default ``-a 1``), ``algbw = size / time`` and ``busbw = algbw * 2(n-1)/n`` for
 AllReduce, in GB/s with GB = 1e9 bytes. Sizes take K/M/G suffixes as powers of 1024 like
 nccl-tests' ``-b``/``-e``.
 """
@@ -136,8 +136,8 @@ def run(
             if cuda:
                 torch.cuda.synchronize(device)
             t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time, as nccl-tests
-            r = row(n * elem, elem, str(tdtype).removeprefix("torch."), float(t.item()), world, base)
+            dist.all_reduce(t)  # the ranks' mean, as nccl-tests reports by default (-a 1)
+            r = row(n * elem, elem, str(tdtype).removeprefix("torch."), float(t.item()) / world, world, base)
             rows.append(r)
             if rank == 0:
                 out(fmt(r))

@@ -20,9 +20,12 @@ def baseline(gpu_name: str | None, world: int, nodes: int) -> dict[str, Any] | N
 
     B.5: 'H100 x 8, NVLink healthy baseline: 256MB busbw >= 160 GB/s, 1GB >= 180, ALERT < 140';
     'H100 x 64, IB NDR 400G: 256MB >= 40, 1GB >= 45, ALERT < 35'. Only H100s have baselines; a
-    multi-node job is judged against the IB numbers, a single node against NVLink's.
+    multi-node job is judged against the IB numbers, a single node against NVLink's. Those are
+    SXM nodes (NVSwitch): an H100 PCIe or NVL (names "NVIDIA H100 PCIe", "NVIDIA H100 NVL") has no
+    NVSwitch, and no baseline here rather than a false alert.
     """
-    if not gpu_name or "H100" not in gpu_name.upper() or world < 2:
+    name = (gpu_name or "").upper()
+    if "H100" not in name or "PCIE" in name or "NVL" in name or world < 2:
         return None
     if nodes > 1:
         return {"name": "H100 IB NDR 400G (B.5, x64)", "256MB": 40.0, "1GB": 45.0, "alert": 35.0}
