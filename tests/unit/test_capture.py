@@ -369,7 +369,8 @@ def test_config_fields_name_the_variable_on_bad_values():
 def test_install_starts_board_sidecar_and_signal_and_shutdown_stops_them(sw, tmp_path, monkeypatch):
     """A real session in this process with the watchdog forced on: the tracker publishes to the
     board the sidecar maps; shutdown closes the board, the sidecar exits, SIGUSR1 is given back."""
-    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
+                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         monkeypatch.delenv(var, raising=False)
     saved = signal.getsignal(signal.SIGUSR1)
     stepwatch, mem, start = sw
@@ -392,6 +393,7 @@ def test_install_starts_board_sidecar_and_signal_and_shutdown_stops_them(sw, tmp
             time.sleep(0.05)
         assert info.exists()
         assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"  # torch >= 2.7 name (the old one warns)
+        assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "nccl_flight_recorder.rank")
         # SLURM's --signal=USR1@T reaches every process of the step: the sidecar stays up
         os.kill(feat.sidecar.pid, signal.SIGUSR1)
         time.sleep(0.3)

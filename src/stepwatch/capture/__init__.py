@@ -24,11 +24,16 @@ PR_SET_PTRACER = 0x59616D61
 YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 
 # PyTorch's Flight Recorder keeps the last N collectives per process group for its own dumps
-# (TORCH_NCCL_DUMP_ON_TIMEOUT, torch.distributed.flight_recorder); off unless a buffer size is set.
-# 2000 entries: the example size of PyTorch's Flight Recorder tutorial. torch 2.13 also reads
-# TORCH_FR_BUFFER_SIZE (falling back to the NCCL name) for backends other than NCCL.
+# (TORCH_NCCL_DUMP_ON_TIMEOUT, torch.distributed.flight_recorder). Older torch kept none unless a
+# buffer size was set; torch 2.13 defaults to 2000 (c10d/FlightRecorder.hpp), the size set here
+# too. Each name pair: the torch >= 2.7 name first, then the older NCCL one (which still works
+# there, with a warning on every rank).
 FR_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 FR_ENTRIES = "2000"
+# Where the dumps go (torch appends the rank): by default /tmp/nccl_trace_rank_<R> on each node,
+# with the umask's permissions; the private run directory instead, beside stepwatch's evidence.
+FR_FILE_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+FR_FILE = "nccl_flight_recorder.rank"
 
 RUN_ENV = "STEPWATCH_RUN"  # set by `stepwatch run` for every process of the job
 SIDECAR_ENV = "STEPWATCH_SIDECAR"
@@ -248,19 +253,24 @@ class Feature:
         return out
 
 
-def enable_flight_recorder() -> str:
-    """Turn PyTorch's Flight Recorder on with a bounded buffer unless the job chose a size. It
-    takes effect for process groups created after this (``import stepwatch.auto`` comes first)."""
-    for var in FR_ENV:
-        if os.environ.get(var):
-            return f"{var}={os.environ[var]} (set by the job)"
-    # torch 2.7 renamed the variable (the old name still works there but warns on every rank).
+def enable_flight_recorder(run_dir: str) -> str:
+    """Keep PyTorch's Flight Recorder on with a bounded buffer, dumping into the run directory,
+    unless the job chose the size or the file. Takes effect for process groups created after this
+    (``import stepwatch.auto`` comes first)."""
     import torch
 
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    var = FR_ENV[0] if (major, minor) >= (2, 7) else FR_ENV[1]
-    os.environ[var] = FR_ENTRIES
-    return f"{var}={FR_ENTRIES} (set by stepwatch)"
+    new = (major, minor) >= (2, 7)
+    said = []
+    for names, value in ((FR_ENV, FR_ENTRIES), (FR_FILE_ENV, os.path.join(run_dir, FR_FILE))):
+        mine = next((v for v in names if os.environ.get(v)), None)
+        if mine is not None:
+            said.append(f"{mine}={os.environ[mine]} (set by the job)")
+            continue
+        var = names[0] if new else names[1]
+        os.environ[var] = value
+        said.append(f"{var}={value} (set by stepwatch)")
+    return "; ".join(said)
 
 
 def install(session: Any) -> Feature | None:
@@ -277,7 +287,7 @@ def install(session: Any) -> Feature | None:
     make_private_dir(ctx.run_dir)
     feat = Feature(session)
     if watchdog:
-        feat.flight_recorder = enable_flight_recorder()
+        feat.flight_recorder = enable_flight_recorder(ctx.run_dir)
         feat.start_board()
         try:
             feat.start_signal()
