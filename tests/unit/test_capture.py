@@ -328,6 +328,15 @@ def test_sigusr1_chains_to_the_jobs_handler_and_keeps_sa_restart(tmp_path, usr1)
     _kill_and_wait(path, 0)
     assert calls == [signal.SIGUSR1]
     assert "test_sigusr1_chains" in open(path).read()
+    # CPython's faulthandler dropped SA_RESTART when it chained; the next step boundary puts it back
+    st.check()
+    assert signals.sa_flags(signal.SIGUSR1) & signals.SA_RESTART
+    size = os.path.getsize(path)
+    _kill_and_wait(path, size)
+    assert calls == [signal.SIGUSR1] * 2 and os.path.getsize(path) > size
+    st._flags_t = 0.0  # looked at once a second
+    st.check()
+    assert signals.sa_flags(signal.SIGUSR1) & signals.SA_RESTART
     st.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is not None
 

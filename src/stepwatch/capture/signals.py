@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import IO, Any
 
 # <signal.h> on Linux (asm-generic/signal.h; x86 and arm64 use the same value).
@@ -81,6 +82,7 @@ class StackSignal:
         self.restart = False
         self._file: IO[str] | None = None
         self._seen: Any = None
+        self._flags_t = 0.0
 
     def install(self) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -97,6 +99,8 @@ class StackSignal:
     def check(self) -> None:
         """A step boundary (training thread): did the job replace our handler since?"""
         if signal.getsignal(self.signum) is self._seen:
+            if self.chained and self.restart:
+                self._keep_restart()
             return
         if threading.current_thread() is not threading.main_thread():
             return  # signal.signal only works on the main thread
@@ -105,6 +109,19 @@ class StackSignal:
         faulthandler.unregister(self.signum)
         signal.signal(self.signum, theirs)
         self._register()
+
+    def _keep_restart(self) -> None:
+        # CPython's faulthandler re-installs its C handler with SA_NODEFER alone each time it
+        # chains to the job's handler, dropping SA_RESTART: from the second signal on, blocking
+        # system calls in C code (gloo, sockets, NFS) would fail with EINTR. Looked at once a
+        # second, not every step (a sigaction costs microseconds).
+        now = time.monotonic()
+        if now - self._flags_t < 1.0:
+            return
+        self._flags_t = now
+        flags = sa_flags(self.signum)
+        if flags is not None and not flags & SA_RESTART:
+            self.restart = _add_restart(self.signum)
 
     def uninstall(self) -> None:
         if self._file is None:
