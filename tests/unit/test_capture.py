@@ -341,6 +341,36 @@ def test_sigusr1_chains_to_the_jobs_handler_and_keeps_sa_restart(tmp_path, usr1)
     assert signal.getsignal(signal.SIGUSR1) is not None
 
 
+@pytest.mark.skipif(not signals.supported() or signals.dump_signal() is None, reason="needs Linux RT signals")
+def test_stepwatchs_own_dumps_never_run_the_jobs_sigusr1_handler(tmp_path, usr1):
+    """Lightning under SLURM checkpoints and requeues on SIGUSR1. `stepwatch dump` (and the
+    watchdog's fallback) use stepwatch's private signal, announced in the stack file: the stacks
+    are written and the job's handler does not run."""
+    from stepwatch.runner.dump import _signal_dump
+
+    calls = []
+    signal.signal(signal.SIGUSR1, lambda s, f: calls.append(s))
+    (tmp_path / "run").mkdir()
+    path = str(tmp_path / "run" / "sigusr1.rank0.txt")
+    usr1_sig = signals.StackSignal(path)
+    usr1_sig.install()
+    private = signals.StackSignal(path, signals.dump_signal(), private=True)
+    try:
+        assert private.install() and usr1_sig.chained and not private.chained
+        assert signals.signal_for(path, os.getpid()) == signals.dump_signal()
+        assert private.manifest()["signal"] == f"SIGRTMIN+{signals.DUMP_OFFSET}"
+        out = tmp_path / "out"
+        out.mkdir()
+        assert _signal_dump(str(tmp_path / "run"), 0, os.getpid(), str(out))
+        assert "test_stepwatchs_own_dumps" in (out / "stacks.rank0.txt").read_text()
+        time.sleep(0.05)
+        assert calls == []  # the job's SIGUSR1 handler did not run
+    finally:
+        private.uninstall()
+        usr1_sig.uninstall()
+    assert signal.getsignal(signals.dump_signal()) in (signal.SIG_DFL, None)
+
+
 @pytest.mark.skipif(not signals.supported(), reason="faulthandler.register needs Linux")
 def test_sigusr1_handler_installed_after_stepwatch_still_runs(tmp_path, usr1):
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)

@@ -76,6 +76,7 @@ class Feature:
         self.sidecar: subprocess.Popen | None = None
         self.ptrace_grant: str | None = None
         self.signal: Any = None
+        self.dump_signal: Any = None  # stepwatch's own stack-dump signal (signals.dump_signal)
         self.captures: Any = None
         self.timeout: float | None = None
         self.action = "dump"
@@ -119,6 +120,8 @@ class Feature:
             cmd += ["--pyspy", pyspy]
         if self.signal is not None:
             cmd += ["--signal-file", self.signal.path]
+        if self.dump_signal is not None:
+            cmd += ["--dump-signal", str(self.dump_signal.signum)]
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if addr and port and port.isdigit():
             cmd += ["--store-addr", addr, "--store-port", port]
@@ -128,14 +131,20 @@ class Feature:
         self.action = cfg.hang_action
 
     def start_signal(self) -> None:
-        from .signals import StackSignal, supported
+        from .signals import StackSignal, dump_signal, supported
 
         if not supported():
             return
         ctx = self.session.ctx
-        sig = StackSignal(os.path.join(ctx.run_dir, f"sigusr1.rank{ctx.rank}.txt"))
+        path = os.path.join(ctx.run_dir, f"sigusr1.rank{ctx.rank}.txt")
+        sig = StackSignal(path)
         sig.install()
         self.signal = sig
+        rt = dump_signal()
+        if rt is not None:
+            private = StackSignal(path, rt, private=True)
+            if private.install():
+                self.dump_signal = private
 
     def start_captures(self) -> None:
         from . import nsys
@@ -186,6 +195,8 @@ class Feature:
                     self.sidecar.kill()
         if self.signal is not None:
             self.signal.uninstall()
+        if self.dump_signal is not None:
+            self.dump_signal.uninstall()
 
     def collect(self, records: list[Any]) -> tuple[list[Any], list[Any]]:
         """Each background pass: the sidecar's ``hang`` findings join this rank's finding stream
@@ -245,6 +256,7 @@ class Feature:
                 "stack_dump": methods,
                 "ptrace": self.ptrace_grant,
                 "sigusr1": self.signal.manifest() if self.signal is not None else None,
+                "dump_signal": self.dump_signal.manifest() if self.dump_signal is not None else None,
                 "flight_recorder": self.flight_recorder,
             }
         }

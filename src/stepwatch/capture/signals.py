@@ -14,6 +14,11 @@ Two promises:
   does not chain (CPython Modules/faulthandler.c, ``faulthandler_register_py``: ``sa_flags =
   SA_RESTART``, replaced by ``SA_NODEFER`` when chaining; checked with sigaction(2) here), so
   after a chained registration we add ``SA_RESTART`` to the installed action ourselves.
+
+stepwatch's own tools (the hang watchdog's fallback, ``stepwatch dump``) never send SIGUSR1: with
+the job's handler chained, their dump would also run it, and SLURM/Lightning's SIGUSR1 handler
+checkpoints and requeues the job. They send a signal of stepwatch's own, ``SIGRTMIN+6``, on which
+the same stacks are written (no chaining; the file says which pid listens on which signal).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import os
+import re
 import signal
 import sys
 import threading
@@ -72,22 +78,64 @@ def _has_handler(h: Any) -> bool:
     return h not in (signal.SIG_DFL, None)
 
 
+# A real-time signal nobody sends by accident: glibc keeps SIGRTMIN's first values for itself
+# (SIGRTMIN already accounts for that), and the low offsets are the ones libraries pick first.
+DUMP_OFFSET = 6
+_HEADER = "# stepwatch: pid {pid} writes its stacks here on signal {signum}\n"
+_HEADER_RE = re.compile(r"^# stepwatch: pid (\d+) writes its stacks here on signal (\d+)$", re.M)
+
+
+def dump_signal() -> int | None:
+    """The signal stepwatch's own tools send for a stack dump (None where there is none)."""
+    rt = getattr(signal, "SIGRTMIN", None)
+    return None if rt is None else int(rt) + DUMP_OFFSET
+
+
+def signal_for(path: str, pid: int) -> int | None:
+    """The dump signal ``pid`` announced in the stack file at ``path`` (the latest), if any."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    found = [int(sig) for p, sig in _HEADER_RE.findall(text) if int(p) == pid]
+    return found[-1] if found else None
+
+
+def signal_name(signum: int) -> str:
+    rt = getattr(signal, "SIGRTMIN", None)
+    if rt is not None and int(rt) < signum <= int(getattr(signal, "SIGRTMAX", signum)):
+        return f"SIGRTMIN+{signum - int(rt)}"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
 class StackSignal:
     """SIGUSR1 -> all threads' stacks appended to ``path``. ``check()`` runs at step boundaries."""
 
-    def __init__(self, path: str, signum: int = signal.SIGUSR1) -> None:
+    def __init__(self, path: str, signum: int = signal.SIGUSR1, *, private: bool = False) -> None:
+        """``private``: stepwatch's own dump signal: never chained, announced in the file."""
         self.path = path
         self.signum = signum
+        self.private = private
         self.chained = False
         self.restart = False
         self._file: IO[str] | None = None
         self._seen: Any = None
         self._flags_t = 0.0
 
-    def install(self) -> None:
+    def install(self) -> bool:
+        """False (nothing installed) for a private signal the job already handles."""
+        if self.private and _has_handler(signal.getsignal(self.signum)):
+            return False
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._file = os.fdopen(fd, "a", buffering=1)
         self._register()
+        if self.private:
+            self._file.write(_HEADER.format(pid=os.getpid(), signum=self.signum))
+        return True
 
     def _register(self) -> None:
         prev = signal.getsignal(self.signum)
@@ -98,6 +146,8 @@ class StackSignal:
 
     def check(self) -> None:
         """A step boundary (training thread): did the job replace our handler since?"""
+        if self.private:
+            return
         if signal.getsignal(self.signum) is self._seen:
             if self.chained and self.restart:
                 self._keep_restart()
@@ -140,7 +190,7 @@ class StackSignal:
         self._file = None
 
     def manifest(self) -> dict[str, Any]:
-        return {"signal": signal.Signals(self.signum).name, "file": self.path, "chained": self.chained,
+        return {"signal": signal_name(self.signum), "file": self.path, "chained": self.chained,
                 "sa_restart": self.restart}
 
 

@@ -257,7 +257,8 @@ class Watchdog:
         return self.faulthandler_stacks()
 
     def faulthandler_stacks(self) -> dict[str, Any]:
-        """SIGUSR1 makes the trainer's faulthandler append its stacks to the signal file."""
+        """The dump signal (SIGUSR1 when the trainer has no private one) makes the trainer's
+        faulthandler append its stacks to the signal file."""
         path = self.a.signal_file
         if not path:
             return {"ok": False, "text": "no stack path available\n", "top_frames": [], "stuck": None, "method": "none"}
@@ -268,7 +269,7 @@ class Watchdog:
             except OSError:
                 start = 0
             try:
-                os.kill(self.pid, signal.SIGUSR1)
+                os.kill(self.pid, self.a.dump_signal or signal.SIGUSR1)
             except OSError as e:
                 return {"ok": False, "text": f"cannot signal {self.pid}: {e}\n", "top_frames": [], "stuck": None,
                         "method": "faulthandler"}
@@ -418,6 +419,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pyspy", default=None)
     p.add_argument("--native-budget", type=float, default=8.0)
     p.add_argument("--signal-file", default=None)
+    p.add_argument("--dump-signal", type=int, default=None,
+                   help="the trainer's private stack-dump signal (else SIGUSR1, which may also run the job's handler)")
     p.add_argument("--store-addr", default=None)
     p.add_argument("--store-port", type=int, default=None)
     return p.parse_args(argv)

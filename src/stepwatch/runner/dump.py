@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 
-from ..capture import pyspy
+from ..capture import pyspy, signals
 
 
 def _ranks(run_dir: str) -> dict[int, int]:
@@ -64,7 +64,9 @@ def _signal_dump(run_dir: str, rank: int, pid: int, out_dir: str | None) -> bool
     if not os.path.exists(path):
         return False  # no stepwatch SIGUSR1 handler there: the signal would kill it
     start = os.path.getsize(path)
-    os.kill(pid, signal.SIGUSR1)
+    # The trainer's private dump signal when it announced one: SIGUSR1 may also run the job's
+    # own handler (SLURM/Lightning requeue on SIGUSR1).
+    os.kill(pid, signals.signal_for(path, pid) or signal.SIGUSR1)
     deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline and os.path.getsize(path) == start:
         time.sleep(0.05)
