@@ -36,6 +36,8 @@ def test_board_round_trip_through_a_separate_mapping(tmp_path):
     assert snap["step"] == 1 and snap["phase"] == "backward" and snap["steps_done"] == 1
     (c,) = snap["collectives"]
     assert c == {**c, "op": "allreduce", "group": "default", "seq": 7, "bytes": 4096, "completed": False, "step": 1}
+    time.sleep(0.05)
+    assert r.read()["collectives"][0]["age_s"] >= 0.05  # measured by the reader, on this host
     t_before = snap["last_progress_ns"]
     b.coll_exit(7)
     snap = r.read()
@@ -107,6 +109,21 @@ def test_laggard_is_the_rank_that_did_not_enter_the_open_collective():
     assert v["verdict"] == "laggard" and v["laggards"] == [1] and v["waiting"] == [0, 2]
     assert v["collective"]["op"] == "allreduce" and v["collective"]["sequence"] == 6
     assert v["collective"]["call_site"] == "main (/w/train.py:40)"
+
+
+def test_the_oldest_wait_is_judged_by_age_not_by_another_hosts_clock():
+    """Two hosts, two groups open: the wait that began first (by the age each sidecar measured on
+    its own host) decides, however far apart the hosts' monotonic clocks are (each counts from its
+    own boot)."""
+    up_long, up_short = 9_000_000 * 10**9, 60 * 10**9  # host uptimes: 104 days and 1 minute
+    tp = dict(_c(8, False, group="tp", t=up_long - 10 * 10**9), age_s=10.0)  # waiting 10 s
+    dp = dict(_c(3, False, group="dp", t=up_short - 2 * 10**9), age_s=2.0)  # waiting 2 s
+    snaps = {
+        0: _snap(5, "forward", [tp]),
+        1: _snap(5, "backward", [dp, dict(_c(7, True, group="tp", t=up_short - 20 * 10**9), age_s=20.0)]),
+    }
+    v = hang.verdict(snaps, 2)
+    assert v["collective"]["group"] == "tp" and v["laggards"] == [1] and v["waiting"] == [0]
 
 
 def test_every_rank_in_the_same_collective_is_a_device_or_network_hang():

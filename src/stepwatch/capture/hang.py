@@ -32,15 +32,18 @@ def _last_per_group(snap: dict[str, Any]) -> dict[int, dict[str, Any]]:
 
 def _by_collectives(snaps: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
     last = {r: _last_per_group(s) for r, s in snaps.items()}
-    candidates = []  # (enter time, group, the open collective)
+    candidates = []  # (how long ago the wait began, group, the open collective)
     for r, groups in last.items():
         for g, c in groups.items():
             if not c["completed"]:
-                candidates.append((c["enter_ns"], g, c))
+                # Each rank's sidecar measured the age on its own host: monotonic clocks of
+                # different hosts count from their own boot, so enter times do not compare.
+                age = c.get("age_s")
+                candidates.append((age if age is not None else -c["enter_ns"] / 1e9, g, c))
     if not candidates:
         return None
-    # The group whose wait started first is where the job stopped.
-    _, group, _ = min(candidates, key=lambda x: x[0])
+    # The group whose wait started first (the oldest wait) is where the job stopped.
+    _, group, _ = max(candidates, key=lambda x: x[0])
     open_seq = max(c["seq"] for _, g, c in candidates if g == group)
     waiting, laggards = [], []
     coll = None

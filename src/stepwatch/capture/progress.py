@@ -214,6 +214,7 @@ def read(buf: Any) -> dict[str, Any] | None:
         if name:
             names[code] = name
     ring = []
+    now = _now()  # this host's clock, like the entries: ages compare across hosts, times do not
     for k in range(max(count - RING, 0), count):
         op, group, seq, nbytes, t0, t1, cstep = _ENTRY.unpack_from(buf, _RING_AT + (k % RING) * _ENTRY.size)
         ring.append(
@@ -223,6 +224,7 @@ def read(buf: Any) -> dict[str, Any] | None:
                 "seq": seq,
                 "bytes": nbytes,
                 "enter_ns": t0,
+                "age_s": (now - t0) / 1e9,
                 "exit_ns": t1,
                 "completed": t1 != 0,
                 "step": cstep,
