@@ -6,6 +6,7 @@ captures per rank, of the same steps on both ranks, each a valid Chrome trace ho
 training thread's ops inside the chosen steps.
 """
 
+import gzip
 import json
 import os
 
@@ -39,7 +40,9 @@ def test_spikes_yield_one_capture_per_cooldown_window_on_every_rank(tmp_path):
     for r in (0, 1):
         for m in metas[r]:
             assert m["last_step"] - m["first_step"] == 2 and m["reason"]
-            trace = json.loads(open(m["trace"]).read())  # valid JSON, Chrome trace format
+            assert m["trace"].endswith(".trace.json.gz")
+            with gzip.open(m["trace"], "rt") as f:
+                trace = json.load(f)  # valid JSON, Chrome trace format
             events = trace["traceEvents"]
             marks = {e["name"]: e for e in events if str(e.get("name", "")).startswith("stepwatch_step_")}
             assert set(marks) == {f"stepwatch_step_{s}" for s in range(m["first_step"], m["last_step"] + 1)}

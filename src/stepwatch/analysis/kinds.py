@@ -257,7 +257,7 @@ KINDS: dict[str, Kind] = {
             "warning",
             "A step took much longer than its neighbours: above the rolling median plus several "
             "MAD-sigmas (evaluation and checkpoint time excluded).",
-            "Read the capture stepwatch took of the next steps (captures/*.trace.json, open in "
+            "Read the capture stepwatch took of the next steps (captures/*.trace.json.gz, open in "
             "Perfetto) and the step's phase split: data wait, forward, backward, optimizer.",
             "stepwatch rule: robust outlier test, median + k x 1.4826 x MAD (Rousseeuw & Croux 1993)",
         ),

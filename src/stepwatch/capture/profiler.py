@@ -305,7 +305,9 @@ class CaptureManager:
         stem = f"capture-{sc.k}-steps{a['first']}-{a['last']}.rank{r}"
         try:
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            trace = os.path.join(self.dir, f"{stem}.trace.json")
+            # gzip: a few steps of a big model are hundreds of MB of JSON per rank, about a tenth
+            # compressed; Perfetto, chrome://tracing and TensorBoard open .json.gz as they are.
+            trace = os.path.join(self.dir, f"{stem}.trace.json.gz")
             a["prof"].export_chrome_trace(trace)
             os.chmod(trace, 0o600)
             meta = {
