@@ -91,7 +91,7 @@ def test_storage_measure_small(tmp_path):
     assert isinstance(r.direct, bool)
     assert list(tmp_path.iterdir()) == []
     d = r.to_dict()
-    assert d["verdict"] == judge(r.write_gbps)
+    assert d["verdict"] == "ungraded" == judge(r.write_gbps, 1)  # one stream: not the reference's test
     r2 = measure(str(tmp_path), size_bytes=4 << 20, block_bytes=1 << 20, jobs=2)
     assert r2.write_bytes == 8 << 20 and r2.jobs == 2
     with pytest.raises(ValueError, match="block size"):
@@ -101,7 +101,7 @@ def test_storage_measure_small(tmp_path):
 
 
 def test_storage_verdicts_follow_the_reference():
-    assert judge(12.0) == "healthy"
+    assert judge(12.0) == "healthy" and judge(12.0, 16) == "healthy" and judge(1.0, 15) == "ungraded"
     assert judge(10.0) == "between"
     assert judge(1.9) == "degraded"
     assert judge(None) == "unknown"

@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--storage-seconds", type=float, default=10.0, metavar="S",
                    help="time limit per phase (write, read), seconds (default 10)")
     p.add_argument("--storage-jobs", type=int, default=1, metavar="N",
-                   help="parallel streams, one file each (default 1; the reference's fio uses 16)")
+                   help="parallel streams, one file each (default 1, not graded; the reference grades 16, as its fio)")
     p.add_argument("--no-attach", action="store_true", help="do not try a real py-spy attach")
     p.set_defaults(func=run)
 
@@ -53,7 +53,7 @@ def collect(args: argparse.Namespace) -> list[Check]:
 
 
 def storage_check(args: argparse.Namespace) -> Check:
-    from .storage import DEGRADED_GBPS, HEALTHY_GBPS, measure
+    from .storage import DEGRADED_GBPS, GRADED_JOBS, HEALTHY_GBPS, measure
 
     size = args.storage_size_mb * 1024 * 1024
     block = min(4 * 1024 * 1024, size)
@@ -71,13 +71,14 @@ def storage_check(args: argparse.Namespace) -> Check:
                f"(> {HEALTHY_GBPS:g} GB/s healthy, < {DEGRADED_GBPS:g} GB/s degraded)")
     if r.notes:
         summary += "; " + "; ".join(r.notes)
-    status = {"healthy": "ok", "between": "info", "degraded": "warn", "unknown": "info"}[d["verdict"]]
+    status = {"healthy": "ok", "between": "info", "degraded": "warn", "unknown": "info", "ungraded": "info"}[d["verdict"]]
     action = None
     if d["verdict"] == "degraded":
         action = ("Storage is degraded for checkpoints: check the filesystem (lfs df / lfs check servers on "
                   "Lustre, nfsstat on NFS), use a faster tier, or save asynchronously.")
-    elif r.jobs == 1:
-        action = "One stream understates a parallel filesystem: try --storage-jobs 16 as the reference's fio does."
+    elif d["verdict"] == "ungraded":
+        action = (f"The reference's thresholds are for {GRADED_JOBS} parallel streams (fio --numjobs={GRADED_JOBS}): "
+                  f"run with --storage-jobs {GRADED_JOBS} to grade; one stream understates a parallel filesystem.")
     return Check("storage", status, summary, action, d)
 
 

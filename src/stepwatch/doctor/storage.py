@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 HEALTHY_GBPS = 10.0  # reference B.9 storage checklist
 DEGRADED_GBPS = 2.0  # reference B.9 storage checklist
 BLOCK = 4 * 1024 * 1024  # reference B.9 fio: --bs=4M
+GRADED_JOBS = 16  # reference B.9 fio: --numjobs=16; its thresholds are for that many streams
 _ALIGN = 4096  # O_DIRECT: offsets and sizes multiple of the logical block size (<= 4 KiB on Linux disks)
 
 
@@ -48,13 +49,17 @@ class StorageResult:
         return {"path": self.path, "direct_io": self.direct, "jobs": self.jobs, "block_bytes": self.block_bytes,
                 "write_bytes": self.write_bytes, "write_s": self.write_s, "write_gbps": self.write_gbps,
                 "read_bytes": self.read_bytes, "read_s": self.read_s, "read_gbps": self.read_gbps,
-                "verdict": judge(self.write_gbps), "notes": self.notes}
+                "verdict": judge(self.write_gbps, self.jobs), "notes": self.notes}
 
 
-def judge(gbps: float | None) -> str:
-    """"healthy" (> 10 GB/s), "degraded" (< 2 GB/s), "between", or "unknown"."""
+def judge(gbps: float | None, jobs: int = GRADED_JOBS) -> str:
+    """"healthy" (> 10 GB/s), "degraded" (< 2 GB/s), "between", or "unknown"; "ungraded" for
+    fewer parallel streams than the reference's fio runs (one stream of a parallel filesystem
+    reads far below its aggregate, and would be called degraded while healthy)."""
     if gbps is None:
         return "unknown"
+    if jobs < GRADED_JOBS:
+        return "ungraded"
     if gbps > HEALTHY_GBPS:
         return "healthy"
     if gbps < DEGRADED_GBPS:
