@@ -39,6 +39,10 @@ def test_board_round_trip_through_a_separate_mapping(tmp_path):
     time.sleep(0.05)
     assert r.read()["collectives"][0]["age_s"] >= 0.05  # measured by the reader, on this host
     t_before = snap["last_progress_ns"]
+    b.coll_enter("all_gather", "tp", 7, 64)  # numbers count per group: another group's 7
+    b.coll_exit(7, "tp")
+    snap = r.read()
+    assert [c["completed"] for c in snap["collectives"]] == [False, True]  # the tp one, not default's
     b.coll_exit(7)
     snap = r.read()
     assert snap["collectives"][0]["completed"] and snap["last_progress_ns"] >= t_before
@@ -51,7 +55,7 @@ def test_board_ring_keeps_the_last_collectives_in_order(tmp_path):
     for seq in range(1, 20):
         b.coll_enter("broadcast", 5, seq, seq * 10)
         if seq < 19:
-            b.coll_exit(seq)
+            b.coll_exit(seq, 5)
     colls = progress.Reader(b.path).read()["collectives"]
     assert [c["seq"] for c in colls] == list(range(20 - progress.RING, 20))
     assert [c["completed"] for c in colls] == [True] * (progress.RING - 1) + [False]

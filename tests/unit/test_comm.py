@@ -140,13 +140,13 @@ def test_collector_take_swaps_and_reports_progress():
         def coll_enter(self, op, group, seq, nbytes):
             calls.append(("enter", op, group, seq, nbytes))
 
-        def coll_exit(self, seq):
-            calls.append(("exit", seq))
+        def coll_exit(self, seq, group):
+            calls.append(("exit", seq, group))
 
     c = CommCollector(progress_getter=lambda: Board())
     s = c.begin(ALLREDUCE, 64, 2, "h")
     c.end(s)
-    assert calls == [("enter", "allreduce", "default", 1, 64), ("exit", 1)]
+    assert calls == [("enter", "allreduce", "default", 1, 64), ("exit", 1, "default")]
     assert c.take()["spans"] == [s] and c.take() is None
     # A board without the methods is skipped silently.
     c2 = CommCollector(progress_getter=lambda: object())
@@ -462,3 +462,14 @@ def test_comm_off_patches_nothing(sw):
     orig = DDP.__dict__["_pre_forward"]
     start(comm=False)
     assert DDP.__dict__["_pre_forward"] is orig
+
+
+def test_collectives_are_numbered_per_process_group():
+    """The hang verdict compares a group's sequence numbers across ranks; a rank that also talks
+    on other groups (pipeline or tensor parallel) must not shift the numbers of this one."""
+    col = CommCollector()
+    dp1 = col.begin(ALLREDUCE, 8, 2, "h", group="dp")
+    col.begin(ALL_GATHER, 8, 2, "h", group="tp")
+    col.begin(ALL_GATHER, 8, 2, "h", group="tp")
+    dp2 = col.begin(ALLREDUCE, 8, 2, "h", group="dp")
+    assert (dp1.seq, dp2.seq) == (1, 2)

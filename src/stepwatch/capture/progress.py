@@ -124,7 +124,7 @@ class Board:
         self._done = 0
         self._t_step = 0
         self._colls = 0
-        self._slot_seq = [-1] * RING
+        self._slot_seq: list[Any] = [None] * RING  # (group, seq): numbers count per group
         self._dump_req = 0
         self._groups: dict[int, int] = {}  # code -> table slot
         self._codes: dict[tuple[Any, Any], tuple[int, int]] = {}
@@ -152,7 +152,7 @@ class Board:
         i = self._colls % RING
         self._colls += 1
         t = _now()
-        self._slot_seq[i] = seq
+        self._slot_seq[i] = (group, seq)
         _ENTRY.pack_into(self._buf, _RING_AT + i * _ENTRY.size, codes[0], codes[1], seq, nbytes, t, 0, self._step)
         _I64.pack_into(self._buf, 64, self._colls)
         _I64.pack_into(self._buf, 32, t)
@@ -167,12 +167,13 @@ class Board:
             self._codes[(op, group)] = codes
         return codes
 
-    def coll_exit(self, seq: int) -> None:
-        """The collective with sequence ``seq`` completed."""
+    def coll_exit(self, seq: int, group: Any = "default") -> None:
+        """The collective ``seq`` of ``group`` completed."""
         t = _now()
         slots = self._slot_seq
+        key = (group, seq)
         for i in range(RING):
-            if slots[i] == seq:
+            if slots[i] == key:
                 _I64.pack_into(self._buf, _RING_AT + i * _ENTRY.size + 32, t)
                 break
         _I64.pack_into(self._buf, 32, t)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from .spans import ALL_GATHER, REDUCE_SCATTER, CommCollector
+from .spans import ALL_GATHER, REDUCE_SCATTER, CommCollector, group_key
 
 # (function name, span kind, which tensor's bytes: "out" for the gathered output, "in" for the input)
 _FUNCS = (
@@ -85,7 +85,7 @@ class CollectivePatches:
         nbytes = t.numel() * t.element_size() if t is not None else None
         group = kwargs.get("group")
         world = dist.get_world_size(group) if group is not None else dist.get_world_size()
-        span = self.collector.begin(kind, nbytes, world, kind, group=getattr(group, "group_name", "default") or "default")
+        span = self.collector.begin(kind, nbytes, world, kind, group=group_key(group))
         if t is not None and t.is_cuda:
             import torch
 

@@ -26,7 +26,7 @@ import weakref
 from typing import Any, Callable
 
 from .._log import warn_once
-from .spans import ALLREDUCE, CommCollector, Span, _now
+from .spans import ALLREDUCE, CommCollector, Span, _now, group_key
 
 _ATTR = "_stepwatch_comm"
 
@@ -258,12 +258,13 @@ class DDPCommHooks:
     def _begin(self, ref: Any, hook: Callable, bucket: Any) -> Span:
         buf = bucket.buffer()
         model = ref()
-        world = model.process_group.size() if model is not None else 1
+        pg = model.process_group if model is not None else None
+        world = pg.size() if pg is not None else 1
         name = getattr(hook, "__name__", "hook")
         # Bytes on the wire are known only for a plain AllReduce of the bucket.
         plain = hook is _mean_allreduce_hook or name == "allreduce_hook"
         nbytes = buf.numel() * buf.element_size() if plain else None
-        span = self.collector.begin(ALLREDUCE, nbytes, world, name)
+        span = self.collector.begin(ALLREDUCE, nbytes, world, name, group=group_key(pg))
         if buf.is_cuda:
             import torch
 
@@ -312,4 +313,5 @@ def _mean_allreduce_hook(state: Any, bucket: Any) -> Any:
     buf.mul_(1.0 / pg.size())
     fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
+
 

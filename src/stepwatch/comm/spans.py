@@ -27,18 +27,35 @@ MAX_SPANS = 4096
 ALLREDUCE, ALL_GATHER, REDUCE_SCATTER = "allreduce", "all_gather", "reduce_scatter"
 
 
+def group_key(pg: Any) -> str:
+    """The name a process group has on the progress board: "default" for the world group (as a
+    collective called without ``group=`` is named), else torch's ``group_name``."""
+    if pg is None:
+        return "default"
+    try:
+        import torch.distributed as dist
+
+        if pg is dist.distributed_c10d._get_default_group():
+            return "default"
+    except (ImportError, RuntimeError, ValueError):
+        pass
+    return getattr(pg, "group_name", None) or "default"
+
+
 class Span:
     """One collective. Host clock (``perf_counter_ns``) in ``t0``/``t1``; on CUDA, device events
     in ``ev0``/``ev1`` (resolved by the enricher without blocking)."""
 
-    __slots__ = ("op", "nbytes", "world", "seq", "hook", "t0", "t_ret", "t1", "ev0", "ev1", "device", "failed")
+    __slots__ = ("op", "nbytes", "world", "seq", "hook", "group", "t0", "t_ret", "t1", "ev0", "ev1", "device",
+                 "failed")
 
-    def __init__(self, op: str, nbytes: int | None, world: int, seq: int, hook: str) -> None:
+    def __init__(self, op: str, nbytes: int | None, world: int, seq: int, hook: str, group: str = "default") -> None:
         self.op = op
         self.nbytes = nbytes
         self.world = world
         self.seq = seq
         self.hook = hook
+        self.group = group
         self.t0 = _now()
         self.t_ret: int | None = None  # when the issuing call returned (the hook, on the issuing thread)
         self.t1: int | None = None
@@ -62,7 +79,9 @@ class CommCollector(Collector):
 
     def __init__(self, progress_getter: Any = None) -> None:
         self._buf: list[Span] = []
-        self._seq = itertools.count(1)
+        # Per process group: the hang verdict compares a group's sequence numbers across ranks, and
+        # ranks issue different numbers of collectives on other groups (pipeline/tensor parallel).
+        self._seqs: dict[str, Any] = {}
         self._progress_getter = progress_getter
         self._lock = threading.Lock()
         self.enabled = True
@@ -84,8 +103,11 @@ class CommCollector(Collector):
 
     def begin(self, op: str, nbytes: int | None, world: int, hook: str, group: str = "default") -> Span:
         with self._lock:  # issue can come from the autograd engine's threads as well
-            seq = next(self._seq)
-        span = Span(op, nbytes, world, seq, hook)
+            counter = self._seqs.get(group)
+            if counter is None:
+                counter = self._seqs[group] = itertools.count(1)
+            seq = next(counter)
+        span = Span(op, nbytes, world, seq, hook, group)
         if len(self._buf) < MAX_SPANS:
             self._buf.append(span)
         else:
@@ -103,7 +125,7 @@ class CommCollector(Collector):
         progress = self._progress()
         if progress is not None:
             try:
-                progress.coll_exit(span.seq)
+                progress.coll_exit(span.seq, span.group)
             except Exception:
                 pass
 
