@@ -499,3 +499,27 @@ def test_auto_leaves_a_single_process_alone(sw, monkeypatch):
     s = start()
     assert not [f for f in s.features_started if getattr(f, "name", "") == "capture"]
     assert s.tracker.progress is None
+
+
+def test_a_rank_waiting_while_another_saves_gets_the_checkpoint_allowance(tmp_path):
+    """`if rank == 0: torch.save(...)`: rank 1 waits in its next collective meanwhile. Rank 0's
+    sidecar marks the checkpoint; rank 1's sidecar sees it (the run dir here; the store across
+    hosts) and an earlier attempt's marker does not count."""
+    import argparse
+
+    from stepwatch.capture.watchdog import Watchdog
+
+    def sidecar(rank, attempt=1):
+        return Watchdog(argparse.Namespace(rank=rank, trainer_pid=os.getpid(), run_dir=str(tmp_path), run_id="t",
+                                           store_addr=None, store_port=None, attempt=attempt, world_size=2,
+                                           timeout=None))
+
+    saver, waiter = sidecar(0), sidecar(1)
+    assert not waiter.others_checkpointing()
+    saver.publish_checkpoint({"phase": "checkpoint"})
+    marker = tmp_path / "checkpointing.rank0"
+    assert marker.exists() and oct(marker.stat().st_mode & 0o777) == "0o600"
+    assert waiter.others_checkpointing() and not saver.others_checkpointing()
+    assert not sidecar(1, attempt=2).others_checkpointing()  # another attempt's marker
+    saver.publish_checkpoint({"phase": "forward"})
+    assert not marker.exists() and not waiter.others_checkpointing()

@@ -139,6 +139,18 @@ class Store:
                 log(f"watchdog: store set failed ({e}); using the run dir only")
                 self._failed, self._store = True, None
 
+    def add(self, key: str, n: int) -> int | None:
+        """The counter at ``key`` after adding ``n`` (0 reads it); None without a store."""
+        s = self._get()
+        if s is None:
+            return None
+        try:
+            return int(s.add(f"{self.prefix}/{key}", n))
+        except Exception as e:
+            log(f"watchdog: store add failed ({e}); using the run dir only")
+            self._failed, self._store = True, None
+            return None
+
     def try_get(self, key: str) -> str | None:
         s = self._get()
         if s is None:
@@ -168,6 +180,7 @@ class Watchdog:
         self.stack_method = "unknown"
         self.store = Store(a.store_addr, a.store_port, f"stepwatch/{a.run_id}")
         self.board: progress.Reader | None = None
+        self.checkpointing = False  # this rank's trainer, as last published
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -202,6 +215,43 @@ class Watchdog:
         t = default_timeout(list(self.steps))
         return t * CHECKPOINT_FACTOR if snap["phase"] == "checkpoint" else t
 
+    # While one rank saves (`if rank == 0: torch.save(...)`), the others wait in their next
+    # collective: they get the checkpoint allowance too. Each sidecar says when its trainer is in
+    # a checkpoint: a marker file in the run dir (same host or a shared run dir) and a counter in
+    # the store (other hosts).
+    def publish_checkpoint(self, snap: dict[str, Any]) -> None:
+        now = snap["phase"] == "checkpoint"
+        if now == self.checkpointing:
+            return
+        self.checkpointing = now
+        marker = os.path.join(self.run_dir, f"checkpointing.rank{self.rank}")
+        try:
+            if now:
+                write_json_private(marker, {"pid": self.pid, "attempt": self.a.attempt})
+            else:
+                os.unlink(marker)
+        except OSError:
+            pass
+        if self.a.world_size > 1:
+            self.store.add(f"checkpointing/{self.a.attempt}", 1 if now else -1)
+
+    def others_checkpointing(self) -> bool:
+        try:
+            names = os.listdir(self.run_dir)
+        except OSError:
+            names = []
+        for n in names:
+            if not n.startswith("checkpointing.rank") or n == f"checkpointing.rank{self.rank}":
+                continue
+            try:
+                with open(os.path.join(self.run_dir, n), encoding="utf-8") as f:
+                    if json.load(f).get("attempt") == self.a.attempt:  # not a crashed attempt's
+                        return True
+            except (OSError, ValueError, AttributeError):
+                continue
+        n = self.store.add(f"checkpointing/{self.a.attempt}", 0) if self.a.world_size > 1 else None
+        return bool(n and n > 0)
+
     def run(self) -> int:
         global _busy
         deadline = time.monotonic() + 30
@@ -229,9 +279,12 @@ class Watchdog:
                 self.dump_seen = snap["dump_req"]
                 self.on_request(snap["dump_req"])
             stalled = (now - snap["last_progress_ns"]) / 1e9
+            self.publish_checkpoint(snap)
             # The clock starts after the first step (steps_done counts step ends).
             if snap["steps_done"] >= 1 and not self.in_hang:
                 limit = self.timeout(snap)
+                if stalled > limit and not self.a.timeout and snap["phase"] != "checkpoint" and self.others_checkpointing():
+                    limit *= CHECKPOINT_FACTOR
                 if stalled > limit:
                     self.in_hang = True
                     self.episode += 1
@@ -243,6 +296,8 @@ class Watchdog:
                     if _term:
                         break
             time.sleep(POLL_S)
+        if self.checkpointing:  # the trainer ended inside a checkpoint: take our marker back
+            self.publish_checkpoint({"phase": "other"})
         return 0
 
     # -- stacks -----------------------------------------------------------------------------------
