@@ -50,6 +50,23 @@ def test_board_round_trip_through_a_separate_mapping(tmp_path):
     assert not os.path.exists(path)
 
 
+def test_board_never_opens_through_a_planted_link(tmp_path):
+    """/dev/shm is writable by every user and the board's name is predictable: a symlink planted
+    there must not make the trainer write through it; a stale file of our own is replaced."""
+    target = tmp_path / "victim"
+    target.write_text("keep me")
+    link = tmp_path / "board"
+    link.symlink_to(target)
+    with pytest.raises(PermissionError, match="not a file of this user"):
+        progress.Board(str(link), rank=0)
+    assert target.read_text() == "keep me"
+    stale = tmp_path / "stale"
+    stale.write_bytes(b"x" * 10)
+    b = progress.Board(str(stale), rank=0)
+    assert progress.Reader(str(stale)).read()["rank"] == 0 and oct(stale.stat().st_mode & 0o777) == "0o600"
+    b.close()
+
+
 def test_board_ring_keeps_the_last_collectives_in_order(tmp_path):
     b = progress.Board(str(tmp_path / "b"), rank=0)
     for seq in range(1, 20):
