@@ -86,3 +86,46 @@ def test_a_failed_py_spy_leaves_no_process_stopped():
     finally:
         child.kill()
         child.wait()
+
+
+def test_run_delivers_group_signals_once_and_passes_sigterm_on(tmp_path):
+    """A signal sent to the whole process group (Ctrl-C, SLURM's --signal=USR1) reaches the
+    command once, not again through the runner; SIGTERM sent to the runner alone (a container's
+    PID 1) reaches the command."""
+    import signal
+    import subprocess
+    import time
+
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, signal, sys, time\n"
+        "n = []\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: n.append(1))\n"
+        f"open({str(tmp_path / 'ready')!r}, 'w').write(str(os.getpid()))\n"
+        "end = time.time() + 3\n"
+        "while time.time() < end:\n"
+        "    time.sleep(0.05)\n"
+        f"open({str(tmp_path / 'count')!r}, 'w').write(str(len(n)))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "src"), STEPWATCH_ENABLED="0")
+
+    def start():
+        (tmp_path / "ready").unlink(missing_ok=True)
+        p = subprocess.Popen([sys.executable, "-m", "stepwatch", "run", "--", sys.executable, str(child)],
+                             env=env, start_new_session=True)
+        for _ in range(200):
+            if (tmp_path / "ready").exists():
+                return p
+            time.sleep(0.05)
+        p.kill()
+        raise AssertionError("the command did not start")
+
+    p = start()
+    os.killpg(p.pid, signal.SIGUSR1)  # the whole group, as SLURM does
+    assert p.wait(timeout=30) == 0
+    assert (tmp_path / "count").read_text() == "1"
+
+    p = start()
+    os.kill(p.pid, signal.SIGTERM)  # the runner alone
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM

@@ -112,8 +112,14 @@ def run_main(args: argparse.Namespace) -> int:
         except OSError:
             pass
 
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(s, forward)
+    # SIGTERM is often sent to this process alone (a container's PID 1, `kill <pid>`): passed on.
+    # SIGINT (the terminal) and SIGUSR1 (SLURM's --signal, `scancel -s`) reach the whole process
+    # group or job step, the command included: passing them on would deliver them twice (a second
+    # SIGINT interrupts torchrun's shutdown; a second SIGUSR1 runs a requeue handler again).
+    # The runner only outlives them, waiting for the command.
+    signal.signal(signal.SIGTERM, forward)
+    for s in (signal.SIGINT, signal.SIGUSR1):
+        signal.signal(s, lambda *_: None)
     while True:
         try:
             rc = proc.wait()
