@@ -35,6 +35,10 @@ from ..record import Finding, StepRecord
 # this many seconds passed since it published its own part (ranks' background passes drift).
 LATE_WINDOWS = 2
 LATE_S = 5.0
+# Verdicts stay this many windows: a rank reads one between a check() and a get(), and a get() of
+# a key deleted meanwhile would wait for the store's whole timeout. Synchronous ranks are at most a
+# step or two apart, so a rank never looks this far back; the keys are ~100 bytes each.
+VERDICT_KEEP = 16
 # The store is polled (counter reads, verdict checks) at most this often, however many records
 # a background pass brings: the cost per rank is bounded by time, not by step rate.
 POLL_S = 0.25
@@ -150,7 +154,7 @@ class StragglerExchange:
 
     def post_verdict(self, w: int, verdict: dict[str, Any]) -> None:
         self.store.set(f"{self.ns}/v{w}", json.dumps(verdict, separators=(",", ":")).encode())
-        self._to_delete.setdefault(w + LATE_WINDOWS + 1, []).append(f"{self.ns}/v{w}")
+        self._to_delete.setdefault(w + VERDICT_KEEP, []).append(f"{self.ns}/v{w}")
 
     def read_verdict(self, w: int) -> dict[str, Any] | None:
         """Any rank: the verdict of window ``w`` if the leader wrote it (never waits)."""
