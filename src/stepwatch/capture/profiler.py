@@ -45,6 +45,9 @@ from .triggers import TRIGGER_KINDS
 # Seconds of steps between the decision and the first captured step: every rank must read the
 # store key first (one background pass is flush_interval_s, 0.25 s by default) and warm up.
 LAG_S = 2.0
+# Ranks look for a decision in the store at most this often: every rank polls the job's one store
+# (4 passes a second would be ~16k store operations a second at 4k ranks); well inside LAG_S.
+STORE_POLL_S = 1.0
 MIN_LAG_STEPS = 2
 MAX_LAG_STEPS = 100
 
@@ -76,6 +79,7 @@ class CaptureManager:
         self.scheduled: _Scheduled | None = None  # written by the background thread, read by training
         self.active: dict[str, Any] | None = None
         self.count = 0
+        self._polled = 0.0  # last look at the store (on_pass)
         self.skipped: dict[str, int] = {}
         self.done: list[dict[str, Any]] = []
         self._last_decision = -math.inf
@@ -138,6 +142,10 @@ class CaptureManager:
             if reason and (self.ctx.world_size < 2 or self._store_state in ("single", "failed")):
                 self._decide(reason, None)
             return
+        now = time.monotonic()
+        if not reason and now - self._polled < STORE_POLL_S:
+            return
+        self._polled = now
         if rank == 0:
             if reason:
                 self._decide(reason, store)
