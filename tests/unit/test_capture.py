@@ -540,3 +540,15 @@ def test_a_rank_waiting_while_another_saves_gets_the_checkpoint_allowance(tmp_pa
     assert not sidecar(1, attempt=2).others_checkpointing()  # another attempt's marker
     saver.publish_checkpoint({"phase": "forward"})
     assert not marker.exists() and not waiter.others_checkpointing()
+
+
+def test_rank_0_does_not_take_an_old_hangs_snapshot_for_this_one():
+    """Episodes are counted per rank and run dirs get reused: a complete snapshot lying in
+    hang-<n> from an earlier hang (or job) would blame the wrong rank."""
+    from stepwatch.capture.watchdog import Watchdog
+
+    now = time.time()
+    mine = {"detected_at": now, "timeout_s": 120.0}
+    assert Watchdog._same_episode({"detected_at": now + 30, "complete": True}, mine)
+    assert not Watchdog._same_episode({"detected_at": now - 3600, "complete": True}, mine)  # an hour old
+    assert not Watchdog._same_episode({"complete": True}, mine)  # written by an older stepwatch

@@ -367,7 +367,8 @@ class Watchdog:
         d = self.hang_dir(n)
         os.makedirs(d, mode=0o700, exist_ok=True)
         mine = dict(snap)
-        mine.update({"host": self.host, "stalled_s": round(stalled, 3), "timeout_s": limit, "complete": False})
+        mine.update({"host": self.host, "stalled_s": round(stalled, 3), "timeout_s": limit, "complete": False,
+                     "detected_at": time.time()})
         snap_path = os.path.join(d, f"progress.rank{self.rank}.json")
         _write_json(snap_path, mine)
         st = self.stacks()
@@ -407,13 +408,23 @@ class Watchdog:
                             got = json.loads(raw)
                         except ValueError:
                             got = None
-                if got is not None:
+                if got is not None and self._same_episode(got, mine):
                     snaps[r] = got
             if all(r in snaps and snaps[r].get("complete") for r in range(self.a.world_size)):
                 return snaps
             if time.monotonic() > deadline:
                 return snaps
             time.sleep(0.25)
+
+    @staticmethod
+    def _same_episode(got: dict[str, Any], mine: dict[str, Any]) -> bool:
+        """A rank's snapshot of this hang, not of an earlier one: episodes are counted per rank, and
+        a reused run directory (same run id) can hold an old job's ``hang-<n>``. Ranks detect one
+        hang within about a timeout of each other (wall clocks of hosts agree to well under that)."""
+        t = got.get("detected_at")
+        if not isinstance(t, (int, float)):
+            return False
+        return abs(t - mine["detected_at"]) <= max(float(mine.get("timeout_s") or 0), 60.0) + GATHER_S
 
     def report(self, n: int, mine: dict[str, Any], limit: float) -> None:
         snaps = self.gather(n, mine)
