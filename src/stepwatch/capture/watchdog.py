@@ -303,6 +303,10 @@ class Watchdog:
     # -- stacks -----------------------------------------------------------------------------------
 
     def stacks(self) -> dict[str, Any]:
+        if self.stack_method != "py-spy" and self.a.pyspy and can_read_memory(self.pid)[0]:
+            # The trainer grants ptrace (PR_SET_PTRACER) just after starting us: the check at
+            # start-up can come first. Asked again now, at the hang.
+            self.stack_method = "py-spy"
         if self.stack_method == "py-spy":
             res = pyspy.two_samples(self.a.pyspy, self.pid, native_budget_s=self.a.native_budget)
             if res["ok"]:
