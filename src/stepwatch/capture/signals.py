@@ -81,8 +81,18 @@ def _has_handler(h: Any) -> bool:
 # A real-time signal nobody sends by accident: glibc keeps SIGRTMIN's first values for itself
 # (SIGRTMIN already accounts for that), and the low offsets are the ones libraries pick first.
 DUMP_OFFSET = 6
-_HEADER = "# stepwatch: pid {pid} writes its stacks here on signal {signum}\n"
-_HEADER_RE = re.compile(r"^# stepwatch: pid (\d+) writes its stacks here on signal (\d+)$", re.M)
+_HEADER = "# stepwatch: pid {pid} (started {start}) writes its stacks here on signal {signum}\n"
+_HEADER_RE = re.compile(r"^# stepwatch: pid (\d+) \(started (\d+)\) writes its stacks here on signal (\d+)$", re.M)
+
+
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22): a pid names one
+    process only together with it, since pids are reused."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def dump_signal() -> int | None:
@@ -92,14 +102,26 @@ def dump_signal() -> int | None:
 
 
 def signal_for(path: str, pid: int) -> int | None:
-    """The dump signal ``pid`` announced in the stack file at ``path`` (the latest), if any."""
+    """The dump signal ``pid`` announced in the stack file at ``path`` (the latest), if any, and
+    only if ``pid`` is still that process (its start time matches): a reused pid belongs to some
+    other process, which the signal's default action would end."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
     except OSError:
         return None
-    found = [int(sig) for p, sig in _HEADER_RE.findall(text) if int(p) == pid]
+    start = start_ticks(pid)
+    found = [int(sig) for p, t, sig in _HEADER_RE.findall(text) if int(p) == pid and int(t) == start]
     return found[-1] if found else None
+
+
+def announced(path: str, pid: int) -> bool:
+    """Did a process with this pid number announce a dump signal in the file (alive or not)?"""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return any(int(p) == pid for p, _, _ in _HEADER_RE.findall(f.read()))
+    except OSError:
+        return False
 
 
 def signal_name(signum: int) -> str:
@@ -134,7 +156,8 @@ class StackSignal:
         self._file = os.fdopen(fd, "a", buffering=1)
         self._register()
         if self.private:
-            self._file.write(_HEADER.format(pid=os.getpid(), signum=self.signum))
+            self._file.write(_HEADER.format(pid=os.getpid(), start=start_ticks(os.getpid()) or 0,
+                                            signum=self.signum))
         return True
 
     def _register(self) -> None:
