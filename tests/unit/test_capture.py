@@ -564,3 +564,31 @@ def test_rank_0_does_not_take_an_old_hangs_snapshot_for_this_one():
     assert Watchdog._same_episode({"detected_at": now + 30, "complete": True}, mine)
     assert not Watchdog._same_episode({"detected_at": now - 3600, "complete": True}, mine)  # an hour old
     assert not Watchdog._same_episode({"complete": True}, mine)  # written by an older stepwatch
+
+
+def test_hang_timeout_stays_within_half_the_process_group_timeout(tmp_path):
+    """The backend ends the job at its own timeout (NCCL aborts the process): the sidecar acts
+    before, at half of it. The trainer reads the timeout from its real process group (gloo here)
+    and publishes it on the board."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from stepwatch.capture import pg_timeout_s
+    from stepwatch.capture.watchdog import Watchdog
+
+    assert pg_timeout_s() is None  # no process group yet
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=77))
+    try:
+        assert pg_timeout_s() == 77.0
+    finally:
+        dist.destroy_process_group()
+    b = progress.Board(str(tmp_path / "b"), rank=0)
+    r = progress.Reader(b.path)
+    assert r.read()["pg_timeout_s"] is None
+    b.set_pg_timeout(77.0)
+    snap = r.read()
+    assert snap["pg_timeout_s"] == 77
+    assert Watchdog.within_pg_timeout(300.0, snap) == 38.5 and Watchdog.within_pg_timeout(30.0, snap) == 30.0
+    assert Watchdog.within_pg_timeout(300.0, {"pg_timeout_s": None}) == 300.0
+    b.close()

@@ -85,6 +85,7 @@ class Feature:
         # file) survives an elastic restart, and the last attempt's hangs are not news.
         self._watch_off: int | None = None
         self._watch_t = 0.0
+        self._pg_timeout_told = False
 
     # -- pieces -------------------------------------------------------------------------------
 
@@ -201,6 +202,11 @@ class Feature:
     def collect(self, records: list[Any]) -> tuple[list[Any], list[Any]]:
         """Each background pass: the sidecar's ``hang`` findings join this rank's finding stream
         (exporters, ``findings.rank<R>.jsonl``) when the trainer's pipeline still runs."""
+        if not self._pg_timeout_told and self.board is not None and self.sidecar is not None:
+            t = pg_timeout_s()
+            if t is not None:
+                self._pg_timeout_told = True
+                self.board.set_pg_timeout(t)
         now = time.monotonic()
         if now - self._watch_t < 1.0:
             return [], []
@@ -263,6 +269,27 @@ class Feature:
         if self.captures is not None:
             out["captures"] = self.captures.manifest()
         return out
+
+
+def pg_timeout_s() -> float | None:
+    """The default process group's timeout in seconds, once one exists (None before, or when this
+    torch does not say): ``init_process_group(timeout=...)`` as the backend holds it."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        import torch
+
+        pg = dist.distributed_c10d._get_default_group()
+        for dev in ("cuda", "cpu"):
+            try:
+                t = pg._get_backend(torch.device(dev)).options._timeout
+            except (RuntimeError, AttributeError, ValueError):
+                continue
+            return t.total_seconds()
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+    return None
 
 
 def enable_flight_recorder(run_dir: str) -> str:

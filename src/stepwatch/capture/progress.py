@@ -196,6 +196,10 @@ class Board:
 
     # -- background thread ---------------------------------------------------------------------
 
+    def set_pg_timeout(self, seconds: float) -> None:
+        """The default process group's timeout: the sidecar must act before it ends the job."""
+        _U32.pack_into(self._buf, 72, max(int(seconds), 1))
+
     def request_dump(self) -> int:
         """Ask the sidecar for a stack dump; returns the request number it will answer."""
         self._dump_req += 1
@@ -224,6 +228,7 @@ def read(buf: Any) -> dict[str, Any] | None:
     (dump_req,) = _U32.unpack_from(buf, 56)
     (closed,) = _U32.unpack_from(buf, 60)
     (count,) = _I64.unpack_from(buf, 64)
+    (pg_timeout,) = _U32.unpack_from(buf, 72)
     names = {}
     for j in range(GROUPS):
         code, raw = _GROUP.unpack_from(buf, _GROUPS_AT + j * _GROUP.size)
@@ -258,6 +263,7 @@ def read(buf: Any) -> dict[str, Any] | None:
         "steps_done": done,
         "dump_req": dump_req,
         "closed": bool(closed),
+        "pg_timeout_s": pg_timeout or None,
         "collectives": ring,
     }
 

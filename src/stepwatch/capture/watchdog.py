@@ -43,6 +43,7 @@ FLOOR_S = 30.0
 CAP_S = 300.0
 # Checkpoint saves are one long phase without other progress: the default timeout stretches.
 CHECKPOINT_FACTOR = 5.0
+PG_TIMEOUT_SHARE = 0.5  # act within half the process group's timeout (torchtitan trains with 100 s)
 POLL_S = 0.25
 # Rank 0 waits this long for the other ranks' snapshots before it writes the report anyway.
 GATHER_S = 20.0
@@ -215,6 +216,13 @@ class Watchdog:
         t = default_timeout(list(self.steps))
         return t * CHECKPOINT_FACTOR if snap["phase"] == "checkpoint" else t
 
+    @staticmethod
+    def within_pg_timeout(limit: float, snap: dict[str, Any]) -> float:
+        """At most half the process group's timeout: past it, the backend's own watchdog ends the
+        job (NCCL aborts the process) and the evidence with it. An explicit timeout included."""
+        pg = snap.get("pg_timeout_s")
+        return min(limit, PG_TIMEOUT_SHARE * pg) if pg else limit
+
     # While one rank saves (`if rank == 0: torch.save(...)`), the others wait in their next
     # collective: they get the checkpoint allowance too. Each sidecar says when its trainer is in
     # a checkpoint: a marker file in the run dir (same host or a shared run dir) and a counter in
@@ -285,6 +293,7 @@ class Watchdog:
                 limit = self.timeout(snap)
                 if stalled > limit and not self.a.timeout and snap["phase"] != "checkpoint" and self.others_checkpointing():
                     limit *= CHECKPOINT_FACTOR
+                limit = self.within_pg_timeout(limit, snap)
                 if stalled > limit:
                     self.in_hang = True
                     self.episode += 1
