@@ -122,3 +122,30 @@ def test_shim_starts_stepwatch_in_the_command_not_its_children_and_chains_sitecu
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"session": True, "child_session": "False", "own": "ran"}
+
+
+def test_shim_leaves_a_launcher_alone_and_starts_stepwatch_in_what_it_launches(tmp_path):
+    """`stepwatch run -- accelerate launch train.py`: the launcher (a console script named
+    accelerate, here a stand-in that starts the script as accelerate's simple launcher does) is not
+    the job; the process it starts is, and gets stepwatch."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    launcher = bindir / "accelerate"
+    launcher.write_text(
+        f"#!{sys.executable}\n"
+        "import json, subprocess, sys\nimport stepwatch\n"
+        "kid = subprocess.run([sys.executable, sys.argv[2]], capture_output=True, text=True)\n"
+        "print(json.dumps({'launcher_session': stepwatch.get_session() is not None, 'script': kid.stdout.strip()}))\n"
+    )
+    launcher.chmod(0o755)
+    script = tmp_path / "train.py"
+    script.write_text("import stepwatch\nprint(stepwatch.get_session() is not None)\n")
+    src = os.path.dirname(os.path.dirname(runner.__file__))
+    environ = {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": os.path.dirname(src),
+               "STEPWATCH_CONSOLE": "off", "STEPWATCH_GPU_TELEMETRY": "0", "STEPWATCH_WATCHDOG": "off",
+               "STEPWATCH_CAPTURE": "off"}
+    argv, env = runner.build(["accelerate", "launch", str(script)], nsys=False, nsys_ranges=5,
+                             run_dir=str(tmp_path / "run"), environ=environ)
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"launcher_session": False, "script": "True"}

@@ -1,11 +1,27 @@
 """Put on PYTHONPATH by ``stepwatch run``: every Python process of the job imports this at start-up
 (the ``site`` module imports ``sitecustomize``), and the job's ranks start stepwatch without a code
 change. Which processes: under torchrun, the ranks (``RANK`` is set; not the agent, not helper
-processes); otherwise the first Python process of the command. Then the next
+processes); otherwise the first Python process of the command that is not a launcher
+(``accelerate launch``, ``deepspeed``, ``lightning run``: their ranks are). Then the next
 ``sitecustomize`` on the path, if the environment has one, runs as it would have."""
 
 import os
 import sys
+
+# Programs that start the training processes rather than train: instrumenting one would leave its
+# ranks out (they inherit STEPWATCH_RUN_ACTIVE). Console scripts by name, modules by prefix.
+_LAUNCHER_SCRIPTS = frozenset(("accelerate", "accelerate-launch", "deepspeed", "lightning", "torchrun", "torchx"))
+_LAUNCHER_MODULES = ("accelerate.commands", "deepspeed.launcher", "lightning", "torch.distributed.run",
+                     "torch.distributed.launch")
+
+
+def _is_launcher() -> bool:
+    argv = list(getattr(sys, "orig_argv", None) or sys.argv)  # sys.orig_argv: the whole command line
+    if "-m" in argv[:-1]:
+        mod = argv[argv.index("-m") + 1]
+        return any(mod == m or mod.startswith(m + ".") for m in _LAUNCHER_MODULES)
+    script = next((a for a in argv[1:] if not a.startswith("-")), "")
+    return os.path.basename(script) in _LAUNCHER_SCRIPTS
 
 
 def _enable() -> bool:
@@ -16,7 +32,8 @@ def _enable() -> bool:
         return False  # a process the rank started (spawned DataLoader worker): not a rank
     if env.get("STEPWATCH_RUN_MODE") == "ranks":
         return "RANK" in env and "LOCAL_RANK" in env
-    return True  # the first Python process of the command (its children see STEPWATCH_RUN_ACTIVE)
+    # the first Python process of the command that trains (its children see STEPWATCH_RUN_ACTIVE)
+    return not _is_launcher()
 
 
 def _chain() -> None:
