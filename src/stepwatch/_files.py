@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import IO, Any
 
 
@@ -34,6 +35,22 @@ def open_private(path: str, *, exclusive: bool = True) -> IO[str]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_EXCL if exclusive else 0)
     fd = os.open(path, flags, 0o600)
     return os.fdopen(fd, "a", encoding="utf-8", buffering=1 << 16)
+
+
+def create_private(path: str) -> int:
+    """A new 0600 file at ``path``, opened read-write (an fd, e.g. to map), never through a link
+    someone planted (a world-writable directory such as /dev/shm, a predictable name). A leftover
+    regular file of ours (a crashed process whose pid came round again) is replaced; anything else
+    is refused."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        return os.open(path, flags, 0o600)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise PermissionError(f"{path} exists and is not a file of this user: not using it") from None
+        os.unlink(path)
+        return os.open(path, flags, 0o600)
 
 
 def write_private(path: str, text: str) -> None:

@@ -395,14 +395,14 @@ def test_stepwatchs_own_dumps_never_run_the_jobs_sigusr1_handler(tmp_path, usr1)
     private = signals.StackSignal(path, signals.dump_signal(), private=True)
     try:
         assert private.install() and usr1_sig.chained and not private.chained
-        assert signals.signal_for(path, os.getpid()) == signals.dump_signal()
+        assert signals.signal_for(path, os.getpid()) == (signals.dump_signal(), True)
         # a live process whose pid once announced a signal, started later (pids are reused): none
         other = subprocess.Popen(["sleep", "30"])
         try:
             with open(path, "a") as f:
                 f.write(f"# stepwatch: pid {other.pid} (started 1) writes its stacks here on signal "
                         f"{signals.dump_signal()}\n")
-            assert signals.signal_for(path, other.pid) is None
+            assert signals.signal_for(path, other.pid) == (None, True)
             assert not _signal_dump(str(tmp_path / "run"), 0, other.pid, None)  # and it is not signalled
             assert other.poll() is None
         finally:

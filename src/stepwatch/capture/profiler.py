@@ -190,7 +190,7 @@ class CaptureManager:
         now = time.monotonic()
         why_not = self._allowed(now)
         if why_not is not None:
-            self.skipped[why_not] = self.skipped.get(why_not, 0) + 1
+            self._skip(why_not)
             if why_not in ("max_count", "disk_budget"):
                 warn_once(f"capture.{why_not}", "captures: no more captures (%s reached)", why_not.replace("_", " "))
             return
@@ -201,6 +201,9 @@ class CaptureManager:
         if store is not None:
             store.set(self._key(str(k)), f"{first}:{reason}")
         self._schedule(_Scheduled(k, first, reason))
+
+    def _skip(self, why: str) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
 
     def _schedule(self, sc: _Scheduled) -> None:
         if self.count >= self.max_count or self._disk_used() >= self.budget_bytes:
@@ -266,8 +269,7 @@ class CaptureManager:
         if torch.autograd._profiler_enabled():
             # The job profiles itself (torch.profiler, a Trainer's profiler): a second profiler
             # would take its session over and leave the job's trace empty. The job's wins.
-            self.skipped["busy: the job's own profiler is running"] = (
-                self.skipped.get("busy: the job's own profiler is running", 0) + 1)
+            self._skip("busy: the job's own profiler is running")
             return
         prof = profile(activities=self._activities())
         prof.start()

@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 import struct
 import time
 import zlib
 from typing import Any
 
+from .._files import create_private
 from ..hooks.phases import PHASE_NAMES, PHASE_OTHER
 
 MAGIC = 0x42505753  # b"SWPB" little endian
@@ -107,27 +107,12 @@ def default_path(run_id: str, rank: int, run_dir: str) -> str:
     return os.path.join(run_dir, f".board.rank{rank}.{os.getpid()}")
 
 
-def _create_private(path: str) -> int:
-    """A new 0600 file at ``path``, never through a link someone planted: /dev/shm is writable by
-    every user and the name is predictable. A leftover regular file of ours (a crashed process
-    whose pid came round again) is replaced; anything else is refused."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        return os.open(path, flags, 0o600)
-    except FileExistsError:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            raise PermissionError(f"{path} exists and is not a file of this user: not using it") from None
-        os.unlink(path)
-        return os.open(path, flags, 0o600)
-
-
 class Board:
     """The trainer's side: create the file (0600), map it, write progress. Every method is O(1)."""
 
     def __init__(self, path: str, rank: int) -> None:
         self.path = path
-        fd = _create_private(path)
+        fd = create_private(path)
         try:
             os.ftruncate(fd, SIZE)
             self._mm = mmap.mmap(fd, SIZE)

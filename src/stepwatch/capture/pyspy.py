@@ -46,6 +46,13 @@ def dump(
 ) -> tuple[bool, str]:
     """One ``py-spy dump`` of ``pid``: (succeeded, output or the reason it failed).
     ``nonblocking`` reads without pausing the process (needed for a stopped or D-state one)."""
+    ok, text = _dump(pyspy, pid, native, nonblocking, timeout_s)
+    if not ok and not nonblocking:
+        _resume(pid)
+    return ok, text
+
+
+def _dump(pyspy: str, pid: int, native: bool, nonblocking: bool, timeout_s: float) -> tuple[bool, str]:
     cmd = [pyspy, "dump", "--pid", str(pid)]
     if native:
         cmd.append("--native")
@@ -54,14 +61,10 @@ def dump(
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        if not nonblocking:
-            _resume(pid)
         return False, f"py-spy dump{' --native' if native else ''} did not finish within {timeout_s:.0f} s"
     except OSError as e:
         return False, f"cannot run {pyspy}: {e}"
     if r.returncode != 0 or "Thread" not in r.stdout:
-        if not nonblocking:
-            _resume(pid)
         msg = (r.stderr or r.stdout).strip().splitlines()
         return False, " ".join(msg[-3:]) or f"py-spy exited with code {r.returncode}"
     return True, r.stdout

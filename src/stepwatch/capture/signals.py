@@ -33,6 +33,8 @@ import threading
 import time
 from typing import IO, Any
 
+from ..serving.procs import read_stat
+
 # <signal.h> on Linux (asm-generic/signal.h; x86 and arm64 use the same value).
 SA_RESTART = 0x10000000
 # glibc's struct sigaction: handler pointer, sigset_t (1024 bits), int flags, restorer pointer.
@@ -85,43 +87,31 @@ _HEADER = "# stepwatch: pid {pid} (started {start}) writes its stacks here on si
 _HEADER_RE = re.compile(r"^# stepwatch: pid (\d+) \(started (\d+)\) writes its stacks here on signal (\d+)$", re.M)
 
 
-def start_ticks(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22): a pid names one
-    process only together with it, since pids are reused."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def dump_signal() -> int | None:
     """The signal stepwatch's own tools send for a stack dump (None where there is none)."""
     rt = getattr(signal, "SIGRTMIN", None)
     return None if rt is None else int(rt) + DUMP_OFFSET
 
 
-def signal_for(path: str, pid: int) -> int | None:
-    """The dump signal ``pid`` announced in the stack file at ``path`` (the latest), if any, and
-    only if ``pid`` is still that process (its start time matches): a reused pid belongs to some
-    other process, which the signal's default action would end."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return None
-    start = start_ticks(pid)
-    found = [int(sig) for p, t, sig in _HEADER_RE.findall(text) if int(p) == pid and int(t) == start]
-    return found[-1] if found else None
+def _start_ticks(pid: int) -> int | None:
+    # With the pid, names one process: pids are reused (/proc/<pid>/stat, field 22).
+    st = read_stat(pid)
+    return st.starttime if st is not None else None
 
 
-def announced(path: str, pid: int) -> bool:
-    """Did a process with this pid number announce a dump signal in the file (alive or not)?"""
+def signal_for(path: str, pid: int) -> tuple[int | None, bool]:
+    """``(signal, announced)`` from the stack file at ``path``: ``announced`` when a process with
+    this pid number announced a dump signal there; ``signal`` the latest one, only while ``pid`` is
+    still that process (its start time matches): a reused pid belongs to some other process,
+    which the signal's default action would end."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            return any(int(p) == pid for p, _, _ in _HEADER_RE.findall(f.read()))
+            found = [(int(t), int(sig)) for p, t, sig in _HEADER_RE.findall(f.read()) if int(p) == pid]
     except OSError:
-        return False
+        return None, False
+    start = _start_ticks(pid)
+    mine = [sig for t, sig in found if t == start]
+    return (mine[-1] if mine else None), bool(found)
 
 
 def signal_name(signum: int) -> str:
@@ -156,7 +146,7 @@ class StackSignal:
         self._file = os.fdopen(fd, "a", buffering=1)
         self._register()
         if self.private:
-            self._file.write(_HEADER.format(pid=os.getpid(), start=start_ticks(os.getpid()) or 0,
+            self._file.write(_HEADER.format(pid=os.getpid(), start=_start_ticks(os.getpid()) or 0,
                                             signum=self.signum))
         return True
 

@@ -1,8 +1,8 @@
 """An nccl-tests-style AllReduce sweep through torch.distributed (``stepwatch bench-comm``).
 
 Columns and formulas follow nccl-tests (doc/PERFORMANCE.md): ``time`` is the mean time of one
-AllReduce, averaged over the ranks (nccl-tests' default ``-a 1``), ``algbw = size / time`` and ``busbw = algbw * 2(n-1)/n`` for
-AllReduce, in GB/s with GB = 1e9 bytes. Sizes take K/M/G suffixes as powers of 1024 like
+AllReduce, averaged over the ranks (nccl-tests' default ``-a 1``), ``algbw = size / time`` and
+``busbw = algbw * 2(n-1)/n`` for AllReduce, in GB/s with GB = 1e9 bytes. Sizes take K/M/G suffixes as powers of 1024 like
 nccl-tests' ``-b``/``-e``.
 """
 

@@ -313,5 +313,3 @@ def _mean_allreduce_hook(state: Any, bucket: Any) -> Any:
     buf.mul_(1.0 / pg.size())
     fut = dist.all_reduce(buf, group=pg, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
-
-

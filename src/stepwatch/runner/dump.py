@@ -66,8 +66,8 @@ def _signal_dump(run_dir: str, rank: int, pid: int, out_dir: str | None) -> bool
     start = os.path.getsize(path)
     # The trainer's private dump signal when it announced one: SIGUSR1 may also run the job's
     # own handler (SLURM/Lightning requeue on SIGUSR1).
-    sig = signals.signal_for(path, pid)
-    if sig is None and signals.announced(path, pid):
+    sig, announced = signals.signal_for(path, pid)
+    if sig is None and announced:
         return False  # that trainer is gone and its pid taken by another process: signal nothing
     os.kill(pid, sig or signal.SIGUSR1)
     deadline = time.monotonic() + 3.0
