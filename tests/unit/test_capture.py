@@ -554,6 +554,25 @@ def test_a_rank_waiting_while_another_saves_gets_the_checkpoint_allowance(tmp_pa
     assert not marker.exists() and not waiter.others_checkpointing()
 
 
+def test_the_checkpoint_question_is_asked_at_most_every_few_seconds(tmp_path, monkeypatch):
+    """While stalled inside the allowance a sidecar polls 4 times a second; the run-dir listing
+    and the store request behind "is another rank saving?" go out every CHECKPOINT_RECHECK_S."""
+    import argparse
+
+    from stepwatch.capture import watchdog as wd
+
+    w = wd.Watchdog(argparse.Namespace(rank=1, trainer_pid=os.getpid(), run_dir=str(tmp_path), run_id="t",
+                                       store_addr=None, store_port=None, attempt=1, world_size=2, timeout=None))
+    answers = iter([True, False])
+    asked = []
+    monkeypatch.setattr(w, "others_checkpointing", lambda: asked.append(1) or next(answers))
+    polls = [100.0 + i * wd.POLL_S for i in range(int(wd.CHECKPOINT_RECHECK_S / wd.POLL_S))]
+    assert all(w.others_checkpointing_now(t) for t in polls)  # one question, its answer kept
+    assert len(asked) == 1
+    assert not w.others_checkpointing_now(100.0 + wd.CHECKPOINT_RECHECK_S)  # asked again: the save ended
+    assert len(asked) == 2
+
+
 def test_rank_0_does_not_take_an_old_hangs_snapshot_for_this_one():
     """Episodes are counted per rank and run dirs get reused: a complete snapshot lying in
     hang-<n> from an earlier hang (or job) would blame the wrong rank."""

@@ -45,6 +45,10 @@ CAP_S = 300.0
 CHECKPOINT_FACTOR = 5.0
 PG_TIMEOUT_SHARE = 0.5  # act within half the process group's timeout (torchtitan trains with 100 s)
 POLL_S = 0.25
+# While stalled past the base timeout, how often a sidecar asks whether other ranks checkpoint
+# (a run-dir listing and a store request): every poll would be 4 requests/s per rank on the
+# job's store and shared file system, at thousands of ranks, during every long save.
+CHECKPOINT_RECHECK_S = 5.0
 # Rank 0 waits this long for the other ranks' snapshots before it writes the report anyway.
 GATHER_S = 20.0
 
@@ -182,6 +186,7 @@ class Watchdog:
         self.store = Store(a.store_addr, a.store_port, f"stepwatch/{a.run_id}")
         self.board: progress.Reader | None = None
         self.checkpointing = False  # this rank's trainer, as last published
+        self._others_ckpt: tuple[float, bool] | None = None  # (monotonic s when asked, answer)
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -260,6 +265,12 @@ class Watchdog:
         n = self.store.add(f"checkpointing/{self.a.attempt}", 0) if self.a.world_size > 1 else None
         return bool(n and n > 0)
 
+    def others_checkpointing_now(self, now_s: float) -> bool:
+        """:meth:`others_checkpointing`, asked at most every CHECKPOINT_RECHECK_S seconds."""
+        if self._others_ckpt is None or now_s - self._others_ckpt[0] >= CHECKPOINT_RECHECK_S:
+            self._others_ckpt = (now_s, self.others_checkpointing())
+        return self._others_ckpt[1]
+
     def run(self) -> int:
         global _busy
         deadline = time.monotonic() + 30
@@ -291,7 +302,8 @@ class Watchdog:
             # The clock starts after the first step (steps_done counts step ends).
             if snap["steps_done"] >= 1 and not self.in_hang:
                 limit = self.timeout(snap)
-                if stalled > limit and not self.a.timeout and snap["phase"] != "checkpoint" and self.others_checkpointing():
+                if (stalled > limit and not self.a.timeout and snap["phase"] != "checkpoint"
+                        and self.others_checkpointing_now(now / 1e9)):
                     limit *= CHECKPOINT_FACTOR
                 limit = self.within_pg_timeout(limit, snap)
                 if stalled > limit:
