@@ -52,7 +52,10 @@ class WatchConfig:
     # Window of the TTFT, spec-decode and error findings: B.7's TTFT P99 query uses [5m].
     slo_window_s: float = 300.0
     thresholds: Thresholds = field(default_factory=Thresholds)
-    http_timeout_s: float = 3.0
+    # Prometheus's default scrape_timeout. An overloaded API server answers slowly, and that is
+    # when its numbers matter: at 3 s a run here lost every scrape of a 64-request burst on a
+    # busy machine, and a minute of unanswered scrapes with requests in flight reads as a stall.
+    http_timeout_s: float = 10.0
     max_stall_dumps: int = 5
     pyspy: str | None = None  # None: found next to this Python or on PATH
 
