@@ -475,7 +475,8 @@ class Config:
         default=512,
         metadata=_opt(
             "STEPWATCH_CAPTURE_BUDGET_MB",
-            "Disk budget of `<run dir>/captures/` (all ranks); no capture starts beyond it.",
+            "Disk budget of `<run dir>/captures/` (all ranks); no capture starts that would go "
+            "beyond it, the next one counted at the size of the largest so far.",
             _int_at_least(1),
         ),
     )

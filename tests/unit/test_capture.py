@@ -330,6 +330,28 @@ def test_capture_disk_budget(tmp_path):
     assert m.scheduled is None and m.skipped == {"disk_budget": 1}
 
 
+def test_capture_disk_budget_counts_the_next_capture_at_the_size_of_the_largest_so_far(tmp_path):
+    """A shared run dir holds every rank's trace: 2 ranks x 300 KB is 600 KB of a 1 MB budget, and
+    another capture like it would end at 1.2 MB, so it does not start. With room for one more, it does."""
+    from stepwatch.analysis.kinds import make_finding
+
+    m, _ = _manager(tmp_path, budget_mb=1)
+    os.makedirs(m.dir)
+    for r in (0, 1):
+        with open(os.path.join(m.dir, f"capture-1-steps10-12.rank{r}.trace.json.gz"), "wb") as f:
+            f.write(b"x" * 300 * 1024)
+    m.on_pass([make_finding("mfu_drop", rank=0, step=1, summary="s")])
+    assert m.scheduled is None and m.skipped == {"disk_budget": 1}
+
+    m2, _ = _manager(tmp_path / "roomy", budget_mb=2)
+    os.makedirs(m2.dir)
+    for r in (0, 1):
+        with open(os.path.join(m2.dir, f"capture-1-steps10-12.rank{r}.trace.json.gz"), "wb") as f:
+            f.write(b"x" * 300 * 1024)
+    m2.on_pass([make_finding("mfu_drop", rank=0, step=1, summary="s")])
+    assert m2.scheduled is not None and m2.skipped == {}
+
+
 # -- SIGUSR1 ---------------------------------------------------------------------------------------------
 
 

@@ -163,16 +163,28 @@ class CaptureManager:
                 self._next_k += 1
                 self._schedule(_Scheduled(self._next_k - 1, int(first), why))
 
-    def _disk_used(self) -> int:
+    def _disk_used(self) -> tuple[int, int]:
+        """(bytes in the captures folder, bytes of its largest capture so far, all ranks' files).
+        The next capture is projected at the largest one's size: on a shared run dir every rank
+        writes a trace of its own, so one capture costs ranks x a trace, not one trace."""
         total = 0
+        per_capture: dict[str, int] = {}
         try:
             with os.scandir(self.dir) as it:
                 for e in it:
                     if e.is_file(follow_symlinks=False):
-                        total += e.stat().st_size
+                        size = e.stat().st_size
+                        total += size
+                        if e.name.startswith("capture-"):
+                            k = e.name.split("-", 2)[1]
+                            per_capture[k] = per_capture.get(k, 0) + size
         except OSError:
             pass
-        return total
+        return total, max(per_capture.values(), default=0)
+
+    def _over_budget(self) -> bool:
+        used, largest = self._disk_used()
+        return used + largest > self.budget_bytes or used >= self.budget_bytes
 
     def _allowed(self, now: float) -> str | None:
         """None when a capture may be scheduled now, else why not."""
@@ -182,7 +194,7 @@ class CaptureManager:
             return "max_count"
         if now - self._last_decision < self.cooldown_s:
             return "cooldown"
-        if self._disk_used() >= self.budget_bytes:
+        if self._over_budget():
             return "disk_budget"
         return None
 
@@ -206,7 +218,7 @@ class CaptureManager:
         self.skipped[why] = self.skipped.get(why, 0) + 1
 
     def _schedule(self, sc: _Scheduled) -> None:
-        if self.count >= self.max_count or self._disk_used() >= self.budget_bytes:
+        if self.count >= self.max_count or self._over_budget():
             return  # this rank's own limits still hold
         self.count += 1
         self._last_decision = time.monotonic()
