@@ -229,8 +229,9 @@ class Config:
         default=True,
         metadata=_opt(
             "STEPWATCH_LIGHTNING_CALLBACK",
-            "Add stepwatch's Lightning callback to every `lightning.pytorch.Trainer` built while a "
-            "session runs (Lightning's `callbacks_factory` entry point), so forward time, FLOPs, "
+            "Add stepwatch's Lightning callback to every `lightning.pytorch.Trainer` and "
+            "`pytorch_lightning.Trainer` built while a session runs (Lightning's `callbacks_factory` "
+            "entry points), so forward time, FLOPs, "
             "tokens, loss and lr need no code change. `0`: only the callbacks you pass yourself.",
             _bool_value,
         ),

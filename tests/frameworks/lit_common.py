@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch.utils.data import DataLoader
 
@@ -10,9 +12,13 @@ from fw_common import TokenData, make_model
 STEPS, ACCUM, BS, LR, CLIP = 6, 2, 4, 1e-2, 0.5
 
 
-def lit_module(sleep_s=0.0):
-    import lightning.pytorch as pl
-    from lightning.pytorch.utilities import grad_norm
+# The unified package and the standalone one: the same API, distinct classes.
+PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def lit_module(sleep_s=0.0, pkg="lightning.pytorch"):
+    pl = importlib.import_module(pkg)
+    grad_norm = importlib.import_module(f"{pkg}.utilities").grad_norm
 
     class LitLM(pl.LightningModule):
         """Calls its submodule ``self.model`` from training_step (the common pattern)."""
@@ -45,11 +51,11 @@ def lit_module(sleep_s=0.0):
     return LitLM()
 
 
-def fit(callbacks, *, sleep_s=0.0, steps=STEPS, devices=1, strategy="auto"):
-    import lightning.pytorch as pl
+def fit(callbacks, *, sleep_s=0.0, steps=STEPS, devices=1, strategy="auto", pkg="lightning.pytorch"):
+    pl = importlib.import_module(pkg)
 
     torch.manual_seed(0)
-    lit = lit_module(sleep_s)
+    lit = lit_module(sleep_s, pkg)
     trainer = pl.Trainer(
         max_steps=steps,
         accumulate_grad_batches=ACCUM,

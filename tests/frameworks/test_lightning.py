@@ -29,9 +29,9 @@ SLEEP = 0.03  # seconds slept in each forward (a Sleep module inside the model)
 
 
 def _stepwatch_callbacks(trainer):
-    from stepwatch.integrations.lightning import StepwatchCallback
+    from stepwatch.integrations._lightning_base import CallbackMixin
 
-    return [c for c in trainer.callbacks if isinstance(c, StepwatchCallback)]
+    return [c for c in trainer.callbacks if isinstance(c, CallbackMixin)]
 
 
 def check_records_match(recs, lit, ref_flops):
@@ -87,6 +87,49 @@ def test_lightning_one_line_import_adds_the_callback(tmp_path):
     (cb,) = _stepwatch_callbacks(trainer)
     assert cb.automatic and cb.active
     check_records_match(mem.records, lit, ref_flops)
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["automatic", "by hand"])
+def test_standalone_pytorch_lightning_gets_its_own_callback(tmp_path, by_hand):
+    """``import pytorch_lightning as pl``: its Trainer reads the ``pytorch_lightning.callbacks_factory``
+    group and takes only its own Callback class. The one-line import adds a callback built on it,
+    with the same records as under ``lightning.pytorch``; one passed by hand wins."""
+    pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.callbacks import Callback as PLCallback
+
+    from stepwatch.integrations.pytorch_lightning import StepwatchCallback
+
+    ref_flops = plain_loop_flops(tmp_path, make_model(), batch_of(range(BS)))
+    mem = start(tmp_path, "on")
+    mine = [StepwatchCallback()] if by_hand else []
+    lit, trainer = fit(list(mine), sleep_s=SLEEP, pkg="pytorch_lightning")  # a copy: the Trainer extends it
+    stepwatch.shutdown()
+    no_internal_errors(mem)
+    cbs = _stepwatch_callbacks(trainer)
+    auto = [c for c in cbs if c.automatic]
+    assert len(auto) == 1 and isinstance(auto[0], StepwatchCallback) and isinstance(auto[0], PLCallback)
+    assert len(cbs) == 1 + by_hand and auto[0].active is not by_hand and all(c.active for c in mine)
+    check_records_match(mem.records, lit, ref_flops)
+
+
+def test_lightning_adapter_serves_the_standalone_package_when_it_is_the_only_one(tmp_path):
+    """Without ``lightning`` (blocked here in a fresh interpreter), ``stepwatch.integrations.lightning``
+    hands out the ``pytorch_lightning`` adapter's callback: the one its Trainer accepts."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("pytorch_lightning")
+    code = (
+        "import sys; sys.modules['lightning'] = None\n"
+        "from stepwatch.integrations import lightning, pytorch_lightning\n"
+        "from pytorch_lightning.callbacks import Callback\n"
+        "assert lightning.StepwatchCallback is pytorch_lightning.StepwatchCallback\n"
+        "assert issubclass(lightning.StepwatchCallback, Callback)\n"
+        "assert lightning.callbacks_factory is pytorch_lightning.callbacks_factory\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_lightning_without_any_session_gets_no_callback():
