@@ -25,7 +25,7 @@ from .context import RunContext, from_env
 from .exporters.base import Batch, Exporter
 from ._files import make_private_dir, write_json_private
 from .exporters.records import free_name
-from .cuda_ext import event_done
+from .cuda_ext import copy_to_host, event_done
 from .hooks.nvtx import Nvtx
 from .hooks.phases import StepTracker
 from .record import SCHEMA_VERSION, Finding, StepRecord
@@ -278,11 +278,7 @@ class Session:
                             # the host value the capture's, not a replay's: unknown instead
                             out[k] = None
                             continue
-                        host = v.detach().to("cpu", non_blocking=True)
-                        ev = torch.cuda.Event()
-                        # the copy runs on the tensor's device's stream, not the current device's
-                        ev.record(torch.cuda.current_stream(v.device))
-                        v = _Pending(host, ev, v.device.index)
+                        v = _Pending(*copy_to_host(v.detach()))
                     else:
                         # A CPU tensor is plain memory: read it now (no device to wait for), so a
                         # later in-place update cannot change what was logged and no graph is kept.

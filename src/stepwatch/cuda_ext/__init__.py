@@ -258,6 +258,20 @@ def event_done(event: Any, device: int) -> bool:
         return bool(event.query())
 
 
+def copy_to_host(t: Any) -> tuple[Any, Any, int]:
+    """Start copying CUDA tensor ``t`` into pinned host memory without waiting for it:
+    ``(host tensor, event, device)``. Read the host tensor once ``event_done(event, device)``.
+    The copy runs on ``t``'s device's current stream, which need not be the current device's:
+    the event is recorded there."""
+    import torch
+
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return host, event, t.device.index
+
+
 def event_elapsed_s(start: Any, end: Any, device: int) -> float:
     """Seconds from ``start`` to ``end`` (completed ``torch.cuda.Event`` s with timing, on
     ``device``); as ``event_done``. RuntimeError when ``end`` has not completed."""

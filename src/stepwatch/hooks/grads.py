@@ -30,7 +30,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..cuda_ext import event_done
+from ..cuda_ext import copy_to_host, event_done
 from .phases import Collector
 
 log = logging.getLogger(__name__)
@@ -385,15 +385,7 @@ class GradNormProbe:
         if isinstance(scale, torch.Tensor):
             s = scale.to(device=values.device, dtype=torch.float32)
             values = values / torch.stack([s * s, s])
-        host = event = None
-        device = -1
-        if values.device.type == "cuda":
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            # the copy runs on the grads' device's stream, which need not be the current device's
-            event.record(torch.cuda.current_stream(values.device))
-            device = values.device.index
+        host, event, device = copy_to_host(values) if values.device.type == "cuda" else (None, None, -1)
         return PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer), device)
 
     @staticmethod

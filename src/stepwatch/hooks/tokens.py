@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..analysis.flops import FlopCache, is_counting, resolve_override
-from ..cuda_ext import event_done
+from ..cuda_ext import copy_to_host, event_done
 from ..analysis.peaks import matmul_dtype_key
 from .phases import Collector
 
@@ -70,11 +70,7 @@ def _count_nonzero(mask: Any) -> BatchCounts:
         return BatchCounts(None, None)  # a count queued in a graph capture is the capture's: unknown
     n = (mask != 0).sum()
     if n.device.type == "cuda":
-        host = torch.empty((), dtype=n.dtype, pin_memory=True)
-        host.copy_(n, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(n.device))  # the copy's stream: n's device's
-        return BatchCounts(None, None, n, host, event, n.device.index)
+        return BatchCounts(None, None, n, *copy_to_host(n))
     return BatchCounts(None, None, n)
 
 
