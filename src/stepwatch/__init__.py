@@ -2,13 +2,11 @@
 
     import stepwatch.auto          # or: stepwatch.init(...)
 
-Public surface (pinned by tests/unit/test_public_api.py): :func:`init`, :func:`shutdown`,
+Public surface (pinned by tests/unit/test_api.py::test_public_api_is_pinned): :func:`init`, :func:`shutdown`,
 :func:`step`, :func:`phase`, :func:`log`, :func:`set_step`, :func:`get_session`, the exporter
 contract (:class:`Exporter`, :class:`Batch`, :class:`InMemoryExporter`) and the record types.
 Importing this package is cheap: torch and the exporters load when a session starts.
 """
-
-from __future__ import annotations
 
 __version__ = "0.1.0"
 

@@ -124,10 +124,11 @@ class Session:
     def _start(self) -> None:
         from .hooks.install import Instrumentation
 
+        self._nvtx = Nvtx(self.config.nvtx)
         self.tracker = StepTracker(
             self._enqueue,
             step_offset=self.config.step_offset,
-            nvtx=Nvtx(self.config.nvtx),
+            nvtx=self._nvtx,
             mem_probe=_MemProbe(),
             on_error=self._internal_error,
         )
@@ -510,7 +511,8 @@ class Session:
         inst = self.instrumentation
         return {
             "step_tracking": bool(self.tracker is not None and self.tracker.enabled) or self.steps_seen > 0,
-            "nvtx": self.config.nvtx,
+            # On only when the ranges really go out (the ``nvtx`` package imported).
+            "nvtx": bool(getattr(self, "_nvtx", None) is not None and self._nvtx.enabled),
             "records": self.config.records,
             "console": self.config.console,
             "timing_clock": "device" if self.timing_backend else "host",

@@ -35,6 +35,14 @@ def test_public_api_is_pinned():
     )
     for name in stepwatch.__all__:
         assert hasattr(stepwatch, name)
+    # ... and the package exposes nothing public beyond it (submodules aside).
+    import types
+
+    exposed = {
+        n for n, v in vars(stepwatch).items()
+        if not n.startswith("_") and not isinstance(v, types.ModuleType)
+    }
+    assert exposed == set(stepwatch.__all__) - {"__version__"}
 
 
 def test_import_is_cheap():

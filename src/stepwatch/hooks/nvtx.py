@@ -6,7 +6,10 @@ push/pop pair measured here) unless a tool such as nsys injects itself.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class Nvtx:
@@ -20,7 +23,8 @@ class Nvtx:
             return
         try:
             import nvtx
-        except Exception:  # the nvtx package is optional at run time
+        except Exception as e:  # the nvtx package is optional at run time
+            log.warning("stepwatch: NVTX ranges off: the nvtx package cannot be imported (%s)", e)
             return
         self._domain = nvtx.get_domain("stepwatch")
         self.enabled = True

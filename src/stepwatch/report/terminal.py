@@ -46,14 +46,37 @@ def _column_groups(headers: list[str], rows: list[list[str]], width: int) -> lis
     return groups
 
 
-def render(tables: list[Table], file: TextIO | None = None, width: int | None = None) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.padding import Padding
-    from rich.table import Table as RichTable
-    from rich.text import Text
+def _render_plain(tables: list[Table], out: TextIO) -> None:
+    """The same tables without rich (a broken install): aligned columns, no colour."""
+    for t in tables:
+        headers, rows = _fold(t)
+        print(t.title, file=out)
+        if rows:
+            cells = [[c.replace("\n", " | ") for c in r] for r in rows]
+            need = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+            if any(headers):
+                print("  ".join(h.ljust(w) for h, w in zip(headers, need)).rstrip(), file=out)
+            for r in cells:
+                print("  ".join(c.ljust(w) for c, w in zip(r, need)).rstrip(), file=out)
+        for n in t.notes:
+            print("  " + n, file=out)
+        print(file=out)
 
+
+def render(tables: list[Table], file: TextIO | None = None, width: int | None = None) -> None:
     out = file if file is not None else sys.stdout
+    try:
+        from rich import box
+        from rich.console import Console
+        from rich.padding import Padding
+        from rich.table import Table as RichTable
+        from rich.text import Text
+    except ImportError as e:
+        print(f"stepwatch: rich cannot be imported ({e}); plain text summary "
+              "(pip install rich for the formatted one)", file=sys.stderr)
+        _render_plain(tables, out)
+        return
+
     console = Console(file=out, highlight=False, soft_wrap=False, width=width)
     if not console.is_terminal:
         console = Console(file=out, highlight=False, width=width or _PIPE_WIDTH, no_color=True)
