@@ -128,3 +128,35 @@ def test_report_without_rich_prints_plain_text(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert [l for l in p.stderr.splitlines() if "rich cannot be imported" in l] and "Traceback" not in p.stderr
     assert "step" in p.stdout.lower() and len(p.stdout.splitlines()) > 5
+
+
+SCRAPE = PRELUDE + r'''
+import urllib.request, torch, stepwatch
+m = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+stepwatch.init(prometheus_port=int(sys.argv[3]), otel=False)
+for i in range(5):
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+import time
+deadline = time.monotonic() + 30  # the background thread exports at its flush interval
+while True:
+    try:  # the endpoint starts with the exporters, off the training thread
+        body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[3]}/metrics", timeout=10).read().decode()
+    except OSError:
+        body = ""
+    lines = [l for l in body.splitlines() if l.startswith("training_steps_total")]
+    if lines or time.monotonic() > deadline:
+        break
+    time.sleep(0.2)
+stepwatch.shutdown()
+print("\n".join(lines))
+'''
+
+
+def test_prometheus_endpoint_needs_no_opentelemetry_exporter_prometheus(tmp_path):
+    """The endpoint is served without opentelemetry-exporter-prometheus (not a dependency)."""
+    p = _run(SCRAPE, "opentelemetry.exporter.prometheus", tmp_path, "-", str(_free_port()))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert 'training_steps_total{rank="0"}' in p.stdout, p.stdout + p.stderr[-2000:]

@@ -46,7 +46,7 @@ def build_exporters(config: "Config", ctx: "RunContext") -> list[Exporter]:
         except ImportError as e:
             logger.warning(
                 "metrics export is off: %s. Install it with: pip install opentelemetry-sdk "
-                "opentelemetry-exporter-otlp 'opentelemetry-exporter-prometheus==0.66b2'", e,
+                "opentelemetry-exporter-otlp prometheus_client", e,
             )
         except ValueError as e:  # a bad OTEL_* value: named in the message
             logger.warning("metrics export is off: %s", e)

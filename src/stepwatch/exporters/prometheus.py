@@ -1,5 +1,5 @@
-"""The per-rank Prometheus scrape endpoint: an OTel ``PrometheusMetricReader`` on its own
-registry, served over HTTP in the text format 0.0.4.
+"""The per-rank Prometheus scrape endpoint: stepwatch's OTel reader (``_prom_reader``) on its own
+``prometheus_client`` registry, served over HTTP in the text format 0.0.4.
 
 Why not ``prometheus_client.start_http_server``: it negotiates the format from the scraper's
 ``Accept`` header, and Prometheus asks for OpenMetrics first; prometheus_client 0.26 then
@@ -20,24 +20,19 @@ import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 log = logging.getLogger("stepwatch.exporters.prometheus")
 
 
-def make_reader(registry: CollectorRegistry) -> PrometheusMetricReader:
+def make_reader(registry: CollectorRegistry) -> "PrometheusReader":
     """A reader on ``registry``. Its histograms are explicit-bucket (the SDK default, with the
-    boundaries each instrument advises): exponential ones make this exporter answer HTTP 500 for
-    every metric, so only OTLP may ask for them."""
-    return PrometheusMetricReader(
-        disable_target_info=False,
-        # Scope labels (otel_scope_name, ...) would add three labels to every series for no
-        # information: all stepwatch series come from one scope.
-        scope_info_enabled=False,
-        registry=registry,
-    )
+    boundaries each instrument advises); Prometheus' text format has no exponential histogram, so
+    only OTLP may ask for those. No scope labels: all stepwatch series come from one scope."""
+    from ._prom_reader import PrometheusReader
+
+    return PrometheusReader(registry)
 
 
 class _Handler(BaseHTTPRequestHandler):
