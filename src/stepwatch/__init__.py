@@ -8,7 +8,7 @@ contract (:class:`Exporter`, :class:`Batch`, :class:`InMemoryExporter`) and the 
 Importing this package is cheap: torch and the exporters load when a session starts.
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from ._api import get_session, init, log, phase, set_step, shutdown, step
 from .config import Config, ConfigError

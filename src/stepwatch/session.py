@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import __version__
+from ._version import __version__
 from ._log import FailureLog, logger
 from .analysis.detectors import DataLoadingDetector
 from .analysis.kinds import make_finding

@@ -254,9 +254,9 @@ class OTelExporter(Exporter):
             # run a second, possibly slow, final export.
             shutdown_on_exit=False,
         )
-        import stepwatch
+        from .._version import __version__
 
-        m = self.provider.get_meter("stepwatch", getattr(stepwatch, "__version__", None))
+        m = self.provider.get_meter("stepwatch", __version__)
         self._m = m
         # The advisory boundaries apply wherever a reader uses explicit buckets without its own
         # (Prometheus always, OTLP by default); the SDK's defaults are for milliseconds.
