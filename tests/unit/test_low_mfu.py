@@ -109,3 +109,12 @@ def test_once_per_episode_where_to_look_first_and_the_capture_path(tmp_path):
     assert [g for i in range(500) for g in d2.observe(_rec(i, None))] == []
     with pytest.raises(ValueError, match="threshold"):
         LowMfuDetector(1.5, 10)
+
+
+def test_threshold_variable_is_validated_with_its_name():
+    from stepwatch.config import Config, ConfigError
+
+    assert Config.from_env({}).low_mfu == 0.4
+    assert Config.from_env({"STEPWATCH_LOW_MFU": "0.3"}).low_mfu == 0.3
+    with pytest.raises(ConfigError, match="STEPWATCH_LOW_MFU='40'"):
+        Config.from_env({"STEPWATCH_LOW_MFU": "40"})
