@@ -373,6 +373,15 @@ class Config:
             _float_above(0.0),
         ),
     )
+    low_mfu: float = field(
+        default=0.4,
+        metadata=_opt(
+            "STEPWATCH_LOW_MFU",
+            "Window-median MFU (0-1) below which `low_mfu` is raised, judged over at least 100 steps "
+            "where MFU is known (reference B.10: 'Low MFU in training (< 40%)').",
+            _fraction,
+        ),
+    )
     comm: bool = field(
         default=True,
         metadata=_opt(

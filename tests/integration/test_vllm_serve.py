@@ -216,6 +216,12 @@ def test_burst_raises_queue_and_fires_the_queue_finding(served):
     assert f is not None, f"no queue_depth finding; findings: {served.findings()}\n{served.log_tail()}"
     assert f["data"]["waiting"] > 5 and f["data"]["threshold"] == 5
     assert f["diagnosis"] and f["action"]
+    # B.6 "num_requests_running near max_num_seqs": the cap read from the launched command's
+    # --max-num-seqs; 64 requests on 8 seats keep the batch full while others wait.
+    full = served.wait_finding("max_num_seqs_saturated", 30)
+    assert full is not None, f"no max_num_seqs_saturated finding; findings: {served.findings()}"
+    assert full["data"]["max_num_seqs"] == MAX_NUM_SEQS and full["data"]["running"] >= MAX_NUM_SEQS
+    assert full["data"]["waiting"] > 0
     assert len(results) == 64 and all(r.status == 200 for r in results)
 
 

@@ -2,6 +2,7 @@
 patching (real DDP over a one-rank gloo group) and the config fields."""
 
 import math
+import os
 import socket
 import time
 
@@ -179,17 +180,99 @@ def test_baselines_follow_the_reference():
     assert verdict(170.0, 256 * 2**20, nv) == "ok"
     assert verdict(170.0, 2**30, nv) == "low"
     assert verdict(120.0, 2**30, nv) == "alert"
-    assert verdict(10.0, 25 * 2**20, nv) == "n/a"  # a DDP-bucket-sized message is not judged
+    assert verdict(10.0, 8 * 2**20, nv) == "n/a"  # below 16 MiB: latency-bound, not judged
 
 
-def test_low_busbw_detector_only_judges_large_messages():
-    d = LowBusbwDetector(baseline("H100", 8, 1))
-    big = span(ALLREDUCE, 0, 1, 2**30, world=8)
-    d.note(rec(5), big, 50.0, 87.5)
-    out = d.observe(rec(5))
+def test_smaller_messages_are_judged_against_the_baseline_scaled_by_size():
+    """busbw(s) = B * s / (s + s_half) through the sheet's 256 MB and 1 GB points (nccl-tests'
+    curve shape); both baselines give the same half-bandwidth size."""
+    from stepwatch.comm.findings import MIN_JUDGED_BYTES, _curve, expected
+
+    nv, ib = baseline("NVIDIA H100 80GB HBM3", 8, 1), baseline("NVIDIA H100 80GB HBM3", 64, 8)
+    big, half = _curve(nv)
+    assert big * 256 * 2**20 / (256 * 2**20 + half) == pytest.approx(160.0)
+    assert big * 2**30 / (2**30 + half) == pytest.approx(180.0)
+    assert half == pytest.approx(_curve(ib)[1]) and half / 2**20 == pytest.approx(44.5, abs=0.1)
+    healthy, alert = expected(25 * 2**20, nv)  # DDP's default bucket
+    assert healthy == pytest.approx(67.5, abs=0.2) and alert == pytest.approx(healthy * 140 / 160)
+    assert expected(256 * 2**20, nv) == (160.0, 140.0) and expected(2**30, nv) == (180.0, 140.0)
+    assert expected(MIN_JUDGED_BYTES - 1, nv) is None and expected(2**30, None) is None
+    assert verdict(70.0, 25 * 2**20, nv) == "ok"
+    assert verdict(62.0, 25 * 2**20, nv) == "low"
+    assert verdict(10.0, 25 * 2**20, nv) == "alert"
+    # The scaled numbers keep rising with size, up to the sheet's 256 MB number.
+    pts = [expected(s * 2**20, nv)[0] for s in (16, 32, 64, 128, 255)]
+    assert pts == sorted(pts) and pts[-1] < 160.0
+
+
+def test_low_busbw_detector_judges_the_best_spans_once_per_episode():
+    d = LowBusbwDetector(baseline("H100", 8, 1), spans=20)
+    assert "H100" not in (d.why_not or "") and d.why_not
+    bucket = span(ALLREDUCE, 0, 1, 25 * 2**20, world=8)  # healthy >= 67.5 GB/s, alert < 59
+    # 18 slow spans (peers late), 2 at full speed: the 90th percentile is healthy.
+    for i in range(20):
+        d.note(rec(i), bucket, 1.0, 80.0 if i in (3, 11) else 20.0)
+    assert d.observe(rec(20)) == [] and d.why_not is None and d.judged == 1
+    for i in range(20):  # every span under the alert line: critical
+        d.note(rec(20 + i), bucket, 1.0, 30.0)
+    out = d.observe(rec(40))
     assert len(out) == 1 and out[0].kind == "low_busbw" and out[0].severity == "critical"
-    d.note(rec(6), span(ALLREDUCE, 0, 1, 2**20, world=8), 1.0, 1.75)
-    assert d.observe(rec(6)) == []
+    assert out[0].data["healthy_gbps"] == pytest.approx(67.5, abs=0.2) and "scaled by message size" in out[0].summary
+    for i in range(40):  # still low: the same episode
+        d.note(rec(40 + i), bucket, 1.0, 30.0)
+    assert d.observe(rec(80)) == []
+    for i in range(20):
+        d.note(rec(80 + i), bucket, 1.0, 75.0)  # healthy: episode over
+    for i in range(20):
+        d.note(rec(100 + i), bucket, 1.0, 63.0)  # low, above the alert line: a warning
+    out = d.observe(rec(120))
+    assert len(out) == 1 and out[0].severity == "warning"
+    # No judgement possible, said in words.
+    small = LowBusbwDetector(baseline("H100", 8, 1))
+    small.note(rec(1), span(ALLREDUCE, 0, 1, 2**20, world=8), 1.0, 1.75)
+    assert small.observe(rec(1)) == [] and "below 16 MiB" in small.why_not
+    none = LowBusbwDetector(None)
+    none.note(rec(1), bucket, 1.0, 1.0)
+    assert "no healthy busbw baseline" in none.why_not
+
+
+def test_nccl_warnings_from_the_users_debug_file(tmp_path):
+    """No NCCL here (gloo on CPU): the file is written by the test in the format NCCL writes
+    (``host:pid:tid [dev] file:line NCCL WARN msg``); everything reading it is the real code."""
+    from stepwatch.comm.nccl_log import MAX_DISTINCT, NcclLogWatch, debug_file_path
+
+    assert debug_file_path({}) is None
+    assert debug_file_path({"NCCL_DEBUG_FILE": str(tmp_path / "nccl.%h.%p.log")}, host="node7.cluster", pid=42) == \
+        str(tmp_path / "nccl.node7.42.log")
+    path = tmp_path / "nccl.log"
+    t = [0.0]
+    w = NcclLogWatch(str(path), rank=3, poll_s=1.0, clock=lambda: t[0])
+    assert w.poll() == []  # NCCL has not opened it yet
+    path.write_text("node7:4242:4250 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.7<0>\n"
+                    "node7:4242:4251 [0] misc/socket.cc:484 NCCL WARN socketStartConnect: Connect to 10.0.0.8<43519> "
+                    "failed : Software caused connection abort\n"
+                    "node7:4242:4251 [0] transport/net_ib.cc:1295 NCCL WA")
+    t[0] = 1.0
+    out = w.poll(step=17)
+    assert [f.kind for f in out] == ["nccl_warning"]
+    f = out[0]
+    assert f.rank == 3 and f.step == 17 and "socketStartConnect" in f.summary and f.data["file"] == str(path)
+    assert "NCCL_IB_HCA" in f.action
+    with open(path, "a") as fh:  # the cut line is completed; the same warning again, other numbers
+        fh.write("RN NET/IB : Got completion from peer 10.0.0.9<51234> with error 12\n"
+                 "node7:4242:4251 [0] misc/socket.cc:484 NCCL WARN socketStartConnect: Connect to 10.0.0.9<40001> "
+                 "failed : Software caused connection abort\n")
+    t[0] = 1.5
+    assert w.poll() == []  # polled at most every poll_s
+    t[0] = 2.0
+    out = w.poll()
+    assert [f.data["message"][:6] for f in out] == ["NET/IB"]  # once per distinct message
+    assert w.status()["warnings"] == 3
+    with open(path, "a") as fh:
+        for i in range(MAX_DISTINCT + 5):
+            fh.write(f"h:1:2 [0] x.cc:1 NCCL WARN distinct message {'x' * (i + 1)}\n")
+    t[0] = 3.0
+    assert len(w.poll()) == MAX_DISTINCT - 2 and w.status()["unreported"] == 7
 
 
 # -- bench math --------------------------------------------------------------------------------
@@ -479,3 +562,31 @@ def test_collectives_are_numbered_per_process_group():
     col.begin(ALL_GATHER, 8, 2, "h", group="tp")
     dp2 = col.begin(ALLREDUCE, 8, 2, "h", group="dp")
     assert (dp1.seq, dp2.seq) == (1, 2)
+
+
+def test_session_surfaces_nccl_warnings_and_never_sets_the_variable(sw, monkeypatch, tmp_path):
+    """A real session and training loop; the NCCL debug file is written by the test (no NCCL on
+    this CPU machine) where the user's NCCL_DEBUG_FILE points."""
+    import torch
+
+    stepwatch, mem, start = sw
+    monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
+    monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    start()
+    stepwatch.shutdown()
+    assert "NCCL_DEBUG_FILE" not in os.environ and "NCCL_DEBUG" not in os.environ  # never set for the user
+    log = tmp_path / f"nccl.{socket.gethostname().split('.')[0]}.{os.getpid()}.log"
+    log.write_text("n:1:2 [0] transport/net_ib.cc:1295 NCCL WARN NET/IB : Got completion with error 12, opcode 1\n")
+    monkeypatch.setenv("NCCL_DEBUG_FILE", str(tmp_path / "nccl.%h.%p.log"))
+    mem.findings.clear()
+    start(dir=str(tmp_path / "run2"))
+    m = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(5):
+        m(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert os.environ["NCCL_DEBUG_FILE"] == str(tmp_path / "nccl.%h.%p.log")
+    got = [f for f in mem.findings if f.kind == "nccl_warning"]
+    assert len(got) == 1 and "Got completion with error" in got[0].summary and got[0].data["file"] == str(log)

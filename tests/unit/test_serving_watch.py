@@ -304,3 +304,93 @@ def test_samples_become_stepwatch_serving_series_in_otel(standin, tmp_path):
         assert otel.dropped() == 0
     finally:
         otel.shutdown()
+
+
+# -- B.6 rows: inter-token latency, e2e SLO, a full batch, prefill rate ---------------------------
+
+REAL = (("engine", "0"), ("model_name", "tiny-llama"))
+PROMPT = 'vllm:prompt_tokens_total{engine="0",model_name="tiny-llama"} '
+
+
+def real_window() -> Window:
+    """The two real vLLM 0.32 scrapes, 60 s apart: mid-burst, then idle after it."""
+    return Window(Scrape(0, 0, parse_metrics(text("metrics-0.32.0-midflight.txt"))),
+                  Scrape(60, 60, parse_metrics(text("metrics-0.32.0-idle-after-load.txt"))))
+
+
+def _kinds(d: Detectors, w: Window, kind: str):
+    return [f for f in d.check("http://a", w, w) if f.kind == kind]
+
+
+def test_inter_token_latency_p99_both_names():
+    # Real 0.32 scrapes (vllm:inter_token_latency_seconds): P99 18 ms over the window.
+    w = real_window()
+    assert _kinds(Detectors(Thresholds()), w, "inter_token_latency") == []  # < 100 ms (B.6 default)
+    f = _kinds(Detectors(Thresholds(itl_p99_s=0.015)), w, "inter_token_latency")
+    assert len(f) == 1 and f[0].data["p99_s"] == pytest.approx(0.0183, abs=1e-3) and "decode" in f[0].diagnosis
+    # The v0 name (vllm:time_per_output_token_seconds): P99 98.75 ms, just under the sheet's 100 ms.
+    old, _ = old_windows()
+    assert _kinds(Detectors(Thresholds()), old, "inter_token_latency") == []
+    d = Detectors(Thresholds(itl_p99_s=0.09))
+    assert len(_kinds(d, old, "inter_token_latency")) == 1
+    assert _kinds(d, old, "inter_token_latency") == []  # same episode: once
+
+
+def test_e2e_p99_over_the_slo():
+    w = real_window()  # e2e P99 4.95 s
+    assert _kinds(Detectors(Thresholds()), w, "e2e_slo") == []  # no SLO: off
+    assert _kinds(Detectors(Thresholds(e2e_p99_s=6.0)), w, "e2e_slo") == []
+    f = _kinds(Detectors(Thresholds(e2e_p99_s=4.0)), w, "e2e_slo")
+    assert len(f) == 1 and f[0].data["p99_s"] == pytest.approx(4.95) and f[0].data["threshold_s"] == 4.0
+
+
+def test_running_at_max_num_seqs_while_requests_wait():
+    mid = parse_metrics(text("metrics-0.32.0-midflight.txt"))  # 8 running, 24 waiting (--max-num-seqs 8)
+    idle = parse_metrics(text("metrics-0.32.0-idle-after-load.txt"))
+    assert _kinds(Detectors(Thresholds()), Window(None, Scrape(0, 0, mid)), "max_num_seqs_saturated") == []  # cap unknown
+    assert _kinds(Detectors(Thresholds(max_num_seqs=16)), Window(None, Scrape(0, 0, mid)), "max_num_seqs_saturated") == []
+    d = Detectors(Thresholds(max_num_seqs=8))
+    fired = []
+    prev = None
+    for t, smp in enumerate([mid, mid, idle, mid]):
+        cur = Scrape(float(t), float(t), smp)
+        fired += [(t, f) for f in _kinds(d, Window(prev, cur), "max_num_seqs_saturated")]
+        prev = cur
+    assert [t for t, _ in fired] == [0, 3]  # once per episode; the idle scrape ended the first
+    f = fired[0][1]
+    assert f.data["running"] == 8 and f.data["waiting"] == 24 and "max_num_seqs" in f.action
+
+
+def test_prompt_token_rate_below_half_its_median_while_requests_wait():
+    mid = text("metrics-0.32.0-midflight.txt")
+    idle = text("metrics-0.32.0-idle-after-load.txt")
+    d = Detectors(Thresholds())
+    total, prev, fired = 0.0, None, []
+    # (tokens since the last scrape, 2 s before): after the first scrape, 100/s for 5 intervals, then 30/s while 24 wait (fires
+    # once), back to 100/s (ends it), 30/s with nothing waiting (silent), 30/s waiting again (fires).
+    seq = [(200, mid)] * 6 + [(60, mid), (60, mid), (200, mid), (60, idle), (60, mid)]
+    for i, (tokens, base) in enumerate(seq):
+        total += tokens
+        smp = parse_metrics(base.replace(PROMPT + ("1799.0" if base is mid else "1943.0"), PROMPT + f"{total}"))
+        cur = Scrape(2.0 * i, 2.0 * i, smp)
+        fired += [(i, f) for f in _kinds(d, Window(prev, cur), "prefill_rate_drop")]
+        prev = cur
+    assert [i for i, _ in fired] == [6, 10], [f.summary for _, f in fired]
+    f = fired[0][1]
+    assert f.data["prompt_tokens_per_s"] == pytest.approx(30.0) and f.data["median_per_s"] == pytest.approx(100.0)
+    assert f.data["waiting"] == 24
+
+
+@pytest.mark.parametrize("kw,msg", [({"itl_p99_s": 0}, "itl_p99_s"), ({"e2e_p99_s": -1}, "e2e_p99_s"),
+                                    ({"max_num_seqs": 0}, "max_num_seqs"), ({"prefill_drop": 1.5}, "prefill_drop")])
+def test_bad_new_thresholds_name_the_field(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Thresholds(**kw)
+
+
+def test_max_num_seqs_is_read_from_the_launched_command():
+    from stepwatch.serving.wrapper import max_num_seqs
+
+    assert max_num_seqs(["python", "-m", "vllm.entrypoints.openai.api_server", "--max-num-seqs", "8"]) == 8
+    assert max_num_seqs(["vllm", "serve", "m", "--max-num-seqs=32"]) == 32
+    assert max_num_seqs(["vllm", "serve", "m"]) is None

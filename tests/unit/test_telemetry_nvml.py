@@ -33,16 +33,22 @@ BUSIDS = ["00000000:19:00.0", "00000000:3B:00.0"]
 G = pynvml  # GPM metric ids
 
 
-def _tick(temp, clock, reasons, sm, tensor, dram, *, power=650_000, dbe=0, crc=0, fp64=0.0):
+def _tick(temp, clock, reasons, sm, tensor, dram, *, power=650_000, dbe=0, crc=0, fp64=0.0, gr=None,
+          occupancy=0.41, mem_temp=None, power_limit=700_000, sbe=2, nvlink=None):
+    """One sample's readings. ``nvlink``: bytes/s each way (default ~157 GB/s); ``power*`` in mW
+    (700 W: an H100 SXM's default limit); ``mem_temp`` defaults to 6 C under the GPU's."""
+    nv_mib = (150_000.0, 149_000.0) if nvlink is None else (nvlink / 2**20, nvlink / 2**20)
     return {
         "temp": temp, "clock": clock, "reasons": reasons, "power_mw": power, "dbe": dbe, "crc": crc,
-        "gpm": {G.NVML_GPM_METRIC_GRAPHICS_UTIL: sm * 100 + 3, G.NVML_GPM_METRIC_SM_UTIL: sm * 100,
-                G.NVML_GPM_METRIC_SM_OCCUPANCY: 41.0, G.NVML_GPM_METRIC_ANY_TENSOR_UTIL: tensor * 100,
+        "mem_temp": temp - 6 if mem_temp is None else mem_temp, "power_limit_mw": power_limit, "sbe": sbe,
+        "gpm": {G.NVML_GPM_METRIC_GRAPHICS_UTIL: sm * 100 + 3 if gr is None else gr * 100,
+                G.NVML_GPM_METRIC_SM_UTIL: sm * 100,
+                G.NVML_GPM_METRIC_SM_OCCUPANCY: occupancy * 100, G.NVML_GPM_METRIC_ANY_TENSOR_UTIL: tensor * 100,
                 G.NVML_GPM_METRIC_DRAM_BW_UTIL: dram * 100, G.NVML_GPM_METRIC_FP64_UTIL: fp64 * 100,
                 G.NVML_GPM_METRIC_FP32_UTIL: 7.5, G.NVML_GPM_METRIC_FP16_UTIL: 1.25,
                 G.NVML_GPM_METRIC_PCIE_TX_PER_SEC: 512.0, G.NVML_GPM_METRIC_PCIE_RX_PER_SEC: 2048.0,
-                G.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: 150_000.0,
-                G.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: 149_000.0},
+                G.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: nv_mib[0],
+                G.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: nv_mib[1]},
     }
 
 
@@ -149,6 +155,9 @@ class FakeNvml:
     def nvmlDeviceGetPowerUsage(self, h):
         return self.cur["power_mw"]
 
+    def nvmlDeviceGetEnforcedPowerLimit(self, h):
+        return self.cur["power_limit_mw"]
+
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
         return 1_000_000 + 650_000 * max(self.i, 0)  # 650 W for 1 s per sample, in mJ
 
@@ -169,7 +178,7 @@ class FakeNvml:
 
     def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
         assert counter == pynvml.NVML_VOLATILE_ECC
-        return self.cur["dbe"] if kind == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED else 2
+        return self.cur["dbe"] if kind == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED else self.cur["sbe"]
 
     def nvmlDeviceGetFieldValues(self, h, ids):
         arr = (pynvml.c_nvmlFieldValue_t * len(ids))()
@@ -178,7 +187,7 @@ class FakeNvml:
             arr[k].nvmlReturn = pynvml.NVML_SUCCESS
             arr[k].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
             if fid == pynvml.NVML_FI_DEV_MEMORY_TEMP:
-                arr[k].value.ullVal = self.cur["temp"] - 6
+                arr[k].value.ullVal = self.cur["mem_temp"]
             elif fid == pynvml.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL:
                 arr[k].value.ullVal = self.cur["crc"]
             else:
@@ -329,6 +338,71 @@ def test_findings_from_the_script_throttle_ecc_nvlink_and_xid():
     assert ecc.data["dbe_new"] == 1
     nv = next(f for f in findings if f.kind == "nvlink_degraded")
     assert nv.data["crc_new"] == 3
+
+
+# B.4 rows: (kind, readings above the threshold, readings just on the healthy side). Each is a
+# minute-plus of samples; NVLink is judged with comm taking 80% of the step time (records below).
+GPU_ROWS = [
+    ("gpu_overhead_bound", {"gr": 0.45}, {"gr": 0.65}),
+    ("low_sm_occupancy", {"occupancy": 0.18}, {"occupancy": 0.30}),
+    ("dram_bandwidth_bound", {"dram": 0.99}, {"dram": 0.90}),
+    ("hbm_thermal", {"mem_temp": 93}, {"mem_temp": 89}),
+    ("power_limited", {"power": 695_000}, {"power": 640_000}),  # limit 700 W: 99% vs 91%
+    ("nvlink_low_bandwidth", {"nvlink": 200e9}, {"nvlink": 320e9}),  # / 0.8 comm: 250 vs 400 GB/s
+    ("ecc_sbe_rate", {"sbe_per_s": 0.5}, {"sbe_per_s": 0.2}),  # 1,800/h vs 720/h
+]
+
+
+def _row_script(n, kw, t_sbe0=0):
+    kw = dict(kw)
+    rate = kw.pop("sbe_per_s", 0.0)
+    dram = kw.pop("dram", 0.35)
+    kw.setdefault("nvlink", 400e9)  # healthy links unless the row is NVLink's
+    return [_tick(70, 1980, 0, 0.91, 0.66, dram, sbe=int(t_sbe0 + i * rate), **kw) for i in range(n)]
+
+
+def _judge(script):
+    """Sample the fake device once per (fake) second and analyze as the session does each pass."""
+    dev, samples = _run_script(FakeNvml(script))
+    a = Analyzer(rank=0)
+    out = []
+    for i, smp in enumerate(samples):
+        rec = StepRecord(step=i, rank=0, time=smp["time"], step_s=1.0, comm_s=0.8)
+        out += a.analyze([smp], [rec])
+    return out
+
+
+@pytest.mark.parametrize("kind,above,below", GPU_ROWS, ids=[r[0] for r in GPU_ROWS])
+def test_each_b4_row_fires_above_is_silent_below_and_once_per_episode(kind, above, below):
+    """Through the fake NVML/GPM and the real sampler code: three minutes above the threshold
+    give one finding (one episode), the same below give none, and a recovery starts a new episode."""
+    fired = [f for f in _judge(_row_script(185, above)) if f.kind == kind]
+    assert len(fired) == 1, [f.summary for f in fired]
+    f = fired[0]
+    assert f.diagnosis and f.action and f.data["samples"] >= 5 and "GPU 1" in f.summary
+    assert [f.kind for f in _judge(_row_script(185, below))] == []
+    # above, recovered, above again: two episodes.
+    script = _row_script(65, above) + _row_script(130, below, 40) + _row_script(130, above, 40)
+    assert len([f for f in _judge(script) if f.kind == kind]) == 2
+
+
+def test_rows_that_cannot_be_judged_stay_silent():
+    # NVLink on a GPU without a baseline in the reference (H100 PCIe), and SM occupancy while SMs idle.
+    class Pcie(FakeNvml):
+        def nvmlDeviceGetName(self, h):
+            return "NVIDIA H100 PCIe"
+
+    dev, samples = _run_script(Pcie(_row_script(70, {"nvlink": 50e9})))
+    a = Analyzer()
+    kinds = [f.kind for i, s in enumerate(samples)
+             for f in a.analyze([s], [StepRecord(step=i, rank=0, time=s["time"], step_s=1.0, comm_s=0.9)])]
+    assert "nvlink_low_bandwidth" not in kinds
+    idle = [_tick(70, 1980, 0, 0.20, 0.05, 0.1, occupancy=0.05, gr=0.7) for _ in range(70)]
+    assert "low_sm_occupancy" not in [f.kind for f in _judge(idle)]
+    # Without comm timing (a single-GPU job) the NVLink average is not judged either.
+    dev, samples = _run_script(FakeNvml(_row_script(70, {"nvlink": 50e9})))
+    a = Analyzer()
+    assert [f.kind for s in samples for f in a.analyze([s])] == []
 
 
 def test_hot_without_clock_drop_or_thermal_bit_is_not_throttling():

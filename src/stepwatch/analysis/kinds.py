@@ -66,6 +66,18 @@ KINDS: dict[str, Kind] = {
             "uses `training_mfu offset 10m - training_mfu > 0.05`",
         ),
         Kind(
+            "low_mfu",
+            "warning",
+            "MFU (window median) is below 40%: most of the step is not model math on the device. "
+            "The summary says where the step time goes (data wait, forward, backward, optimizer, "
+            "other, exposed communication) and which part to look at first.",
+            "Start where the summary points; for compute-side time, profile a few steps "
+            "(nsys profile --trace=cuda,nvtx,nccl, or the capture stepwatch took) and look for idle "
+            "gaps between kernels on the timeline.",
+            "B.10 'Low MFU in training (< 40%) -> nsys --trace=cuda,nvtx,nccl -> Timeline: idle gaps "
+            "between kernels'; threshold configurable (STEPWATCH_LOW_MFU)",
+        ),
+        Kind(
             "tensor_core_alignment",
             "info",
             "Matmuls that cannot use Tensor Cores fully: dimensions not multiples of 8 (bf16/fp16) "
@@ -96,6 +108,16 @@ KINDS: dict[str, Kind] = {
             "single node: check NVLink (DCGM fields 1011/1012); multi-node: check `ibstatus` and NCCL_IB_HCA.",
             "B.5 baselines: H100 x8 NVLink busbw >= 160 GB/s at 256MB, >= 180 at 1GB, alert < 140; "
             "H100 x64 IB NDR >= 40 at 256MB, >= 45 at 1GB, alert < 35; B.10 'busbw vs. healthy baseline'",
+        ),
+        Kind(
+            "nccl_warning",
+            "warning",
+            "NCCL wrote a warning (NCCL WARN) to the user's NCCL_DEBUG_FILE: a network, topology or "
+            "configuration problem that NCCL noticed; the summary quotes the line.",
+            "Read the quoted line and the file around it; for network errors check the NICs "
+            "(`ibstatus`, NCCL_IB_HCA, NCCL_SOCKET_IFNAME); rerun with NCCL_DEBUG=INFO for details.",
+            "B.5 'NCCL_DEBUG WARN (prod) / INFO (debug)'; B.10 'AllReduce bottleneck suspected -> "
+            "NCCL_DEBUG=INFO'; NCCL docs: NCCL_DEBUG_FILE",
         ),
         Kind(
             "straggler",
@@ -172,6 +194,75 @@ KINDS: dict[str, Kind] = {
             "B.4 matrix row 'Variable / Any / Any -> Straggler'; B.10 'Outlier SM_ACTIVE vs. rest of fleet'",
         ),
         Kind(
+            "gpu_overhead_bound",
+            "warning",
+            "The graphics/compute engine was active less than 60% of the time over the window "
+            "(DCGM_FI_PROF_GR_ENGINE_ACTIVE): the GPU waits on the host (launch overhead, syncs, "
+            "data, Python).",
+            "Open an nsys timeline (nsys profile --trace=cuda,nvtx,osrt) for gaps between kernels; "
+            "use CUDA graphs or torch.compile, larger batches, fewer host syncs (.item(), .cpu()).",
+            "B.4 field table: 'GR_ENGINE_ACTIVE ... < 60% -> overhead-bound' (ratio 0.60 as DCGM exports it)",
+        ),
+        Kind(
+            "low_sm_occupancy",
+            "warning",
+            "SMs are busy but hold few warps: SM occupancy below 25% over the window "
+            "(DCGM_FI_PROF_SM_OCCUPANCY) while SM activity is not low; kernels are limited by "
+            "registers, shared memory or too small grids.",
+            "Profile the top kernels with ncu (--section Occupancy, LaunchStats): check registers "
+            "per thread, shared memory per block and grid size; larger batches or fused kernels help.",
+            "B.4 field table: 'SM_OCCUPANCY ... < 25% -> occupancy limiter'",
+        ),
+        Kind(
+            "dram_bandwidth_bound",
+            "warning",
+            "Device memory bandwidth is saturated: DRAM activity stayed near 100% (window mean "
+            ">= 95%, DCGM_FI_PROF_DRAM_ACTIVE); the workload is memory-bandwidth bound.",
+            "Cut memory traffic: fuse elementwise ops (torch.compile), use bf16/fp8 activations, "
+            "flash attention, larger arithmetic intensity per kernel (check with ncu's roofline).",
+            "B.4 field table: 'DRAM_ACTIVE ... Constant 100% -> BW bottleneck'; 95% is stepwatch's 'near'",
+        ),
+        Kind(
+            "hbm_thermal",
+            "critical",
+            "Memory (HBM) temperature above 90 C (DCGM_FI_DEV_MEMORY_TEMP): at its thermal limit "
+            "the GPU slows memory down or throttles.",
+            "Improve cooling (airflow, fans, inlet temperature), check the node's other GPUs and the "
+            "rack; reduce memory-bound load until it cools.",
+            "B.4 field table: 'MEM_MAX_OP_TEMP > 90 C -> HBM thermal limit' (judged on the memory "
+            "temperature, field 140)",
+        ),
+        Kind(
+            "power_limited",
+            "warning",
+            "The GPU ran at its enforced power limit for the window (power >= 97% of the limit or "
+            "NVML's SwPowerCap reason on most samples): clocks are held down by the power cap.",
+            "Check the limit (`nvidia-smi -q -d POWER`: enforced vs default limit); raise it to the "
+            "default if an admin lowered it, or accept the power-capped clocks.",
+            "B.4 field table: 'POWER_USAGE ... Near TDP limit consistently'; bitmask 'SW_POWER_CAP: "
+            "power cap set below workload demand (check nvidia-smi -q -d POWER)'",
+        ),
+        Kind(
+            "nvlink_low_bandwidth",
+            "warning",
+            "NVLink TX or RX bytes per second of collective time are below the healthy baseline "
+            "for this hardware (350 GB/s on H100 SXM x8) while the job is communication-bound.",
+            "Check the links (`nvidia-smi nvlink -s`, `-e` for errors), run `stepwatch bench-comm` "
+            "(or nccl-tests all_reduce_perf) and compare busbw with the baseline.",
+            "B.4 field table: 'NVLINK_TX_BYTES / RX_BYTES near 450 GB/s (H100x8), < 350 GB/s -> "
+            "degradation'; B.10 'NVLink underperformance -> dcgmi dmon -e 1011,1012'",
+        ),
+        Kind(
+            "ecc_sbe_rate",
+            "warning",
+            "Correctable (single-bit) ECC errors arrive faster than 1,000 per hour: the memory is "
+            "degrading and uncorrectable errors may follow.",
+            "Watch the trend (`nvidia-smi --query-gpu=ecc.errors.corrected.volatile.total --format=csv`); "
+            "schedule maintenance for the GPU (page retirement / row remapping, replacement).",
+            "B.4 XID table: '80 Correctable SBE (Single-Bit ECC) LOW: Monitor rate; alert if > 1,000/hr'; "
+            "B.10 'ECC error escalation -> corrected ECC count trend / hour'",
+        ),
+        Kind(
             "slow_checkpoint",
             "warning",
             "Checkpointing takes more than 8% of run time (2-8% is normal), or saves write slower "
@@ -228,6 +319,45 @@ KINDS: dict[str, Kind] = {
             "malformed requests.",
             "B.7 'INFERENCE ERROR RATE' query (request_count_total is gone: finished_reason labels); "
             "5% is stepwatch's default",
+        ),
+        Kind(
+            "inter_token_latency",
+            "warning",
+            "Inter-token latency (time per output token) P99 over the window is above 100 ms: decode "
+            "steps are slow (large batches, long contexts, preemption, a slow device).",
+            "Check running requests against max_num_seqs and KV-cache usage; lower max_num_seqs or "
+            "max_num_batched_tokens, enable chunked prefill so prefills do not stall decodes, add replicas.",
+            "B.6 'vllm:time_per_output_token_seconds ... P99 > 100ms typical' (now "
+            "vllm:inter_token_latency_seconds; both names read)",
+        ),
+        Kind(
+            "e2e_slo",
+            "warning",
+            "End-to-end request latency P99 over the window is above the configured SLO "
+            "(queueing + prefill + decode).",
+            "Look at which part grew: TTFT (queue, prefill) or inter-token latency (decode); then "
+            "queue depth, KV-cache usage and capacity (replicas).",
+            "B.6 'vllm:e2e_request_latency_seconds ... P99 per SLO'",
+        ),
+        Kind(
+            "max_num_seqs_saturated",
+            "warning",
+            "Running requests are at max_num_seqs while requests wait: the scheduler's batch is full, "
+            "so new requests queue (TTFT grows) even if the device could take more.",
+            "If KV-cache usage has room, raise max_num_seqs; otherwise add replicas or shed load upstream.",
+            "B.6 'vllm:num_requests_running ... Near max_num_seqs'; 'num_requests_waiting > 50 -> "
+            "throughput limited'",
+        ),
+        Kind(
+            "prefill_rate_drop",
+            "warning",
+            "Prompt (prefill) tokens per second fell below half of their median over the window "
+            "while requests wait: prefill has slowed down (preemption re-prefills, long prompts "
+            "crowding the batch, a slowed device).",
+            "Check preemptions and KV-cache usage first, then prompt lengths and "
+            "max_num_batched_tokens / chunked prefill; compare with the device's telemetry.",
+            "B.6 'vllm:prompt_tokens_total ... Rate tracks prefill load'; 50% of the window median "
+            "is stepwatch's rule",
         ),
         Kind(
             "stall",

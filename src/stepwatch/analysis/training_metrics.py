@@ -12,6 +12,7 @@ grad-norm probe *before* the optimizer phase opens, so its cost shows in ``other
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -25,6 +26,7 @@ class TrainingMetrics:
     def __init__(self, session: Any) -> None:
         from ..hooks.grads import GradNormCollector, GradNormEnricher, GradNormSpikeDetector
         from ..hooks.tokens import ThroughputCollector
+        from .detectors import LowMfuDetector
         from .peaks import MfuDropDetector, MfuEnricher, PeakResolver
 
         cfg = session.config
@@ -42,6 +44,7 @@ class TrainingMetrics:
         session.detectors += [
             GradNormSpikeDetector(cfg.grad_norm_spike_abs, cfg.grad_norm_spike_factor, cfg.grad_norm_window),
             MfuDropDetector(cfg.mfu_drop_points, cfg.mfu_drop_window_s),
+            LowMfuDetector(cfg.low_mfu, cfg.window, captures_dir=os.path.join(session.ctx.run_dir, "captures")),
         ]
         inst = session.instrumentation
         inst.forward_observers.append(self._on_forward)

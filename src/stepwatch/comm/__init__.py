@@ -26,6 +26,7 @@ class CommFeature:
         self.stragglers: Any = None
         self.overlap: Any = None
         self.busbw: Any = None
+        self.nccl_log: Any = None
 
     def stop(self) -> None:
         for part in (self.ddp, self.collectives):
@@ -33,10 +34,23 @@ class CommFeature:
                 part.uninstall()
 
     def status(self) -> dict[str, Any]:
-        return {
+        out = {
             "ddp_models": len(self.ddp.models) if self.ddp is not None else 0,
             "not_measured": list(self.ddp.unmeasured) if self.ddp is not None else [],
         }
+        if self.busbw is not None:
+            out["busbw_judged"] = self.busbw.why_not or f"{self.busbw.judged} batch(es) of collectives judged"
+        if self.nccl_log is not None:
+            out["nccl_debug_file"] = self.nccl_log.status()
+        return out
+
+    def collect(self, records: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Each background pass: NCCL's own warnings from the user's NCCL_DEBUG_FILE, if set."""
+        # Only on passes that carry records: the session opens its exporters with the first record,
+        # and a finding of an earlier pass would have nowhere to go.
+        if self.nccl_log is None or not records:
+            return [], []
+        return [], self.nccl_log.poll(records[-1].step)
 
 
 def _default_store() -> Any:
@@ -107,6 +121,11 @@ def install(session: Any) -> CommFeature | None:
         on_floor=on_floor,
     )
     session.detectors.extend([feat.overlap, feat.busbw, feat.stragglers])
+    from .nccl_log import NcclLogWatch
+
+    # Read where the user sent NCCL's output; never set it for them (that would take NCCL's
+    # messages out of their stderr).
+    feat.nccl_log = NcclLogWatch.from_env(os.environ, rank=ctx.rank, host=ctx.host)
     return feat  # the session keeps it in features_started and calls stop() at shutdown
 
 
@@ -124,7 +143,11 @@ def _large_sink(det: Any) -> Any:
             name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
             local = int(os.environ.get("LOCAL_WORLD_SIZE", span.world) or span.world)
             det.base = baseline(name, span.world, max(1, span.world // max(local, 1)))
-        if det.base is not None:
-            det.note(rec, span, algbw, busbw)
+            if det.base is None:
+                from .._log import logger
+
+                logger.info("stepwatch: low_busbw: no healthy busbw baseline for %s x%d (the reference has "
+                            "H100 SXM numbers only): bus bandwidth is measured, not judged", name, span.world)
+        det.note(rec, span, algbw, busbw)
 
     return sink

@@ -27,11 +27,12 @@ from typing import Any
 
 from ..cuda_ext import event_elapsed_s
 from ..record import StepRecord
+from .findings import MIN_JUDGED_BYTES
 from .spans import ALLREDUCE
 
 GB = 1e9  # nccl-tests reports GB/s with GB = 1e9 bytes (doc/PERFORMANCE.md)
-# Live bandwidth is judged only on messages as large as the reference baselines' (B.5: 256 MB, 1 GB).
-LARGE_BYTES = 256 * 1024 * 1024
+# Live bandwidth is judged on messages large enough for a size-scaled baseline (comm/findings.py).
+LARGE_BYTES = MIN_JUDGED_BYTES
 
 
 def bus_factor(op: str, n: int) -> float:

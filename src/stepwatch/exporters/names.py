@@ -190,6 +190,7 @@ DCGM_FIELDS: dict[str, str] = {
     "DCGM_FI_DEV_MEMORY_TEMP": "Memory temperature (C).",
     "DCGM_FI_DEV_MEM_MAX_OP_TEMP": "Maximum memory operating temperature (C).",
     "DCGM_FI_DEV_POWER_USAGE": "Power draw (W).",
+    "DCGM_FI_DEV_ENFORCED_POWER_LIMIT": "Power limit the driver enforces (W).",
     "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": "Total energy since boot (mJ); use rate().",
     "DCGM_FI_DEV_SM_CLOCK": "SM clock (MHz).",
     "DCGM_FI_DEV_MEM_CLOCK": "Memory clock (MHz).",

@@ -67,6 +67,13 @@ def register(subparsers: Any) -> None:
                    help="launched: scrape this URL instead of the one from the command's --host/--port (repeatable)")
     p.add_argument("--ttft-slo", type=_positive(float, "--ttft-slo"), metavar="S",
                    help="TTFT P99 SLO in seconds: a finding when the P99 over --slo-window exceeds it (default off)")
+    p.add_argument("--e2e-slo", type=_positive(float, "--e2e-slo"), metavar="S",
+                   help="end-to-end latency P99 SLO in seconds, over --slo-window (default off)")
+    p.add_argument("--itl-threshold", type=_positive(float, "--itl-threshold"), default=0.1, metavar="S",
+                   help="inter-token latency (was TPOT) P99 above which a finding fires, seconds (default 0.1, reference B.6)")
+    p.add_argument("--max-num-seqs", type=_positive(int, "--max-num-seqs"), metavar="N",
+                   help="the server's max_num_seqs, for the batch-full finding (default: read from the launched "
+                        "command's --max-num-seqs; attached: off unless given)")
     p.add_argument("--queue-threshold", type=_positive(float, "--queue-threshold"), default=50.0, metavar="N",
                    help="requests waiting above which a queue_depth finding fires (default 50, reference B.6)")
     p.add_argument("--kv-threshold", type=_ratio("--kv-threshold"), default=0.82, metavar="R",
@@ -137,10 +144,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     run_id = time.strftime("serve-%Y%m%d-%H%M%S")
     run_dir = os.path.abspath(args.run_dir or os.path.join("stepwatch-runs", run_id))
+    seqs = args.max_num_seqs
+    if seqs is None and cmd:
+        from .wrapper import max_num_seqs
+
+        seqs = max_num_seqs(cmd)
     try:
         thresholds = Thresholds(
             kv_cache=args.kv_threshold, kv_sustain_s=args.kv_sustain, queue_depth=args.queue_threshold,
             ttft_p99_s=args.ttft_slo, spec_acceptance=args.spec_threshold, error_ratio=args.error_threshold,
+            e2e_p99_s=args.e2e_slo, itl_p99_s=args.itl_threshold, max_num_seqs=seqs,
+            prefill_window_s=args.slo_window,
         )
     except ValueError as e:
         print(f"stepwatch serve-vllm: {e}", file=sys.stderr)

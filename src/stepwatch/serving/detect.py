@@ -1,12 +1,17 @@
-"""Serving findings from a window of scrapes: KV-cache cascade, TTFT P99, queue, spec-decode, errors.
+"""Serving findings from a window of scrapes: KV-cache cascade, TTFT/ITL/e2e P99, queue, a full
+batch, prefill rate, spec-decode, errors.
 
 Thresholds come from the reference sheet's B.6 table (``profiling-quick-reference.txt``) unless
 marked as stepwatch's own default. Each (kind, server, engine series) fires at most once per
-``cooldown_s``, so a server that stays over a threshold does not flood the findings file.
+``cooldown_s``, so a server that stays over a threshold does not flood the findings file; the
+inter-token latency, e2e, batch-full and prefill-rate rows fire once per episode (again only after
+a scrape showed the condition gone).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +41,18 @@ class Thresholds:
     # stepwatch default: no error ratio from fewer finished requests than this.
     error_min_requests: float = 10.0
     cooldown_s: float = 60.0
+    # B.6: "vllm:time_per_output_token_seconds ... P99 > 100ms typical" (now inter_token_latency).
+    itl_p99_s: float = 0.100
+    # B.6: "vllm:e2e_request_latency_seconds ... P99 per SLO": the operator's; None = off.
+    e2e_p99_s: float | None = None
+    # B.6: "vllm:num_requests_running ... Near max_num_seqs": the server's cap (its
+    # --max-num-seqs); None = unknown, the row is off (no metric carries it).
+    max_num_seqs: int | None = None
+    # stepwatch: prompt tokens/s below this share of their median over ``prefill_window_s``
+    # while requests wait; at least ``prefill_min_intervals`` scrape intervals make a median.
+    prefill_drop: float = 0.5
+    prefill_window_s: float = 300.0
+    prefill_min_intervals: int = 5
 
     def __post_init__(self) -> None:
         for name in ("kv_cache", "spec_acceptance", "error_ratio"):
@@ -47,6 +64,19 @@ class Thresholds:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.ttft_p99_s is not None and not self.ttft_p99_s > 0:
             raise ValueError(f"ttft_p99_s must be > 0 seconds (or None for off), got {self.ttft_p99_s!r}")
+        if self.e2e_p99_s is not None and not self.e2e_p99_s > 0:
+            raise ValueError(f"e2e_p99_s must be > 0 seconds (or None for off), got {self.e2e_p99_s!r}")
+        if not self.itl_p99_s > 0:
+            raise ValueError(f"itl_p99_s must be > 0 seconds, got {self.itl_p99_s!r}")
+        if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool) or int(self.max_num_seqs) != self.max_num_seqs
+                                              or self.max_num_seqs < 1):
+            raise ValueError(f"max_num_seqs must be an integer >= 1 (or None for unknown), got {self.max_num_seqs!r}")
+        if not 0.0 < self.prefill_drop < 1.0:
+            raise ValueError(f"prefill_drop must be within (0, 1), got {self.prefill_drop!r}")
+        if not self.prefill_window_s > 0:
+            raise ValueError(f"prefill_window_s must be > 0 seconds, got {self.prefill_window_s!r}")
+        if self.prefill_min_intervals < 2:
+            raise ValueError(f"prefill_min_intervals must be >= 2, got {self.prefill_min_intervals!r}")
 
 
 def _series_data(server: str, key: Labels) -> dict[str, Any]:
@@ -65,6 +95,21 @@ class Detectors:
         self._last_fired: dict[tuple[str, str, Labels], float] = {}
         # (server, series) -> (mono when KV usage went over, preemptions then)
         self._kv_over: dict[tuple[str, Labels], tuple[float, float]] = {}
+        # (kind, server, series) in a bad episode: fired once, silent until a scrape shows it gone.
+        self._episodes: set[tuple[str, str, Labels]] = set()
+        # (server, series) -> (mono, prompt tokens/s) of the scrape intervals of the prefill window.
+        self._prompt_rates: dict[tuple[str, Labels], deque[tuple[float, float]]] = {}
+
+    def _episode(self, kind: str, server: str, key: Labels, bad: bool) -> bool:
+        """True when a bad episode starts now; a healthy reading ends it."""
+        k = (kind, server, key)
+        if not bad:
+            self._episodes.discard(k)
+            return False
+        if k in self._episodes:
+            return False
+        self._episodes.add(k)
+        return True
 
     def _may_fire(self, kind: str, server: str, key: Labels, now: float) -> bool:
         last = self._last_fired.get((kind, server, key))
@@ -124,6 +169,66 @@ class Detectors:
                         summary=f"TTFT P99 {p99:.3f} s > SLO {th.ttft_p99_s:g} s over the last {slo.seconds:.0f} s on {_who(server, key)}",
                         data={**_series_data(server, key), "ttft_p99_s": p99, "slo_s": th.ttft_p99_s, "window_s": round(slo.seconds, 1),
                               "kv_cache_usage": latest.gauge(N.KV_USAGE).get(key), "waiting": latest.gauge(N.WAITING).get(key)},
+                    ))
+
+        # -- inter-token latency (the renamed TPOT) and e2e latency P99 (B.6) -----------------
+        for kind, bases, limit, what in (("inter_token_latency", N.ITL, th.itl_p99_s, "inter-token latency"),
+                                         ("e2e_slo", N.E2E, th.e2e_p99_s, "e2e latency")):
+            if limit is None or slo.old is None:
+                continue
+            for key, qs in slo.quantiles(bases, (0.99,)).items():
+                p99 = qs.get(0.99)
+                if p99 is None:
+                    continue  # no request finished in the window: nothing to judge
+                if self._episode(kind, server, key, p99 > limit):
+                    out.append(make_finding(
+                        kind, rank=0, step=None, when=wall,
+                        summary=f"{what} P99 {p99 * 1e3:.0f} ms > {limit * 1e3:g} ms over the last {slo.seconds:.0f} s on {_who(server, key)}",
+                        data={**_series_data(server, key), "p99_s": p99, "threshold_s": limit, "window_s": round(slo.seconds, 1),
+                              "running": latest.gauge(N.RUNNING).get(key), "waiting": latest.gauge(N.WAITING).get(key),
+                              "kv_cache_usage": latest.gauge(N.KV_USAGE).get(key)},
+                    ))
+
+        # -- running at max_num_seqs while requests wait (B.6) ---------------------------------
+        if th.max_num_seqs is not None:
+            waiting_by = latest.gauge(N.WAITING)
+            for key, running in latest.gauge(N.RUNNING).items():
+                waiting = waiting_by.get(key, 0.0)
+                if self._episode("max_num_seqs_saturated", server, key, running >= th.max_num_seqs and waiting > 0):
+                    out.append(make_finding(
+                        "max_num_seqs_saturated", rank=0, step=None, when=wall,
+                        summary=(f"{running:.0f} requests running = max_num_seqs {th.max_num_seqs} while {waiting:.0f} wait "
+                                 f"(KV-cache usage {latest.gauge(N.KV_USAGE).get(key, float('nan')):.2f}) on {_who(server, key)}"),
+                        data={**_series_data(server, key), "running": running, "waiting": waiting,
+                              "max_num_seqs": th.max_num_seqs, "kv_cache_usage": latest.gauge(N.KV_USAGE).get(key)},
+                    ))
+
+        # -- prompt-token rate below half its window median while requests wait ---------------
+        if latest.old is not None and latest.seconds > 0:
+            waiting_by = latest.gauge(N.WAITING)
+            for key, rate in latest.rate(N.PROMPT_TOKENS).items():
+                if rate is None:
+                    continue
+                hist = self._prompt_rates.setdefault((server, key), deque(maxlen=4096))
+                while hist and hist[0][0] < now - th.prefill_window_s:
+                    hist.popleft()
+                prior = [r for _, r in hist]
+                hist.append((now, rate))
+                if len(prior) < th.prefill_min_intervals:
+                    continue
+                med = statistics.median(prior + [rate])
+                waiting = waiting_by.get(key, 0.0)
+                if med <= 0:
+                    continue
+                if self._episode("prefill_rate_drop", server, key, waiting > 0 and rate < th.prefill_drop * med):
+                    out.append(make_finding(
+                        "prefill_rate_drop", rank=0, step=None, when=wall,
+                        summary=(f"prompt tokens {rate:.0f}/s over the last {latest.seconds:.0f} s, < {th.prefill_drop:.0%} of "
+                                 f"their median {med:.0f}/s over {now - hist[0][0]:.0f} s, while {waiting:.0f} requests wait, "
+                                 f"on {_who(server, key)}"),
+                        data={**_series_data(server, key), "prompt_tokens_per_s": rate, "median_per_s": med,
+                              "threshold_share": th.prefill_drop, "waiting": waiting, "intervals": len(hist),
+                              "preemptions_total": preempt_total.get(key)},
                     ))
 
         # -- spec-decode acceptance (B.6; the gauge is gone, Δaccepted / Δdraft) ---------------

@@ -58,6 +58,17 @@ def server_url(cmd: Sequence[str]) -> str:
     return f"http://{host}:{port}"
 
 
+def max_num_seqs(cmd: Sequence[str]) -> int | None:
+    """The command's ``--max-num-seqs`` (vLLM's batch cap), or None when it does not say (vLLM's
+    default depends on its version, device and entry point: not guessed)."""
+    v = _flag_value(cmd, "--max-num-seqs")
+    try:
+        n = int(v) if v is not None else None
+    except ValueError:
+        return None
+    return n if n is not None and n > 0 else None
+
+
 def with_load_tracking(cmd: Sequence[str]) -> list[str]:
     """vLLM counts in-flight requests at ``/load`` only with this flag; the stall detector needs it."""
     out = list(cmd)

@@ -27,6 +27,7 @@ CLOCK_DROP = 0.10
 # HwSlowdown (0x8) covers heat, power brake and over-current (nvml.h); it counts as thermal only
 # above the temperature threshold.
 _HW_SLOWDOWN = BY_NAME["HwSlowdown"].bit
+_SW_POWER_CAP = BY_NAME["SwPowerCap"].bit
 
 # Reference B.4 field table (percent there; DCGM exports ratios).
 SM_HIGH, SM_LOW = 0.85, 0.50
@@ -47,6 +48,45 @@ MATRIX_REPEAT_S = 600.0
 # "> 10 GB/s healthy; < 2 GB/s -> storage degraded".
 CHECKPOINT_SHARE_MAX = 0.08
 CHECKPOINT_GBPS_DEGRADED = 2.0
+# Reference B.4 field table rows judged over a window of samples (ratios, as DCGM exports them):
+# "GR_ENGINE_ACTIVE < 60% -> overhead-bound"; "SM_OCCUPANCY < 25% -> occupancy limiter";
+# "DRAM_ACTIVE constant 100% -> BW bottleneck"; "MEM_MAX_OP_TEMP > 90 C -> HBM thermal limit";
+# "POWER_USAGE near TDP limit consistently"; "NVLINK_TX/RX_BYTES < 350 GB/s (H100x8) -> degradation";
+# XID table "80 Correctable SBE: alert if > 1,000/hr".
+GR_ENGINE_LOW = 0.60
+SM_OCCUPANCY_LOW = 0.25
+HBM_TEMP_C = 90.0
+ECC_SBE_PER_HOUR = 1000.0
+NVLINK_BASELINE_BPS = 350e9
+# stepwatch: "near 100%" is a window mean of at least 95%.
+DRAM_SATURATED = 0.95
+# stepwatch: "at the limit" is power >= 97% of the enforced limit (NVML's 1 s power average sits
+# just under a cap it is held at) or the SwPowerCap reason, on at least 80% of the window's samples.
+POWER_AT_LIMIT = 0.97
+POWER_WINDOW_SHARE = 0.80
+# stepwatch: NVLink bytes/s are judged only while collectives take at least half of the step time
+# (divided by that share: bytes per second of communication); a compute-bound job's average link
+# rate says nothing about the links.
+NVLINK_MIN_COMM_SHARE = 0.5
+# stepwatch: an SBE rate needs at least this much time between the window's first and last counts.
+ECC_MIN_SPAN_S = 30.0
+# stepwatch: the rows are judged once per minute over the last minute of samples (as the matrix).
+ROWS_WINDOW_S = 60.0
+ROWS_MIN_SAMPLES = 5
+
+
+def nvlink_baseline(gpu_name: str | None) -> float | None:
+    """Healthy NVLink TX/RX bytes/s for this GPU, or None where the reference gives no number.
+
+    Reference B.4: H100 x8 (SXM, NVSwitch) near 450 GB/s, degraded below 350 GB/s. An H100 PCIe or
+    NVL has no NVSwitch, so no baseline (as comm/findings.baseline for busbw).
+    """
+    name = (gpu_name or "").upper()
+    if "H100" not in name or "PCIE" in name or "NVL" in name.replace("NVLINK", ""):
+        return None
+    return NVLINK_BASELINE_BPS
+
+
 # stepwatch: straggler = a rank whose SM activity std-dev is >= 0.10 while the others' median is
 # <= 0.05 (ratio units), over at least 5 samples each.
 STRAGGLER_STD = 0.10
@@ -132,20 +172,23 @@ class Analyzer:
         self._dbe: int | None = None
         self._crc: int | None = None
         self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=1200)
-        self._records: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=4096)
+        self._records: collections.deque[tuple[float, float, float, float | None]] = collections.deque(maxlen=4096)
         self._last_matrix_t: float | None = None
+        self._last_rows_t: float | None = None
+        self._episodes: set[str] = set()  # B.4 rows currently bad (one finding per episode)
         self._reported: dict[str, float] = {}
         self._last_step: int | None = None
 
     def analyze(self, samples: Sequence[dict[str, Any]], records: Sequence[StepRecord] = ()) -> list[Finding]:
         for r in records:
-            self._records.append((r.time, r.step_s, r.data_wait_s))
+            self._records.append((r.time, r.step_s, r.data_wait_s, r.comm_s))
             self._last_step = r.step
         out: list[Finding] = []
         for s in samples:
             self._recent.append(s)
             out.extend(self._health(s))
         out.extend(self._matrix())
+        out.extend(self._rows())
         return out
 
     # -- per-sample health: throttle episodes, XIDs, ECC, NVLink --
@@ -224,7 +267,7 @@ class Analyzer:
         dram = _mean([s["DCGM_FI_PROF_DRAM_ACTIVE"] for s in window if s.get("DCGM_FI_PROF_DRAM_ACTIVE") is not None])
         fp64 = _mean([s["DCGM_FI_PROF_PIPE_FP64_ACTIVE"] for s in window
                       if s.get("DCGM_FI_PROF_PIPE_FP64_ACTIVE") is not None])
-        recs = [(st, dw) for (rt, st, dw) in self._records if t0 <= rt <= now]
+        recs = [(st, dw) for (rt, st, dw, _) in self._records if t0 <= rt <= now]
         wait = share = None
         if recs:
             wait = sum(dw for _, dw in recs) / len(recs)
@@ -252,6 +295,129 @@ class Analyzer:
         # The kind names the matrix; the row carries its own diagnosis and action.
         f.diagnosis, f.action = r.diagnosis, r.action
         return [f]
+
+
+    # -- B.4 field-table rows over the last minute, one finding per episode --
+    def _rows(self) -> list[Finding]:
+        if not self._recent:
+            return []
+        now = self._recent[-1].get("time", 0.0)
+        if self._last_rows_t is not None and now - self._last_rows_t < ROWS_WINDOW_S:
+            return []
+        window = [s for s in self._recent if s.get("time", 0.0) >= now - ROWS_WINDOW_S]
+        if len(window) < ROWS_MIN_SAMPLES:
+            return []
+        self._last_rows_t = now
+        t0 = window[0].get("time", now)
+        gpu = window[-1].get("gpu")
+        where = f"GPU {gpu} ({window[-1].get('uuid') or 'uuid unknown'})"
+        span = f"over {now - t0:.0f} s"
+
+        def vals(field: str) -> list[float]:
+            return [s[field] for s in window if s.get(field) is not None]
+
+        # kind -> (bad?, summary, data); None = not enough data to say (the episode stays as it was)
+        verdicts: dict[str, tuple[bool, str, dict[str, Any]] | None] = {}
+        gr = _mean(vals("DCGM_FI_PROF_GR_ENGINE_ACTIVE"))
+        verdicts["gpu_overhead_bound"] = None if gr is None else (
+            gr < GR_ENGINE_LOW,
+            f"{where}: graphics engine active {gr:.0%} {span} (< {GR_ENGINE_LOW:.0%}: overhead-bound)",
+            {"gr_engine_active": gr, "threshold": GR_ENGINE_LOW})
+        occ = _mean(vals("DCGM_FI_PROF_SM_OCCUPANCY"))
+        sm = _mean(vals("DCGM_FI_PROF_SM_ACTIVE"))
+        # With idle SMs occupancy is low by itself: that is the overhead/launch rows' story.
+        verdicts["low_sm_occupancy"] = None if occ is None or sm is None or sm < SM_LOW else (
+            occ < SM_OCCUPANCY_LOW,
+            f"{where}: SM occupancy {occ:.0%} with SM active {sm:.0%} {span} (< {SM_OCCUPANCY_LOW:.0%}: occupancy limiter)",
+            {"sm_occupancy": occ, "sm_active": sm, "threshold": SM_OCCUPANCY_LOW})
+        dram = _mean(vals("DCGM_FI_PROF_DRAM_ACTIVE"))
+        verdicts["dram_bandwidth_bound"] = None if dram is None else (
+            dram >= DRAM_SATURATED,
+            f"{where}: DRAM active {dram:.0%} {span} (>= {DRAM_SATURATED:.0%}: bandwidth bottleneck)",
+            {"dram_active": dram, "threshold": DRAM_SATURATED})
+        mem_t = vals("DCGM_FI_DEV_MEMORY_TEMP")
+        verdicts["hbm_thermal"] = None if not mem_t else (
+            max(mem_t) > HBM_TEMP_C,
+            f"{where}: memory temperature up to {max(mem_t):.0f} C {span} (> {HBM_TEMP_C:.0f} C: HBM thermal limit"
+            + (f"; the device's max operating memory temperature is {window[-1]['DCGM_FI_DEV_MEM_MAX_OP_TEMP']} C)"
+               if window[-1].get("DCGM_FI_DEV_MEM_MAX_OP_TEMP") is not None else ")"),
+            {"mem_temp_max_c": max(mem_t), "threshold_c": HBM_TEMP_C,
+             "mem_max_op_temp_c": window[-1].get("DCGM_FI_DEV_MEM_MAX_OP_TEMP")})
+        verdicts["power_limited"] = self._power(window, where, span)
+        verdicts["nvlink_low_bandwidth"] = self._nvlink(window, where, span, t0, now)
+        verdicts["ecc_sbe_rate"] = self._sbe(window, where)
+        out: list[Finding] = []
+        for kind, v in verdicts.items():
+            if v is None:
+                continue
+            bad, summary, data = v
+            if not bad:
+                self._episodes.discard(kind)
+                continue
+            if kind in self._episodes:
+                continue
+            self._episodes.add(kind)
+            out.append(make_finding(kind, rank=self.rank, step=self._last_step, when=now, summary=summary,
+                                    data={"gpu": gpu, "uuid": window[-1].get("uuid"), "window_s": now - t0,
+                                          "samples": len(window), **data}))
+        return out
+
+    def _power(self, window: list[dict[str, Any]], where: str, span: str) -> tuple[bool, str, dict[str, Any]] | None:
+        judged = at = 0
+        for s in window:
+            p, lim = s.get("DCGM_FI_DEV_POWER_USAGE"), s.get("DCGM_FI_DEV_ENFORCED_POWER_LIMIT")
+            mask = s.get("DCGM_FI_DEV_CLOCKS_EVENT_REASONS")
+            capped = mask is not None and bool(mask & _SW_POWER_CAP)
+            if (p is None or not lim) and mask is None:
+                continue
+            judged += 1
+            if capped or (p is not None and lim and p >= POWER_AT_LIMIT * lim):
+                at += 1
+        if judged < ROWS_MIN_SAMPLES:
+            return None
+        share = at / judged
+        power = _mean([s["DCGM_FI_DEV_POWER_USAGE"] for s in window if s.get("DCGM_FI_DEV_POWER_USAGE") is not None])
+        lims = [s["DCGM_FI_DEV_ENFORCED_POWER_LIMIT"] for s in window if s.get("DCGM_FI_DEV_ENFORCED_POWER_LIMIT")]
+        lim = min(lims) if lims else None
+        return (share >= POWER_WINDOW_SHARE,
+                f"{where}: at the power limit on {share:.0%} of samples {span} (mean "
+                + ("unknown" if power is None else f"{power:.0f} W") + " vs enforced limit "
+                + ("unknown" if lim is None else f"{lim:.0f} W") + ")",
+                {"share_at_limit": share, "power_mean_w": power, "enforced_limit_w": lim,
+                 "threshold_share": POWER_WINDOW_SHARE, "at_limit_ratio": POWER_AT_LIMIT})
+
+    def _nvlink(self, window: list[dict[str, Any]], where: str, span: str, t0: float,
+                now: float) -> tuple[bool, str, dict[str, Any]] | None:
+        base = nvlink_baseline(window[-1].get("name"))
+        tx = _mean([s["DCGM_FI_PROF_NVLINK_TX_BYTES"] for s in window if s.get("DCGM_FI_PROF_NVLINK_TX_BYTES") is not None])
+        rx = _mean([s["DCGM_FI_PROF_NVLINK_RX_BYTES"] for s in window if s.get("DCGM_FI_PROF_NVLINK_RX_BYTES") is not None])
+        recs = [(st, c) for (rt, st, _, c) in self._records if t0 <= rt <= now and c is not None]
+        total = sum(st for st, _ in recs)
+        if base is None or tx is None or rx is None or total <= 0:
+            return None  # no baseline for this GPU, no NVLink counters, or no comm timing
+        share = sum(c for _, c in recs) / total
+        if share < NVLINK_MIN_COMM_SHARE:
+            return None  # not communication-bound: the average link rate says nothing
+        eff_tx, eff_rx = tx / share, rx / share
+        low = min(eff_tx, eff_rx)
+        return (low < base,
+                f"{where}: NVLink TX {eff_tx / 1e9:.0f} GB/s, RX {eff_rx / 1e9:.0f} GB/s per second of "
+                f"collectives ({share:.0%} of step time) {span} (< {base / 1e9:.0f} GB/s: degradation)",
+                {"nvlink_tx_bytes_per_s": eff_tx, "nvlink_rx_bytes_per_s": eff_rx, "comm_share": share,
+                 "baseline_bytes_per_s": base})
+
+    def _sbe(self, window: list[dict[str, Any]], where: str) -> tuple[bool, str, dict[str, Any]] | None:
+        pts = [(s["time"], s["DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"]) for s in window
+               if s.get("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL") is not None and "time" in s]
+        if len(pts) < 2 or pts[-1][0] - pts[0][0] < ECC_MIN_SPAN_S:
+            return None
+        dt = pts[-1][0] - pts[0][0]
+        new = max(pts[-1][1] - pts[0][1], 0)
+        rate = new / dt * 3600.0
+        return (rate > ECC_SBE_PER_HOUR,
+                f"{where}: {new} correctable ECC error(s) in {dt:.0f} s = {rate:,.0f}/h (> {ECC_SBE_PER_HOUR:,.0f}/h), "
+                f"{pts[-1][1]} since driver load",
+                {"sbe_per_hour": rate, "sbe_new": new, "sbe_total": pts[-1][1], "threshold_per_hour": ECC_SBE_PER_HOUR})
 
 
 def sm_series(samples: Iterable[dict[str, Any]]) -> list[float]:

@@ -40,6 +40,8 @@ FIELDS: dict[str, Field] = {
         _F("DCGM_FI_DEV_MEM_MAX_OP_TEMP", 151, "C",
            "Maximum operating temperature of the memory; above it the GPU slows down."),
         _F("DCGM_FI_DEV_POWER_USAGE", 155, "W", "Power draw."),
+        _F("DCGM_FI_DEV_ENFORCED_POWER_LIMIT", 164, "W",
+           "Power limit the driver enforces after all limiters (nvmlDeviceGetEnforcedPowerLimit)."),
         _F("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 156, "mJ",
            "Energy since the driver was loaded (use rate() for watts).", "counter"),
         _F("DCGM_FI_DEV_GPU_UTIL", 203, "%",

@@ -272,6 +272,9 @@ class NvmlDevice:
         v = g("power", "nvmlDeviceGetPowerUsage", h)
         if v is not None:
             s["DCGM_FI_DEV_POWER_USAGE"] = v / 1000.0  # NVML: milliwatts
+        v = g("power_limit", "nvmlDeviceGetEnforcedPowerLimit", h)
+        if v is not None:
+            s["DCGM_FI_DEV_ENFORCED_POWER_LIMIT"] = v / 1000.0  # NVML: milliwatts
         v = g("energy", "nvmlDeviceGetTotalEnergyConsumption", h)
         if v is not None:
             s["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"] = int(v)  # NVML: millijoules, as DCGM

@@ -12,6 +12,7 @@ _REDUCE: tuple[tuple[str, str, str], ...] = (
     ("temp_mean_c", "DCGM_FI_DEV_GPU_TEMP", "mean"),
     ("mem_temp_max_c", "DCGM_FI_DEV_MEMORY_TEMP", "max"),
     ("power_mean_w", "DCGM_FI_DEV_POWER_USAGE", "mean"),
+    ("power_limit_w", "DCGM_FI_DEV_ENFORCED_POWER_LIMIT", "min"),
     ("sm_clock_min_mhz", "DCGM_FI_DEV_SM_CLOCK", "min"),
     ("sm_clock_mean_mhz", "DCGM_FI_DEV_SM_CLOCK", "mean"),
     ("fb_free_min_mib", "DCGM_FI_DEV_FB_FREE", "min"),
