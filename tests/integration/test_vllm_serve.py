@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from stepwatch.serving import names as N
-from stepwatch.serving import procs
+from stepwatch._os import procs
 from stepwatch.serving.loadgen import Burst, complete
 
 pytestmark = pytest.mark.integration

@@ -29,7 +29,7 @@ class Broken(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Broken())
 if sys.argv[2] == "nopyspy":
-    import stepwatch.doctor.pyspy as _p
+    import stepwatch._os.ptrace as _p
     _p.find_pyspy = lambda: None
 '''
 

@@ -10,10 +10,12 @@ import types
 
 import pytest
 
-from stepwatch.capture import hang, progress, pyspy, signals
+from stepwatch._os import pyspy
+from stepwatch._os.ptrace import can_read_memory
+from stepwatch.capture import hang, progress, signals
 from stepwatch.capture.profiler import CaptureManager
 from stepwatch.capture.triggers import StepTimeSpikeDetector
-from stepwatch.capture.watchdog import CAP_S, FLOOR_S, K, can_read_memory, default_timeout
+from stepwatch.capture.watchdog import CAP_S, FLOOR_S, K, default_timeout
 from stepwatch.config import Config, ConfigError
 from stepwatch.hooks.phases import PHASE_BACKWARD, PHASE_FORWARD, StepTracker
 from stepwatch.record import StepRecord

@@ -67,7 +67,7 @@ def test_a_failed_py_spy_leaves_no_process_stopped():
     import sys
     import time
 
-    from stepwatch.capture.pyspy import dump
+    from stepwatch._os.pyspy import dump
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:

@@ -11,7 +11,7 @@ import sys
 import pynvml
 import pytest
 
-from stepwatch.doctor import pyspy
+from stepwatch._os import ptrace as pyspy
 from stepwatch.doctor.checks import check_nccl_env, check_nvidia, check_torchrun_env
 from stepwatch.doctor.storage import judge, measure
 

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from stepwatch.doctor.pyspy import find_pyspy
-from stepwatch.serving import procs
+from stepwatch._os.ptrace import find_pyspy
+from stepwatch._os import procs
 from stepwatch.serving.stall import Dump, capture_stall, parse_pyspy, verdict
 from stepwatch.serving.wrapper import VllmServer, is_vllm_command, server_url, with_load_tracking
 

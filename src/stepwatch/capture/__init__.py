@@ -8,7 +8,6 @@ when used.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -17,11 +16,7 @@ import time
 from typing import Any
 
 from .._log import logger
-
-# Yama (kernel Documentation/admin-guide/LSM/Yama.rst): PR_SET_PTRACER lets the named process
-# attach to us although it is not our ancestor. Value from linux/prctl.h ("Yama" in ASCII).
-PR_SET_PTRACER = 0x59616D61
-YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+from .._os.ptrace import grant_ptrace
 
 # PyTorch's Flight Recorder keeps the last N collectives per process group for its own dumps
 # (TORCH_NCCL_DUMP_ON_TIMEOUT, torch.distributed.flight_recorder). Older torch kept none unless a
@@ -47,21 +42,6 @@ def _wanted(setting: str, ctx: Any) -> bool:
     if setting == "off":
         return False
     return ctx.world_size > 1 or os.environ.get(RUN_ENV) == "1"
-
-
-def grant_ptrace(pid: int) -> str:
-    """Let ``pid`` (our child, the sidecar) read our memory under Yama's ptrace_scope=1."""
-    try:
-        with open(YAMA_SCOPE, encoding="ascii") as f:
-            scope = int(f.read().strip())
-    except (OSError, ValueError):
-        return "no Yama: classic ptrace rules"
-    if scope != 1:
-        return f"Yama ptrace_scope={scope}: PR_SET_PTRACER does not apply"
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0) != 0:
-        return f"prctl(PR_SET_PTRACER) failed: {os.strerror(ctypes.get_errno())}"
-    return f"Yama ptrace_scope=1: granted to pid {pid} with prctl(PR_SET_PTRACER)"
 
 
 class Feature:
@@ -99,7 +79,7 @@ class Feature:
             tr.progress = self.board
 
     def start_sidecar(self) -> None:
-        from .pyspy import find_pyspy
+        from .._os.ptrace import find_pyspy
 
         s, ctx, cfg = self.session, self.session.ctx, self.session.config
         exe = sys.executable

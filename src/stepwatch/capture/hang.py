@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .pyspy import call_site
+from .._os.pyspy import call_site
 
 
 def _last_per_group(snap: dict[str, Any]) -> dict[int, dict[str, Any]]:

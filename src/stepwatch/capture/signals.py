@@ -33,7 +33,7 @@ import threading
 import time
 from typing import IO, Any
 
-from ..serving.procs import read_stat
+from .._os.procs import read_stat
 
 # <signal.h> on Linux (asm-generic/signal.h; x86 and arm64 use the same value).
 SA_RESTART = 0x10000000

@@ -33,7 +33,9 @@ from typing import Any
 
 from .._files import write_json_private
 from . import hang as hang_mod
-from . import progress, pyspy
+from .._os import pyspy
+from .._os.ptrace import can_read_memory
+from . import progress
 
 # Default timeout: K x the p99 step time, at least FLOOR_S, at most CAP_S. The cap keeps the
 # dump well inside the process-group timeout that destroys the evidence: NCCL's default is
@@ -86,31 +88,6 @@ def _alive(pid: int) -> bool:
 
 def _write_json(path: str, obj: Any) -> None:
     write_json_private(path, obj)
-
-
-def can_read_memory(pid: int) -> tuple[bool, str]:
-    """Can this process read ``pid``'s memory (what py-spy does)? Asked of the kernel with one
-    ``process_vm_readv`` of a byte the target has mapped."""
-    import ctypes
-
-    try:
-        with open(f"/proc/{pid}/maps", encoding="ascii") as f:
-            first = f.readline()
-        addr = int(first.split("-", 1)[0], 16)
-    except (OSError, ValueError) as e:
-        return False, f"cannot read /proc/{pid}/maps: {e}"
-
-    class IoVec(ctypes.Structure):
-        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(1)
-    local = IoVec(ctypes.cast(buf, ctypes.c_void_p), 1)
-    remote = IoVec(ctypes.c_void_p(addr), 1)
-    n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-    if n == 1:
-        return True, "process_vm_readv succeeded"
-    return False, os.strerror(ctypes.get_errno())
 
 
 class Store:

@@ -170,7 +170,7 @@ def check_timing() -> Check:
 
 
 def check_pyspy(attach: bool = True) -> Check:
-    from . import pyspy
+    from .._os import ptrace as pyspy
 
     scope = pyspy.ptrace_scope()
     cap = pyspy.has_cap_sys_ptrace()

@@ -16,7 +16,8 @@ import socket
 import sys
 import time
 
-from ..capture import pyspy, signals
+from .._os import pyspy
+from ..capture import signals
 
 
 def _ranks(run_dir: str) -> dict[int, int]:

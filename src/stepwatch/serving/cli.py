@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
     server = None
     if cmd:
-        from .procs import reap_zombies, set_child_subreaper
+        from .._os.procs import reap_zombies, set_child_subreaper
         from .wrapper import VllmServer
 
         # Orphans of the server (an engine whose API server died) re-parent to us, not to init.
@@ -224,7 +224,7 @@ def reap_zombies_safe(server: Any) -> None:
     """Reap adopted orphans while the server runs, never the server itself (Popen reaps that)."""
     import os as _os
 
-    from . import procs
+    from .._os import procs
 
     for p in procs.tree(_os.getpid()):
         if p.state == "Z" and p.ppid == _os.getpid() and p.pid != server.pid:

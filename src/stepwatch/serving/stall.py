@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._files import make_private_dir, write_json_private, write_private
-from ..capture.pyspy import dump as pyspy_dump
-from ..capture.pyspy import parse_threads
-from . import procs
+from .._os.pyspy import dump as pyspy_dump
+from .._os.pyspy import parse_threads
+from .._os import procs
 
 # -- the detector ------------------------------------------------------------------------------
 

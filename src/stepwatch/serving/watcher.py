@@ -142,7 +142,7 @@ class ServeWatcher:
         self._findings_bytes = 0
         self._lock = threading.Lock()
         if config.pyspy is None:
-            from ..doctor.pyspy import find_pyspy
+            from .._os.ptrace import find_pyspy
 
             self.pyspy = find_pyspy()
         else:

@@ -15,7 +15,7 @@ import subprocess
 import time
 from typing import Mapping, Sequence
 
-from . import procs
+from .._os import procs
 
 log = logging.getLogger("stepwatch.serving")
 

@@ -10,6 +10,7 @@ this process that py-spy (another child) did not start.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -19,6 +20,9 @@ from pathlib import Path
 
 CAP_SYS_PTRACE = 19  # linux/capability.h
 YAMA = "/proc/sys/kernel/yama/ptrace_scope"
+# PR_SET_PTRACER lets the named process attach to us although it is not our ancestor (Yama).
+# Value from linux/prctl.h ("Yama" in ASCII).
+PR_SET_PTRACER = 0x59616D61
 YAMA_MEANING = {
     0: "classic: any process of the same user",
     1: "restricted: only descendants (a training rank is not one) unless CAP_SYS_PTRACE",
@@ -82,3 +86,39 @@ def try_attach(pyspy: str, timeout_s: float = 20.0) -> tuple[bool, str]:
     finally:
         child.kill()
         child.wait(timeout=10)
+
+
+def grant_ptrace(pid: int) -> str:
+    """Let ``pid`` (our child, the sidecar) read our memory under Yama's ptrace_scope=1."""
+    scope = ptrace_scope()
+    if scope is None:
+        return "no Yama: classic ptrace rules"
+    if scope != 1:
+        return f"Yama ptrace_scope={scope}: PR_SET_PTRACER does not apply"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0) != 0:
+        return f"prctl(PR_SET_PTRACER) failed: {os.strerror(ctypes.get_errno())}"
+    return f"Yama ptrace_scope=1: granted to pid {pid} with prctl(PR_SET_PTRACER)"
+
+
+def can_read_memory(pid: int) -> tuple[bool, str]:
+    """Can this process read ``pid``'s memory (what py-spy does)? Asked of the kernel with one
+    ``process_vm_readv`` of a byte the target has mapped."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="ascii") as f:
+            first = f.readline()
+        addr = int(first.split("-", 1)[0], 16)
+    except (OSError, ValueError) as e:
+        return False, f"cannot read /proc/{pid}/maps: {e}"
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(1)
+    local = IoVec(ctypes.cast(buf, ctypes.c_void_p), 1)
+    remote = IoVec(ctypes.c_void_p(addr), 1)
+    n = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if n == 1:
+        return True, "process_vm_readv succeeded"
+    return False, os.strerror(ctypes.get_errno())

@@ -2,7 +2,7 @@
 
 py-spy reads the target's memory (``process_vm_readv``), so it works while the target holds the
 GIL in C code or sits in a blocking call. It needs ptrace rights over the target (see
-``doctor/pyspy.py``). Two samples a couple of seconds apart tell *stuck* (the same frames) from
+``_os/ptrace.py``). Two samples a couple of seconds apart tell *stuck* (the same frames) from
 *slow* (frames moving). The second sample adds native frames (``--native``) when that finishes
 within its budget: unwinding native stacks can take seconds on a large process.
 """
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .._files import write_private
-from ..doctor.pyspy import find_pyspy
+from .ptrace import find_pyspy
 
 __all__ = ["find_pyspy", "dump", "two_samples", "parse_threads", "main_frames", "call_site", "parallel"]
 
