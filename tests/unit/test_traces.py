@@ -69,7 +69,8 @@ def _synthetic(tmp_path, name="t.json"):
         X("cuda_runtime", "cudaLaunchKernel", 20, 1, correlation=2),
         X("cuda_runtime", "cudaLaunchKernel", 22, 1, correlation=4),
         X("cuda_runtime", "cudaLaunchKernel", 110, 1, correlation=3),
-        X("cpu_op", "aten::foo", 50, 15),
+        X("cpu_op", "aten::foo", 50, 600),  # long enough (>= 0.5 ms) to be kept to name a gap
+        X("cpu_op", "aten::short", 54, 10),  # shorter ops are not kept
         X("kernel", "ampere_sgemm_128x64_tn", 12.2, 20.6, tid=7, stream=7, correlation=1),
         X("kernel", "late_kernel_in_last_step", 120, 50, tid=7, stream=7, correlation=3),
         {"ph": "f", "cat": "ac2g", "id": 1, "ts": 12, "pid": 0, "tid": 7},

@@ -19,6 +19,7 @@ from typing import IO, Any
 
 CHUNK = 1 << 22  # characters of text decoded at a time (4 MiB)
 _WS = re.compile(r"[ \t\n\r]*")
+_SEP = re.compile(r"[ \t\n\r]*([,\]])[ \t\n\r]*")
 
 
 class TraceFormatError(ValueError):
@@ -107,9 +108,29 @@ class EventReader:
         if self._skip_ws() == "]":
             self._pos += 1
             return
+        # The hot loop (one turn per event): scan, then the separator, on local variables.
+        scan, sep = self._scan, _SEP.match
+        buf, pos = self._buf, self._pos
         while True:
-            yield self._value()
-            if self._expect(",]") == "]":
+            try:
+                obj, end = scan(buf, pos)
+                m = sep(buf, end)
+            except (StopIteration, json.JSONDecodeError) as e:
+                err, m = e, None
+            else:
+                err = None
+            if m is None:  # the element or its separator runs past the chunk: read on, scan again
+                self._pos = pos
+                if not self._more():
+                    raise TraceFormatError(f"{self.path}: not valid JSON near character {pos}"
+                                           + (f" ({err})" if err else "")) from None
+                buf = self._buf
+                pos = _WS.match(buf, self._pos).end()  # blanks after a separator can span chunks
+                continue
+            yield obj
+            pos = m.end()
+            if m.group(1) == "]":
+                self._pos = pos
                 return
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
