@@ -201,8 +201,9 @@ class Feature:
             self.dump_signal.uninstall()
 
     def collect(self, records: list[Any]) -> tuple[list[Any], list[Any]]:
-        """Each background pass: the sidecar's ``hang`` findings join this rank's finding stream
-        (exporters, ``findings.rank<R>.jsonl``) when the trainer's pipeline still runs."""
+        """Each background pass: the sidecar's ``hang`` findings and the findings of finished
+        capture analyses join this rank's finding stream (exporters, ``findings.rank<R>.jsonl``)
+        when the trainer's pipeline still runs."""
         extra: list[Any] = []
         if self.captures is not None:
             # The job's last pass (shutdown runs it on its own thread once the pipeline stopped):

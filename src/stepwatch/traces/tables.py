@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..report.tables import Table
@@ -19,6 +20,11 @@ def _ms(us: Any) -> str:
     return "-" if us is None else f"{us / 1000:.2f} ms"
 
 
+def _who(s: dict[str, Any]) -> str:
+    """The rank, or the file's name for a trace that does not say its rank."""
+    return str(s["rank"]) if s.get("rank") is not None else os.path.basename(str(s.get("trace", "?")))
+
+
 def ranks_table(summaries: list[dict[str, Any]], title: str = "Trace analysis: ranks") -> Table:
     rows, tags = [], []
     for s in summaries:
@@ -26,7 +32,7 @@ def ranks_table(summaries: list[dict[str, Any]], title: str = "Trace analysis: r
         la = (s.get("launch") or {})
         k = s.get("kernels") or {}
         over = s.get("gaps_over_1ms") or {}
-        rows.append([_n(s.get("rank")), _n(t.get("idle_pct"), "%"), _n(t.get("compute_pct"), "%"),
+        rows.append([_who(s), _n(t.get("idle_pct"), "%"), _n(t.get("compute_pct"), "%"),
                      _n(t.get("non_compute_pct"), "%"), _n(s.get("comm_comp_overlap_pct"), "%"),
                      _n(k.get("count")), _n(k.get("tiny_time_pct"), "%"),
                      _n((la.get("delay_us") or {}).get("median"), " µs"), _n(la.get("queue_empty_pct"), "%"),
@@ -44,7 +50,7 @@ def gaps_table(summary: dict[str, Any]) -> Table:
         rows.append([_ms(g["dur_us"]), _n(g.get("step")), _ms(g.get("start_us")), g.get("cause") or "",
                      g.get("host_sync") or g.get("cpu_op") or "(no op)", g.get("call_site") or ""])
     where = "GPU idle" if summary.get("temporal") is not None else "training thread without an op"
-    return Table(f"Rank {summary.get('rank')}: largest gaps ({where})",
+    return Table(f"Rank {_who(summary)}: largest gaps ({where})",
                  ["gap", "step", "at", "cause", "CPU op", "call site"], rows, ["warn" if r[0] else "" for r in rows])
 
 
@@ -55,7 +61,7 @@ def kernels_table(summary: dict[str, Any]) -> Table:
     notes = [f"stream {s}: idle {_ms(v['host_wait_us'] + v['kernel_wait_us'] + v['other_us'])} = host wait "
              f"{_n(v['host_wait_pct'], '%')}, kernel wait {_n(v['kernel_wait_pct'], '%')}, other {_n(v['other_pct'], '%')}"
              for s, v in ib.items()]
-    return Table(f"Rank {summary.get('rank')}: kernels by class", ["class", "count", "time", "share"], rows,
+    return Table(f"Rank {_who(summary)}: kernels by class", ["class", "count", "time", "share"], rows,
                  notes=notes)
 
 
