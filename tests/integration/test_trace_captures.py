@@ -84,12 +84,15 @@ def test_the_automatic_capture_of_a_data_stall_is_analysed_and_names_the_dataloa
     assert "DataLoader" in f["summary"] and f["data"]["capture"] == meta["capture"]
     assert f["data"]["reason"] == meta["reason"] and f["data"]["trace"] == meta["trace"]
     assert f["step"] == top["step"] and "num_workers" in f["action"]
-    rep = subprocess.run([sys.executable, "-m", "stepwatch", "report", str(run), "--no-html"], env=env,
+    html = tmp_path / "report.html"
+    rep = subprocess.run([sys.executable, "-m", "stepwatch", "report", str(run), "--html", str(html)], env=env,
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr[-2000:]
     assert f"Capture {meta['capture']}: steps {meta['first_step']}-{meta['last_step']}" in rep.stdout
     section = rep.stdout[rep.stdout.index(f"Capture {meta['capture']}:"):]
     assert "trace_data_stall" in section and "enumerate(DataLoader)" in section, section[:3000]
+    page = html.read_text()
+    assert "Captures: what the traces show" in page and "trace_data_stall" in page
 
 
 def test_stepwatch_capture_takes_the_same_steps_on_every_rank_of_a_live_job(tmp_path):

@@ -305,15 +305,14 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS) -> 
     rnd = p1.floats
     ceil, floor = (math.ceil, math.floor) if rnd else (float, float)
     # Runtime calls by correlation id, only for the GPU events' ids (a dict of all would be large).
-    want = set(p1.k_corr)
-    want.discard(-1)
-    launch: dict[int, float] = {}
-    launch_tid: dict[int, int] = {}
+    launch: dict[int, float | None] = dict.fromkeys(p1.k_corr)  # None: no launch seen (yet)
+    launch.pop(-1, None)
+    launch_tids: set[int] = set()
     for c, ts, tid in zip(p1.r_corr, p1.r_ts, p1.r_tid):
-        if c in want and c not in launch:
+        if c in launch and launch[c] is None:
             launch[c] = ceil(ts)
-            launch_tid[c] = tid
-    del want
+            launch_tids.add(tid)
+    p1.r_corr = p1.r_ts = p1.r_tid = array("q")  # done with: the memory goes back before the sort
     drop = len(p1.prof_names) >= 2 and p1.prof_last is not None
     last_start = ceil(p1.prof_last) if drop else None
     ev: list[tuple[float, float, int, int, int, int]] = []  # ts, end, stream, name, corr, cat
@@ -332,6 +331,7 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS) -> 
                 dropped += 1
                 continue
         ev.append((ts, end, p1.k_stream[i], p1.k_name[i], c, p1.k_cat[i]))
+    p1.k_ts = p1.k_dur = p1.k_stream = p1.k_name = p1.k_corr = p1.k_cat = array("q")
     out["steps"] = {"profiler_steps": len(p1.prof_names), "last_step_dropped": drop, "gpu_events_dropped": dropped,
                     "ns_rounding": rnd, "stepwatch_steps": sorted({s[2] for s in p1.steps if s[4] == "stepwatch"})}
     names = [None] * len(p1.names)
@@ -343,8 +343,8 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS) -> 
     if ev:
         ev.sort()
         origin = ev[0][0] if origin is None else min(origin, ev[0][0])
-        out.update(_gpu_summary(ev, names, kernel_cat_ids, launch))
         allm = merge([(e[0], e[1]) for e in ev])
+        out.update(_gpu_summary(ev, allm, names, kernel_cat_ids, launch))
         cand = [(allm[i + 1][0] - allm[i][1], allm[i][1], allm[i + 1][0]) for i in range(len(allm) - 1)]
         big = [c for c in cand if c[0] > GAP_MS * 1000.0]
         out["gaps_over_1ms"] = {"count": len(big), "total_us": round(sum(c[0] for c in big), 1)}
@@ -353,7 +353,7 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS) -> 
                 gaps.append({"_s": s, "_e": e, "dur_us": round(d, 1), "step": _step_at(p1.steps, s), "where": "gpu"})
         # Threads that launched work: the CPU side worth naming.
         tid_names = {i: t for t, i in p1.tids.items()}
-        tids = {tid_names[t] for t in set(launch_tid.values())} or None
+        tids = {tid_names[t] for t in launch_tids} or None
     else:
         out.update({"temporal": None, "comm_comp_overlap_pct": None, "idle_breakdown": {}, "kernels": None,
                     "launch": None, "note": "no GPU kernels"})
@@ -413,14 +413,13 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS) -> 
     return out
 
 
-def _gpu_summary(ev: list[tuple], names: list, kernel_cat_ids: set[int], launch: dict[int, float]) -> dict[str, Any]:
+def _gpu_summary(ev: list[tuple], allm: list[list[float]], names: list, kernel_cat_ids: set[int], launch: dict[int, float | None]) -> dict[str, Any]:
     types: dict[int, int] = {}
     classes: dict[int, str] = {}
     for nid in {e[3] for e in ev}:
         t = K.hta_type(names[nid])
         types[nid] = t
         classes[nid] = K.kernel_class(names[nid], t)
-    allm = merge([(e[0], e[1]) for e in ev])
     span = allm[-1][1] - allm[0][0]
     busy = _busy(allm)
     comp = merge([(e[0], e[1]) for e in ev if types[e[3]] == K.COMPUTATION])
