@@ -184,3 +184,25 @@ def test_worker_process_does_not_import_torch_and_writes_0600(tmp_path):
     assert got["torch_imported"] is False and got["temporal"]["idle_pct"] == 10.53
     assert all(f["data"]["capture"] == 2 for f in got["findings"]) and got["findings"]
     assert os.stat(out).st_mode & 0o777 == 0o600
+
+
+def test_a_host_sync_before_a_gap_is_named_with_its_call_site(tmp_path):
+    X = lambda cat, name, ts, dur, tid=1, **args: {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid,
+                                                   "ts": ts, "dur": dur, "args": args}
+    p = _write(tmp_path / "sync.json", [
+        X("python_function", "train.py(42): train_step", 900, 3500),
+        X("python_function", "site-packages/lib.py(7): wrapper", 950, 3400),  # library code: not the call site
+        X("cuda_runtime", "cudaLaunchKernel", 990, 5, correlation=1),
+        X("cpu_op", "aten::item", 1005, 101),
+        X("cuda_runtime", "cudaStreamSynchronize", 1010, 95),
+        X("cuda_runtime", "cudaLaunchKernel", 4090, 5, correlation=2),
+        X("kernel", "ampere_sgemm_128x64_tn", 1000, 100, tid=7, stream=7, correlation=1),
+        X("kernel", "ampere_sgemm_128x64_tn", 4100, 100, tid=7, stream=7, correlation=2),
+    ])
+    got = analyse_with_findings(p)
+    gap = got["gaps"][0]
+    assert gap["dur_us"] == 3000 and gap["cause"] == "host_sync" and gap["host_sync"] == "aten::item"
+    assert gap["call_site"] == "train.py(42): train_step"
+    (f,) = [f for f in got["findings"] if f["kind"] == "trace_host_sync"]
+    assert "aten::item" in f["summary"] and "train.py(42): train_step" in f["summary"]
+    assert got["launch"]["queue_empty_count"] == 1  # the second launch came after the GPU drained
