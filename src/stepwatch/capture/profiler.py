@@ -152,7 +152,10 @@ class CaptureManager:
         store = self._get_store()
         rank = self.session.ctx.rank
         if rank == 0 and (store is not None or self.ctx.world_size < 2 or self._store_state in ("single", "failed")):
-            self._take_request(store)
+            try:
+                self._take_request(store)
+            except OSError as e:  # an unwritable requests folder: on-demand captures only are off
+                warn_once("capture.request", "captures: cannot answer an on-demand request (%s)", e)
         if store is None:
             # A multi-rank job decides through the store: wait for the process group.
             if reason and (self.ctx.world_size < 2 or self._store_state in ("single", "failed")):
