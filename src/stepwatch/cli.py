@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     "stepwatch.serving.cli",
     "stepwatch.runner.cli",
     "stepwatch.comm.cli",
+    "stepwatch.traces.cli",
 )
 
 

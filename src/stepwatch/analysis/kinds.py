@@ -382,6 +382,65 @@ KINDS: dict[str, Kind] = {
             "When no rank is behind, check the GPUs (XIDs, ECC) and the network (NCCL_DEBUG=INFO).",
             "stepwatch rule; B.6 troubleshooting 'Training hang ... py-spy dump --pid'",
         ),
+        # -- trace analysis (traces/, docs/traces.md): what a capture's timeline shows --
+        Kind(
+            "trace_dense",
+            "info",
+            "The GPU row of the captured steps is dense (idle below 10% of the span, no gap over "
+            "1 ms): compute-bound or bandwidth-bound, healthy.",
+            "No action needed; verify the kernels' efficiency with ncu's roofline.",
+            "B.2 'GPU row is dense -- no visible gaps -> Compute-bound or bandwidth-bound -- healthy'",
+        ),
+        Kind(
+            "trace_idle_gaps",
+            "warning",
+            "The GPU idles between kernels for more than 1 ms at a time: CPU launch overhead (the "
+            "host cannot enqueue kernels fast enough) or a pipeline stall; the summary names the "
+            "CPU op spanning the largest gap.",
+            "Use CUDA Graphs or torch.compile (mode='reduce-overhead') to remove the launch gaps; "
+            "if the named op is Python work between launches, move it off the step.",
+            "B.2 'Gaps > 1 ms between kernels -> CPU launch overhead or data pipeline stall -> Use CUDA "
+            "Graphs or torch.compile'; B.10 'Low MFU -> timeline: idle gaps between kernels'",
+        ),
+        Kind(
+            "trace_data_stall",
+            "warning",
+            "The captured steps wait on data loading: the largest idle gap (GPU idle, or in a CPU "
+            "capture the training thread running no op) is spent inside the DataLoader.",
+            "Prefetch with pin_memory=True, increase num_workers (and prefetch_factor), or move "
+            "decoding off the critical path.",
+            "B.2 'CPU idle gaps between GPU launches -> Data loading bottleneck or Python GIL -> Prefetch "
+            "with pin_memory=True, increase num_workers'; B.10 'Data loading bottleneck'",
+        ),
+        Kind(
+            "trace_host_sync",
+            "warning",
+            "A host-device sync inside the step (cudaStreamSynchronize, .item(), .cpu(), nonzero, "
+            "a print of a tensor) stops the CPU until the GPU drains; the GPU then idles while the "
+            "CPU launches again. The summary names the op and, when the trace has stacks, the call site.",
+            "Remove the sync from the step or do it every N steps (log losses asynchronously); "
+            "torch.cuda.set_sync_debug_mode('warn') reports each one.",
+            "B.2 'CPU idle gaps between GPU launches'; B.10 'Low MFU -> timeline: idle gaps between kernels'",
+        ),
+        Kind(
+            "trace_tiny_kernels",
+            "warning",
+            "Most of the GPU's kernel time is in tiny kernels (< 50 µs each): op-by-op execution, "
+            "poor fusion.",
+            "Enable torch.compile or fuse kernels by hand (fused optimizers: foreach/fused=True).",
+            "B.2 'Many tiny kernels (< 50 µs each) -> Op-by-op execution -- poor fusion -> Enable "
+            "torch.compile or manual kernel fusion'",
+        ),
+        Kind(
+            "trace_rank_idle",
+            "warning",
+            "In the same captured steps, one rank's GPU idled much more than the others' (10 "
+            "points above their median): that rank is host-bound while the others compute, and "
+            "every collective waits for it.",
+            "Read that rank's gaps (stepwatch trace on its capture): data loading, host syncs or "
+            "extra work on that rank (logging, eval, checkpoint on rank 0).",
+            "B.2 'what to look for in the timeline', across ranks; B.4 matrix 'Variable -> Straggler'",
+        ),
         Kind(
             "step_time_spike",
             "warning",

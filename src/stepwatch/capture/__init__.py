@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -180,8 +181,20 @@ class Feature:
             self.dump_signal.uninstall()
 
     def collect(self, records: list[Any]) -> tuple[list[Any], list[Any]]:
-        """Each background pass: the sidecar's ``hang`` findings join this rank's finding stream
-        (exporters, ``findings.rank<R>.jsonl``) when the trainer's pipeline still runs."""
+        """Each background pass: the sidecar's ``hang`` findings and the findings of finished
+        capture analyses join this rank's finding stream (exporters, ``findings.rank<R>.jsonl``)
+        when the trainer's pipeline still runs."""
+        extra: list[Any] = []
+        if self.captures is not None:
+            # The job's last pass (shutdown runs it on its own thread once the pipeline stopped):
+            # wait, bounded, for analyses still running.
+            s = self.session
+            final = s._stop.is_set() and threading.current_thread() is not getattr(s, "_thread", None)
+            extra = self.captures.collect_analyses(final)
+        samples, found = self._collect_watchdog()
+        return samples, found + extra
+
+    def _collect_watchdog(self) -> tuple[list[Any], list[Any]]:
         if not self._pg_timeout_told and self.board is not None and self.sidecar is not None:
             t = pg_timeout_s()
             if t is not None:

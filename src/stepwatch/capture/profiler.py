@@ -21,6 +21,14 @@ too, but Kineto then prints an ERROR line into the job's log). The ~2 ms start a
 step boundaries; the tracker ends a step lazily, when the next step's first phase begins, so they
 are counted in that phase (visible, not hidden).
 
+Each trace is then analysed off the job (``traces/worker.py``: a separate process at nice 19,
+bounded memory and CPU time, no torch), where it was written; its summary lands beside it as
+``<stem>.analysis.json`` and its findings join this rank's findings at the next background pass
+(``collect_analyses``), linked to the capture, its steps and the trigger's reason.
+
+On demand: ``stepwatch capture RUN_DIR --steps N`` drops a request in ``RUN_DIR/requests/``;
+rank 0 takes it (``traces/rundir.py``) and publishes it like a trigger, with its step count.
+
 Under ``stepwatch run --nsys`` (``STEPWATCH_NSYS=1``) the same steps also open an nsys capture
 range (``nsys.py``). Each capture also asks the watchdog sidecar for a py-spy dump.
 """
@@ -50,13 +58,16 @@ LAG_S = 2.0
 STORE_POLL_S = 1.0
 MIN_LAG_STEPS = 2
 MAX_LAG_STEPS = 100
+# At the job's end, the last pass waits this long for analyses still running; later ones are read
+# by `stepwatch report` from their files.
+FINAL_WAIT_S = 10.0
 
 
 class _Scheduled:
-    __slots__ = ("k", "first", "reason", "pyspy_req", "t")
+    __slots__ = ("k", "first", "reason", "pyspy_req", "t", "steps")
 
-    def __init__(self, k: int, first: int, reason: str) -> None:
-        self.k, self.first, self.reason = k, first, reason
+    def __init__(self, k: int, first: int, reason: str, steps: int) -> None:
+        self.k, self.first, self.reason, self.steps = k, first, reason, steps
         self.pyspy_req: int | None = None
         self.t = time.time()
 
@@ -91,6 +102,9 @@ class CaptureManager:
         self._rf: Any = None
         self._step_s: deque[float] = deque(maxlen=50)
         self._exports: list[threading.Thread] = []
+        self._analyses: list[tuple[Any, str, dict[str, Any]]] = []  # (process, summary path, meta)
+        self._requests_polled = 0.0
+        self.analysed: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
     # -- records (background) -------------------------------------------------------------------
@@ -137,6 +151,11 @@ class CaptureManager:
         reason = next((f.kind for f in findings if f.kind in TRIGGER_KINDS and f.rank == self.ctx.rank), None)
         store = self._get_store()
         rank = self.session.ctx.rank
+        if rank == 0 and (store is not None or self.ctx.world_size < 2 or self._store_state in ("single", "failed")):
+            try:
+                self._take_request(store)
+            except OSError as e:  # an unwritable requests folder: on-demand captures only are off
+                warn_once("capture.request", "captures: cannot answer an on-demand request (%s)", e)
         if store is None:
             # A multi-rank job decides through the store: wait for the process group.
             if reason and (self.ctx.world_size < 2 or self._store_state in ("single", "failed")):
@@ -159,9 +178,13 @@ class CaptureManager:
                 self._last_decision = time.monotonic()  # do not ask again within the cooldown
             key = self._key(str(self._next_k))
             if store.check([key]):
-                first, _, why = store.get(key).decode().partition(":")
+                first, _, rest = store.get(key).decode().partition(":")
+                n, _, why = rest.partition(":")
+                steps = int(n) if n.isdigit() else self.steps
+                if not n.isdigit():
+                    why = rest
                 self._next_k += 1
-                self._schedule(_Scheduled(self._next_k - 1, int(first), why))
+                self._schedule(_Scheduled(self._next_k - 1, int(first), why, steps))
 
     def _disk_used(self) -> tuple[int, int]:
         """(bytes in the captures folder, bytes of its largest capture so far, all ranks' files).
@@ -198,27 +221,58 @@ class CaptureManager:
             return "disk_budget"
         return None
 
-    def _decide(self, reason: str, store: Any) -> None:
+    def _take_request(self, store: Any) -> None:
+        """Rank 0, at most once a second: an on-demand request from `stepwatch capture`. It skips
+        the cooldown and the count limit (a person asked), not the disk budget."""
         now = time.monotonic()
-        why_not = self._allowed(now)
+        if now - self._requests_polled < STORE_POLL_S:
+            return
+        self._requests_polled = now
+        from ..traces import rundir
+
+        reqs = rundir.pending_requests(self.ctx.run_dir)
+        if not reqs:
+            return
+        if self.scheduled is not None or self.active is not None:
+            return  # busy: the request waits for the next pass
+        rid, steps = reqs[0]
+        if self._over_budget():
+            rundir.answer_request(self.ctx.run_dir, rid, {"refused": "the captures' disk budget is spent "
+                                                          "(STEPWATCH_CAPTURE_BUDGET_MB)"})
+            return
+        sc = self._decide("on demand (stepwatch capture)", store, steps=steps, forced=True)
+        if sc is None:
+            rundir.answer_request(self.ctx.run_dir, rid, {"refused": "this rank's capture limits"})
+            return
+        rundir.answer_request(self.ctx.run_dir, rid, {"capture": sc.k, "first_step": sc.first,
+                                                      "last_step": sc.first + sc.steps - 1, "steps": sc.steps})
+
+    def _decide(self, reason: str, store: Any, *, steps: int | None = None, forced: bool = False) -> _Scheduled | None:
+        now = time.monotonic()
+        why_not = None if forced else self._allowed(now)
         if why_not is not None:
             self._skip(why_not)
             if why_not in ("max_count", "disk_budget"):
                 warn_once(f"capture.{why_not}", "captures: no more captures (%s reached)", why_not.replace("_", " "))
-            return
+            return None
         self._last_decision = now
         k = self._next_k
         self._next_k += 1
         first = self.tracker.step + self._lag()
+        n = steps or self.steps
         if store is not None:
-            store.set(self._key(str(k)), f"{first}:{reason}")
-        self._schedule(_Scheduled(k, first, reason))
+            store.set(self._key(str(k)), f"{first}:{n}:{reason}")
+        sc = _Scheduled(k, first, reason, n)
+        self._schedule(sc, forced=forced)
+        return sc
 
     def _skip(self, why: str) -> None:
         self.skipped[why] = self.skipped.get(why, 0) + 1
 
-    def _schedule(self, sc: _Scheduled) -> None:
-        if self.count >= self.max_count or self._over_budget():
+    def _schedule(self, sc: _Scheduled, *, forced: bool = False) -> None:
+        if sc.reason.startswith("on demand"):
+            forced = True  # another rank's on-demand request: the same exemption as on rank 0
+        if (self.count >= self.max_count and not forced) or self._over_budget():
             return  # this rank's own limits still hold
         self.count += 1
         self._last_decision = time.monotonic()
@@ -292,7 +346,7 @@ class CaptureManager:
         except BaseException:
             prof.stop()  # never leave a profiler recording for the rest of the run
             raise
-        self.active = {"sc": sc, "prof": prof, "first": first, "last": first + self.steps - 1, "t0": time.time()}
+        self.active = {"sc": sc, "prof": prof, "first": first, "last": first + sc.steps - 1, "t0": time.time()}
 
     def _open_range(self, step: int) -> None:
         from torch.autograd.profiler import record_function
@@ -355,6 +409,68 @@ class CaptureManager:
             logger.info("captures: rank %d steps %d-%d (%s) -> %s", r, a["first"], a["last"], sc.reason, trace)
         except Exception as e:
             self.session._internal_error("capture.export", e)
+            return
+        try:
+            self._start_analysis(meta, os.path.join(self.dir, f"{stem}.analysis.json"))
+        except Exception as e:
+            self.session._internal_error("capture.analysis", e)
+
+    # -- trace analysis (a process of its own) ---------------------------------------------------
+
+    def _start_analysis(self, meta: dict[str, Any], out: str) -> None:
+        import subprocess
+
+        exe = sys.executable
+        if not exe:
+            return
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["STEPWATCH_ENABLED"] = "0"  # the sitecustomize shim must not instrument the analysis
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+        ctx = {"capture": meta["capture"], "reason": meta["reason"], "first_step": meta["first_step"],
+               "last_step": meta["last_step"], "trace": meta["trace"]}
+        cmd = [exe, "-m", "stepwatch.traces.worker", "--trace", meta["trace"], "--out", out, "--rank", str(meta["rank"]),
+               "--step", str(meta["first_step"]), "--context", json.dumps(ctx)]
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, close_fds=True)
+        with self._lock:
+            self._analyses.append((proc, out, meta))
+
+    def collect_analyses(self, final: bool = False) -> list[Finding]:
+        """Background thread: the findings of analyses that finished since the last call. At the
+        job's end (``final``) waits up to FINAL_WAIT_S for exports and analyses still running."""
+        if final:
+            deadline = time.monotonic() + FINAL_WAIT_S
+            for th in list(self._exports):
+                th.join(max(deadline - time.monotonic(), 0.0))
+            for proc, _out, _m in list(self._analyses):
+                try:
+                    proc.wait(max(deadline - time.monotonic(), 0.01))
+                except Exception:
+                    break  # TimeoutExpired: it goes on alone; `stepwatch report` reads its file
+        out: list[Finding] = []
+        with self._lock:
+            pending = list(self._analyses)
+        for item in pending:
+            proc, path, meta = item
+            if proc.poll() is None:
+                continue
+            with self._lock:
+                self._analyses.remove(item)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    summary = json.load(f)
+            except (OSError, ValueError):
+                warn_once("capture.analysis", "captures: the analysis of %s wrote no summary (exit %s)",
+                          meta["trace"], proc.returncode)
+                continue
+            self.analysed.append({"capture": meta["capture"], "analysis": path, "error": summary.get("error")})
+            for d in summary.get("findings", []):
+                try:
+                    out.append(Finding.from_dict(d))
+                except TypeError:
+                    continue
+        return out
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -371,4 +487,5 @@ class CaptureManager:
         with self._lock:
             done = [{k: m[k] for k in ("capture", "reason", "first_step", "last_step", "trace")} for m in self.done]
         return {"enabled": True, "dir": self.dir, "steps": self.steps, "cooldown_s": self.cooldown_s, "warm_up_s": self.warm_s,
-                "max_count": self.max_count, "captures": done, "skipped": dict(self.skipped)}
+                "max_count": self.max_count, "captures": done, "skipped": dict(self.skipped),
+                "analyses": list(self.analysed)}

@@ -48,7 +48,7 @@ def run_report(args: argparse.Namespace) -> int:
         return 2
 
     if b is None:
-        terminal.render(tables.all_tables(a))
+        terminal.render(tables.all_tables(a) + page.capture_tables(args.run_dir))
         tl = page.comm_timeline(args.run_dir)
         if tl:
             print(tl + "\n")

@@ -163,8 +163,22 @@ def _run_section(s: Summary, label: str = "") -> str:
     tl = comm_timeline(s.run.path)
     if tl:
         parts.append(f"<h3>{escape(prefix)}Communication in one step, per rank</h3><pre>{escape(tl)}</pre>")
+    caps = capture_tables(s.run.path)
+    if caps:
+        parts.append(f"<h3>{escape(prefix)}Captures: what the traces show</h3>")
+        parts.extend(_table(t) for t in caps)
     parts.append(_charts(s, prefix))
     return "<section>" + "\n".join(parts) + "</section>"
+
+
+def capture_tables(run_dir: str) -> list[Table]:
+    """A section per capture: its ranks' trace analyses side by side, gaps and findings ([] if none)."""
+    from ..traces import rundir
+
+    try:
+        return rundir.capture_tables(run_dir)
+    except (OSError, KeyError, TypeError, ValueError):  # a summary from another version
+        return []
 
 
 def comm_timeline(run_dir: str) -> str:

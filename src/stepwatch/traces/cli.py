@@ -1,0 +1,148 @@
+"""``stepwatch trace PATH... [--json]`` and ``stepwatch capture RUN_DIR [--steps N]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "trace",
+        help="analyse Kineto/torch.profiler Chrome traces: GPU idle, overlap, kernels, gaps, findings",
+        description=("Read Chrome traces (.json or .json.gz; a directory of per-rank traces, stepwatch's "
+                     "captures/ included) as a stream and print, per rank, the temporal breakdown, "
+                     "comm/compute overlap, idle time per stream, kernels by class, launch delay, the "
+                     "largest GPU idle gaps with the CPU op spanning each, and findings with the action "
+                     "to take (definitions of Holistic Trace Analysis 0.5.0; docs/traces.md)."),
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="trace file(s) or directory(ies) of traces")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per rank (docs/traces.md)")
+    p.set_defaults(func=run_trace)
+
+    c = subparsers.add_parser(
+        "capture",
+        help="ask a live job to capture the same N steps on every rank (torch.profiler), analysed",
+        description=("Drop a request in RUN_DIR/requests/; rank 0 of the running job picks it up within "
+                     "a second, every rank profiles the same N steps, writes its trace to RUN_DIR/captures/ "
+                     "and analyses it. Waits for the analyses and prints them. The job must run with "
+                     "captures on (under `stepwatch run` or with several ranks, or STEPWATCH_CAPTURE=on)."),
+    )
+    c.add_argument("run_dir", metavar="RUN_DIR", help="the live job's run directory")
+    c.add_argument("--steps", type=int, default=3, help="steps to capture, 1-100 (default 3)")
+    c.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds to wait for the job to take the request and analyse it (default 300)")
+    c.add_argument("--json", action="store_true", help="print the ranks' analyses as a JSON list")
+    c.set_defaults(func=run_capture)
+
+
+def _print(summaries: list[dict], as_json: bool) -> None:
+    from ..record import Finding
+    from .findings import across_ranks
+
+    joined = across_ranks(summaries)
+    if as_json:
+        for s in summaries:
+            s.pop("_capture", None)
+        if joined:
+            for s in summaries:
+                if s.get("rank") == joined[0].rank:
+                    s["findings"].append(joined[0].to_dict())
+        json.dump(summaries, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return
+    from ..report import terminal
+    from .tables import all_tables
+
+    fs = [Finding.from_dict(f) for s in summaries for f in s.get("findings", [])] + joined
+    terminal.render(all_tables(summaries, fs))
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    from . import TraceFormatError, analyse_with_findings, trace_files
+
+    try:
+        paths = trace_files(args.paths)
+    except FileNotFoundError as e:
+        print(f"stepwatch trace: error: {e}", file=sys.stderr)
+        return 2
+    if not paths:
+        print(f"stepwatch trace: error: no .json or .json.gz trace in {args.paths}", file=sys.stderr)
+        return 2
+    out, rc = [], 0
+    for p in paths:
+        try:
+            out.append(analyse_with_findings(p))
+        except (TraceFormatError, OSError, EOFError) as e:
+            print(f"stepwatch trace: error: {p}: {e}", file=sys.stderr)
+            rc = 1
+    if out:
+        _print(out, args.json)
+    return rc
+
+
+def run_capture(args: argparse.Namespace) -> int:
+    from .._files import make_private_dir, write_private
+    from . import rundir
+
+    err = None
+    if not 1 <= args.steps <= rundir.MAX_STEPS:
+        err = f"--steps must be between 1 and {rundir.MAX_STEPS}, got {args.steps}"
+    elif not args.timeout > 0:
+        err = f"--timeout must be > 0 seconds, got {args.timeout}"
+    elif not os.path.isfile(os.path.join(args.run_dir, "run.json")):
+        err = f"RUN_DIR {args.run_dir!r} is not a stepwatch run directory (no run.json)"
+    if err:
+        print(f"stepwatch capture: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        with open(os.path.join(args.run_dir, "run.json"), encoding="utf-8") as f:
+            world = int(json.load(f).get("world_size") or 1)
+    except (OSError, ValueError, TypeError):
+        world = 1
+    rid = uuid.uuid4().hex[:12]
+    d = rundir.request_dir(args.run_dir)
+    make_private_dir(d)
+    write_private(os.path.join(d, f"capture-{rid}.json"), json.dumps({"id": rid, "steps": args.steps, "time": time.time()}))
+    deadline = time.monotonic() + args.timeout
+    taken = os.path.join(d, f"capture-{rid}.taken.json")
+    answer = None
+    while time.monotonic() < deadline:
+        answer = rundir._read(taken)
+        if answer is not None:
+            break
+        time.sleep(0.2)
+    if answer is None:
+        try:
+            os.unlink(os.path.join(d, f"capture-{rid}.json"))
+        except OSError:
+            pass
+        print(f"stepwatch capture: error: no rank took the request within {args.timeout:.0f} s: is the job "
+              "running, with captures on (STEPWATCH_CAPTURE=on, or `stepwatch run`)?", file=sys.stderr)
+        return 1
+    if "refused" in answer:
+        print(f"stepwatch capture: the job refused the capture: {answer['refused']}", file=sys.stderr)
+        return 1
+    k = answer["capture"]
+    print(f"capture {k}: steps {answer['first_step']}-{answer['last_step']} on {world} rank(s)", file=sys.stderr)
+    got: list[dict] = []
+    while time.monotonic() < deadline:
+        got = rundir.capture_analyses(args.run_dir).get(k, [])
+        if len(got) >= world:
+            break
+        time.sleep(0.5)
+    if not got:
+        print(f"stepwatch capture: error: capture {k} not analysed within {args.timeout:.0f} s", file=sys.stderr)
+        return 1
+    for s in got:
+        s.pop("_capture", None)
+    _print(got, args.json)
+    if len(got) < world:
+        print(f"stepwatch capture: only {len(got)} of {world} ranks analysed within {args.timeout:.0f} s",
+              file=sys.stderr)
+        return 1
+    return 0

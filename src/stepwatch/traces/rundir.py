@@ -1,0 +1,125 @@
+"""Trace analyses in a run directory: the capture sections of the report, on-demand requests.
+
+Layout (``<run_dir>/captures/``, written by capture/profiler.py and worker.py):
+``capture-<k>-steps<a>-<b>.rank<R>.trace.json.gz`` (the trace), ``....rank<R>.json`` (its
+metadata) and ``....rank<R>.analysis.json`` (the summary with its findings). Each rank analyses
+its own trace where it wrote it; only these small summaries are joined here, per capture, to say
+which rank's GPU idled while the others computed.
+
+On-demand captures (``stepwatch capture RUN_DIR``): the command drops
+``<run_dir>/requests/capture-<id>.json`` (``{"id", "steps"}``); rank 0's capture manager takes it
+(at most once a second), publishes the capture to every rank through the store like an anomaly
+trigger, and answers in ``capture-<id>.taken.json`` (``{"capture", "first_step", "last_step"}``
+or ``{"refused"}``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from . import ANALYSIS_SUFFIX
+
+REQUESTS = "requests"
+_ANALYSIS_RE = re.compile(r"^capture-(\d+)-steps(-?\d+)-(-?\d+)\.rank(\d+)" + re.escape(ANALYSIS_SUFFIX) + "$")
+_REQUEST_RE = re.compile(r"^capture-([A-Za-z0-9_-]{1,64})\.json$")
+MAX_STEPS = 100
+
+
+def _read(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def capture_analyses(run_dir: str) -> dict[int, list[dict[str, Any]]]:
+    """Capture number -> its ranks' summaries (sorted by rank)."""
+    d = os.path.join(run_dir, "captures")
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return {}
+    out: dict[int, list[dict[str, Any]]] = {}
+    for n in sorted(names):
+        m = _ANALYSIS_RE.match(n)
+        if not m:
+            continue
+        s = _read(os.path.join(d, n))
+        if isinstance(s, dict):
+            s.setdefault("rank", int(m.group(4)))
+            s["_capture"] = {"capture": int(m.group(1)), "first_step": int(m.group(2)), "last_step": int(m.group(3))}
+            out.setdefault(int(m.group(1)), []).append(s)
+    for v in out.values():
+        v.sort(key=lambda s: s["rank"] if isinstance(s.get("rank"), int) else -1)
+    return out
+
+
+def capture_tables(run_dir: str) -> list[Any]:
+    """One section per capture: the ranks side by side, each rank's largest gaps, the findings."""
+    from ..record import Finding
+    from .findings import across_ranks
+    from .tables import findings_table, gaps_table, ranks_table
+
+    out = []
+    for k, summaries in sorted(capture_analyses(run_dir).items()):
+        c = summaries[0]["_capture"]
+        reason = next((f["data"].get("reason") for s in summaries for f in s.get("findings", [])
+                       if f.get("data", {}).get("reason")), None)
+        title = f"Capture {k}: steps {c['first_step']}-{c['last_step']}" + (f" ({reason})" if reason else "")
+        out.append(ranks_table(summaries, title))
+        for s in summaries:
+            if s.get("error"):
+                out[-1].notes.append(f"rank {s.get('rank')}: not analysed: {s['error']}")
+            elif s.get("gaps"):
+                out.append(gaps_table(s))
+        fs = [Finding.from_dict(f) for s in summaries for f in s.get("findings", [])]
+        fs += across_ranks(summaries, step=c["first_step"], context={"capture": k})
+        out.append(findings_table(fs, f"Capture {k}: findings"))
+    return out
+
+
+# -- on-demand requests ----------------------------------------------------------------------------
+
+def request_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, REQUESTS)
+
+
+def pending_requests(run_dir: str) -> list[tuple[str, int]]:
+    """(request id, steps) of requests not yet taken, oldest first (bad files are skipped)."""
+    d = request_dir(run_dir)
+    try:
+        names = sorted(os.listdir(d), key=lambda n: _mtime(os.path.join(d, n)))
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        m = _REQUEST_RE.match(n)
+        if not m or n.endswith(".taken.json"):
+            continue
+        req = _read(os.path.join(d, n))
+        steps = req.get("steps") if isinstance(req, dict) else None
+        if isinstance(steps, int) and 1 <= steps <= MAX_STEPS:
+            out.append((m.group(1), steps))
+    return out
+
+
+def _mtime(p: str) -> float:
+    try:
+        return os.stat(p).st_mtime
+    except OSError:
+        return 0.0
+
+
+def answer_request(run_dir: str, rid: str, answer: dict[str, Any]) -> None:
+    from .._files import write_private
+
+    d = request_dir(run_dir)
+    write_private(os.path.join(d, f"capture-{rid}.taken.json"), json.dumps(answer))
+    try:
+        os.unlink(os.path.join(d, f"capture-{rid}.json"))
+    except OSError:
+        pass
