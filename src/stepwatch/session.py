@@ -23,7 +23,7 @@ from .analysis.kinds import make_finding
 from .config import Config
 from .context import RunContext, from_env
 from .exporters.base import Batch, Exporter
-from ._files import make_private_dir, write_json_private
+from ._files import make_private_dir, private_run_dir, write_json_private
 from .exporters.records import free_name
 from .cuda_ext import copy_to_host, event_done
 from .hooks.nvtx import Nvtx
@@ -79,6 +79,11 @@ class Session:
         self.config = config
         env = dict(os.environ if environ is None else environ)
         self.ctx: RunContext = from_env(env, run_dir=config.dir, run_id=config.run_id)
+        if config.enabled:
+            try:
+                self.ctx.run_dir = private_run_dir(self.ctx.run_dir, warn=self.ctx.rank == 0)
+            except OSError as e:  # every writer refuses that directory: no files, the job goes on
+                logger.warning("cannot use the run directory %s (%s): going on without files", self.ctx.run_dir, e)
         self.failures = FailureLog()
         self.dropped = 0
         self.steps_seen = 0

@@ -24,10 +24,10 @@ _FINDINGS_SHARE = 0.10
 
 
 def free_name(run_dir: str, stem: str, ext: str) -> str:
-    """``stem.ext`` if unused, else ``stem.K.ext`` with the first free K."""
+    """``stem.ext`` if unused, else ``stem.K.ext`` with the first free K (a dangling link counts as used)."""
     path = os.path.join(run_dir, f"{stem}.{ext}")
     k = 1
-    while os.path.exists(path):
+    while os.path.lexists(path):
         path = os.path.join(run_dir, f"{stem}.{k}.{ext}")
         k += 1
     return path

@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 
+from .._files import private_subdir
 from ..capture import pyspy, signals
 
 
@@ -54,9 +55,7 @@ def _next_dir(run_dir: str) -> str:
     k = 1
     while os.path.exists(os.path.join(run_dir, f"dump-{k}")):
         k += 1
-    d = os.path.join(run_dir, f"dump-{k}")
-    os.makedirs(d, mode=0o700)
-    return d
+    return private_subdir(os.path.join(run_dir, f"dump-{k}"))
 
 
 def _signal_dump(run_dir: str, rank: int, pid: int, out_dir: str | None) -> bool:
