@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from .config import Config
 from .context import RunContext, from_env
 from .exporters.base import Batch, Exporter
 from ._files import make_private_dir, private_run_dir, write_json_private
-from .exporters.records import free_name
+from .exporters.records import claim_name
 from .cuda_ext import copy_to_host, event_done
 from .hooks.nvtx import Nvtx
 from .hooks.phases import StepTracker
@@ -32,6 +33,9 @@ from .record import SCHEMA_VERSION, Finding, StepRecord
 
 # How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
 _MAX_HOLD_S = 30.0
+# How long a SIGTERM'd process may take to write its last records and final manifest (torchrun
+# waits 30 s before SIGKILL; a scheduler's grace period is usually longer).
+_SIGTERM_FINISH_S = 3.0
 
 
 class _MemProbe:
@@ -149,6 +153,36 @@ class Session:
         self._thread.start()
         self._started = True
         atexit.register(self.shutdown)
+        self._install_sigterm()
+
+    def _install_sigterm(self) -> None:
+        """SIGTERM ends a process without atexit: the records of the last pass and the final
+        manifest (end time, steps) would be lost. Only when the job has no handler of its own
+        (a handler it installs later replaces this one), and only from the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+        except (ValueError, OSError):
+            pass
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """Finish as at exit, bounded, then die of SIGTERM as without stepwatch (same status).
+        The shutdown runs on a helper thread so that a lock the interrupted code holds can only
+        cost the wait, never hang the process."""
+        if os.getpid() == self.pid:
+            t = threading.Thread(target=self._shutdown_quietly, name="stepwatch-sigterm", daemon=True)
+            t.start()
+            t.join(_SIGTERM_FINISH_S)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def _shutdown_quietly(self) -> None:
+        try:
+            self.shutdown(timeout_s=_SIGTERM_FINISH_S / 2)
+        except Exception:  # dying anyway: nothing to report to
+            pass
 
     def _maybe_device_timing(self, step: int) -> None:
         """First step end, training thread: if CUDA is in use, time phases on the device from now on."""
@@ -203,6 +237,8 @@ class Session:
             return
         try:
             atexit.unregister(self.shutdown)
+            if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
         except Exception:
             pass
         if self.tracker is not None:
@@ -484,7 +520,11 @@ class Session:
                 "attempt": ctx.attempt,
                 "start_time": self._start_wall,
             }
-            write_json_private(os.path.join(ctx.run_dir, f"rank{ctx.rank}.json"), me)
+            if not hasattr(self, "_rank_path"):
+                # rank<R>.<K>.json beside the first launch's: a relaunch or a second job in the
+                # same directory keeps the other's file (the report tells them apart)
+                self._rank_path = claim_name(ctx.run_dir, f"rank{ctx.rank}", "json")
+            write_json_private(self._rank_path, me)
             if ctx.rank != 0:
                 return
             hosts = sorted({ctx.host} | set(_hosts_in(ctx.run_dir)))
@@ -506,7 +546,7 @@ class Session:
                 "internal_errors": dict(self.failures.counts),
             }
             if not hasattr(self, "_manifest_path"):
-                self._manifest_path = free_name(ctx.run_dir, "run", "json")
+                self._manifest_path = claim_name(ctx.run_dir, "run", "json")
             write_json_private(self._manifest_path, manifest)
         except OSError as e:
             logger.warning("cannot write the manifest in %s: %s", ctx.run_dir, e)

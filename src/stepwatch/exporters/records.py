@@ -33,6 +33,19 @@ def free_name(run_dir: str, stem: str, ext: str) -> str:
     return path
 
 
+def claim_name(run_dir: str, stem: str, ext: str) -> str:
+    """:func:`free_name`, taken at once (created empty, ``O_EXCL``): a job starting in the same
+    directory at the same moment gets the next name instead of overwriting this one."""
+    for k in range(100_000):
+        path = os.path.join(run_dir, f"{stem}.{ext}" if k == 0 else f"{stem}.{k}.{ext}")
+        try:
+            open_private(path).close()
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free name for {stem}.<K>.{ext} in {run_dir}")
+
+
 def _clean(v: Any) -> Any:
     """JSON has no NaN/Infinity: non-finite floats are written as the strings "nan"/"inf"/"-inf"."""
     if isinstance(v, float) and not math.isfinite(v):
