@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import resource
-import signal
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Any, Callable
 
 from . import __version__
 from ._log import FailureLog, logger
+from ._sigterm import SigtermFinisher
 from .analysis.detectors import DataLoadingDetector
 from .analysis.kinds import make_finding
 from .config import Config
@@ -33,9 +33,6 @@ from .record import SCHEMA_VERSION, Finding, StepRecord
 
 # How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
 _MAX_HOLD_S = 30.0
-# How long a SIGTERM'd process may take to write its last records and final manifest (torchrun
-# waits 30 s before SIGKILL; a scheduler's grace period is usually longer).
-_SIGTERM_FINISH_S = 3.0
 
 
 class _MemProbe:
@@ -110,6 +107,7 @@ class Session:
         self._wall_ref = time.time()
         self._start_wall = self._wall_ref
         self.pid = os.getpid()
+        self._sigterm = SigtermFinisher(self._shutdown_quietly)
         self.tracker: StepTracker | None = None
         self.instrumentation: Any = None
         self.detectors: list[Any] = [DataLoadingDetector(config.window, config.data_wait_threshold_ms)]
@@ -153,35 +151,13 @@ class Session:
         self._thread.start()
         self._started = True
         atexit.register(self.shutdown)
-        self._install_sigterm()
+        # SIGTERM skips atexit: finish the run directory first (see _sigterm.py)
+        self._sigterm.install()
 
-    def _install_sigterm(self) -> None:
-        """SIGTERM ends a process without atexit: the records of the last pass and the final
-        manifest (end time, steps) would be lost. Only when the job has no handler of its own
-        (a handler it installs later replaces this one), and only from the main thread."""
-        if threading.current_thread() is not threading.main_thread():
-            return
+    def _shutdown_quietly(self, timeout_s: float) -> None:
         try:
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, self._on_sigterm)
-        except (ValueError, OSError):
-            pass
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """Finish as at exit, bounded, then die of SIGTERM as without stepwatch (same status).
-        The shutdown runs on a helper thread so that a lock the interrupted code holds can only
-        cost the wait, never hang the process."""
-        if os.getpid() == self.pid:
-            t = threading.Thread(target=self._shutdown_quietly, name="stepwatch-sigterm", daemon=True)
-            t.start()
-            t.join(_SIGTERM_FINISH_S)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    def _shutdown_quietly(self) -> None:
-        try:
-            self.shutdown(timeout_s=_SIGTERM_FINISH_S / 2)
-        except Exception:  # dying anyway: nothing to report to
+            self.shutdown(timeout_s=timeout_s)
+        except Exception:  # SIGTERM: dying anyway, nothing left to report to
             pass
 
     def _maybe_device_timing(self, step: int) -> None:
@@ -237,8 +213,7 @@ class Session:
             return
         try:
             atexit.unregister(self.shutdown)
-            if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self._sigterm.uninstall()
         except Exception:
             pass
         if self.tracker is not None:
@@ -271,6 +246,7 @@ class Session:
         """In a forked child (DataLoader worker): no threads, no hooks firing, no files."""
         self._closed = True
         self._started = False
+        self._sigterm.after_fork_in_child()
         if self.tracker is not None:
             self.tracker.enabled = False
 
