@@ -130,6 +130,9 @@ def test_a_shared_or_foreign_run_dir_gets_one_warning_and_a_private_subfolder(sw
     st = os.lstat(sub)
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
     assert len((sub / "steps.rank0.jsonl").read_text().splitlines()) == 2
+    from stepwatch.report import load_run
+
+    assert load_run(str(run)).path == str(sub)  # `stepwatch report <the dir given>` finds it
 
 
 def test_a_planted_private_subfolder_is_refused_and_the_job_goes_on(sw, tmp_path, victim, caplog):

@@ -197,6 +197,10 @@ def load_run(path: str) -> Run:
         raise ReportError(f"run directory {path!r} cannot be read: {e.strerror}") from None
 
     matched = [(n, m) for n in names if (m := _FILE_RE.match(n))]
+    private = os.path.join(path, f"private-{os.getuid()}")
+    if not matched and os.path.isdir(private):
+        # a shared or foreign run dir: the job wrote into its private subfolder (_files.py)
+        return load_run(private)
     if not matched:
         raise ReportError(
             f"run directory {path!r} has no steps.rank<R>.jsonl or findings.rank<R>.jsonl files"
