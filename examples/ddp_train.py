@@ -11,6 +11,7 @@ that stepwatch does not change the training result).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -164,6 +165,14 @@ def main() -> None:
     if rank == 0:
         print(f"done: {step} steps, last loss {float(losses[-1]) * args.grad_accum:.4f}")
     if distributed:
+        # Every rank past its last collective, then everything holding the process group (DDP's
+        # reducer, gloo's work and their tensors; DDP is in reference cycles, freed only by the
+        # garbage collector) freed here on the main thread. Left to the interpreter's exit, the
+        # final collection frees them during finalization, where a gloo thread that takes the GIL
+        # is ended by pthread_exit: "terminate called without an active exception", SIGABRT.
+        dist.barrier()
+        ddp = model = opt = dl = it = logits = loss = x = y = None
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -22,10 +22,11 @@ def _cell(s: str) -> str:
 
 def env_table() -> str:
     from stepwatch.config import env_table as rows
+    from stepwatch.config import valid_values
 
-    out = ["| Variable | Default | Meaning |", "|---|---|---|"]
+    out = ["| Variable | Default | Valid | Meaning |", "|---|---|---|---|"]
     for var, default, doc in rows():
-        out.append(f"| `{var}` | `{_cell(default)}` | {_cell(doc)} |")
+        out.append(f"| `{var}` | `{_cell(default)}` | {_cell(valid_values(var))} | {_cell(doc)} |")
     return "\n".join(out)
 
 

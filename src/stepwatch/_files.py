@@ -1,19 +1,62 @@
 """Run-directory files: readable by the job's user only (directories 0700, files 0600).
 
 Every writer of a run directory (records, manifests, stack dumps, hang and stall reports,
-timelines, captures) goes through these, so the rule holds in one place.
+timelines, captures) goes through these, so the rules hold in one place:
+
+* nothing is written through a link someone planted: new files are created with
+  ``O_EXCL|O_NOFOLLOW``, appends are opened ``O_NOFOLLOW`` and must be regular files (a planted
+  FIFO neither blocks nor receives anything), subdirectories must be real directories of ours;
+* a run directory that another user owns, or that others may write to, is not used as is: one
+  warning, and the files go to a private subfolder (:func:`private_run_dir`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
+import tempfile
 from typing import IO, Any
+
+from ._log import logger
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def _open_file(path: str, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` that never follows a link at ``path``, never blocks on a FIFO, and hands back
+    only a regular file."""
+    try:
+        fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PermissionError(errno.EPERM, "a symbolic link: stepwatch does not write through links", path) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise PermissionError(errno.EPERM, "not a regular file: stepwatch does not write to it", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_own_dir(path: str) -> None:
+    """``path`` must be a real directory (not a link) of this user that no one else may write."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(errno.EPERM, "not a directory of this user (a link?): not using it", path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(errno.EPERM, "owned by another user or writable by others: not using it", path)
 
 
 def make_private_dir(path: str) -> None:
-    """Create ``path`` (and missing parents) with mode 0700."""
+    """Create ``path`` (and missing parents) with mode 0700. An existing ``path`` must be a
+    directory of this user that others cannot write (a link to one is the user's choice); else
+    PermissionError (entry points pass a run directory through :func:`private_run_dir` first)."""
     path = os.path.abspath(path)
     missing = []
     p = path
@@ -28,13 +71,51 @@ def make_private_dir(path: str) -> None:
             os.mkdir(d, 0o700)
         except FileExistsError:
             pass
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(errno.EPERM, "owned by another user or writable by others: not writing there", path)
 
 
-def open_private(path: str, *, exclusive: bool = True) -> IO[str]:
-    """Open for appending, created 0600; ``exclusive`` refuses an existing file (never overwrite)."""
+def private_subdir(path: str) -> str:
+    """Create the directory ``path`` (0700) inside a run directory, or reuse it when it is a real
+    directory of ours; a link or someone else's directory there is refused (PermissionError)."""
+    make_private_dir(os.path.dirname(os.path.abspath(path)))
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        _check_own_dir(path)
+    return path
+
+
+def private_run_dir(path: str, *, warn: bool = True) -> str:
+    """The directory to write a run into: ``path`` itself when it does not exist yet or is ours
+    and writable by us alone; else (another user's, or group/world-writable: anyone there could
+    plant or swap files) one warning and the private subfolder ``path/private-<uid>``, created
+    here; PermissionError when that name is taken by anything but a directory of ours."""
+    path = os.path.abspath(path)
+    try:
+        st = os.stat(path)  # a link the user made to their own directory is their choice
+    except OSError:
+        return path
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+        return path
+    sub = os.path.join(path, f"private-{os.getuid()}")
+    why = "is owned by another user" if st.st_uid != os.getuid() else "is writable by other users"
+    (logger.warning if warn else logger.info)(
+        "run directory %s %s: writing into the private subfolder %s instead", path, why, sub)
+    try:
+        os.mkdir(sub, 0o700)
+    except FileExistsError:
+        _check_own_dir(sub)
+    return sub
+
+
+def open_private(path: str, *, exclusive: bool = True, buffering: int = 1 << 16) -> IO[str]:
+    """Open for appending, created 0600; ``exclusive`` refuses an existing file (never overwrite).
+    Never through a link, never to anything but a regular file."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_EXCL if exclusive else 0)
-    fd = os.open(path, flags, 0o600)
-    return os.fdopen(fd, "a", encoding="utf-8", buffering=1 << 16)
+    fd = _open_file(path, flags)
+    return os.fdopen(fd, "a", encoding="utf-8", buffering=buffering)
 
 
 def create_private(path: str) -> int:
@@ -53,12 +134,20 @@ def create_private(path: str) -> int:
         return os.open(path, flags, 0o600)
 
 
-def write_private(path: str, text: str) -> None:
-    """Replace ``path`` with ``text`` atomically (a reader never sees half a file), mode 0600."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def write_private(path: str, text: str, *, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``text`` atomically (a reader never sees half a file), mode 0600.
+
+    The temporary file is new (``mkstemp``: a random name, ``O_EXCL|O_NOFOLLOW``), and the rename
+    replaces a link at ``path`` rather than writing through it. ``mode`` other than 0600 (a path
+    of the user's choice) is applied under the umask."""
+    d, base = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=d)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            if mode != 0o600:
+                umask = os.umask(0)
+                os.umask(umask)
+                os.fchmod(f.fileno(), mode & ~umask)
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
@@ -67,6 +156,15 @@ def write_private(path: str, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def private_tmp(path: str, suffix: str = ".tmp") -> str:
+    """A new empty 0600 file beside ``path`` with a random name, for a writer that opens the path
+    itself (torch's trace export): it writes there, then ``os.replace(tmp, path)`` publishes it."""
+    d, base = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=suffix, dir=d)
+    os.close(fd)
+    return tmp
 
 
 def write_json_private(path: str, obj: Any) -> None:

@@ -33,38 +33,53 @@ def _parse_bool(s: str) -> bool:
     raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
 
 
-def _int_at_least(lo: int) -> Callable[[Any], int]:
+def _num(x: float) -> str:
+    if float(x).is_integer() and abs(x) <= 2**53:
+        return f"{int(x):_}" if abs(x) >= 10_000 else str(int(x))
+    return f"{x:g}"
+
+
+def _int_range(lo: int, hi: int) -> Callable[[Any], int]:
+    """An integer in ``lo..hi``: the upper bound keeps every value within what the code holds
+    (deque sizes, int64 fields, floats in the exporters) and what makes sense."""
+    want = f"an integer >= {_num(lo)} and <= {_num(hi)}"
+
     def parse(s: Any) -> int:
         if isinstance(s, bool):
-            raise ValueError(f"expected an integer >= {lo}")
+            raise ValueError(f"expected {want}")
         try:
             v = int(s)
-        except (TypeError, ValueError):
-            raise ValueError(f"expected an integer >= {lo}") from None
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"expected {want}") from None
         if isinstance(s, float) and s != v:
-            raise ValueError(f"expected an integer >= {lo}")
-        if v < lo:
-            raise ValueError(f"expected an integer >= {lo}")
+            raise ValueError(f"expected {want}")
+        if not lo <= v <= hi:
+            raise ValueError(f"expected {want}")
         return v
 
-    parse.__doc__ = f"integer >= {lo}"
+    parse.__doc__ = f"integer {lo}..{hi}"
+    parse.valid = f"{_num(lo)} .. {_num(hi)}"  # type: ignore[attr-defined]
     return parse
 
 
-def _float_above(lo: float, *, optional: bool = False) -> Callable[[Any], float | None]:
+def _float_range(lo: float, hi: float, *, lo_open: bool = True, optional: bool = False) -> Callable[[Any], float | None]:
+    """A finite number in ``(lo, hi]`` (``[lo, hi]`` when not ``lo_open``); ``optional``: empty/None is None."""
+    want = f"a finite number {'>' if lo_open else '>='} {_num(lo)} and <= {_num(hi)}"
+
     def parse(s: Any) -> float | None:
         if optional and (s is None or (isinstance(s, str) and s.strip() == "")):
             return None
         if isinstance(s, bool):
-            raise ValueError(f"expected a number > {lo}")
+            raise ValueError(f"expected {want}")
         try:
             v = float(s)
-        except (TypeError, ValueError):
-            raise ValueError(f"expected a number > {lo}") from None
-        if not math.isfinite(v) or v <= lo:
-            raise ValueError(f"expected a finite number > {lo}")
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"expected {want}") from None
+        if not math.isfinite(v) or not (v > lo if lo_open else v >= lo) or v > hi:
+            raise ValueError(f"expected {want}")
         return v
 
+    parse.valid = f"{'>' if lo_open else '>='} {_num(lo)}, <= {_num(hi)}" + (", or empty" if optional else "")  # type: ignore[attr-defined]
     return parse
 
 
@@ -75,6 +90,7 @@ def _choice(*options: str) -> Callable[[Any], str]:
             raise ValueError(f"expected one of {', '.join(options)}")
         return v
 
+    parse.valid = " / ".join(f"`{o}`" for o in options)  # type: ignore[attr-defined]
     return parse
 
 
@@ -108,20 +124,8 @@ def _bool_value(s: Any) -> bool:
     raise ValueError("expected True or False")
 
 
-def _gpu_hz(s: Any) -> float:
-    v = _float_above(0.0)(s)
-    # NVML GPM: metrics come from two samples at least 100 ms apart (nvml.h, nvmlGpmMetricsGet).
-    if v is None or v > 10.0:
-        raise ValueError("expected a number > 0 and <= 10 (samples per second)")
-    return v
-
-
-def _fraction(s: Any) -> float:
-    """A number in (0, 1]."""
-    v = _float_above(0.0)(s)
-    if v is None or v > 1.0:
-        raise ValueError("expected a number > 0 and <= 1")
-    return v
+_bool_value.valid = "`1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`"  # type: ignore[attr-defined]
+_opt_port.valid = "1 .. 65535, or empty (off)"  # type: ignore[attr-defined]
 
 
 def _flops_value(v: Any) -> Any:
@@ -163,7 +167,7 @@ class Config:
     )
     step_offset: int = field(
         default=0,
-        metadata=_opt("STEPWATCH_STEP_OFFSET", "Number of the first step (set it when a job resumes).", _int_at_least(0)),
+        metadata=_opt("STEPWATCH_STEP_OFFSET", "Number of the first step (set it when a job resumes).", _int_range(0, 2**53)),
     )
     records: bool = field(
         default=True,
@@ -174,7 +178,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_DISK_BUDGET_MB",
             "Disk budget for the whole run directory (all ranks); each rank's records rotate within its share.",
-            _int_at_least(1),
+            _int_range(1, 10**7),
         ),
     )
     console: str = field(
@@ -188,11 +192,11 @@ class Config:
     )
     console_rank: int = field(
         default=0,
-        metadata=_opt("STEPWATCH_CONSOLE_RANK", "Which rank prints the live console.", _int_at_least(0)),
+        metadata=_opt("STEPWATCH_CONSOLE_RANK", "Which rank prints the live console.", _int_range(0, 2**31 - 1)),
     )
     console_interval_s: float = field(
         default=5.0,
-        metadata=_opt("STEPWATCH_CONSOLE_INTERVAL", "Seconds between console updates on a terminal.", _float_above(0.0)),
+        metadata=_opt("STEPWATCH_CONSOLE_INTERVAL", "Seconds between console updates on a terminal.", _float_range(0.1, 86400.0, lo_open=False)),
     )
     nvtx: bool = field(
         default=True,
@@ -205,7 +209,7 @@ class Config:
     )
     window: int = field(
         default=50,
-        metadata=_opt("STEPWATCH_WINDOW", "Steps per analysis window (percentiles, detectors).", _int_at_least(2)),
+        metadata=_opt("STEPWATCH_WINDOW", "Steps per analysis window (percentiles, detectors).", _int_range(2, 100_000)),
     )
     data_wait_threshold_ms: float = field(
         default=10.0,
@@ -213,7 +217,7 @@ class Config:
             "STEPWATCH_DATA_WAIT_MS",
             "Mean data wait per step over a window above which a `data_loading` finding is raised "
             "(reference B.9: 10 ms).",
-            _float_above(0.0),
+            _float_range(0.0, 3_600_000.0),
         ),
     )
     device_timing: bool = field(
@@ -241,7 +245,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_QUEUE_SIZE",
             "Bound of the training-thread -> background-thread queue; when full, records are dropped and counted.",
-            _int_at_least(16),
+            _int_range(16, 1_048_576),
         ),
     )
     flush_interval_s: float = field(
@@ -249,7 +253,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_FLUSH_INTERVAL",
             "Seconds between background passes (records written and flushed each pass).",
-            _float_above(0.0),
+            _float_range(0.01, 60.0, lo_open=False),
         ),
     )
     prometheus_port: int | None = field(
@@ -292,7 +296,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_GPU_SAMPLE_HZ",
             "GPU samples per second, at most 10 (NVML GPM needs two samples at least 100 ms apart).",
-            _gpu_hz,
+            _float_range(0.01, 10.0, lo_open=False),
         ),
     )
     gpu_device: str | None = field(
@@ -310,7 +314,7 @@ class Config:
             "STEPWATCH_PEAK_TFLOPS",
             "Dense peak TFLOP/s of this rank's device, used for every dtype in MFU; overrides the "
             "built-in table (docs/mfu.md). Needed for an MFU on CPU or on a device the table lacks.",
-            _float_above(0.0, optional=True),
+            _float_range(0.0, 1e6, optional=True),
         ),
     )
     training_metrics: bool = field(
@@ -328,7 +332,7 @@ class Config:
             "STEPWATCH_GRAD_NORM_EVERY",
             "Compute the grad norm every N optimizer steps (1 = every step). Steps GradScaler skips "
             "are always probed.",
-            _int_at_least(1),
+            _int_range(1, 1_000_000),
         ),
     )
     grad_norm_spike_abs: float = field(
@@ -336,7 +340,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_GRAD_NORM_SPIKE_ABS",
             "A grad norm above this raises `grad_norm_spike` (reference B.7: `train_grad_norm > 10`).",
-            _float_above(0.0),
+            _float_range(0.0, 1e38),
         ),
     )
     grad_norm_spike_factor: float = field(
@@ -345,7 +349,7 @@ class Config:
             "STEPWATCH_GRAD_NORM_SPIKE_FACTOR",
             "A grad norm above this many times the rolling median of the last "
             "`STEPWATCH_GRAD_NORM_WINDOW` steps raises `grad_norm_spike`.",
-            _float_above(1.0),
+            _float_range(1.0, 1e6),
         ),
     )
     grad_norm_window: int = field(
@@ -353,7 +357,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_GRAD_NORM_WINDOW",
             "Steps in the rolling median that grad-norm spikes are measured against.",
-            _int_at_least(2),
+            _int_range(2, 100_000),
         ),
     )
     mfu_drop_points: float = field(
@@ -362,7 +366,7 @@ class Config:
             "STEPWATCH_MFU_DROP_POINTS",
             "MFU percentage points below its value `STEPWATCH_MFU_DROP_WINDOW_S` earlier that raise "
             "`mfu_drop` (reference B.7: 5 points in 10 minutes).",
-            _float_above(0.0),
+            _float_range(0.0, 100.0),
         ),
     )
     mfu_drop_window_s: float = field(
@@ -370,7 +374,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_MFU_DROP_WINDOW_S",
             "Seconds back that the current MFU is compared with for `mfu_drop` (reference B.7: 10 min).",
-            _float_above(0.0),
+            _float_range(1.0, 604_800.0, lo_open=False),
         ),
     )
     low_mfu: float = field(
@@ -379,7 +383,7 @@ class Config:
             "STEPWATCH_LOW_MFU",
             "Window-median MFU (0-1) below which `low_mfu` is raised, judged over at least 100 steps "
             "where MFU is known (reference B.10: 'Low MFU in training (< 40%)').",
-            _fraction,
+            _float_range(0.0, 1.0),
         ),
     )
     comm: bool = field(
@@ -398,7 +402,7 @@ class Config:
             "STEPWATCH_OVERLAP_THRESHOLD",
             "Mean AllReduce/backward overlap over a window below which `allreduce_not_overlapped` is "
             "raised (reference B.2: target > 80%).",
-            _fraction,
+            _float_range(0.0, 1.0),
         ),
     )
     straggler_every: int = field(
@@ -407,7 +411,7 @@ class Config:
             "STEPWATCH_STRAGGLER_EVERY",
             "Steps per straggler-exchange window: every N steps each rank publishes one compact summary "
             "(compute without comm waiting, step time, data wait) through the c10d store.",
-            _int_at_least(2),
+            _int_range(2, 100_000),
         ),
     )
     straggler_margin: float = field(
@@ -416,7 +420,7 @@ class Config:
             "STEPWATCH_STRAGGLER_MARGIN",
             "A rank is slow in a window when its compute time exceeds the median of the other ranks' by "
             "this fraction.",
-            _float_above(0.0),
+            _float_range(0.0, 100.0),
         ),
     )
     straggler_windows: int = field(
@@ -424,7 +428,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_STRAGGLER_WINDOWS",
             "Consecutive slow windows before a `straggler` finding names the rank.",
-            _int_at_least(1),
+            _int_range(1, 10_000),
         ),
     )
     # -- hang watchdog and captures (capture/, docs/hang.md) --
@@ -443,8 +447,9 @@ class Config:
             "STEPWATCH_HANG_TIMEOUT",
             "Seconds without progress (a step end, a phase change, a collective) that make a hang. "
             "Default: adaptive, 10 x the p99 step time, at least 30 s, at most 300 s (below the "
-            "NCCL/gloo process-group timeouts of 10/30 min); x5 inside a checkpoint save.",
-            _float_above(0.0, optional=True),
+            "NCCL/gloo process-group timeouts of 10/30 min); x5 inside a checkpoint save. At least 1 s: "
+            "the sidecar looks 4 times a second, and a shorter timeout calls every pause a hang.",
+            _float_range(1.0, 86400.0, lo_open=False, optional=True),
         ),
     )
     hang_action: str = field(
@@ -467,19 +472,19 @@ class Config:
     )
     capture_steps: int = field(
         default=3,
-        metadata=_opt("STEPWATCH_CAPTURE_STEPS", "Steps per capture.", _int_at_least(1)),
+        metadata=_opt("STEPWATCH_CAPTURE_STEPS", "Steps per capture.", _int_range(1, 1000)),
     )
     capture_cooldown_s: float = field(
         default=600.0,
         metadata=_opt(
             "STEPWATCH_CAPTURE_COOLDOWN",
             "Seconds after a capture before another may be triggered.",
-            _float_above(0.0),
+            _float_range(0.0, 604_800.0),
         ),
     )
     capture_max: int = field(
         default=5,
-        metadata=_opt("STEPWATCH_CAPTURE_MAX", "Most captures per run and rank.", _int_at_least(0)),
+        metadata=_opt("STEPWATCH_CAPTURE_MAX", "Most captures per run and rank.", _int_range(0, 10_000)),
     )
     capture_budget_mb: int = field(
         default=512,
@@ -487,7 +492,7 @@ class Config:
             "STEPWATCH_CAPTURE_BUDGET_MB",
             "Disk budget of `<run dir>/captures/` (all ranks); no capture starts that would go "
             "beyond it, the next one counted at the size of the largest so far.",
-            _int_at_least(1),
+            _int_range(1, 10**7),
         ),
     )
     spike_mads: float = field(
@@ -496,7 +501,7 @@ class Config:
             "STEPWATCH_SPIKE_MADS",
             "A step slower than the rolling median plus this many MAD-sigmas (and at least 2x the "
             "median) is a `step_time_spike`.",
-            _float_above(0.0),
+            _float_range(0.0, 1000.0),
         ),
     )
     flops: Any = field(
@@ -544,6 +549,14 @@ class Config:
             v = getattr(self, f.name)
             out[f.name] = [getattr(e, "name", type(e).__name__) for e in v] if f.name == "exporters" else v
         return out
+
+
+def valid_values(var: str) -> str:
+    """What ``var`` accepts (the README's "Valid" column); every number is bounded."""
+    for f in dataclasses.fields(Config):
+        if f.metadata.get("env") == var:
+            return getattr(f.metadata["parse"], "valid", "any text (empty: default)")
+    raise KeyError(var)
 
 
 def env_table() -> list[tuple[str, str, str]]:

@@ -18,13 +18,14 @@ from typing import Any, Callable
 
 from ._version import __version__
 from ._log import FailureLog, logger
+from ._sigterm import SigtermFinisher
 from .analysis.detectors import DataLoadingDetector
 from .analysis.kinds import make_finding
 from .config import Config
 from .context import RunContext, from_env
 from .exporters.base import Batch, Exporter
-from ._files import make_private_dir, write_json_private
-from .exporters.records import free_name
+from ._files import make_private_dir, private_run_dir, write_json_private
+from .exporters.records import claim_name
 from .cuda_ext import copy_to_host, event_done
 from .hooks.nvtx import Nvtx
 from .hooks.phases import StepTracker
@@ -79,6 +80,11 @@ class Session:
         self.config = config
         env = dict(os.environ if environ is None else environ)
         self.ctx: RunContext = from_env(env, run_dir=config.dir, run_id=config.run_id)
+        if config.enabled:
+            try:
+                self.ctx.run_dir = private_run_dir(self.ctx.run_dir, warn=self.ctx.rank == 0)
+            except OSError as e:  # every writer refuses that directory: no files, the job goes on
+                logger.warning("cannot use the run directory %s (%s): going on without files", self.ctx.run_dir, e)
         self.failures = FailureLog()
         self.dropped = 0
         self.steps_seen = 0
@@ -101,6 +107,7 @@ class Session:
         self._wall_ref = time.time()
         self._start_wall = self._wall_ref
         self.pid = os.getpid()
+        self._sigterm = SigtermFinisher(self._shutdown_quietly)
         self.tracker: StepTracker | None = None
         self.instrumentation: Any = None
         self.detectors: list[Any] = [DataLoadingDetector(config.window, config.data_wait_threshold_ms)]
@@ -145,6 +152,14 @@ class Session:
         self._thread.start()
         self._started = True
         atexit.register(self.shutdown)
+        # SIGTERM skips atexit: finish the run directory first (see _sigterm.py)
+        self._sigterm.install()
+
+    def _shutdown_quietly(self, timeout_s: float) -> None:
+        try:
+            self.shutdown(timeout_s=timeout_s)
+        except Exception:  # SIGTERM: dying anyway, nothing left to report to
+            pass
 
     def _maybe_device_timing(self, step: int) -> None:
         """First step end, training thread: if CUDA is in use, time phases on the device from now on."""
@@ -199,6 +214,7 @@ class Session:
             return
         try:
             atexit.unregister(self.shutdown)
+            self._sigterm.uninstall()
         except Exception:
             pass
         if self.tracker is not None:
@@ -231,6 +247,7 @@ class Session:
         """In a forked child (DataLoader worker): no threads, no hooks firing, no files."""
         self._closed = True
         self._started = False
+        self._sigterm.after_fork_in_child()
         if self.tracker is not None:
             self.tracker.enabled = False
 
@@ -480,7 +497,11 @@ class Session:
                 "attempt": ctx.attempt,
                 "start_time": self._start_wall,
             }
-            write_json_private(os.path.join(ctx.run_dir, f"rank{ctx.rank}.json"), me)
+            if not hasattr(self, "_rank_path"):
+                # rank<R>.<K>.json beside the first launch's: a relaunch or a second job in the
+                # same directory keeps the other's file (the report tells them apart)
+                self._rank_path = claim_name(ctx.run_dir, f"rank{ctx.rank}", "json")
+            write_json_private(self._rank_path, me)
             if ctx.rank != 0:
                 return
             hosts = sorted({ctx.host} | set(_hosts_in(ctx.run_dir)))
@@ -502,7 +523,7 @@ class Session:
                 "internal_errors": dict(self.failures.counts),
             }
             if not hasattr(self, "_manifest_path"):
-                self._manifest_path = free_name(ctx.run_dir, "run", "json")
+                self._manifest_path = claim_name(ctx.run_dir, "run", "json")
             write_json_private(self._manifest_path, manifest)
         except OSError as e:
             logger.warning("cannot write the manifest in %s: %s", ctx.run_dir, e)

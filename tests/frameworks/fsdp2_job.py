@@ -9,6 +9,7 @@ with ``clip_grad_norm_`` (DTensor grads). Each rank writes its losses, tokens an
 both runs to OUT.rank<R>.json.
 """
 
+import gc
 import json
 import sys
 
@@ -58,6 +59,9 @@ def main():
     stepwatch.shutdown()
     with open(f"{sys.argv[1]}.rank{rank}.json", "w") as f:
         json.dump({"on": on, "off": off}, f)
+    # the example's teardown (examples/ddp_train.py): the models freed on the main thread first
+    dist.barrier()
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -11,6 +11,7 @@ or FSDP2); ``--out`` writes each variant's final parameters and grads for this r
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 if __name__ == "__main__" and "--no-stepwatch" not in sys.argv:
@@ -61,6 +62,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     for variant in args.hook.split(","):
         train(args, variant)
+    # the example's teardown (examples/ddp_train.py): DDP lives in reference cycles; freed here
+    dist.barrier()
+    gc.collect()
     dist.destroy_process_group()
 
 

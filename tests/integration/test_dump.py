@@ -66,7 +66,7 @@ def test_dump_and_sigusr1_while_the_job_trains(tmp_path):
 
 
 PLAIN = """
-import torch, torch.distributed as dist, torch.nn as nn
+import gc, torch, torch.distributed as dist, torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 dist.init_process_group("gloo")
 model = DDP(nn.Linear(8, 1))
@@ -75,6 +75,10 @@ for _ in range(12):
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
     opt.zero_grad()
+# the example's teardown (examples/ddp_train.py): barrier, DDP freed on the main thread, destroy
+dist.barrier()
+model = opt = None
+gc.collect()
 dist.destroy_process_group()
 """
 

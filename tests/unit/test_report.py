@@ -598,3 +598,90 @@ def test_pooled_ranks_in_time_order_ties_by_rank_then_record_order(tmp_path):
     assert s.overall.scalars_last["loss"] == 13.0
     assert s.per_rank[0].scalars_last == {"b": 0.0, "loss": 3.0}
     assert s.overall.step_mean == pytest.approx(0.6)
+
+
+# --- robustness: what a broken, shared or rotated run directory holds (issue 14) -------------------
+
+
+def test_a_deeply_nested_line_is_skipped_with_a_note_exit_0(tmp_path, capsys):
+    make_run(tmp_path, ranks=1, n=20)
+    with open(tmp_path / "steps.rank0.jsonl", "a") as f:
+        f.write("[" * 100_000 + "]" * 100_000 + "\n")  # json.loads: RecursionError
+    (tmp_path / "rank0.json").write_text("{" * 100_000)
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    assert "1 unreadable line(s) skipped" in capsys.readouterr().out
+    (tmp_path / "run.json").write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    assert "run.json is unreadable" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key, value", [
+    ("features", "all"), ("features", {"training_metrics": "on"}), ("world_size", "two"), ("hosts", 5),
+    ("argv", "train.py"), ("versions", [1]), ("config", 3), ("start_time", "noon"), ("end_time", []),
+    ("steps", "many"), ("run_id", 7), ("dropped_records", "x"), ("internal_errors", 4), ("attempt", True),
+])
+def test_a_manifest_field_of_the_wrong_type_is_ignored_with_a_note_exit_0(tmp_path, capsys, key, value):
+    make_run(tmp_path, ranks=1, n=20)
+    m = json.loads((tmp_path / "run.json").read_text())
+    m[key] = value
+    (tmp_path / "run.json").write_text(json.dumps(m))
+    assert cli(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    if isinstance(value, dict):  # a nested field of the wrong type: no note needed, no crash
+        return
+    assert f"run.json: {key!r} is" in out and "ignored" in out, out
+
+
+def _rotating_run(tmp_path, steps):
+    """The real records writer with a share small enough to rotate more than once."""
+    from stepwatch.context import RunContext
+    from stepwatch.exporters.base import Batch
+    from stepwatch.exporters.records import RecordsExporter
+
+    run = tmp_path / "run"
+    ctx = RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="r", run_dir=str(run))
+    e = RecordsExporter(ctx, budget_bytes=16 * 1024)  # the steps file rotates at 5.6 KiB
+    rng = np.random.default_rng(0)
+    recs = make_records(0, steps, rng)
+    for i in range(0, steps, 10):
+        e.export(Batch(records=recs[i:i + 10]))
+    e.shutdown()
+    write_manifest(run, 1)
+    return run
+
+
+def test_steps_rotated_out_are_named_in_the_report(tmp_path, capsys):
+    run = _rotating_run(tmp_path, 400)
+    first = min(json.loads(x)["step"] for x in (run / "steps.rank0.jsonl.1").read_text().splitlines())
+    assert first > 0  # the writer really dropped the oldest steps
+    assert cli(["report", str(run), "--no-html"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"rank 0: steps 0-{first - 1} were rotated out" in out
+    assert "STEPWATCH_DISK_BUDGET_MB" in out
+
+
+def test_one_rotation_that_lost_nothing_says_nothing(tmp_path, capsys):
+    run = _rotating_run(tmp_path, 20)
+    kept = [len((run / n).read_text().splitlines()) for n in ("steps.rank0.jsonl.1", "steps.rank0.jsonl")]
+    assert sum(kept) == 20 and kept[1] > 0  # rotated once, every step still there
+    assert cli(["report", str(run), "--no-html"]) == 0
+    assert "rotated out" not in capsys.readouterr().out
+
+
+def test_two_concurrent_jobs_are_told_apart_from_an_elastic_restart(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    shared, restarted = tmp_path / "shared", tmp_path / "restarted"
+    a = make_records(0, 30, rng, t0=1000.0)
+    b = make_records(0, 30, rng, t0=1000.2)  # a second job, started 0.2 s later in the same dir
+    for d, second in ((shared, b), (restarted, make_records(0, 30, rng, t0=a[-1].time + 5, first_step=20))):
+        d.mkdir()
+        write_jsonl(d / "steps.rank0.jsonl", a)
+        write_jsonl(d / "steps.rank0.1.jsonl", second)
+        write_manifest(d, 1)
+    assert cli(["report", str(shared), "--no-html"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "two jobs ran in this directory at once (not an elastic restart)" in out
+    assert "steps.rank0.jsonl and steps.rank0.1.jsonl" in out
+    assert cli(["report", str(restarted), "--no-html"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "two jobs" not in out and "elastic restarts" in out

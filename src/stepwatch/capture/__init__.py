@@ -74,6 +74,8 @@ class Feature:
         from . import progress
 
         ctx = self.session.ctx
+        for path in progress.clean_stale(ctx.run_dir):
+            logger.info("removed the progress board %s of a trainer that was killed", path)
         self.board = progress.Board(progress.default_path(ctx.run_id, ctx.rank, ctx.run_dir), ctx.rank)
         tr = self.session.tracker
         if tr is not None:

@@ -45,6 +45,7 @@ import time
 from collections import deque
 from typing import Any
 
+from .._files import private_subdir, private_tmp, write_json_private
 from .._log import logger, warn_once
 from ..record import Finding, StepRecord
 from . import nsys as nsys_mod
@@ -380,12 +381,20 @@ class CaptureManager:
         r = self.ctx.rank
         stem = f"capture-{sc.k}-steps{a['first']}-{a['last']}.rank{r}"
         try:
-            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            private_subdir(self.dir)
             # gzip: a few steps of a big model are hundreds of MB of JSON per rank, about a tenth
             # compressed; Perfetto, chrome://tracing and TensorBoard open .json.gz as they are.
             trace = os.path.join(self.dir, f"{stem}.trace.json.gz")
-            a["prof"].export_chrome_trace(trace)
-            os.chmod(trace, 0o600)
+            tmp = private_tmp(trace, ".json.gz")  # a fresh file of ours, not whatever sits at the name
+            try:
+                a["prof"].export_chrome_trace(tmp)
+                os.replace(tmp, trace)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
             meta = {
                 "capture": sc.k,
                 "rank": r,
@@ -399,11 +408,7 @@ class CaptureManager:
                 "pyspy": (os.path.join(self.dir, f"pyspy-{sc.pyspy_req}.rank{r}.txt") if sc.pyspy_req else None),
                 "nsys": self.nsys is not None,
             }
-            tmp = os.path.join(self.dir, f"{stem}.json.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(meta, f, indent=2)
-            os.replace(tmp, os.path.join(self.dir, f"{stem}.json"))
+            write_json_private(os.path.join(self.dir, f"{stem}.json"), meta)
             with self._lock:
                 self.done.append(meta)
             logger.info("captures: rank %d steps %d-%d (%s) -> %s", r, a["first"], a["last"], sc.reason, trace)

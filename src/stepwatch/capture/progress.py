@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
+import stat
 import struct
 import time
 import zlib
@@ -97,6 +99,43 @@ def group_code(group: Any) -> int:
     if isinstance(group, int):
         return group
     return zlib.crc32(str(group).encode()) & 0x7FFFFFFF
+
+
+# A board this young may belong to a trainer that is starting (its pid seen from another pid
+# namespace, say): never removed.
+_STALE_AFTER_S = 60.0
+
+
+def clean_stale(run_dir: str) -> list[str]:
+    """Remove the boards that killed trainers left (SIGKILL, OOM killer: their sidecar, killed
+    too, could not unlink them), before making ours. Only names of this user's boards, only
+    regular files this user owns, only of a pid that no longer runs, and not modified in the last
+    minute; a link is never followed or removed. Returns the paths removed."""
+    from ..serving.procs import alive
+
+    uid = os.getuid()
+    places = (("/dev/shm", re.compile(rf"^stepwatch-{uid}-.+-rank\d+-(\d+)\.board$")),
+              (run_dir, re.compile(r"^\.board\.rank\d+\.(\d+)$")))
+    removed = []
+    now = time.time()
+    for d, pattern in places:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for n in names:
+            m = pattern.match(n)
+            if m is None or int(m.group(1)) == os.getpid() or alive(int(m.group(1))):
+                continue
+            path = os.path.join(d, n)
+            try:
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == uid and now - st.st_mtime > _STALE_AFTER_S:
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                continue
+    return removed
 
 
 def default_path(run_id: str, rank: int, run_dir: str) -> str:

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import IO, Any
 
+from .._files import open_private
 from .._os.procs import read_stat
 
 # <signal.h> on Linux (asm-generic/signal.h; x86 and arm64 use the same value).
@@ -142,8 +143,7 @@ class StackSignal:
         """False (nothing installed) for a private signal the job already handles."""
         if self.private and _has_handler(signal.getsignal(self.signum)):
             return False
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._file = os.fdopen(fd, "a", buffering=1)
+        self._file = open_private(self.path, exclusive=False, buffering=1)
         self._register()
         if self.private:
             self._file.write(_HEADER.format(pid=os.getpid(), start=_start_ticks(os.getpid()) or 0,

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .._files import write_json_private
+from .._files import open_private, private_subdir, write_json_private
 from . import hang as hang_mod
 from .._os import pyspy
 from .._os.ptrace import can_read_memory
@@ -352,7 +352,7 @@ class Watchdog:
         """A capture asked for a py-spy dump (request number ``k``)."""
         d = os.path.join(self.run_dir, "captures")
         try:
-            os.makedirs(d, mode=0o700, exist_ok=True)
+            private_subdir(d)
             if self.stack_method == "py-spy":
                 ok, text = pyspy.dump(self.a.pyspy, self.pid)
             else:
@@ -369,8 +369,7 @@ class Watchdog:
         return os.path.join(self.run_dir, name)
 
     def on_hang(self, n: int, snap: dict[str, Any], stalled: float, limit: float) -> None:
-        d = self.hang_dir(n)
-        os.makedirs(d, mode=0o700, exist_ok=True)
+        d = private_subdir(self.hang_dir(n))
         mine = dict(snap)
         mine.update({"host": self.host, "stalled_s": round(stalled, 3), "timeout_s": limit, "complete": False,
                      "detected_at": time.time()})
@@ -454,8 +453,7 @@ class Watchdog:
         )
         path = os.path.join(self.run_dir, f"findings.watchdog.rank{self.rank}.jsonl")
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            with os.fdopen(fd, "a", encoding="utf-8") as out:
+            with open_private(path, exclusive=False) as out:
                 out.write(json.dumps(f.to_dict(), default=str) + "\n")
         except OSError as e:
             log(f"watchdog: cannot write {path}: {e}")

@@ -24,13 +24,26 @@ _FINDINGS_SHARE = 0.10
 
 
 def free_name(run_dir: str, stem: str, ext: str) -> str:
-    """``stem.ext`` if unused, else ``stem.K.ext`` with the first free K."""
+    """``stem.ext`` if unused, else ``stem.K.ext`` with the first free K (a dangling link counts as used)."""
     path = os.path.join(run_dir, f"{stem}.{ext}")
     k = 1
-    while os.path.exists(path):
+    while os.path.lexists(path):
         path = os.path.join(run_dir, f"{stem}.{k}.{ext}")
         k += 1
     return path
+
+
+def claim_name(run_dir: str, stem: str, ext: str) -> str:
+    """:func:`free_name`, taken at once (created empty, ``O_EXCL``): a job starting in the same
+    directory at the same moment gets the next name instead of overwriting this one."""
+    for k in range(100_000):
+        path = os.path.join(run_dir, f"{stem}.{ext}" if k == 0 else f"{stem}.{k}.{ext}")
+        try:
+            open_private(path).close()
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free name for {stem}.<K>.{ext} in {run_dir}")
 
 
 def _clean(v: Any) -> Any:

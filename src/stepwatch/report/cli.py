@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from .._files import write_private
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -65,24 +67,15 @@ def run_report(args: argparse.Namespace) -> int:
         return 0
     path = args.html or default_html_path(args.run_dir, args.compare)
     text = page.render_html(a) if b is None else page.render_compare_html(a, b)
-    tmp = f"{path}.tmp{os.getpid()}"
     # Inside the run directory the report keeps the records' privacy (the writer makes them
     # 0600): it holds the same command line and hosts. A path of the user's choice gets the
-    # usual umask.
-    mode = 0o666 if args.html else 0o600
+    # usual umask. Atomic, never through a planted link (a reader never sees half a page).
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)  # a reader never sees half a page
+        write_private(path, text, mode=0o666 if args.html else 0o600)
     except OSError as e:
         print(f"stepwatch report: error: cannot write the HTML report to {path!r} "
               f"({e.strerror}); choose another place with --html PATH or skip it with --no-html",
               file=sys.stderr)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         return 1
     print(f"HTML report: {path}")
     return 0

@@ -11,6 +11,7 @@ a long job's records would not fit in memory as one object each.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ _FILE_RE = re.compile(r"^(steps|findings)\.rank(\d+)(?:\.(\d+))?\.jsonl(?:\.(\d+
 # run.json, or run.<K>.json when a second launch reused the run id (the writer never overwrites).
 _MANIFEST_RE = re.compile(r"^run(?:\.(\d+))?\.json$")
 # Each rank's own line of the manifest: host, pid, attempt.
-_RANK_INFO_RE = re.compile(r"^rank(\d+)\.json$")
+# rank<R>.<K>.json: a relaunch, or another job in the same directory (never overwritten).
+_RANK_INFO_RE = re.compile(r"^rank(\d+)(?:\.(\d+))?\.json$")
 
 
 class ReportError(Exception):
@@ -47,6 +49,10 @@ class Run:
     manifest_error: str | None = None
     manifest_name: str | None = None  # run.json, or run.<K>.json after a relaunch
     rank_info: dict[int, dict[str, Any]] = field(default_factory=dict)  # from rank<R>.json
+    # What a reader must know about the files: wrong-typed manifest fields ignored, steps rotated
+    # out, two jobs that wrote into one directory at once.
+    notes: list[str] = field(default_factory=list)
+    concurrent: bool = False  # two launches' files overlap in time: not an elastic restart
 
     @property
     def name(self) -> str:
@@ -86,7 +92,7 @@ def _read_jsonl(path: str, take: Callable[[Any], bool]) -> int:
                 continue
             try:
                 ok = take(json.loads(line))
-            except (ValueError, TypeError):
+            except (ValueError, TypeError, RecursionError):  # RecursionError: nested too deep
                 ok = False
             if not ok:
                 bad += 1
@@ -123,9 +129,36 @@ def _read_json(path: str) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
+
+
+# The manifest's fields and their types (session.py writes them); a field of another type is
+# dropped with a note instead of breaking the report.
+_NUM, _TIME = (int, float), (int, float, type(None))
+_MANIFEST_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "schema_version": ((int,), "an integer"), "run_id": ((str,), "a string"), "argv": ((list,), "a list"),
+    "versions": ((dict,), "an object"), "world_size": ((int,), "an integer"), "hosts": ((list,), "a list"),
+    "attempt": ((int,), "an integer"), "start_time": (_TIME, "a number or null"),
+    "end_time": (_TIME, "a number or null"), "config": ((dict,), "an object"),
+    "features": ((dict,), "an object"), "exporters": ((list,), "a list"), "steps": ((int,), "an integer"),
+    "dropped_records": ((int,), "an integer"), "internal_errors": ((dict,), "an object"),
+}
+_JSON_NAMES = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
+               type(None): "null", bool: "true/false"}
+
+
+def _check_manifest(name: str, obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Drop each field of the wrong type, with a note: the report goes on with the rest."""
+    clean, notes = {}, []
+    for k, v in obj.items():
+        want = _MANIFEST_TYPES.get(k)
+        if want is not None and (isinstance(v, bool) or not isinstance(v, want[0])):
+            notes.append(f"{name}: {k!r} is {_JSON_NAMES.get(type(v), type(v).__name__)}, not {want[1]}: ignored")
+            continue
+        clean[k] = v
+    return clean, notes
 
 
 def _read_manifest(path: str, names: list[str]) -> tuple[dict | None, str | None, str | None]:
@@ -143,10 +176,12 @@ def _read_manifest(path: str, names: list[str]) -> tuple[dict | None, str | None
 
 
 def _read_rank_info(path: str, names: list[str]) -> dict[int, dict[str, Any]]:
+    """Each rank's info from its latest launch's file (the highest K)."""
+    found = sorted((int(m.group(2) or 0), int(m.group(1)), n) for n in names if (m := _RANK_INFO_RE.match(n)))
     out = {}
-    for n in names:
-        if (m := _RANK_INFO_RE.match(n)) and (obj := _read_json(os.path.join(path, n))):
-            out[int(m.group(1))] = obj
+    for _, rank, n in found:
+        if obj := _read_json(os.path.join(path, n)):
+            out[rank] = obj
     return out
 
 
@@ -162,6 +197,10 @@ def load_run(path: str) -> Run:
         raise ReportError(f"run directory {path!r} cannot be read: {e.strerror}") from None
 
     matched = [(n, m) for n in names if (m := _FILE_RE.match(n))]
+    private = os.path.join(path, f"private-{os.getuid()}")
+    if not matched and os.path.isdir(private):
+        # a shared or foreign run dir: the job wrote into its private subfolder (_files.py)
+        return load_run(private)
     if not matched:
         raise ReportError(
             f"run directory {path!r} has no steps.rank<R>.jsonl or findings.rank<R>.jsonl files"
@@ -169,8 +208,13 @@ def load_run(path: str) -> Run:
         )
 
     manifest, manifest_name, manifest_error = _read_manifest(path, names)
+    notes: list[str] = []
+    if manifest is not None:
+        manifest, notes = _check_manifest(manifest_name or "run.json", manifest)
     run = Run(path=path, manifest=manifest, columns={}, findings=[], manifest_error=manifest_error,
-              manifest_name=manifest_name, rank_info=_read_rank_info(path, names))
+              manifest_name=manifest_name, rank_info=_read_rank_info(path, names), notes=notes)
+    # (rank, launch K) -> [first time, last time, first step, has a rotated segment]
+    spans: dict[tuple[int, int], list[Any]] = {}
     attempts: dict[int, set[int]] = {}
     # A line's "rank" decides its rank, not the file name it is in: one builder per rank seen.
     builders: dict[int, RankBuilder] = {}
@@ -178,7 +222,9 @@ def load_run(path: str) -> Run:
         kind, rank, attempt = m.group(1), int(m.group(2)), int(m.group(3) or 0)
         fpath = os.path.join(path, name)
         if kind == "steps":
-            take = partial(add_step, builders, file_rank=rank)
+            span = spans.setdefault((rank, attempt), [math.inf, -math.inf, math.inf, False])
+            span[3] = span[3] or m.group(4) is not None
+            take = partial(_take_step, builders, span, file_rank=rank)
         else:
             take = partial(_take_finding, run.findings, file_rank=rank)
         try:
@@ -195,4 +241,41 @@ def load_run(path: str) -> Run:
     run.columns = {r: b.finish() for r, b in builders.items()}
     run.findings.sort(key=lambda f: f.time)
     run.attempts = {r: sorted(a) for r, a in attempts.items()}
+    _note_rotation_and_launches(run, spans)
     return run
+
+
+def _take_step(builders: dict[int, RankBuilder], span: list[Any], d: Any, file_rank: int) -> bool:
+    if not add_step(builders, d, file_rank=file_rank):
+        return False
+    t, step = float(d["time"]), int(d["step"])
+    span[0], span[1], span[2] = min(span[0], t), max(span[1], t), min(span[2], step)
+    return True
+
+
+def _note_rotation_and_launches(run: Run, spans: dict[tuple[int, int], list[Any]]) -> None:
+    cfg = (run.manifest or {}).get("config")
+    offset = cfg.get("step_offset") if isinstance(cfg, dict) else None
+    offset = offset if isinstance(offset, int) and not isinstance(offset, bool) else 0
+    for (rank, k), (_, _, first, rotated) in sorted(spans.items()):
+        # The writer keeps one rotated segment (<name>.1): a rank that rotated twice lost its
+        # oldest steps. Known for the first launch, which starts at the configured step offset.
+        if k == 0 and rotated and first != math.inf and first > offset:
+            run.notes.append(
+                f"rank {rank}: steps {offset}-{first - 1} were rotated out (the records reached the "
+                "rank's share of STEPWATCH_DISK_BUDGET_MB; raise it to keep more); shown: from step "
+                f"{first}.")
+    by_rank: dict[int, list[tuple[float, float, int]]] = {}
+    for (rank, k), (t0, t1, _, _) in spans.items():
+        if t0 != math.inf:
+            by_rank.setdefault(rank, []).append((t0, t1, k))
+    for rank, launches in sorted(by_rank.items()):
+        launches.sort()
+        for (_, a_end, a), (b_start, _, b) in zip(launches, launches[1:]):
+            if b_start < a_end:  # an elastic restart starts after the attempt before it ended
+                run.concurrent = True
+                name = lambda k: f"steps.rank{rank}{'' if not k else f'.{k}'}.jsonl"  # noqa: E731
+                run.notes.append(
+                    f"{name(a)} and {name(b)} were written at the same time: two jobs ran in this "
+                    "directory at once (not an elastic restart), and their steps are mixed here. "
+                    "Give each job its own STEPWATCH_DIR or STEPWATCH_RUN_ID.")

@@ -55,7 +55,8 @@ def run_info(s: Summary) -> Table:
     rows.append(["ranks with records", ", ".join(map(str, run.ranks)) or "none"])
     restarts = sorted({a for att in run.attempts.values() for a in att})
     if len(restarts) > 1:
-        rows.append(["attempts", ", ".join(map(str, restarts)) + " (elastic restarts)"])
+        what = "two jobs at the same time: see below" if run.concurrent else "elastic restarts or relaunches"
+        rows.append(["attempts", ", ".join(map(str, restarts)) + f" ({what})"])
     t = Table("Run", ["", ""], rows)
     if not m:
         t.notes.append(run.manifest_error or "run.json missing: versions and command unknown.")
@@ -66,6 +67,7 @@ def run_info(s: Summary) -> Table:
     if isinstance(errs, dict) and errs:
         t.notes.append("stepwatch parts that failed and disabled themselves: "
                        + ", ".join(f"{k} ({v})" for k, v in sorted(errs.items())))
+    t.notes.extend(run.notes)
     if run.bad_lines:
         files = ", ".join(f"{n} ({c})" for n, c in sorted(run.bad_lines_by_file.items()))
         t.notes.append(f"{run.bad_lines} unreadable line(s) skipped (a crash mid-write?): {files}")
@@ -83,7 +85,9 @@ def _utc(t: float) -> str:
 def _mfu_basis(s: Summary) -> str:
     """MFU's denominator: device (from run.json), dtype and peak, as far as they are known."""
     o = s.overall
-    tm = ((s.run.manifest or {}).get("features") or {}).get("training_metrics") or {}
+    feats = (s.run.manifest or {}).get("features")
+    tm = feats.get("training_metrics") if isinstance(feats, dict) else None
+    tm = tm if isinstance(tm, dict) else {}
     parts = [str(tm["device"])] if tm.get("device") else []
     parts += list(o.mfu_dtypes)
     if o.peak_tflops:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-from .._files import make_private_dir
+from .._files import make_private_dir, private_run_dir
 
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
 PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,7 +83,9 @@ def build(cmd: list[str], *, nsys: bool, nsys_ranges: int, run_dir: str | None, 
             )
         if nsys_ranges < 1:
             raise ValueError(f"--nsys-ranges must be >= 1, got {nsys_ranges}")
-        out_dir = os.path.join(env.get("STEPWATCH_DIR") or os.getcwd(), "nsys")
+        base = env.get("STEPWATCH_DIR")
+        # beside the ranks' files: the same private subfolder when the run dir is not ours alone
+        out_dir = os.path.join(private_run_dir(base) if base else os.getcwd(), "nsys")
         make_private_dir(out_dir)
         # One nsys per node: its pid alone repeats across nodes in containers (and across
         # relaunches), so the node's name goes in too (only [A-Za-z0-9._-]: nsys expands %).

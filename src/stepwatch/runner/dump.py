@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 
+from .._files import private_subdir
 from .._os import pyspy
 from ..capture import signals
 
@@ -55,9 +56,7 @@ def _next_dir(run_dir: str) -> str:
     k = 1
     while os.path.exists(os.path.join(run_dir, f"dump-{k}")):
         k += 1
-    d = os.path.join(run_dir, f"dump-{k}")
-    os.makedirs(d, mode=0o700)
-    return d
+    return private_subdir(os.path.join(run_dir, f"dump-{k}"))
 
 
 def _signal_dump(run_dir: str, rank: int, pid: int, out_dir: str | None) -> bool:
@@ -101,6 +100,9 @@ def dump_pid(pid: int, *, native: bool, timeout_s: float) -> int:
 def dump_run_dir(run_dir: str, *, native: bool, timeout_s: float) -> int:
     if not os.path.isdir(run_dir):
         raise ValueError(f"RUN_DIR|PID: {run_dir!r} is neither a directory nor a pid")
+    private = os.path.join(run_dir, f"private-{os.getuid()}")
+    if os.path.isdir(private):  # a shared or foreign run dir: the job wrote into its private subfolder
+        run_dir = private
     ranks = {r: p for r, p in _ranks(run_dir).items() if _alive(p)}
     if not ranks:
         raise ValueError(f"no running rank of {run_dir} on this host (read from its rank<R>.json files)")

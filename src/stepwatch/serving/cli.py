@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any
 
+from .._files import private_run_dir
+
 
 def _positive(kind: type, what: str):
     def parse(s: str) -> Any:
@@ -143,7 +145,11 @@ def run(args: argparse.Namespace) -> int:
         print("stepwatch serve-vllm: --pid goes with --attach (a launched server's pid is known)", file=sys.stderr)
         return 2
     run_id = time.strftime("serve-%Y%m%d-%H%M%S")
-    run_dir = os.path.abspath(args.run_dir or os.path.join("stepwatch-runs", run_id))
+    try:
+        run_dir = private_run_dir(args.run_dir or os.path.join("stepwatch-runs", run_id))
+    except OSError as e:
+        print(f"stepwatch serve-vllm: error: cannot use the run directory ({e}); choose another with --run-dir", file=sys.stderr)
+        return 2
     seqs = args.max_num_seqs
     if seqs is None and cmd:
         from .wrapper import max_num_seqs

@@ -1,0 +1,158 @@
+"""SIGTERM: finish the run directory (last records, final manifest), then die of SIGTERM as before.
+
+SIGTERM (torchrun stopping the job, a scheduler's preemption) ends a Python process without
+``atexit``, so the final manifest was never written. A Python-level handler alone is not enough:
+it runs only when the main thread comes back to the interpreter, and a rank stuck in a
+collective (the very rank torchrun is stopping) stays in C++ until the process-group timeout:
+the default action ended it at once. So the wakeup fd (written by CPython's C-level handler, in
+any state of the main thread) is watched by a small thread too: when the Python handler has not
+started within a second, that thread finishes and ends the process itself.
+
+Installed only when the job has no SIGTERM handler of its own (one it installs later replaces
+this one) and the wakeup fd is free (asyncio uses it); only from the main thread.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Callable
+
+# Time to write the last records and the manifest (torchrun waits 30 s before SIGKILL).
+FINISH_S = 3.0
+# How long the main thread may take to run the Python handler before it counts as stuck in C.
+_STUCK_S = 1.0
+
+
+def _die(signum: int) -> None:
+    """The default action of ``signum`` from any thread (``signal.signal`` is main-thread only)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        libc.signal(signum, None)  # SIG_DFL
+        os.kill(os.getpid(), signum)
+    finally:
+        os._exit(128 + signum)  # not reached when the signal ended the process
+
+
+class SigtermFinisher:
+    def __init__(self, finish: Callable[[float], None]) -> None:
+        """``finish(timeout_s)``: the session's shutdown."""
+        self.finish = finish
+        self.pid = os.getpid()
+        self.installed = False
+        self._lock = threading.Lock()
+        self._started = threading.Event()
+        self._done = threading.Event()
+        self._closing = False
+        self._r = self._w = -1
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+                return
+            signal.signal(signal.SIGTERM, self._handler)
+        except (ValueError, OSError):
+            return
+        self.installed = True
+        try:
+            r, w = os.pipe()
+            os.set_blocking(w, False)  # CPython writes it from its signal handler
+            prev = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            return
+        if prev != -1:  # someone else's (an event loop): the Python handler alone
+            signal.set_wakeup_fd(prev)
+            os.close(r)
+            os.close(w)
+            return
+        self._r, self._w = r, w
+        threading.Thread(target=self._watch, name="stepwatch-sigterm", daemon=True).start()
+
+    def uninstall(self) -> None:
+        """At shutdown, from the main thread: the job's SIGTERM is the default again."""
+        if not self.installed or threading.current_thread() is not threading.main_thread():
+            return
+        self.installed = False
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._handler:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if self._w != -1:
+                prev = signal.set_wakeup_fd(-1)
+                if prev != self._w:  # not ours any more: give it back
+                    signal.set_wakeup_fd(prev)
+                    return  # and keep our pipe open: CPython may still write it
+                self._closing = True
+                os.write(self._w, b"\0")  # wake the watcher, which closes the pipe
+        except (ValueError, OSError):
+            pass
+
+    def after_fork_in_child(self) -> None:
+        """A forked child (DataLoader worker) must not signal through the parent's pipe."""
+        if self._w == -1 or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            signal.set_wakeup_fd(-1)
+            if signal.getsignal(signal.SIGTERM) == self._handler:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.close(self._r)
+            os.close(self._w)
+        except (ValueError, OSError):
+            pass
+        self._r = self._w = -1
+        self.installed = False
+
+    # -- finishing ------------------------------------------------------------------------------
+
+    def _finish_once(self) -> None:
+        with self._lock:
+            first = not self._started.is_set()
+            self._started.set()
+        if first:
+            threading.Thread(target=self._run_finish, name="stepwatch-sigterm-finish", daemon=True).start()
+        self._done.wait(FINISH_S)
+
+    def _run_finish(self) -> None:
+        try:
+            self.finish(FINISH_S / 2)
+        except Exception:  # dying anyway: nothing left to report to
+            pass
+        finally:
+            self._done.set()
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if os.getpid() == self.pid:
+            self._finish_once()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def _watch(self) -> None:
+        r, w = self._r, self._w
+        try:
+            while True:
+                try:
+                    data = os.read(r, 64)
+                except InterruptedError:
+                    continue
+                if not data or self._closing:
+                    return
+                if signal.SIGTERM not in data:
+                    continue
+                if self._started.wait(_STUCK_S):
+                    return  # the main thread runs the handler: it finishes and ends the process
+                self._finish_once()
+                _die(signal.SIGTERM)
+        except OSError:
+            return
+        finally:
+            if self._closing:
+                for fd in (r, w):
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass

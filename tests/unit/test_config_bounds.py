@@ -1,0 +1,63 @@
+"""Config bounds: every number is bounded at parse time, and the message names the variable and
+the valid range (values that passed before broke the job later: an OverflowError in a deque, a
+step number past int64, seven false hangs in 17 s)."""
+
+import dataclasses
+
+import pytest
+
+from stepwatch.config import Config, ConfigError, valid_values
+
+NUMERIC = [f for f in dataclasses.fields(Config)
+           if f.metadata.get("env") and any(t in str(f.type) for t in ("int", "float"))]
+
+
+def test_every_numeric_variable_is_covered():
+    assert len(NUMERIC) >= 25  # the test below really walks the whole table
+
+
+@pytest.mark.parametrize("f", NUMERIC, ids=lambda f: f.metadata["env"])
+@pytest.mark.parametrize("huge", ["1" * 40, "1e40"])
+def test_a_huge_value_is_refused_naming_the_variable_and_the_range(f, huge):
+    var = f.metadata["env"]
+    with pytest.raises(ConfigError) as e:
+        Config.from_env({var: huge})
+    msg = str(e.value)
+    assert var in msg and _upper(var) in msg, msg
+
+
+def _upper(var):
+    """The upper bound as the README's "Valid" column writes it."""
+    v = valid_values(var)
+    return (v.split("<=")[-1] if "<=" in v else v.split("..")[-1]).split(",")[0].strip()
+
+
+@pytest.mark.parametrize("f", NUMERIC, ids=lambda f: f.metadata["env"])
+def test_the_documented_upper_bound_itself_is_accepted(f):
+    var = f.metadata["env"]
+    hi = _upper(var).replace("_", "")
+    got = Config.from_env({var: hi})
+    assert float(getattr(got, f.name)) == float(hi)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"window": 1e20}, ["window", "<= 100_000"]),
+    ({"window": 10**20}, ["window", "<= 100_000"]),
+    ({"step_offset": 2**63}, ["step_offset", "<= 9_007_199_254_740_992"]),
+    ({"queue_size": float("inf")}, ["queue_size"]),
+    ({"hang_timeout": 0.001}, ["hang_timeout", ">= 1"]),
+    ({"flush_interval_s": 1e-9}, ["flush_interval_s", ">= 0.01"]),
+])
+def test_init_arguments_are_bounded_too(kwargs, words):
+    with pytest.raises(ConfigError) as e:
+        Config.from_env({}, **kwargs)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_the_values_from_the_issue_fail_at_parse_time():
+    for var, raw in (("STEPWATCH_WINDOW", "99999999999999999999"), ("STEPWATCH_STEP_OFFSET", str(2**63)),
+                     ("STEPWATCH_HANG_TIMEOUT", "0.001")):
+        with pytest.raises(ConfigError, match=var):
+            Config.from_env({var: raw})
+    assert Config.from_env({"STEPWATCH_HANG_TIMEOUT": "2.5"}).hang_timeout == 2.5

@@ -1,0 +1,130 @@
+"""A run's start and end as the run directory shows them: SIGTERM still writes the final
+manifest, a second launch keeps the first one's rank file, stale progress boards are cleaned."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TRAIN = r"""
+import sys, time, torch, stepwatch
+stepwatch.init(dir=sys.argv[1], console="off", flush_interval_s=0.05, watchdog="off", capture="off")
+m = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(int(sys.argv[2])):
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("trained", flush=True)
+if sys.argv[3] == "sleep":
+    time.sleep(120)  # killed here, as torchrun or a scheduler would
+else:
+    # stuck in C++ with the GIL released, as a rank in a collective whose peer died: a Python
+    # signal handler would not run before this returns (60 s)
+    import datetime
+    from torch.distributed import TCPStore
+    TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60)).get("never")
+"""
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run_and_term(run, steps, how="sleep"):
+    p = subprocess.Popen([sys.executable, "-c", TRAIN, str(run), str(steps), how], env=_env(),
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "trained"
+        time.sleep(0.5)  # inside the sleep / the store call
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(60)
+        return rc, time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("how", ["sleep", "stuck_in_cxx"])
+def test_sigterm_writes_the_final_manifest_and_still_dies_of_sigterm(tmp_path, how):
+    run = tmp_path / "run"
+    rc, took = _run_and_term(run, 7, how)
+    assert rc == -signal.SIGTERM  # the job's exit status is what it was without stepwatch
+    assert took < 15  # a stuck rank still ends within seconds, as it did without stepwatch
+    m = json.loads((run / "run.json").read_text())
+    assert m["end_time"] is not None and m["steps"] == 7
+    assert len((run / "steps.rank0.jsonl").read_text().splitlines()) == 7
+
+
+def test_a_job_with_its_own_sigterm_handler_keeps_it(tmp_path):
+    code = ("import signal, stepwatch; h = lambda s, f: None; signal.signal(signal.SIGTERM, h); "
+            f"stepwatch.init(dir={str(tmp_path / 'run')!r}, console='off', watchdog='off', capture='off'); "
+            "assert signal.getsignal(signal.SIGTERM) is h; stepwatch.shutdown(); "
+            "assert signal.getsignal(signal.SIGTERM) is h; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_a_second_launch_in_the_same_dir_keeps_the_first_ones_rank_file(sw, tmp_path):
+    stepwatch, mem, start = sw
+    run = tmp_path / "run"
+    start(dir=str(run))
+    stepwatch.shutdown()
+    first = json.loads((run / "rank0.json").read_text())
+    start(dir=str(run))
+    stepwatch.shutdown()
+    assert json.loads((run / "rank0.json").read_text()) == first
+    second = json.loads((run / "rank0.1.json").read_text())
+    assert second["start_time"] > first["start_time"]
+    assert sorted(n for n in os.listdir(run) if n.startswith("run")) == ["run.1.json", "run.json"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_stale_boards_of_killed_trainers_are_removed_at_start_only_ours(sw, tmp_path):
+    stepwatch, mem, start = sw
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    uid = os.getuid()
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    shm = "/dev/shm"
+    names = {
+        "stale": f"stepwatch-{uid}-job-x-1-rank0-{dead.pid}.board",
+        "young": f"stepwatch-{uid}-job-y-rank0-{dead.pid}.board",
+        "alive": f"stepwatch-{uid}-job-x-rank1-{alive.pid}.board",
+        "other_user": f"stepwatch-{uid + 1}-job-x-rank0-{dead.pid}.board",
+        "not_ours": f"someone-{uid}-job-x-rank0-{dead.pid}.board",
+        "link": f"stepwatch-{uid}-job-z-rank0-{dead.pid}.board",
+    }
+    paths = {k: os.path.join(shm, n) for k, n in names.items()}
+    try:
+        for k, p in paths.items():
+            if k == "link":
+                os.symlink(victim, p)
+            else:
+                with open(p, "wb") as f:
+                    f.write(b"\0" * 64)
+            if k != "young":
+                os.utime(p, (time.time() - 3600, time.time() - 3600), follow_symlinks=False)
+        start(dir=str(tmp_path / "run"), watchdog="on", capture="off")
+        gone = {k for k, p in paths.items() if not os.path.lexists(p)}
+        assert gone == {"stale"}
+        assert victim.read_text() == "keep"
+        stepwatch.shutdown()
+    finally:
+        alive.kill()
+        alive.wait()
+        for p in paths.values():
+            if os.path.lexists(p):
+                os.unlink(p)
