@@ -111,7 +111,7 @@ def clean_stale(run_dir: str) -> list[str]:
     too, could not unlink them), before making ours. Only names of this user's boards, only
     regular files this user owns, only of a pid that no longer runs, and not modified in the last
     minute; a link is never followed or removed. Returns the paths removed."""
-    from ..serving.procs import alive
+    from .._os.procs import alive
 
     uid = os.getuid()
     places = (("/dev/shm", re.compile(rf"^stepwatch-{uid}-.+-rank\d+-(\d+)\.board$")),
