@@ -91,12 +91,12 @@ def test_op_names(name, expected):
 
 def test_board_writes_fit_the_step_budget(tmp_path):
     """The foundation's budget is 20 us per step for everything; a step's board writes (a step end,
-    four phase changes, two collectives) must be a small part of it. Best of several rounds, so a
-    busy machine does not fail it."""
+    four phase changes, two collectives) must be a small part of it. Best of several rounds of this
+    thread's own CPU time, so a busy machine (time slices given to other processes) does not fail it."""
     b = progress.Board(str(tmp_path / "b"), rank=0)
     best = float("inf")
     for _ in range(7):
-        t0 = time.perf_counter_ns()
+        t0 = time.thread_time_ns()
         for i in range(2000):
             b.set_step(i)
             b.set_phase(1)
@@ -105,7 +105,7 @@ def test_board_writes_fit_the_step_budget(tmp_path):
             b.coll_enter("allreduce", 0, i, 100)
             b.coll_exit(i)
             b.set_phase(4)
-        best = min(best, (time.perf_counter_ns() - t0) / 2000)
+        best = min(best, (time.thread_time_ns() - t0) / 2000)
     b.close()
     assert best < 8_000, f"{best:.0f} ns per step"
 
