@@ -296,19 +296,17 @@ def test_wandb_offline_run_gets_summary_and_history(sw, wandb_offline, tmp_path)
     assert steps == sorted(steps) and len(set(steps)) == len(steps)
 
 
-def test_wandb_rows_are_sampled_above_the_rate_and_keep_the_newest():
-    from stepwatch.context import RunContext
-    from stepwatch.exporters.wandb import WandbExporter
-    from stepwatch.record import StepRecord
+def test_rows_are_sampled_above_the_rate_and_keep_the_newest():
+    from stepwatch.exporters.tracking import RowLimiter
 
     now = [0.0]
-    e = WandbExporter(RunContext(0, 0, 1, "h", "r", "/tmp"), rows_per_s=10, burst=5, clock=lambda: now[0])
-    recs = [StepRecord(step=i, rank=0, time=0.0, step_s=0.01) for i in range(20)]
-    first = e._admit_rows(recs)
-    assert [r.step for r in first] == [3, 7, 11, 15, 19]
+    lim = RowLimiter(10, 5, clock=lambda: now[0])
+    recs = list(range(20))
+    assert lim.admit(recs) == [3, 7, 11, 15, 19]
     now[0] = 0.5  # 5 more tokens
-    assert [r.step for r in e._admit_rows(recs[:3])] == [0, 1, 2]
-    assert e.sampled_out == 15
+    assert lim.admit(recs[:3]) == [0, 1, 2]
+    assert lim.admit(recs[:3]) == [1, 2]  # 2 tokens left: the newest kept
+    assert lim.sampled_out == 16
 
 
 # -- all three at once -------------------------------------------------------------------------

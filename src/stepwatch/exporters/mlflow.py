@@ -23,7 +23,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from .base import Batch
-from .tracking import PREFIX, FindingGate, TrackingExporter, finding_text, record_scalars
+from .tracking import PREFIX, FindingGate, RowLimiter, TrackingExporter, finding_text, record_scalars
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -37,6 +37,10 @@ HOLD_RECORDS = 4096
 FINDINGS_ARTIFACT = "stepwatch/findings.md"
 ARTIFACT_FINDINGS = 200
 ARTIFACT_EVERY_S = 60.0
+# Rows (steps) a second at most (tracking.RowLimiter): MLflow's SQL store takes ~200 µs a metric,
+# ~5 ms for a step's ~25. Steps of half a second or more are all logged.
+ROWS_PER_S = 2.0
+ROWS_BURST = 100
 
 
 class RunProbe:
@@ -96,6 +100,7 @@ class MlflowExporter(TrackingExporter):
         self._clients: dict[str, Any] = {}
         self._tagged: set[str] = set()
         self.gate = FindingGate()
+        self.rows = RowLimiter(ROWS_PER_S, ROWS_BURST, clock)
         self._artifact: dict[str, deque[str]] = {}
         self._artifact_dirty: set[tuple[str, str]] = set()
         self._artifact_at: dict[str, float] = {}
@@ -117,7 +122,7 @@ class MlflowExporter(TrackingExporter):
             self._deliver(final=False)
 
     def _deliver(self, *, final: bool) -> None:
-        records, findings = list(self._held), list(self._held_findings)
+        records, findings = self.rows.admit(list(self._held)), list(self._held_findings)
         self._held.clear()
         self._held_findings.clear()
         by_run: dict[tuple[str, str], tuple[list, list]] = {}

@@ -10,11 +10,12 @@ first batch, not before. The writer's own thread does the file I/O.
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .._files import make_private_dir
 from .base import Batch
-from .tracking import PREFIX, FindingGate, TrackingExporter, finding_text, record_scalars
+from .tracking import PREFIX, FindingGate, RowLimiter, TrackingExporter, finding_text, record_scalars
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -23,6 +24,10 @@ FINDINGS_TAG = PREFIX + "findings"
 # Seconds between the writer's own flushes to disk (torch's default is 120 s: a crash would lose
 # two minutes of curves, and TensorBoard would show them late).
 FLUSH_SECS = 5
+# Rows (steps) a second at most (tracking.RowLimiter): without TensorFlow, TensorBoard checksums
+# each event record in pure Python, ~0.7 ms for a step's ~25 scalars on the writer's thread.
+ROWS_PER_S = 20.0
+ROWS_BURST = 200
 
 
 def rank_dir(base: str, rank: int) -> str:
@@ -41,7 +46,9 @@ class TensorBoardExporter(TrackingExporter):
         self.dir = rank_dir(target, ctx.rank) if self.own else None
         self.writer: Any = None if self.own else target
         self.gate = FindingGate()
+        self.rows = RowLimiter(ROWS_PER_S, ROWS_BURST)
         self._last_step = 0
+        self._fast: Any = None  # (file writer, Summary class) for torch's SummaryWriter
 
     def _open(self) -> Any:
         if self.writer is None:
@@ -49,13 +56,28 @@ class TensorBoardExporter(TrackingExporter):
 
             make_private_dir(self.dir)
             self.writer = SummaryWriter(log_dir=self.dir, flush_secs=FLUSH_SECS)
+        if self._fast is None:
+            self._fast = False
+            SummaryWriter = getattr(sys.modules.get("torch.utils.tensorboard"), "SummaryWriter", None)
+            if SummaryWriter is not None and isinstance(self.writer, SummaryWriter):
+                from tensorboard.compat.proto.summary_pb2 import Summary
+
+                # One event per step with every value in it, as add_scalars' single-run
+                # equivalent: ~10x less than an add_scalar (and an event) per value.
+                self._fast = (self.writer._get_file_writer(), Summary)
         return self.writer
 
     def _export(self, batch: Batch) -> None:
         w = self._open()
-        for r in batch.records:
-            for key, value in record_scalars(r).items():
-                w.add_scalar(key, value, global_step=r.step, walltime=r.time)
+        for r in self.rows.admit(batch.records):
+            values = record_scalars(r)
+            if self._fast:
+                fw, Summary = self._fast
+                summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
+                fw.add_summary(summary, r.step, r.time)
+            else:
+                for key, value in values.items():
+                    w.add_scalar(key, value, global_step=r.step, walltime=r.time)
             self._last_step = r.step
         shown = self.gate.admit(batch.findings)
         if shown:

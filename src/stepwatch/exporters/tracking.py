@@ -113,6 +113,36 @@ class FindingGate:
         return f"({n} more finding(s) not shown here: see findings.rank<R>.jsonl in the run directory)"
 
 
+class RowLimiter:
+    """A token bucket of rows (records) a second: above the rate, records are sampled evenly,
+    the newest always kept. Each tool costs the background thread per row (MLflow's SQL store
+    ~200 µs a metric, TensorBoard's pure-Python record checksums ~0.7 ms a row, ``wandb.log``
+    ~0.6 ms), and a step of a second or more is always under the rate; every step stays in the
+    records file."""
+
+    def __init__(self, per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_s = per_s
+        self.burst = burst
+        self.clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+        self.sampled_out = 0
+
+    def admit(self, records: list) -> list:
+        now = self.clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s)
+        self._at = now
+        n = len(records)
+        k = min(n, int(self._tokens))
+        self._tokens -= k
+        if k >= n:
+            return records
+        self.sampled_out += n - k
+        if k <= 0:
+            return []
+        return [records[n - 1 - (i * n) // k] for i in reversed(range(k))]
+
+
 class TrackingExporter(Exporter):
     """Base of the tracking sinks: ``export`` calls :meth:`_export`; the first exception turns
     the sink off for good and is raised once, so the session counts it (``run.json``'s
