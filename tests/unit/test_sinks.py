@@ -333,3 +333,44 @@ def test_losses_unchanged_with_every_sink_on(sw, mlflow_store, tmp_path, monkeyp
     manifest = json.load(open(tmp_path / "run" / "run.json"))
     assert {"tensorboard", "wandb", "mlflow"} <= set(manifest["exporters"])
     assert manifest["internal_errors"] == {}
+
+
+LAZY_SCRIPT = r"""
+import sys
+import stepwatch.auto
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def train(n):
+    for _ in range(n):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+train(5)
+loaded = [m for m in ("wandb", "mlflow", "torch.utils.tensorboard", "tensorboard") if m in sys.modules]
+import mlflow  # the script starts using MLflow only now
+with mlflow.start_run() as run:
+    train(5)
+    stepwatch.shutdown()
+print(loaded, run.info.run_id)
+"""
+
+
+def test_no_tracking_library_is_imported_until_the_script_uses_one(tmp_path):
+    """In a fresh process (this test process has imported them all): the one-line import and 5
+    steps import none of the libraries; MLflow imported later is picked up from then on."""
+    import subprocess
+
+    from mlflow import MlflowClient
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPWATCH_", "MLFLOW_", "WANDB_"))}
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    env.update(PYTHONPATH=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "src"),
+               STEPWATCH_DIR=str(tmp_path / "run"), STEPWATCH_CONSOLE="off", MLFLOW_TRACKING_URI=db)
+    r = subprocess.run([sys.executable, "-c", LAZY_SCRIPT], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded, rid = r.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+    assert loaded == "[]", loaded
+    steps = sorted(m.step for m in MlflowClient(tracking_uri=db).get_metric_history(rid, "stepwatch/step_s"))
+    assert steps[-5:] == list(range(5, 10)), steps
