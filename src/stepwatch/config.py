@@ -136,6 +136,18 @@ def _flops_value(v: Any) -> Any:
     return v
 
 
+def _tensorboard_target(v: Any) -> Any:
+    """A log directory (str or path; empty = off) or a writer object with ``add_scalar``."""
+    if v is None:
+        return None
+    if isinstance(v, (str, os.PathLike)):
+        d = os.fspath(v)
+        return os.path.abspath(d) if d.strip() else None
+    if callable(getattr(v, "add_scalar", None)) and callable(getattr(v, "add_text", None)):
+        return v
+    raise ValueError("expected a directory path or a SummaryWriter (an object with add_scalar and add_text)")
+
+
 def _opt(env: str | None, doc: str, parse: Callable[[Any], Any]) -> dict[str, Any]:
     return {"env": env, "doc": doc, "parse": parse}
 
@@ -279,6 +291,36 @@ class Config:
             "STEPWATCH_OTEL",
             "OTLP metrics export when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `_METRICS_ENDPOINT`) is set; "
             "`0` keeps OTLP off even then. Protocol, headers, timeout: the standard `OTEL_EXPORTER_OTLP_*` variables.",
+            _bool_value,
+        ),
+    )
+    tensorboard: Any = field(
+        default=None,
+        metadata=_opt(
+            "STEPWATCH_TENSORBOARD",
+            "TensorBoard event files under `<dir>/rank<R>/` (one run per rank): `stepwatch/<field>` "
+            "scalars at the optimizer step, findings as text. As an argument also a `SummaryWriter` "
+            "to write into (docs/sinks.md). Unset: off.",
+            lambda v: _tensorboard_target(v),
+        ),
+    )
+    wandb: bool = field(
+        default=True,
+        metadata=_opt(
+            "STEPWATCH_WANDB",
+            "Log into the process's active W&B run (`wandb.run`), when there is one: "
+            "`stepwatch/<field>` against `stepwatch/step`, findings as a table (docs/sinks.md). "
+            "`0`: never.",
+            _bool_value,
+        ),
+    )
+    mlflow: bool = field(
+        default=True,
+        metadata=_opt(
+            "STEPWATCH_MLFLOW",
+            "Log into the MLflow run active on the training thread, when there is one: "
+            "`stepwatch/<field>` metrics at the optimizer step, findings as tags and a text "
+            "artifact (docs/sinks.md). `0`: never.",
             _bool_value,
         ),
     )
@@ -547,7 +589,11 @@ class Config:
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            out[f.name] = [getattr(e, "name", type(e).__name__) for e in v] if f.name == "exporters" else v
+            if f.name == "exporters":
+                v = [getattr(e, "name", type(e).__name__) for e in v]
+            elif f.name == "tensorboard" and v is not None and not isinstance(v, str):
+                v = type(v).__name__  # the user's writer object
+            out[f.name] = v
         return out
 
 

@@ -190,6 +190,8 @@ class Session:
             ("comm", cfg.comm, "stepwatch.comm"),
             # Hang watchdog, SIGUSR1 stack dumps, anomaly-triggered captures (docs/hang.md).
             ("capture", cfg.watchdog != "off" or cfg.capture != "off", "stepwatch.capture"),
+            # MLflow sink: its probe of the thread-local active run sits on the training thread.
+            ("mlflow", cfg.mlflow, "stepwatch.exporters.mlflow"),
         ]
         import importlib
 
@@ -349,6 +351,8 @@ class Session:
         except Exception as e:
             self._internal_error("exporter.start", e)
             exporters = list(self.config.exporters)
+        # A feature that is also a sink (MLflow: it must see the training thread from init).
+        exporters.extend(f for f in self.features_started if isinstance(f, Exporter))
         self.exporters = exporters
         self._exporter_names = [getattr(e, "name", type(e).__name__) for e in exporters]
         for e in exporters:

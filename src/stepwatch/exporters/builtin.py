@@ -50,7 +50,33 @@ def build_exporters(config: "Config", ctx: "RunContext") -> list[Exporter]:
             )
         except ValueError as e:  # a bad OTEL_* value: named in the message
             logger.warning("metrics export is off: %s", e)
+    out.extend(_tracking_sinks(config, ctx))
     out.extend(config.exporters)
+    return out
+
+
+def _tracking_sinks(config: "Config", ctx: "RunContext") -> list[Exporter]:
+    """TensorBoard when asked for; W&B unless turned off, inert until the script has a run of its
+    own (docs/sinks.md). Neither library is imported here."""
+    out: list[Exporter] = []
+    if config.tensorboard is not None:
+        import importlib.util
+
+        if isinstance(config.tensorboard, str) and importlib.util.find_spec("tensorboard") is None:
+            logger.warning(
+                "STEPWATCH_TENSORBOARD=%s: TensorBoard export is off: the tensorboard package is not "
+                "installed. Install it with: pip install tensorboard", config.tensorboard,
+            )
+        else:
+            from .tensorboard import TensorBoardExporter
+
+            out.append(TensorBoardExporter(ctx, config.tensorboard))
+    if config.wandb:
+        from .wandb import WandbExporter
+
+        out.append(WandbExporter(ctx))
+    # MLflow's exporter is started with the session's features (session.py): its probe of the
+    # thread-local active run must be on the training thread from the first step.
     return out
 
 

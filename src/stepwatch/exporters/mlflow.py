@@ -1,0 +1,206 @@
+"""MLflow: when an MLflow run is active, step records go into it as ``stepwatch/<field>`` metrics
+at the optimizer step, findings as tags (``stepwatch/finding/<kind>``: the latest of each kind)
+and a text artifact (``stepwatch/findings.md``). No setting needed; ``STEPWATCH_MLFLOW=0`` turns
+it off.
+
+``mlflow.active_run()`` is thread-local: the run the training script started is visible on the
+training thread only. :class:`RunProbe` looks there, at each step end (a dict lookup when mlflow
+is not imported, ~1 µs when it is), and keeps the run id and tracking URI each time they change;
+the exporter logs each record, with ``MlflowClient`` from stepwatch's background thread, into the
+run that was active when its step ended. The exporter is started as a session feature
+(:func:`install`, at init on the training thread) so that the probe sees every step end from the
+first one; the session then hands it batches like any other exporter.
+
+mlflow is never imported here unless the script imported it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable
+
+from .base import Batch
+from .tracking import PREFIX, FindingGate, RowLimiter, TrackingExporter, finding_text, record_scalars
+
+if TYPE_CHECKING:
+    from ..context import RunContext
+
+# MLflow's limit of metrics per log_batch call (mlflow/utils/validation.py MAX_METRICS_PER_BATCH).
+BATCH_METRICS = 1000
+# Tag values are capped at 8000 characters (MAX_TAG_VAL_LENGTH); a finding's summary is far less.
+TAG_CHARS = 5000
+# Records kept while the probe has not looked yet (it looks at the next step end).
+HOLD_RECORDS = 4096
+FINDINGS_ARTIFACT = "stepwatch/findings.md"
+ARTIFACT_FINDINGS = 200
+ARTIFACT_EVERY_S = 60.0
+# Rows (steps) a second at most (tracking.RowLimiter): MLflow's SQL store takes ~200 µs a metric,
+# ~5 ms for a step's ~25. Steps of half a second or more are all logged.
+ROWS_PER_S = 2.0
+ROWS_BURST = 100
+
+
+class RunProbe:
+    """Training thread: which MLflow run is active. ``changes`` holds ``(step, current)`` each time
+    the answer changes, ``current`` being ``(run_id, tracking_uri)`` or None, so that each record
+    goes to the run that was active when its step ended; ``seen`` says it has looked at least once."""
+
+    __slots__ = ("changes", "_rid")
+
+    def __init__(self) -> None:
+        # Bounded: a record older than the oldest change kept goes to the oldest run kept.
+        self.changes: deque[tuple[int, tuple[str, str] | None]] = deque(maxlen=64)
+        self._rid: str | None = None
+
+    @property
+    def seen(self) -> bool:
+        return bool(self.changes)
+
+    def on_step_end(self, step: int) -> None:
+        mlflow = sys.modules.get("mlflow")
+        if mlflow is None:
+            return
+        try:
+            run = mlflow.active_run()
+            rid = run.info.run_id if run is not None else None
+            if rid != self._rid or not self.changes:
+                self._rid = rid
+                self.changes.append((step, (rid, mlflow.get_tracking_uri()) if rid is not None else None))
+        except Exception:  # an mlflow that misbehaves: no run as far as stepwatch can tell
+            if self._rid is not None or not self.changes:
+                self._rid = None
+                self.changes.append((step, None))
+
+    def run_at(self, step: int | None) -> tuple[str, str] | None:
+        """The run active when ``step`` ended (None: the latest); before the first look, the first."""
+        changes = tuple(self.changes)  # one C-level copy: the training thread may append meanwhile
+        if not changes:
+            return None
+        current = changes[0][1]
+        for at, c in changes:
+            if step is not None and at > step:
+                break
+            current = c
+        return current
+
+
+class MlflowExporter(TrackingExporter):
+    name = "mlflow"
+
+    def __init__(self, ctx: "RunContext", *, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.clock = clock
+        self.probe = RunProbe()
+        self._held: deque = deque(maxlen=HOLD_RECORDS)
+        self._held_findings: deque = deque(maxlen=ARTIFACT_FINDINGS)
+        self._clients: dict[str, Any] = {}
+        self._tagged: set[str] = set()
+        self.gate = FindingGate()
+        self.rows = RowLimiter(ROWS_PER_S, ROWS_BURST, clock)
+        self._artifact: dict[str, deque[str]] = {}
+        self._artifact_dirty: set[tuple[str, str]] = set()
+        self._artifact_at: dict[str, float] = {}
+
+    def _client(self, uri: str) -> Any:
+        c = self._clients.get(uri)
+        if c is None:
+            from mlflow import MlflowClient
+
+            c = self._clients[uri] = MlflowClient(tracking_uri=uri)
+        return c
+
+    def _export(self, batch: Batch) -> None:
+        if sys.modules.get("mlflow") is None:
+            return  # the script does not use MLflow (yet): nothing to log into
+        self._held.extend(batch.records)
+        self._held_findings.extend(batch.findings)
+        if self.probe.seen:
+            self._deliver(final=False)
+
+    def _deliver(self, *, final: bool) -> None:
+        records, findings = self.rows.admit(list(self._held)), list(self._held_findings)
+        self._held.clear()
+        self._held_findings.clear()
+        by_run: dict[tuple[str, str], tuple[list, list]] = {}
+        for r in records:
+            run = self.probe.run_at(r.step)
+            if run is not None:
+                by_run.setdefault(run, ([], []))[0].append(r)
+        for f in findings:
+            run = self.probe.run_at(f.step)
+            if run is not None:
+                by_run.setdefault(run, ([], []))[1].append(f)
+        for (rid, uri), (recs, finds) in by_run.items():
+            self._log(rid, uri, recs, finds)
+        now = self.clock()
+        for rid, uri in list(self._artifact_dirty):
+            if final or now - self._artifact_at.get(rid, -ARTIFACT_EVERY_S) >= ARTIFACT_EVERY_S:
+                lines = self._artifact[rid]
+                self._client(uri).log_text(
+                    rid, "# stepwatch findings\n\n" + "\n\n".join(lines) + "\n", FINDINGS_ARTIFACT
+                )
+                self._artifact_dirty.discard((rid, uri))
+                self._artifact_at[rid] = now
+
+    def _log(self, rid: str, uri: str, records: list, findings: list) -> None:
+        from mlflow.entities import Metric
+
+        client = self._client(uri)
+        if rid not in self._tagged:
+            client.set_tag(rid, PREFIX + "run_dir", self.ctx.run_dir)
+            self._tagged.add(rid)
+        metrics = [
+            Metric(key, value, int(r.time * 1000), r.step)
+            for r in records
+            for key, value in record_scalars(r).items()
+        ]
+        for i in range(0, len(metrics), BATCH_METRICS):
+            client.log_batch(rid, metrics=metrics[i : i + BATCH_METRICS], synchronous=True)
+        shown = self.gate.admit(findings)
+        if not shown:
+            return
+        lines = self._artifact.setdefault(rid, deque(maxlen=ARTIFACT_FINDINGS))
+        for f in shown:
+            client.set_tag(rid, f"{PREFIX}finding/{f.kind}", f"{f.severity}: {f.summary}"[:TAG_CHARS])
+            lines.append(finding_text(f))
+        note = self.gate.note()
+        if note:
+            lines.append(note)
+        self._artifact_dirty.add((rid, uri))
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        """At shutdown. Called from the thread that shuts stepwatch down (usually the training
+        thread): look for the run once more there if the probe never ran, then log what waits."""
+        if self.off or sys.modules.get("mlflow") is None:
+            return True
+        if not self.probe.seen and threading.current_thread().name != "stepwatch-pipeline":
+            self.probe.on_step_end(-1)
+        if self.probe.seen:
+            try:
+                self._deliver(final=True)
+            except Exception:
+                self.off = True
+                raise
+        return True
+
+    # -- as a session feature (started at init, beside the others; see :func:`install`) --------
+
+    def stop(self) -> None:
+        return None  # force_flush/shutdown come with the other exporters
+
+    def status(self) -> dict[str, Any]:
+        return {"run_seen": self.probe.run_at(None) is not None, "off": self.off}
+
+
+def install(session: Any) -> MlflowExporter | None:
+    """Training thread, at init: the exporter and its run probe among the step-end listeners, so
+    the probe sees every step from the first. The session adds it to its exporters."""
+    if session.tracker is None:
+        return None
+    e = MlflowExporter(session.ctx)
+    session.tracker.listeners.append(e.probe.on_step_end)
+    return e

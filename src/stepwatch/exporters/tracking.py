@@ -1,0 +1,170 @@
+"""What the experiment-tracking sinks (TensorBoard, W&B, MLflow) share: the ``stepwatch/<field>``
+names of a record, the findings' text and its rate limit, and "a library that fails is counted
+and turned off".
+
+Pure Python: importing this module imports none of the tracking libraries.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections import deque
+from typing import Any, Callable
+
+from ..record import Finding, StepRecord
+from .base import Batch, Exporter
+from .names import _tokens_per_s
+
+log = logging.getLogger("stepwatch")
+
+PREFIX = "stepwatch/"
+# The x-axis every tool gets: the optimizer step (StepRecord.step).
+STEP_KEY = PREFIX + "step"
+
+# Record fields exported as stepwatch/<field>, in the record schema's order. Left out: step (the
+# x-axis), rank and time (the series' identity), clock and mfu_dtype (text), peak_tflops (a
+# constant of the device); phases, scalars and gpu follow as stepwatch/<group>/<name>.
+FIELDS: tuple[str, ...] = (
+    "step_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s", "eval_s",
+    "checkpoint_s", "mem_peak_bytes", "flops", "mfu", "hfu", "tokens", "samples", "grad_norm",
+    "comm_s", "comm_exposed_s", "overlap", "allreduce_s", "algbw_gbps", "busbw_gbps",
+    "comm_wait_s", "checkpoint_bytes", "checkpoint_gbps",
+)
+
+# MLflow accepts alphanumerics, _ - . / and space in a key (mlflow/utils/validation.py,
+# _VALID_PARAM_AND_METRIC_NAMES); the other tools accept those too. User-chosen names (phases,
+# stepwatch.log keys) get every other character replaced, so one name works in all three.
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-./ ]")
+
+
+def _key(group: str, name: str) -> str:
+    return f"{PREFIX}{group}/{_UNSAFE.sub('_', str(name))[:200]}"
+
+
+def _num(v: Any) -> float | None:
+    if v is None or isinstance(v, str):
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def record_scalars(r: StepRecord) -> dict[str, float]:
+    """The record as ``{stepwatch/<field>: value}``: unknown (None) and non-finite values left out."""
+    out: dict[str, float] = {}
+    for name in FIELDS:
+        v = _num(getattr(r, name, None))
+        if v is not None:
+            out[PREFIX + name] = v
+    tps = _num(_tokens_per_s(r))
+    if tps is not None:
+        out[PREFIX + "tokens_per_s"] = tps
+    out[PREFIX + "skipped"] = 1.0 if r.skipped else 0.0
+    for group, values in (("phases", r.phases), ("scalars", r.scalars), ("gpu", r.gpu)):
+        for k, v in (values or {}).items():
+            f = _num(v) if not isinstance(v, bool) else None
+            if f is not None:
+                out[_key(group, k)] = f
+    return out
+
+
+def finding_text(f: Finding) -> str:
+    """One finding as a short Markdown paragraph (TensorBoard's text plugin renders Markdown)."""
+    where = f"step {f.step}" if f.step is not None else "no step"
+    return f"**{f.severity.upper()} {f.kind}** (rank {f.rank}, {where}): {f.summary}  \n→ {f.action}"
+
+
+class FindingGate:
+    """At most ``per_window`` findings per ``window_s`` reach a tool; the rest are counted and
+    named in the next one that passes (every finding is in ``findings.rank<R>.jsonl``)."""
+
+    def __init__(self, per_window: int = 10, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_window = per_window
+        self.window_s = window_s
+        self.clock = clock
+        self._sent: deque[float] = deque()
+        self.suppressed = 0  # not yet reported
+        self.suppressed_total = 0
+
+    def admit(self, findings: list[Finding]) -> list[Finding]:
+        now = self.clock()
+        while self._sent and now - self._sent[0] >= self.window_s:
+            self._sent.popleft()
+        out = []
+        for f in findings:
+            if len(self._sent) < self.per_window:
+                self._sent.append(now)
+                out.append(f)
+            else:
+                self.suppressed += 1
+                self.suppressed_total += 1
+        return out
+
+    def note(self) -> str:
+        """A line about the findings held back since the last call ('' when none)."""
+        n, self.suppressed = self.suppressed, 0
+        if not n:
+            return ""
+        return f"({n} more finding(s) not shown here: see findings.rank<R>.jsonl in the run directory)"
+
+
+class RowLimiter:
+    """A token bucket of rows (records) a second: above the rate, records are sampled evenly,
+    the newest always kept. Each tool costs the background thread per row (MLflow's SQL store
+    ~200 µs a metric, TensorBoard's pure-Python record checksums ~0.7 ms a row, ``wandb.log``
+    ~0.6 ms), and a step of a second or more is always under the rate; every step stays in the
+    records file."""
+
+    def __init__(self, per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_s = per_s
+        self.burst = burst
+        self.clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+        self.sampled_out = 0
+
+    def admit(self, records: list) -> list:
+        now = self.clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s)
+        self._at = now
+        n = len(records)
+        k = min(n, int(self._tokens))
+        self._tokens -= k
+        if k >= n:
+            return records
+        self.sampled_out += n - k
+        if k <= 0:
+            return []
+        return [records[n - 1 - (i * n) // k] for i in reversed(range(k))]
+
+
+class TrackingExporter(Exporter):
+    """Base of the tracking sinks: ``export`` calls :meth:`_export`; the first exception turns
+    the sink off for good and is raised once, so the session counts it (``run.json``'s
+    ``internal_errors``, an ``internal_error`` finding) and logs it once; later batches are
+    counted in :meth:`dropped` (shown by the console)."""
+
+    def __init__(self) -> None:
+        self.off = False
+        self._dropped = 0
+
+    def export(self, batch: Batch) -> None:
+        if self.off:
+            self._dropped += len(batch.records)
+            return
+        try:
+            self._export(batch)
+        except Exception:
+            self.off = True
+            raise
+
+    def _export(self, batch: Batch) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def dropped(self) -> int:
+        return self._dropped

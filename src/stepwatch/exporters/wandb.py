@@ -1,0 +1,120 @@
+"""Weights & Biases: when this process has an active run (``wandb.run``), step records go into it
+as ``stepwatch/<field>`` with ``stepwatch/step`` (the optimizer step) as their x-axis, and
+findings as the ``stepwatch/findings`` table. No setting needed; ``STEPWATCH_WANDB=0`` turns it off.
+
+Never ``step=``: W&B drops a row whose ``step=`` does not increase, and every ``wandb.log``
+advances the run's own step (``_step``). So each run gets ``define_metric("stepwatch/*",
+step_metric="stepwatch/step")`` and rows without ``step=``: stepwatch's rows advance ``_step``
+too (see docs/sinks.md for what that means for a script that passes ``step=`` itself).
+
+wandb is never imported here: a script that uses W&B has imported it, and one that has not has no
+run to log into. Runs on stepwatch's background thread only (``wandb.log`` costs ~1 ms).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable
+
+from .base import Batch
+from .tracking import PREFIX, STEP_KEY, FindingGate, RowLimiter, TrackingExporter, record_scalars
+
+if TYPE_CHECKING:
+    from ..context import RunContext
+    from ..record import Finding
+
+FINDINGS_KEY = PREFIX + "findings"
+FINDING_COLUMNS = ["step", "rank", "severity", "kind", "summary", "action"]
+# Rows a second at most (tracking.RowLimiter): W&B is built for a few logs a second, and each
+# costs the background thread ~0.6 ms and a row of the run's history.
+ROWS_PER_S = 10.0
+ROWS_BURST = 100
+# The findings table: the latest findings, re-logged at most once a minute and at shutdown.
+TABLE_ROWS = 200
+TABLE_EVERY_S = 60.0
+
+
+class WandbExporter(TrackingExporter):
+    name = "wandb"
+
+    def __init__(
+        self,
+        ctx: "RunContext",
+        *,
+        rows_per_s: float | None = None,
+        burst: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.clock = clock
+        self.rows = RowLimiter(ROWS_PER_S if rows_per_s is None else rows_per_s, ROWS_BURST if burst is None else burst, clock)
+        self._run: Any = None
+        self.gate = FindingGate()
+        self._findings: deque[list[Any]] = deque(maxlen=TABLE_ROWS)
+        self._table_dirty = False
+        self._table_at = -TABLE_EVERY_S
+
+    def _active_run(self) -> Any:
+        wandb = sys.modules.get("wandb")
+        run = getattr(wandb, "run", None) if wandb is not None else None
+        if run is not None and run is not self._run:
+            # A new run (the first, or one after wandb.finish()): our x-axis for our keys only.
+            run.define_metric(STEP_KEY)
+            run.define_metric(PREFIX + "*", step_metric=STEP_KEY)
+            self._findings.clear()
+            self._table_dirty = False
+        self._run = run
+        return run
+
+    def _export(self, batch: Batch) -> None:
+        run = self._active_run()
+        if run is None:
+            return
+        rows = self.rows.admit(batch.records)
+        for f in self.gate.admit(batch.findings):
+            self._add_finding(f)
+        last = len(rows) - 1
+        for i, r in enumerate(rows):
+            row: dict[str, Any] = {STEP_KEY: r.step, **record_scalars(r)}
+            if i == last:
+                self._maybe_table(row, final=False)
+            run.log(row)
+        if not rows and self._table_dirty and batch.findings:
+            row = {}
+            self._maybe_table(row, final=False)
+            if row:
+                run.log(row)
+
+    def _add_finding(self, f: "Finding") -> None:
+        self._findings.append([f.step, f.rank, f.severity, f.kind, f.summary, f.action])
+        self._table_dirty = True
+
+    def _maybe_table(self, row: dict[str, Any], *, final: bool) -> None:
+        """Put the findings table into ``row`` (one row less than logging it alone) when it changed
+        and a minute has passed since the last one, or at shutdown."""
+        now = self.clock()
+        if not self._table_dirty or (not final and now - self._table_at < TABLE_EVERY_S):
+            return
+        import wandb  # already imported: the run exists
+
+        note = self.gate.note()
+        data = list(self._findings)
+        if note:
+            data.append([None, self.ctx.rank, "info", "suppressed", note, ""])
+        row[FINDINGS_KEY] = wandb.Table(columns=FINDING_COLUMNS, data=data)
+        self._table_dirty = False
+        self._table_at = now
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        """At shutdown: the findings table not logged yet goes out now, in its own row."""
+        if self.off:
+            return True
+        run = self._active_run()
+        if run is not None and self._table_dirty:
+            row: dict[str, Any] = {}
+            self._maybe_table(row, final=True)
+            run.log(row)
+        return True

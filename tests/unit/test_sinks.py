@@ -1,0 +1,376 @@
+"""TensorBoard, W&B and MLflow sinks (docs/sinks.md), each with the real library, fed by the real
+hooks on a small CPU training loop, read back the way a user would: TensorBoard's
+EventAccumulator, MlflowClient on a local SQLite store, a W&B offline run's summary and its run
+file. Nothing is mocked."""
+
+import glob
+import json
+import logging
+import os
+import struct
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+STEPS = 40
+
+
+def _train(stepwatch, steps=STEPS, *, slow_data_s=0.0, log_loss=None):
+    """A seeded SGD loop; returns the losses (as Python floats, read after the loop)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return steps * 4
+
+        def __getitem__(self, i):
+            if slow_data_s:
+                time.sleep(slow_data_s)
+            g = torch.Generator().manual_seed(i)
+            return torch.randn(8, generator=g), torch.randn(1, generator=g)
+
+    losses = []
+    for x, y in torch.utils.data.DataLoader(Data(), batch_size=4):
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if stepwatch is not None:
+            stepwatch.log(loss=loss.detach())
+        if log_loss is not None:
+            log_loss(loss.detach())
+    return [float(l) for l in losses]
+
+
+def _clean_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith(("STEPWATCH_", "WANDB_", "MLFLOW_")):
+            monkeypatch.delenv(k)
+
+
+# -- TensorBoard -------------------------------------------------------------------------------
+
+
+def _scalars(logdir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(logdir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc, [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_tensorboard_dir_gets_one_step_s_per_step_in_the_rank_folder(sw, tmp_path, monkeypatch):
+    stepwatch, mem, start = sw
+    tb = tmp_path / "tb"
+    monkeypatch.setenv("STEPWATCH_TENSORBOARD", str(tb))
+    start(records=False, window=10, data_wait_threshold_ms=1.0)
+    _train(stepwatch, slow_data_s=0.001)  # 4 ms of data wait a step: a data_loading finding
+    stepwatch.shutdown()
+
+    assert os.listdir(tb) == ["rank0"]
+    assert oct(os.stat(tb / "rank0").st_mode & 0o777) == "0o700"
+    acc, step_s = _scalars(str(tb / "rank0"), "stepwatch/step_s")
+    assert [s for s, _ in step_s] == list(range(STEPS))
+    want = {r.step: r.step_s for r in mem.records}
+    assert all(abs(v - want[s]) < 1e-6 * max(1.0, want[s]) for s, v in step_s)
+    tags = acc.Tags()["scalars"]
+    for tag in ("stepwatch/data_wait_s", "stepwatch/forward_s", "stepwatch/backward_s", "stepwatch/scalars/loss"):
+        assert tag in tags, tags
+    _, loss = _scalars(str(tb / "rank0"), "stepwatch/scalars/loss")
+    assert len(loss) == STEPS
+    # The finding, as a text summary.
+    assert any(f.kind == "data_loading" for f in mem.findings)
+    texts = [
+        t.tensor_proto.string_val[0].decode()
+        for t in acc.Tensors("stepwatch/findings/text_summary")
+    ]
+    assert any("data_loading" in t for t in texts), texts
+
+
+def test_tensorboard_writes_into_the_users_summary_writer_and_leaves_it_open(sw, tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    stepwatch, mem, start = sw
+    writer = SummaryWriter(log_dir=str(tmp_path / "mine"))
+    start(records=False, tensorboard=writer)
+    for i in range(3):
+        writer.add_scalar("train/loss", 1.0 / (i + 1), i)
+    _train(stepwatch, steps=10)
+    stepwatch.shutdown()
+    writer.add_scalar("train/loss", 0.1, 3)  # still the user's, still open
+    writer.close()
+    _, step_s = _scalars(str(tmp_path / "mine"), "stepwatch/step_s")
+    assert [s for s, _ in step_s] == list(range(10))
+    _, loss = _scalars(str(tmp_path / "mine"), "train/loss")
+    assert len(loss) == 4
+
+
+def test_tensorboard_bad_argument_names_it(sw):
+    stepwatch, _, start = sw
+    with pytest.raises(stepwatch.ConfigError, match="tensorboard=.*directory path or a SummaryWriter"):
+        start(tensorboard=42)
+
+
+# -- MLflow ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A local SQLite tracking store (MLflow >= 3.13 refuses the file store); artifacts under tmp."""
+    _clean_env(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    import mlflow
+
+    yield mlflow
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+
+
+def test_mlflow_active_run_gets_one_step_s_per_step(sw, mlflow_store, tmp_path):
+    mlflow = mlflow_store
+    from mlflow import MlflowClient
+
+    stepwatch, mem, start = sw
+    with mlflow.start_run() as run:
+        # Started before the run, as `import stepwatch.auto` at the top of a script is.
+        start(records=False, window=10, data_wait_threshold_ms=1.0)
+        mlflow.log_param("lr", 0.05)
+        _train(stepwatch, slow_data_s=0.001)
+        stepwatch.shutdown()
+    rid = run.info.run_id
+    client = MlflowClient()
+    hist = client.get_metric_history(rid, "stepwatch/step_s")
+    assert sorted(m.step for m in hist) == list(range(STEPS))
+    want = {r.step: r.step_s for r in mem.records}
+    assert all(abs(m.value - want[m.step]) < 1e-9 for m in hist)
+    assert len(client.get_metric_history(rid, "stepwatch/scalars/loss")) == STEPS
+    data = client.get_run(rid).data
+    assert "stepwatch/data_wait_s" in data.metrics and data.params == {"lr": "0.05"}
+    assert data.tags["stepwatch/run_dir"] == str(tmp_path / "run")
+    assert data.tags["stepwatch/finding/data_loading"].startswith("warning: ")
+    art = client.download_artifacts(rid, "stepwatch/findings.md", str(tmp_path / "dl"))
+    assert "data_loading" in open(art, encoding="utf-8").read()
+
+
+def test_mlflow_logs_each_step_into_the_run_active_when_it_ended(sw, mlflow_store):
+    """A sweep in one process: run A, a stretch with no run, run B. Each run gets its own steps."""
+    mlflow = mlflow_store
+    from mlflow import MlflowClient
+
+    stepwatch, mem, start = sw
+    start(records=False)
+
+    def hist(run):
+        return sorted(m.step for m in MlflowClient().get_metric_history(run.info.run_id, "stepwatch/step_s"))
+
+    def wait_for_a_pass():
+        n = len(mem.records)
+        deadline = time.monotonic() + 30
+        while len(mem.records) == n and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    with mlflow.start_run() as a:
+        _train(stepwatch, steps=10)  # steps 0-9
+        wait_for_a_pass()
+    _train(stepwatch, steps=10)  # steps 10-19, no run
+    wait_for_a_pass()
+    with mlflow.start_run() as b:
+        _train(stepwatch, steps=10)  # steps 20-29
+        stepwatch.shutdown()
+    assert len(mem.records) == 30
+    # A step ends at the next iteration's first fetch: the last step of a stretch may end after
+    # its run did (step 9 outside A, step 19 inside B).
+    assert hist(a) in (list(range(10)), list(range(9))), hist(a)
+    assert hist(b) in (list(range(20, 30)), list(range(19, 30))), hist(b)
+
+
+def test_mlflow_failure_is_counted_and_turns_the_sink_off(sw, mlflow_store, tmp_path):
+    """A run deleted under the job: MLflow refuses every write. One warning, one count in
+    run.json, the sink off, every record still in the records file."""
+    mlflow = mlflow_store
+    from mlflow import MlflowClient
+
+    stepwatch, mem, start = sw
+    seen = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("stepwatch").addHandler(handler)
+    try:
+        with mlflow.start_run() as run:
+            MlflowClient().delete_run(run.info.run_id)
+            start()
+            _train(stepwatch, steps=30)
+            stepwatch.shutdown()
+            MlflowClient().restore_run(run.info.run_id)  # so that the with-block can end it
+    finally:
+        logging.getLogger("stepwatch").removeHandler(handler)
+    manifest = json.load(open(tmp_path / "run" / "run.json"))
+    assert manifest["internal_errors"] == {"exporter.mlflow": 1}
+    assert "mlflow" in manifest["exporters"]
+    assert len([m for m in seen if "mlflow" in m]) == 1, seen
+    with open(tmp_path / "run" / "steps.rank0.jsonl") as f:
+        assert len(f.readlines()) == 30
+    assert len(mem.records) == 30
+
+
+# -- W&B ---------------------------------------------------------------------------------------
+
+
+def _wandb_rows(run_file):
+    """History rows of an offline run file (a LevelDB-style log of protobuf records: 32 KiB
+    blocks of [crc32, length, type] chunks behind a 7-byte ':W&B' header), and whether the run's
+    exit record is in yet: wandb-core may still be writing the file when finish() returns."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = open(run_file, "rb").read()
+    assert data[:4] == b":W&B"
+    pos, block, rows, buf, done = 7, 32768, [], b"", False
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:
+            pos += left  # zero padding to the block's end
+            continue
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            buf = b""
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
+            done = done or rec.WhichOneof("record_type") == "exit"
+    return rows, done
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    _clean_env(monkeypatch)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
+    yield wandb
+    if wandb.run is not None:
+        wandb.finish()
+
+
+def test_wandb_offline_run_gets_summary_and_history(sw, wandb_offline, tmp_path):
+    wandb = wandb_offline
+    stepwatch, mem, start = sw
+    start(records=False)
+    run = wandb.init(project="stepwatch-test", mode="offline")
+    # The user's own curve, logged without step= beside stepwatch's.
+    _train(stepwatch, log_loss=lambda l: wandb.log({"train/loss": float(l)}))
+    stepwatch.shutdown()
+    assert "stepwatch/step_s" in run.summary.keys()
+    last = max(mem.records, key=lambda r: r.step)
+    assert run.summary["stepwatch/step"] == last.step == STEPS - 1
+    assert abs(run.summary["stepwatch/step_s"] - last.step_s) < 1e-9
+    run_dir = os.path.dirname(run.dir)
+    run.finish()
+    files = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    assert len(files) == 1
+    deadline = time.monotonic() + 60
+    rows, done = _wandb_rows(files[0])
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.2)
+        rows, done = _wandb_rows(files[0])
+    assert done, "the offline run file never got its exit record"
+    ours = [r for r in rows if "stepwatch/step_s" in r]
+    missing = set(range(STEPS)) - {r["stepwatch/step"] for r in ours}
+    assert len(ours) == STEPS and not missing, (missing, [r.get("_step") for r in rows])
+    assert len([r for r in rows if "train/loss" in r]) == STEPS  # none of the user's rows lost
+    steps = [r["_step"] for r in rows]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+
+
+def test_rows_are_sampled_above_the_rate_and_keep_the_newest():
+    from stepwatch.exporters.tracking import RowLimiter
+
+    now = [0.0]
+    lim = RowLimiter(10, 5, clock=lambda: now[0])
+    recs = list(range(20))
+    assert lim.admit(recs) == [3, 7, 11, 15, 19]
+    now[0] = 0.5  # 5 more tokens
+    assert lim.admit(recs[:3]) == [0, 1, 2]
+    assert lim.admit(recs[:3]) == [1, 2]  # 2 tokens left: the newest kept
+    assert lim.sampled_out == 16
+
+
+# -- all three at once -------------------------------------------------------------------------
+
+
+def test_losses_unchanged_with_every_sink_on(sw, mlflow_store, tmp_path, monkeypatch):
+    mlflow = mlflow_store
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
+    stepwatch, mem, start = sw
+    without = _train(None)
+    start(tensorboard=str(tmp_path / "tb"))
+    run = wandb.init(project="stepwatch-test", mode="offline")
+    try:
+        with mlflow.start_run():
+            with_all = _train(stepwatch)
+            stepwatch.shutdown()
+    finally:
+        run.finish()
+    assert with_all == without
+    manifest = json.load(open(tmp_path / "run" / "run.json"))
+    assert {"tensorboard", "wandb", "mlflow"} <= set(manifest["exporters"])
+    assert manifest["internal_errors"] == {}
+
+
+LAZY_SCRIPT = r"""
+import sys
+import stepwatch.auto
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def train(n):
+    for _ in range(n):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+train(5)
+loaded = [m for m in ("wandb", "mlflow", "torch.utils.tensorboard", "tensorboard") if m in sys.modules]
+import mlflow  # the script starts using MLflow only now
+with mlflow.start_run() as run:
+    train(5)
+    stepwatch.shutdown()
+print(loaded, run.info.run_id)
+"""
+
+
+def test_no_tracking_library_is_imported_until_the_script_uses_one(tmp_path):
+    """In a fresh process (this test process has imported them all): the one-line import and 5
+    steps import none of the libraries; MLflow imported later is picked up from then on."""
+    import subprocess
+
+    from mlflow import MlflowClient
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPWATCH_", "MLFLOW_", "WANDB_"))}
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    env.update(PYTHONPATH=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "src"),
+               STEPWATCH_DIR=str(tmp_path / "run"), STEPWATCH_CONSOLE="off", MLFLOW_TRACKING_URI=db)
+    r = subprocess.run([sys.executable, "-c", LAZY_SCRIPT], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded, rid = r.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+    assert loaded == "[]", loaded
+    steps = sorted(m.step for m in MlflowClient(tracking_uri=db).get_metric_history(rid, "stepwatch/step_s"))
+    assert steps[-5:] == list(range(5, 10)), steps
