@@ -67,8 +67,17 @@ def make_loop(width: int, batch: int, steps: int):
 # What runs "on": the foundation alone (step/phase timing, NVTX, records, detectors), and every
 # default feature on top (FLOPs/tokens/grad-norm are real work on CPU: see flops_gradnorm.py).
 VARIANTS = {
-    "foundation": dict(training_metrics=False, comm=False, gpu_telemetry=False),
+    "foundation": dict(training_metrics=False, comm=False, gpu_telemetry=False, memory=False),
+    "+ memory": dict(training_metrics=False, comm=False, gpu_telemetry=False),
     "all defaults": dict(),
+}
+# The bookkeeping table: the foundation, and the memory feature on top of it at its default read
+# interval and reading every step (on CPU one read is a pread of /proc/self/statm; on a GPU it adds
+# one call of the allocator's statistics: scripts/gpu_check_session.py prints its cost).
+BOOKKEEPING = {
+    "foundation": VARIANTS["foundation"],
+    "+ memory (every 10)": VARIANTS["+ memory"],
+    "+ memory (every 1)": dict(VARIANTS["+ memory"], memory_every=1),
 }
 
 
@@ -121,11 +130,22 @@ def hook_sequence(tr):
 
 
 def bookkeeping(n: int, run_dir: str) -> None:
+    print(f"\nbookkeeping per step, training thread (hook sequence of one step, CPU time, best of 3 x {n}),")
+    print("and the background thread per record (build, enrich, detect, write the records file):")
+    first = None
+    for name, cfg in BOOKKEEPING.items():
+        cost, base, bg = bookkeeping_of(n, os.path.join(run_dir, name.replace(" ", "_")), cfg)
+        first = first or (cost, bg)
+        print(f"  {name:>20}: stepwatch {cost / 1e3:6.2f} us vs empty loop {base / 1e3:.2f} us -> "
+              f"{(cost - base) / 1e3:6.2f} us added ({(cost - first[0]) / 1e3:+.2f} us vs foundation); "
+              f"background {bg / 1e3:6.2f} us/record ({(bg - first[1]) / 1e3:+.2f})")
+
+
+def bookkeeping_of(n: int, run_dir: str, cfg: dict) -> tuple[float, float, float]:
     """The tracker's per-step work in isolation: the hook sequence of one step, n times, timed as
     the training thread's own CPU time (the background thread runs as in a job, but its work is
     not counted here); then the background pass over a batch of records, timed on its own."""
-    s = stepwatch.init(dir=os.path.join(run_dir, "bookkeeping"), console="off", queue_size=n + 16,
-                       **VARIANTS["foundation"])
+    s = stepwatch.init(dir=run_dir, console="off", queue_size=n + 16, **cfg)
     one_step = hook_sequence(s.tracker)
 
     def timed(fn, reps: int) -> float:
@@ -150,9 +170,7 @@ def bookkeeping(n: int, run_dir: str) -> None:
     s._pass(final=True)
     bg = (time.thread_time_ns() - t) / m
     stepwatch.shutdown()
-    print(f"\nbookkeeping per step, training thread (hook sequence of one step, CPU time, best of 3 x {n}):")
-    print(f"  stepwatch {cost / 1e3:.2f} us  vs empty loop {base / 1e3:.2f} us  -> {(cost - base) / 1e3:.2f} us added")
-    print(f"background thread per record (build, enrich, detect, write the records file): {bg / 1e3:.2f} us")
+    return cost, base, bg
 
 
 def main() -> None:

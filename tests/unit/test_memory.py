@@ -250,3 +250,50 @@ def test_bad_memory_settings_name_the_variable():
         Config.from_env({"STEPWATCH_MEMORY_EVERY": "0"})
     with pytest.raises(ConfigError, match="STEPWATCH_MEMORY_HISTORY.*auto, on, off"):
         Config.from_env({"STEPWATCH_MEMORY_HISTORY": "sometimes"})
+
+
+class FakeMemoryModule:
+    def __init__(self):
+        self.calls = []
+
+    def _record_memory_history(self, **kw):
+        self.calls.append(kw)
+
+
+def test_session_fills_cuda_fields_counts_retries_per_read_and_arms_the_history_on_growth(sw):
+    """A real session and loop on CPU; only torch.cuda is a stand-in serving the fixture's stats."""
+    import torch
+
+    stepwatch, mem, start = sw
+    s = start(memory_every=1, training_metrics=False, comm=False, gpu_telemetry=False)
+    feat = next(f for f in s.features_started if f.name == "memory")
+    cuda = FakeCuda(json.load(open(FIXTURE)))
+    cuda.mem_get_info = lambda dev: (3000 * MiB, 80 * G)
+    cuda.memory = FakeMemoryModule()
+    probe = MemoryProbe(every=1, cuda=cuda)
+    s.tracker.collectors[s.tracker.collectors.index(feat.probe)] = probe
+    feat.probe = probe
+    m = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for i in range(60):
+        if i == 30:
+            cuda.stats["num_alloc_retries"] = 5
+        m(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 10:
+            import time
+
+            time.sleep(1.2)  # a background sample of the device's free memory
+    stepwatch.shutdown()
+    recs = mem.records
+    assert all(r.mem_allocated_bytes == 3 * G // 2 and r.mem_reserved_bytes == 6 * G for r in recs)
+    assert all(r.mem_peak_bytes == 2 * G and r.mem_fragmentation_bytes == 4 * G for r in recs)
+    assert sum(r.mem_alloc_retries for r in recs) == 2 and recs[0].mem_alloc_retries == 0
+    assert any(r.mem_device_free_bytes == 3000 * MiB for r in recs)
+    kinds = {f.kind for f in mem.findings}
+    assert {"memory_fragmentation", "memory_near_limit"} <= kinds, kinds
+    # near-limit fired: the bounded allocation history was switched on, and off at shutdown
+    assert cuda.memory.calls[0] == dict(enabled="all", context="all", stacks="python", max_entries=20000)
+    assert cuda.memory.calls[-1] == dict(enabled=None)
+    assert not [f for f in mem.findings if f.kind == "internal_error"]

@@ -154,9 +154,7 @@ class MemoryFeature:
         if dev is not None:
             if self.history_mode == "on" and not self.history_on:
                 self._history(True)
-            import torch
-
-            self._device = torch.cuda.mem_get_info(dev)
+            self._device = tuple(self.probe.cuda.mem_get_info(dev))
 
     def _read_workers(self) -> tuple[int | None, int | None, int]:
         me = os.getpid()
@@ -203,18 +201,18 @@ class MemoryFeature:
 
     def _history(self, on: bool) -> None:
         """CUDA's allocation history, bounded to ``history_entries`` alloc/free events."""
-        import torch
-
+        record = self.probe.cuda.memory._record_memory_history
         if on:
-            torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
-                                                     max_entries=self.history_entries)
+            record(enabled="all", context="all", stacks="python", max_entries=self.history_entries)
         else:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            record(enabled=None)
         self.history_on = on
 
     def collect(self, records: list[StepRecord]) -> tuple[list[dict[str, Any]], list[Finding]]:
         with self._oom_lock:
             got, self._oom_findings = self._oom_findings, []
+        if self.oom.pending:
+            self.oom.write_records(self._last[-1].step if self._last else None, final=False)
         return [], got
 
     def on_findings(self, findings: list[Finding]) -> None:
@@ -238,6 +236,8 @@ class MemoryFeature:
                 self._history(False)
             except Exception as e:
                 self._err("memory.history", e)
+        if self.oom.pending:  # after the session's last pass: every record there will be is in
+            self.oom.write_records(None, final=True)
         self.probe.close()
 
     def status(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -77,6 +78,27 @@ class OomForensics:
         self.max_dumps = max_dumps
         self.seen = 0
         self.dumps: list[str] = []
+        self.pending: list[tuple[str, int]] = []
+        self._lock = threading.Lock()  # pending: appended on the training thread, drained on the pipeline's
+
+    def write_records(self, last_step: int | None, *, final: bool) -> None:
+        """Background thread: ``records.jsonl`` of each dump whose earlier steps the pipeline has
+        now seen (``last_step``: the newest record's step), or of every dump at shutdown."""
+        with self._lock:
+            todo, self.pending = self.pending, []
+        keep = []
+        for where, step in todo:
+            if not final and (last_step is None or last_step < step - 1):
+                keep.append((where, step))
+                continue
+            rows = [r for r in self.records() if r["step"] < step]
+            try:
+                write_private(os.path.join(where, "records.jsonl"),
+                              "".join(json.dumps(r, default=str) + "\n" for r in rows))
+            except OSError:
+                pass
+        with self._lock:
+            self.pending[:0] = keep
 
     def handle(self, exc: BaseException, *, phase: str, step: int) -> Finding:
         self.seen += 1
@@ -124,8 +146,10 @@ class OomForensics:
                             f.write(body)
                     else:
                         write_private(os.path.join(where, name), body)
-                write_private(os.path.join(where, "records.jsonl"),
-                              "".join(json.dumps(r, default=str) + "\n" for r in self.records()))
+                # The pipeline is up to a pass behind the training thread: the last records are
+                # written once it has seen the steps before this one (write_records).
+                with self._lock:
+                    self.pending.append((where, step))
                 self.dumps.append(where)
             except OSError as e:
                 report["write_error"] = str(e)

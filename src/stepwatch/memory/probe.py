@@ -62,6 +62,7 @@ class MemoryProbe(Collector):
         self._stats: Any = None
         self._reset: Any = None
         self.device: int | None = None
+        self.cuda: Any = None  # the torch.cuda in use, once found (the background thread asks it too)
         self._cuda = cuda
         self._looked = 0
 
@@ -80,6 +81,7 @@ class MemoryProbe(Collector):
             fn = getattr(sys.modules["torch"]._C, "_cuda_memoryStats", None)
         self._stats = fn or cuda.memory_stats_as_nested_dict
         self._reset = cuda.reset_peak_memory_stats
+        self.cuda = cuda
 
     def take(self) -> Any:
         self._left -= 1
