@@ -297,3 +297,26 @@ def test_session_fills_cuda_fields_counts_retries_per_read_and_arms_the_history_
     assert cuda.memory.calls[0] == dict(enabled="all", context="all", stacks="python", max_entries=20000)
     assert cuda.memory.calls[-1] == dict(enabled=None)
     assert not [f for f in mem.findings if f.kind == "internal_error"]
+
+
+def test_report_draws_host_memory_per_step(sw, tmp_path):
+    import torch
+
+    stepwatch, mem, start = sw
+    start(memory_every=2, training_metrics=False, comm=False, gpu_telemetry=False)
+    m = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(40):
+        m(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    from stepwatch.cli import main
+
+    assert main(["report", str(tmp_path / "run")]) == 0
+    html = (tmp_path / "run" / "report.html").read_text()
+    i = html.index("Host memory (rank 0)")
+    assert "<svg" in html[i:i + 400] and "trainer RSS" in html[i:]
+    assert "Device memory" not in html  # no CUDA here: no device chart
+    recs = [json.loads(ln) for ln in (tmp_path / "run" / "steps.rank0.jsonl").read_text().splitlines()]
+    assert [r["host_rss_bytes"] is not None for r in recs[:4]] == [True, False, True, False]

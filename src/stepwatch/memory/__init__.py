@@ -108,7 +108,8 @@ class MemoryFeature:
         # An OOM that no hooked phase saw on its way out (optimizer.step, user code): still written
         # down, in the phase the tracker was in; then the previous hook prints it as before.
         try:
-            if v is not None and self.session.tracker is not None:
+            # (a forked child inherits the hook: the parent's session is not its to write for)
+            if v is not None and self.session.tracker is not None and os.getpid() == self.session.pid:
                 self._on_exception(self.session.tracker.phase_now(), v)
         except Exception as e:
             self._err("memory.excepthook", e)
