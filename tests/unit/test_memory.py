@@ -320,3 +320,15 @@ def test_report_draws_host_memory_per_step(sw, tmp_path):
     assert "Device memory" not in html  # no CUDA here: no device chart
     recs = [json.loads(ln) for ln in (tmp_path / "run" / "steps.rank0.jsonl").read_text().splitlines()]
     assert [r["host_rss_bytes"] is not None for r in recs[:4]] == [True, False, True, False]
+
+
+def test_a_failing_allocator_read_is_reported_once_and_leaves_the_host_numbers():
+    class Broken(FakeCuda):
+        def memory_stats_as_nested_dict(self, device):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    errors = []
+    p = MemoryProbe(every=1, cuda=Broken({}), on_error=lambda where, e: errors.append(where))
+    got = [p.take() for _ in range(3)]
+    assert [g[1] for g in got] == [None, None, None] and all(g[0] for g in got)
+    assert errors == ["memory.cuda"]

@@ -41,7 +41,7 @@ class MemoryFeature:
         cfg = session.config
         self.session = session
         self._err = getattr(session, "report_error", None) or session._internal_error
-        self.probe = MemoryProbe(cfg.memory_every, reset_peak=cfg.memory_peak_reset)
+        self.probe = MemoryProbe(cfg.memory_every, reset_peak=cfg.memory_peak_reset, on_error=self._err)
         self.limit = HostLimit()
         self.history_mode = cfg.memory_history
         self.history_entries = cfg.memory_history_entries
@@ -121,7 +121,11 @@ class MemoryFeature:
         now = time.monotonic()
         if now >= self._next_sample:
             self._next_sample = now + SAMPLE_EVERY_S
-            self._sample()
+            try:
+                self._sample()
+            except Exception as e:  # the samples stop; the per-step fields go on
+                self._next_sample = float("inf")
+                self._err("memory.sample", e)
         got = extras.get("memory")
         if got is not None:
             rss, cuda = got

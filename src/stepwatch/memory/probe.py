@@ -54,7 +54,8 @@ class MemoryProbe(Collector):
 
     name = "memory"
 
-    def __init__(self, every: int = 10, *, reset_peak: bool = True, cuda: Any = None) -> None:
+    def __init__(self, every: int = 10, *, reset_peak: bool = True, cuda: Any = None,
+                 on_error: Any = None) -> None:
         self.every = every
         self.reset_peak = reset_peak
         self._left = 1  # the first step end reads
@@ -64,7 +65,8 @@ class MemoryProbe(Collector):
         self.device: int | None = None
         self.cuda: Any = None  # the torch.cuda in use, once found (the background thread asks it too)
         self._cuda = cuda
-        self._looked = 0
+        self._on_error = on_error
+        self._cuda_off = False  # the allocator's statistics failed once: host numbers only from then on
 
     def _find_cuda(self) -> None:
         cuda = self._cuda
@@ -88,13 +90,20 @@ class MemoryProbe(Collector):
         if self._left > 0:
             return None
         self._left = self.every
-        if self._stats is None:
-            self._find_cuda()
         cuda = None
-        if self._stats is not None:
-            cuda = cuda_numbers(self._stats(self.device))
-            if self.reset_peak:
-                self._reset(self.device)
+        try:
+            if self._stats is None and not self._cuda_off:
+                self._find_cuda()
+            if self._stats is not None:
+                cuda = cuda_numbers(self._stats(self.device))
+                if self.reset_peak:
+                    self._reset(self.device)
+        except Exception as e:  # never into the step tracker: that would stop step tracking too
+            cuda = None
+            self._stats = None
+            self._cuda_off = True
+            if self._on_error is not None:
+                self._on_error("memory.cuda", e)
         return self._rss(), cuda
 
     def close(self) -> None:
