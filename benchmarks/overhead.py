@@ -141,6 +141,23 @@ def bookkeeping(n: int, run_dir: str) -> None:
               f"background {bg / 1e3:6.2f} us/record ({(bg - first[1]) / 1e3:+.2f})")
 
 
+def memory_read_cost(n: int = 20000) -> None:
+    """The memory collector's take() alone, hot (no loop around it): what a read costs and what it
+    costs per step at the default interval (on CPU: one pread of /proc/self/statm)."""
+    from stepwatch.memory.probe import MemoryProbe
+
+    print("memory collector alone, hot (training thread CPU time per step end, best of 5):")
+    for every in (1, 10):
+        take = MemoryProbe(every=every).take
+        best = float("inf")
+        for _ in range(5):
+            t = time.thread_time_ns()
+            for _ in range(n):
+                take()
+            best = min(best, (time.thread_time_ns() - t) / n)
+        print(f"  every {every:>2}: {best / 1e3:.2f} us per step")
+
+
 def bookkeeping_of(n: int, run_dir: str, cfg: dict) -> tuple[float, float, float]:
     """The tracker's per-step work in isolation: the hook sequence of one step, n times, timed as
     the training thread's own CPU time (the background thread runs as in a job, but its work is
@@ -182,6 +199,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         side_by_side(args.blocks, args.steps, d)
         bookkeeping(20000, d)
+        memory_read_cost()
 
 
 if __name__ == "__main__":
