@@ -332,3 +332,41 @@ def test_a_failing_allocator_read_is_reported_once_and_leaves_the_host_numbers()
     got = [p.take() for _ in range(3)]
     assert [g[1] for g in got] == [None, None, None] and all(g[0] for g in got)
     assert errors == ["memory.cuda"]
+
+
+def test_memory_metrics_reach_otel_and_prometheus_names():
+    """Records -> the OTel exporter (the SDK's in-memory reader): gauges keep the last read (a
+    record without a read exports nothing for them), counters add retries and OOMs."""
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from stepwatch.context import RunContext
+    from stepwatch.exporters.base import Batch
+    from stepwatch.exporters.otel import OTelExporter
+
+    reader = InMemoryMetricReader()
+    e = OTelExporter(RunContext(rank=0, local_rank=0, world_size=1, run_id="t", run_dir="/tmp", host="h", pid=1),
+                     readers=[reader], environ={})
+    try:
+        e.export(Batch(records=[
+            StepRecord(step=0, rank=0, time=1.0, step_s=0.1, mem_allocated_bytes=G, mem_reserved_bytes=2 * G,
+                       mem_fragmentation_bytes=G // 2, mem_alloc_retries=2, mem_ooms=0, host_rss_bytes=3 * G,
+                       workers_uss_bytes=MiB, workers_pss_bytes=5 * MiB, mem_device_free_bytes=4 * G),
+            StepRecord(step=1, rank=0, time=1.1, step_s=0.1),  # no read this step
+            StepRecord(step=2, rank=0, time=1.2, step_s=0.1, mem_allocated_bytes=G + 1, mem_alloc_retries=3,
+                       mem_ooms=1, host_rss_bytes=3 * G + 1),
+        ]))
+        got = {}
+        for rm in reader.get_metrics_data().resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    got[m.name] = getattr(m.data.data_points[0], "value", None)
+    finally:
+        e.shutdown()
+    assert got["training_memory_allocated_bytes"] == G + 1
+    assert got["training_memory_reserved_bytes"] == 2 * G
+    assert got["training_memory_fragmentation_bytes"] == G // 2
+    assert got["training_host_rss_bytes"] == 3 * G + 1
+    assert got["training_dataloader_workers_uss_bytes"] == MiB
+    assert got["training_dataloader_workers_pss_bytes"] == 5 * MiB
+    assert got["training_memory_device_free_bytes"] == 4 * G
+    assert got["training_memory_alloc_retries_total"] == 5 and got["training_memory_ooms_total"] == 1
