@@ -44,7 +44,7 @@ SIZES = {"0.5": ("~0.5 ms", 8, 4), "2": ("~2 ms", 256, 64), "20": ("~20 ms", 768
 NO_GRAD_NORM = 10**9  # grad_norm_every: probe once, then never (FLOPs/tokens without grad-norm)
 
 # The foundation: step/phase timing, the records file, the detectors; nothing optional.
-FOUNDATION = dict(training_metrics=False, comm=False, gpu_telemetry=False, nvtx=False,
+FOUNDATION = dict(training_metrics=False, comm=False, gpu_telemetry=False, nvtx=False, memory=False,
                   watchdog="off", capture="off", otel=False)
 # Each optional feature as the settings it adds on top of the foundation.
 FEATURES = [
@@ -53,6 +53,7 @@ FEATURES = [
     ("grad-norm", dict(training_metrics=True, grad_norm_every=1)),
     ("comm", dict(comm=True)),
     ("gpu telemetry", dict(gpu_telemetry=True)),
+    ("memory", dict(memory=True)),  # read every 10 steps (STEPWATCH_MEMORY_EVERY), its default
 ]
 
 
@@ -230,7 +231,19 @@ def hot(run_dir: str, n: int) -> dict[str, float]:
               f" (target <= 1.2x)   {'met' if cost / floor <= 1.2 else 'NOT met'}")
     out["grad_norm_floor_us"] = floor / 1e3
     stepwatch.shutdown()
+    memory_read_cost(n)
     return out
+
+
+def memory_read_cost(n: int = 20000) -> None:
+    """The memory collector's read alone, hot: what one costs, and per step at the default
+    interval (on CPU one pread of /proc/self/statm; on a GPU one call of the allocator's
+    statistics too: scripts/gpu_check_session.py prints that cost)."""
+    from stepwatch.memory.probe import MemoryProbe
+
+    for every in (1, 10):
+        take = MemoryProbe(every=every).take
+        print(f"  memory collector, read every {every:>2} steps  {_timed(take, n) / 1e3:8.2f} us per step")
 
 
 def _find_probe(session):
@@ -293,7 +306,7 @@ def main() -> None:
         h = hot(d, args.hot_n)
         background(d)
     if "0.5" in sizes:
-        all_defaults = loop["+ gpu telemetry"]["0.5"]
+        all_defaults = loop[f"+ {FEATURES[-1][0]}"]["0.5"]
         floor = h.get("grad_norm_floor_us", 0.0)
         print(f"\nIn the ~0.5 ms loop, all defaults add {all_defaults:.1f} us per step; target <= 40 us + the "
               f"grad-norm floor ({floor:.1f} us) = {40 + floor:.1f} us: "

@@ -16,10 +16,19 @@ from the current sources), with no host-device sync anywhere in the loop. Checks
    without clipping, the reused clip norm in steps with it), ``scalars.loss`` the logged CUDA loss,
    ``tokens`` the attention mask's sum (from step 1: step 0's forward runs before the root
    modules are found, as without a DataLoader anywhere);
-4. the run manifest names the native CUDA timing backend.
+4. the run manifest names the native CUDA timing backend;
+5. memory, read at every step end (``memory_every=1``) with no sync (check 1 covers steps 5-24):
+   each record's ``mem_allocated_bytes`` equals ``torch.cuda.memory_allocated()`` read by the loop
+   at the same point, reserved >= peak >= allocated, and the host RSS is known;
+6. OOM forensics on a real CUDA OOM: a forward that asks for more than the device has raises
+   ``torch.OutOfMemoryError`` unchanged, and ``oom-1/`` holds report.json (the requested size parsed
+   from the allocator's message), memory_stats.json, memory_summary.txt and a memory_snapshot.pickle
+   with an allocation trace (``memory_history="on"``);
+7. measured, not checked: one memory read's cost on the training thread, and the allocation
+   history's cost per step (the same loop with and without ``_record_memory_history``).
 
 Exit status: 0 all checks passed, 1 a check failed, 2 could not run (no GPU, no compiler).
-``--cpu`` runs the same loop on the CPU without the device-only checks (1, 2, 4): a rehearsal of
+``--cpu`` runs the same loop on the CPU without the device-only checks (1, 2, 4, 6, 7; 5 checks the host RSS only): a rehearsal of
 this script where there is no GPU, so a device lease is not spent on the script's own bugs.
 """
 
@@ -88,11 +97,22 @@ def main(argv: list[str] | None = None) -> int:
             return (loss * attention_mask.flatten()).sum() / attention_mask.sum()
 
     lm = TokenModel(model)
+
+    class Greedy(nn.Module):
+        """Asks for more than the device has (check 6); made before training so it is a hooked root."""
+
+        def forward(self, x):
+            free, total = torch.cuda.mem_get_info()
+            return torch.empty(total + (1 << 30), dtype=torch.uint8, device=x.device)
+
+    greedy = Greedy()
+    greedy_in = torch.zeros(1, device=dev)  # allocated before the loop: check 5 compares every step
     run = tempfile.mkdtemp(prefix="sw-run-")
     mem = stepwatch.InMemoryExporter()
     stepwatch.init(dir=run, console="off", watchdog="off", capture="off", gpu_telemetry=False,
-                   exporters=[mem], flush_interval_s=0.05)
-    losses, norms = [], []
+                   exporters=[mem], flush_interval_s=0.05, memory_every=1,
+                   memory_history="on" if gpu else "off")
+    losses, norms, allocated = [], [], []
     for step, b in enumerate(batches):
         if gpu and step == SYNC_CHECKED.start:
             torch.cuda.set_sync_debug_mode("error")
@@ -109,8 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad()
         stepwatch.log(loss=loss.detach())
         losses.append(loss.detach())
+        # what stepwatch reads at this step's end (the next forward): nothing allocates in between
+        allocated.append(torch.cuda.memory_allocated() if gpu else None)
     if gpu:
         torch.cuda.set_sync_debug_mode("default")
+    oom_seen = None
+    if gpu:
+        try:
+            greedy(greedy_in)
+        except torch.OutOfMemoryError as e:
+            oom_seen = e
     stepwatch.shutdown()
     if gpu:
         torch.cuda.synchronize()
@@ -148,6 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         # step 0's forward runs before the root modules are found (no DataLoader here: README)
         if step >= 1 and r.tokens != want_tokens:
             failures.append(f"step {step}: tokens {r.tokens}, mask sum {want_tokens}")
+        if gpu and r.mem_allocated_bytes != allocated[step]:
+            failures.append(f"step {step}: mem_allocated_bytes {r.mem_allocated_bytes}, torch says {allocated[step]}")
+        if gpu and not (r.mem_reserved_bytes or 0) >= (r.mem_peak_bytes or 0) >= (r.mem_allocated_bytes or 1) > 0:
+            failures.append(f"step {step}: reserved {r.mem_reserved_bytes} >= peak {r.mem_peak_bytes} >= "
+                            f"allocated {r.mem_allocated_bytes} > 0 does not hold")
+        if not r.host_rss_bytes:
+            failures.append(f"step {step}: host_rss_bytes {r.host_rss_bytes}")
+        row.update(mem_allocated=r.mem_allocated_bytes, mem_peak=r.mem_peak_bytes, host_rss=r.host_rss_bytes)
+    if gpu:
+        failures += _check_oom(run, oom_seen)
+        _measure_memory_costs(torch, lm, batches)
     with open(os.path.join(run, "run.json"), encoding="utf-8") as f:
         backend = json.load(f).get("features", {}).get("timing_backend")
     if gpu and backend != "native cuda":
@@ -160,6 +199,61 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"rows": rows, "backend": backend, "failures": failures}, f, indent=2, default=str)
     print("gpu_check_session: " + ("PASS" if not failures else "FAIL:\n  " + "\n  ".join(failures[:20])))
     return 0 if not failures else 1
+
+
+def _check_oom(run: str, exc) -> list[str]:
+    import pickle
+
+    if exc is None:
+        return ["no torch.OutOfMemoryError from a forward asking for more than the device has"]
+    out = []
+    d = os.path.join(run, "oom-1")
+    for name in ("report.json", "memory_stats.json", "memory_summary.txt", "memory_snapshot.pickle"):
+        if not os.path.exists(os.path.join(d, name)):
+            out.append(f"oom-1/{name} missing")
+    if out:
+        return out
+    with open(os.path.join(d, "report.json"), encoding="utf-8") as f:
+        rep = json.load(f)
+    from stepwatch.memory.oom import requested_bytes
+
+    if rep["phase"] != "forward" or rep["requested_bytes"] != requested_bytes(str(exc)) or not rep["requested_bytes"]:
+        out.append(f"oom-1/report.json: phase {rep['phase']}, requested {rep['requested_bytes']} ({str(exc)[:120]})")
+    with open(os.path.join(d, "memory_snapshot.pickle"), "rb") as f:
+        snap = pickle.load(f)
+    if not any(snap.get("device_traces") or []):
+        out.append("memory_snapshot.pickle has no allocation trace (history was on)")
+    print(f"oom-1: {sorted(os.listdir(d))}; requested {rep['requested_bytes']}")
+    return out
+
+
+def _measure_memory_costs(torch, lm, batches) -> None:
+    import time
+
+    from stepwatch.memory.probe import MemoryProbe
+
+    p = MemoryProbe(every=1)
+    p.take()
+    t = time.perf_counter_ns()
+    for _ in range(1000):
+        p.take()
+    print(f"memory read (rss + allocator stats + peak reset): {(time.perf_counter_ns() - t) / 1000 / 1e3:.1f} us")
+
+    def block(n: int = 30) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for b in batches[:n]:
+            lm(**b).backward()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    torch.cuda.memory._record_memory_history(enabled=None)
+    off = [block() for _ in range(3)]
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=20000)
+    on = [block() for _ in range(3)]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    print(f"allocation history: {min(off) * 1e3:.3f} ms/step off, {min(on) * 1e3:.3f} ms/step on "
+          f"({min(on) / min(off):.2f}x)")
 
 
 if __name__ == "__main__":

@@ -546,6 +546,68 @@ class Config:
             _float_range(0.0, 1000.0),
         ),
     )
+    memory: bool = field(
+        default=True,
+        metadata=_opt(
+            "STEPWATCH_MEMORY",
+            "Memory fields (CUDA allocated/reserved/peak/fragmentation/retries, host RSS, DataLoader "
+            "workers' USS/PSS), the `memory_*` findings and OOM forensics (`oom-<n>/`); see docs/memory.md.",
+            _bool_value,
+        ),
+    )
+    memory_every: int = field(
+        default=10,
+        metadata=_opt(
+            "STEPWATCH_MEMORY_EVERY",
+            "Read memory at every Nth step end (1 = every step); records in between have null memory "
+            "fields, and the CUDA peak is the peak since the previous read.",
+            _int_range(1, 1_000_000),
+        ),
+    )
+    memory_peak_reset: bool = field(
+        default=True,
+        metadata=_opt(
+            "STEPWATCH_MEMORY_PEAK_RESET",
+            "Reset the CUDA allocator's peak after each read (`torch.cuda.reset_peak_memory_stats`), so "
+            "`mem_peak_bytes` is the peak since the previous read; your own `max_memory_allocated()` then "
+            "reads the same. `0`: never reset (the peak is the run's high-water mark).",
+            _bool_value,
+        ),
+    )
+    memory_growth_window: int = field(
+        default=200,
+        metadata=_opt(
+            "STEPWATCH_MEMORY_GROWTH_WINDOW",
+            "Steps over which steady memory growth is judged (`memory_growth`).",
+            _int_range(20, 100_000),
+        ),
+    )
+    memory_growth_mib: float = field(
+        default=16.0,
+        metadata=_opt(
+            "STEPWATCH_MEMORY_GROWTH_MIB",
+            "Least rise (MiB) over the growth window that can make a `memory_growth` finding.",
+            _float_range(0.0, 1_048_576.0),
+        ),
+    )
+    memory_history: str = field(
+        default="auto",
+        metadata=_opt(
+            "STEPWATCH_MEMORY_HISTORY",
+            "CUDA allocation history (`torch.cuda.memory._record_memory_history`, bounded) for the "
+            "snapshot in `oom-<n>/`: `auto` (switched on once a `memory_growth` or `memory_near_limit` "
+            "finding fires), `on` (from the first step), `off`.",
+            _choice("auto", "on", "off"),
+        ),
+    )
+    memory_history_entries: int = field(
+        default=20000,
+        metadata=_opt(
+            "STEPWATCH_MEMORY_HISTORY_ENTRIES",
+            "Most alloc/free events the CUDA allocation history keeps (each costs a few KB of host memory).",
+            _int_range(1, 10_000_000),
+        ),
+    )
     flops: Any = field(
         default=None,
         metadata=_opt(

@@ -63,6 +63,22 @@ class StepRecord:
     algbw_gbps: float | None = None
     busbw_gbps: float | None = None
     comm_wait_s: float | None = None
+    # Memory (stepwatch.memory), read every STEPWATCH_MEMORY_EVERY steps (None in between). CUDA
+    # caching allocator at the step's end: allocated, reserved, reserved beyond the peak since the
+    # previous read (fragmentation), allocation retries and OOMs since the previous read.
+    mem_allocated_bytes: int | None = None
+    mem_reserved_bytes: int | None = None
+    mem_fragmentation_bytes: int | None = None
+    mem_alloc_retries: int | None = None
+    mem_ooms: int | None = None
+    # Device free memory (cudaMemGetInfo: all processes), sampled at most once a second.
+    mem_device_free_bytes: int | None = None
+    # Host: the trainer's current resident set, and its DataLoader workers' summed USS and PSS
+    # (/proc/<pid>/smaps_rollup, sampled at most once a second) and how many there are.
+    host_rss_bytes: int | None = None
+    workers_uss_bytes: int | None = None
+    workers_pss_bytes: int | None = None
+    dataloader_workers: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in STEP_FIELDS}

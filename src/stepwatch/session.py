@@ -10,7 +10,6 @@ import collections
 import json
 import os
 import platform
-import resource
 import sys
 import threading
 import time
@@ -33,34 +32,6 @@ from .record import SCHEMA_VERSION, Finding, StepRecord
 
 # How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
 _MAX_HOLD_S = 30.0
-
-
-class _MemProbe:
-    """Peak memory of the step on the training thread: the CUDA allocator's peak (read and reset
-    each step, no sync) when CUDA is in use. Without CUDA it returns None and the background
-    thread fills in the process's peak resident set, a high-water mark that never resets, so
-    reading it later costs the training thread nothing and loses nothing."""
-
-    def __init__(self) -> None:
-        self._cuda: Any = None
-        self._decided = False
-
-    def __call__(self) -> int | None:
-        if not self._decided:
-            self._decided = True
-            torch = sys.modules.get("torch")
-            if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-                self._cuda = torch.cuda
-        if self._cuda is not None:
-            peak = self._cuda.max_memory_allocated()
-            self._cuda.reset_peak_memory_stats()
-            return int(peak)
-        return None
-
-
-def _peak_rss_bytes() -> int:
-    # Linux reports ru_maxrss in KiB.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _Pending:
@@ -101,7 +72,6 @@ class Session:
         self._closed = False
         self._ctx_refreshed = False
         self._opened = False
-        self._rss: int | None = None
         self.timing_backend: str | None = None
         self._perf_ref = time.perf_counter_ns()
         self._wall_ref = time.time()
@@ -136,7 +106,6 @@ class Session:
             self._enqueue,
             step_offset=self.config.step_offset,
             nvtx=self._nvtx,
-            mem_probe=_MemProbe(),
             on_error=self._internal_error,
         )
         self.instrumentation = Instrumentation(self.tracker, self._internal_error)
@@ -188,6 +157,8 @@ class Session:
             # FLOPs, MFU, tokens, grad-norm (docs/mfu.md).
             ("training_metrics", cfg.training_metrics, "stepwatch.analysis.training_metrics"),
             ("comm", cfg.comm, "stepwatch.comm"),
+            # Memory fields, memory findings, OOM forensics (docs/memory.md).
+            ("memory", cfg.memory, "stepwatch.memory"),
             # Hang watchdog, SIGUSR1 stack dumps, anomaly-triggered captures (docs/hang.md).
             ("capture", cfg.watchdog != "off" or cfg.capture != "off", "stepwatch.capture"),
             # MLflow sink: its probe of the thread-local active run sits on the training thread.
@@ -368,7 +339,6 @@ class Session:
             q = self._queue
             while q:
                 raws.append(q.popleft())
-            self._rss = _peak_rss_bytes() if raws else None
             # Internal-error findings too: taken from the list below, they would be lost with no exporter open.
             if not self._opened and (raws or final or self._held or self._internal_findings):
                 self._opened = True
@@ -463,8 +433,6 @@ class Session:
         (step, t_end, step_ns, data, fwd, bwd, opt, ev, ckpt, phases, scalars, skipped, mem, extras) = raw
         s = 1e-9
         other = max(step_ns - data - fwd - bwd - opt, 0)
-        if mem is None:
-            mem = self._rss if self._rss is not None else _peak_rss_bytes()
         return StepRecord(
             step=step,
             rank=self.ctx.rank,

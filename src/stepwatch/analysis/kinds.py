@@ -369,6 +369,53 @@ KINDS: dict[str, Kind] = {
             "process points at a signal or the device/driver; restart the server if it does not recover.",
             "stepwatch rule; B.6 troubleshooting 'Training hang ... py-spy dump --pid'",
         ),
+        # -- memory (memory/) --
+        Kind(
+            "memory_growth",
+            "warning",
+            "Memory rises steadily step after step (a leak): tensors kept in a list, a growing "
+            "cache, a loss or output kept with its graph (summed without .item()/.detach()). The "
+            "summary gives the rate in MiB per step and the step at which the limit is reached.",
+            "Find what is kept across steps: accumulate metrics with loss.item() or loss.detach(), "
+            "clear or bound caches, del per-step outputs; read oom-<n>/memory_snapshot.pickle (CUDA "
+            "allocation history, switched on by this finding) in https://pytorch.org/memory_viz; "
+            "for DataLoader workers, keep dataset state in numpy arrays, not Python lists of objects.",
+            "stepwatch rule: least-squares rate over the growth window, quarter medians rising, R^2 >= 0.8",
+        ),
+        Kind(
+            "memory_fragmentation",
+            "warning",
+            "The CUDA caching allocator is fragmented: allocations had to free the cache and retry "
+            "(num_alloc_retries, each a synchronizing stall), or memory reserved far exceeds the peak "
+            "in use (reserved >> allocated).",
+            "Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; avoid tensors whose sizes vary "
+            "step to step (pad or bucket sequence lengths); do not call torch.cuda.empty_cache() in the loop.",
+            "torch.cuda.memory_stats num_alloc_retries; PyTorch CUDA semantics, 'Optimizing memory "
+            "usage with PYTORCH_CUDA_ALLOC_CONF' (expandable_segments)",
+        ),
+        Kind(
+            "memory_near_limit",
+            "warning",
+            "Memory is close to the limit: device free memory below 5000 MiB, or host memory in use "
+            "above 90% of the cgroup limit (or physical RAM). The next larger batch or sequence will OOM.",
+            "Shrink what the step holds: a smaller micro-batch (with gradient accumulation), "
+            "activation checkpointing, optimizer state offload or sharding (FSDP/ZeRO); on the host, "
+            "fewer DataLoader workers, persistent_workers=True, a smaller prefetch_factor.",
+            "B.7 'FREE GPU MEMORY (low = risk of OOM): DCGM_FI_DEV_FB_FREE < 5000' (MiB); host: 90% of "
+            "the limit, stepwatch's default",
+        ),
+        Kind(
+            "oom",
+            "critical",
+            "The job ran out of memory (torch.OutOfMemoryError or MemoryError) in the phase and step "
+            "named; oom-<n>/ holds the last records, the allocator's statistics and summary, and a "
+            "snapshot for PyTorch's memory visualizer.",
+            "Read oom-<n>/report.json (requested size, allocated/reserved/free) and memory_summary.txt; "
+            "open memory_snapshot.pickle in https://pytorch.org/memory_viz. Then reduce the micro-batch, "
+            "checkpoint activations, offload or shard optimizer state, or set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True when reserved >> allocated.",
+            "stepwatch rule; torch.cuda.memory_summary / _record_memory_history / _snapshot",
+        ),
         # -- hang watchdog and captures (capture/) --
         Kind(
             "hang",

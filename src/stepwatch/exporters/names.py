@@ -143,8 +143,54 @@ BUSBW = MetricName(
 )
 MEM_PEAK = MetricName(
     "training_memory_peak_bytes", GAUGE, "",
-    "Peak device memory allocated during the last step.",
+    "Peak CUDA memory allocated since the previous memory read (STEPWATCH_MEMORY_EVERY steps); "
+    "on CPU the process's peak resident set.",
     "mem_peak_bytes", _field("mem_peak_bytes"),
+)
+MEM_ALLOCATED = MetricName(
+    "training_memory_allocated_bytes", GAUGE, "",
+    "CUDA memory allocated by tensors at the last memory read (caching allocator).",
+    "mem_allocated_bytes", _field("mem_allocated_bytes"),
+)
+MEM_RESERVED = MetricName(
+    "training_memory_reserved_bytes", GAUGE, "",
+    "CUDA memory reserved by the caching allocator at the last memory read.",
+    "mem_reserved_bytes", _field("mem_reserved_bytes"),
+)
+MEM_FRAGMENTATION = MetricName(
+    "training_memory_fragmentation_bytes", GAUGE, "",
+    "CUDA memory reserved beyond the peak in use (reserved - peak allocated): cache the step never used.",
+    "mem_fragmentation_bytes", _field("mem_fragmentation_bytes"),
+)
+MEM_DEVICE_FREE = MetricName(
+    "training_memory_device_free_bytes", GAUGE, "",
+    "Free device memory (cudaMemGetInfo, all processes); the OOM-risk line is 5000 MiB (B.7).",
+    "mem_device_free_bytes", _field("mem_device_free_bytes"),
+)
+HOST_RSS = MetricName(
+    "training_host_rss_bytes", GAUGE, "",
+    "The trainer's current resident set (not the high-water mark).",
+    "host_rss_bytes", _field("host_rss_bytes"),
+)
+WORKERS_USS = MetricName(
+    "training_dataloader_workers_uss_bytes", GAUGE, "",
+    "DataLoader workers' summed unique set (pages only they hold; smaps_rollup).",
+    "workers_uss_bytes", _field("workers_uss_bytes"),
+)
+WORKERS_PSS = MetricName(
+    "training_dataloader_workers_pss_bytes", GAUGE, "",
+    "DataLoader workers' summed proportional set (shared pages divided among their sharers).",
+    "workers_pss_bytes", _field("workers_pss_bytes"),
+)
+MEM_RETRIES = MetricName(
+    "training_memory_alloc_retries_total", COUNTER, "",
+    "CUDA allocations that failed, freed the cache and retried (num_alloc_retries): fragmentation.",
+    "mem_alloc_retries", _field("mem_alloc_retries"),
+)
+MEM_OOMS = MetricName(
+    "training_memory_ooms_total", COUNTER, "",
+    "CUDA out-of-memory errors the caching allocator raised (num_ooms).",
+    "mem_ooms", _field("mem_ooms"),
 )
 SCALAR = MetricName(
     "training_scalar", GAUGE, "",
@@ -169,9 +215,11 @@ GPU_THROTTLE = MetricName(
 )
 
 # Gauges recorded straight from a StepRecord field, in export order.
-RECORD_GAUGES: tuple[MetricName, ...] = (MFU, HFU, GRAD_NORM, ALLREDUCE_MS, OVERLAP, BUSBW, MEM_PEAK, TOKENS_PER_S)
+RECORD_GAUGES: tuple[MetricName, ...] = (MFU, HFU, GRAD_NORM, ALLREDUCE_MS, OVERLAP, BUSBW, MEM_PEAK, TOKENS_PER_S,
+                                         MEM_ALLOCATED, MEM_RESERVED, MEM_FRAGMENTATION, MEM_DEVICE_FREE,
+                                         HOST_RSS, WORKERS_USS, WORKERS_PSS)
 # Counters that add a StepRecord field.
-RECORD_COUNTERS: tuple[MetricName, ...] = (DATA_WAIT, TOKENS_TOTAL, COMM_SECONDS, COMM_EXPOSED)
+RECORD_COUNTERS: tuple[MetricName, ...] = (DATA_WAIT, TOKENS_TOTAL, COMM_SECONDS, COMM_EXPOSED, MEM_RETRIES, MEM_OOMS)
 
 # The phases that are StepRecord fields (the rest come from ``StepRecord.phases``).
 BUILTIN_PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "other", "eval", "checkpoint")
@@ -255,6 +303,8 @@ EXTRA_SAMPLE_PREFIX = "stepwatch_"
 ALL: tuple[MetricName, ...] = (
     STEP_SECONDS, STEPS_TOTAL, MFU, HFU, GRAD_NORM, ALLREDUCE_MS, DATA_WAIT, PHASE_SECONDS,
     TOKENS_TOTAL, TOKENS_PER_S, COMM_SECONDS, COMM_EXPOSED, OVERLAP, BUSBW, MEM_PEAK, SCALAR,
+    MEM_ALLOCATED, MEM_RESERVED, MEM_FRAGMENTATION, MEM_DEVICE_FREE, HOST_RSS, WORKERS_USS, WORKERS_PSS,
+    MEM_RETRIES, MEM_OOMS,
     FINDINGS_TOTAL, DROPPED_TOTAL, GPU_THROTTLE,
 )
 

@@ -51,6 +51,9 @@ class Instrumentation:
         # (optimizer), on the training thread, before the phase opens.
         self.forward_observers: list[Callable[[Any, Any, Any], None]] = []
         self.optimizer_observers: list[Callable[[Any], None]] = []
+        # Features that want an exception passing through a hooked phase (phase name, exception),
+        # on the training thread, before it propagates unchanged (OOM forensics).
+        self.exception_observers: list[Callable[[str, BaseException], None]] = []
         # Modules a framework adapter declared not to be model calls (ids; see ``declare_roots``).
         self._not_roots: set[int] = set()
 
@@ -78,6 +81,10 @@ class Instrumentation:
             tr.backward_begin()
             try:
                 return orig_backward(*args, **kwargs)
+            except BaseException as e:
+                if self.exception_observers:
+                    self._observe_exception("backward", e)
+                raise
             finally:
                 tr.backward_end()
 
@@ -93,6 +100,10 @@ class Instrumentation:
             t0 = tr.data_begin()
             try:
                 return orig_next(it)
+            except BaseException as e:
+                if self.exception_observers and not isinstance(e, StopIteration):
+                    self._observe_exception("data", e)
+                raise
             finally:
                 tr.data_end(t0)
 
@@ -234,6 +245,13 @@ class Instrumentation:
             observers.remove(fn)
         self._on_error(f"observer.{getattr(fn, '__qualname__', fn)}", exc)
 
+    def _observe_exception(self, phase: str, exc: BaseException) -> None:
+        for fn in self.exception_observers:
+            try:
+                fn(phase, exc)
+            except Exception as e:
+                self._drop_observer(self.exception_observers, fn, e)
+
     def _observe_forward(self, module: Any, args: Any, kwargs: Any) -> None:
         for fn in self.forward_observers:
             try:
@@ -305,9 +323,14 @@ class Instrumentation:
                 if self.forward_observers and tr.enabled and not tr._fwd_depth:
                     tr.work_begins()  # what the observers count belongs to the step this forward opens
                     self._observe_forward(m, args, kwargs)
-                tr.forward_begin(torch.is_grad_enabled())
+                grad = torch.is_grad_enabled()
+                tr.forward_begin(grad)
                 try:
                     return compiled(*args, **kwargs)
+                except BaseException as e:
+                    if self.exception_observers:
+                        self._observe_exception("forward" if grad else "eval", e)
+                    raise
                 finally:
                     tr.forward_end()
 
@@ -336,6 +359,11 @@ class Instrumentation:
                 return
             if not_roots and id(mod) in not_roots:
                 return
+            if out is None and self.exception_observers:
+                # always_call: torch runs this hook from its ``except`` when forward raised.
+                exc = sys.exc_info()[1]
+                if exc is not None:
+                    self._observe_exception("forward" if is_grad_enabled() else "eval", exc)
             tr.forward_end()
 
         self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))

@@ -574,3 +574,16 @@ class StepTracker:
 
     def set_step(self, n: int) -> None:
         self.step = int(n)
+
+    def phase_now(self) -> str:
+        """The phase the training thread is in, by name (for a report of what was running when an
+        exception escaped: a phase the exception left never ended)."""
+        if self._bwd_depth:
+            return "backward"
+        if self._fwd_depth:
+            return "forward" if self._fwd_grad else "eval"
+        if self._opt_depth:
+            return "optimizer"
+        if self._ckpt_depth:
+            return "checkpoint"
+        return "other"

@@ -22,6 +22,8 @@ FLOAT_FIELDS = (
     "step_s", "data_wait_s", "forward_s", "backward_s", "optimizer_s", "other_s", "eval_s",
     "checkpoint_s", "mem_peak_bytes", "tokens", "mfu", "hfu", "comm_s", "comm_exposed_s",
     "overlap", "allreduce_s", "peak_tflops",
+    # memory (sparse: read every STEPWATCH_MEMORY_EVERY steps)
+    "mem_allocated_bytes", "mem_reserved_bytes", "host_rss_bytes", "workers_uss_bytes", "workers_pss_bytes",
 )
 
 

@@ -120,7 +120,44 @@ def _charts(s: Summary, prefix: str = "") -> str:
         out.append('<p class="note">Long runs: each point of a phase chart is the mean of a '
                    "bucket of consecutive steps.</p>")
 
+    out.append(_memory_charts(s, prefix))
     out.append(_scalar_charts(s, prefix))
+    return "\n".join(out)
+
+
+# (chart title, [(record field, label)]) -- memory is read every few steps: unknown steps are skipped.
+MEMORY_CHARTS = (
+    ("Device memory", [("mem_allocated_bytes", "allocated"), ("mem_reserved_bytes", "reserved"),
+                       ("mem_peak_bytes", "peak")]),
+    ("Host memory", [("host_rss_bytes", "trainer RSS"), ("workers_pss_bytes", "DataLoader workers PSS"),
+                     ("workers_uss_bytes", "DataLoader workers USS")]),
+)
+
+
+def _memory_charts(s: Summary, prefix: str) -> str:
+    """Memory of the lowest rank per step: the CUDA allocator's numbers, and the host's."""
+    run = s.run
+    r = run.ranks[0]
+    c = run.columns[r]
+    out = []
+    for title, fields in MEMORY_CHARTS:
+        if title == "Device memory" and not np.isfinite(c.num("mem_allocated_bytes")).any():
+            continue  # on CPU mem_peak_bytes is the host's high-water mark: no device chart
+        series, legend = [], []
+        for i, (field, label) in enumerate(fields):
+            y = c.num(field)
+            known = np.isfinite(y)
+            if not known.any():
+                continue
+            color = svg.PALETTE[i % len(svg.PALETTE)]
+            series.append((label, c.step[known], y[known], color))
+            legend.append((label, color))
+        if not series:
+            continue
+        out.append(f"<h3>{escape(prefix)}{title} (rank {r})</h3>")
+        out.append(svg.line_chart(series, title=f"{prefix}{title.lower()}, rank {r}", yfmt=fmt.nbytes,
+                                  kind="memory"))
+        out.append(_legend(legend))
     return "\n".join(out)
 
 

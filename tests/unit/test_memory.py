@@ -1,0 +1,372 @@
+"""Memory: the leak detector on a real CPU loop, the detectors' rules, the CUDA numbers from a
+memory_stats dictionary, host readers, OOM forensics' parsing.
+
+CUDA is not on this machine: the CUDA parts run against a nested memory_stats dictionary with the
+caching allocator's key set (tests/fixtures/memory/memory_stats_nested.json, built to the layout of
+c10/cuda/CUDACachingAllocator's DeviceStats, not dumped from a device) through a stand-in for
+``torch.cuda`` -- only CUDA is mocked; the GPU check script reads the real one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+
+import pytest
+
+from stepwatch.memory.detect import (FragmentationDetector, MemoryGrowthDetector, NearLimitDetector, MiB,
+                                     growth_of)
+from stepwatch.memory.host import HostLimit, StatmReader, parent_pid, smaps_rollup
+from stepwatch.memory.oom import is_oom, requested_bytes
+from stepwatch.memory.probe import MemoryProbe, cuda_numbers
+from stepwatch.record import StepRecord
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "memory", "memory_stats_nested.json")
+G = 1 << 30
+
+
+def _loop(stepwatch, start, steps, leak):
+    import torch
+
+    start(memory_every=10, training_metrics=False, comm=False, gpu_telemetry=False)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(32, 32)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(8, 32)
+    kept = []
+    for _ in range(steps):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if leak:
+            kept.append(torch.ones(65536))  # 256 KiB with every page written
+    stepwatch.shutdown()
+    return kept
+
+
+def test_a_256_kib_per_step_leak_is_named_within_600_steps(sw):
+    stepwatch, mem, start = sw
+    _loop(stepwatch, start, 600, leak=True)
+    growth = [f for f in mem.findings if f.kind == "memory_growth"]
+    assert growth, [f.kind for f in mem.findings]
+    f = growth[0]
+    assert f.step <= 600 and f.data["series"] == "host"
+    assert f.data["growth_mib_per_step"] == pytest.approx(0.25, rel=0.3)
+    assert f.data["limit_bytes"] and f.data["limit_step"] > f.step
+    assert "MiB per step" in f.summary and f.action
+    rss = [r.host_rss_bytes for r in mem.records if r.host_rss_bytes is not None]
+    assert len(rss) >= 55  # read every 10th step
+
+
+def test_the_same_loop_without_the_leak_gets_no_growth_finding(sw):
+    stepwatch, mem, start = sw
+    _loop(stepwatch, start, 600, leak=False)
+    assert not [f for f in mem.findings if f.kind == "memory_growth"]
+    assert len(mem.records) == 600
+
+
+def _series(values, start=0):
+    return [(start + i, int(v)) for i, v in enumerate(values)]
+
+
+def test_plateau_after_warm_up_jump_and_noise_are_not_growth():
+    rnd = random.Random(1)
+    base = 2 * G
+    # warm-up that saturates (optimizer state, allocator cache), then flat with noise
+    warm = [base + 300 * MiB * (1 - math.exp(-i / 40)) + rnd.gauss(0, 2 * MiB) for i in range(400)]
+    det = MemoryGrowthDetector(200, 16 * MiB)
+    out = []
+    for i, v in enumerate(warm):
+        out += det.observe(StepRecord(step=i, rank=0, time=float(i), step_s=0.01, host_rss_bytes=int(v)))
+    assert not out
+    # a one-off jump
+    jump = [base + (200 * MiB if i > 100 else 0) + rnd.gauss(0, MiB) for i in range(200)]
+    assert growth_of(_series(jump), 16 * MiB) is None
+    # a leak, noisy
+    leak = [base + i * 0.25 * MiB + rnd.gauss(0, 2 * MiB) for i in range(200)]
+    rate = growth_of(_series(leak), 16 * MiB)
+    assert rate is not None and rate / MiB == pytest.approx(0.25, rel=0.1)
+    # too small a rise over the window
+    slow = [base + i * 0.01 * MiB for i in range(200)]
+    assert growth_of(_series(slow), 16 * MiB) is None
+
+
+def test_growth_names_the_step_the_device_limit_is_reached():
+    det = MemoryGrowthDetector(200, 16 * MiB, headroom=lambda s: (80 * G, 10 * G, "device total"))
+    found = []
+    for i in range(300):
+        r = StepRecord(step=i, rank=0, time=float(i), step_s=0.01, mem_allocated_bytes=G + i * MiB)
+        found += det.observe(r)
+    f = found[0]
+    assert f.data["series"] == "device" and f.data["growth_mib_per_step"] == pytest.approx(1.0)
+    assert f.data["limit_step"] == f.step + 10 * 1024
+
+
+class FakeCuda:
+    """Stands in for torch.cuda (mocked: no CUDA here); serves the fixture's statistics."""
+
+    def __init__(self, stats):
+        self.stats = stats
+        self.resets = 0
+        self.reads = 0
+
+    def is_initialized(self):
+        return True
+
+    def current_device(self):
+        return 0
+
+    def memory_stats_as_nested_dict(self, device):
+        self.reads += 1
+        return copy.deepcopy(self.stats)
+
+    def reset_peak_memory_stats(self, device):
+        self.resets += 1
+
+
+def test_cuda_numbers_from_a_nested_memory_stats_dict():
+    stats = json.load(open(FIXTURE))
+    assert cuda_numbers(stats) == (3 * G // 2, 6 * G, 2 * G, 3, 0)
+
+
+def test_probe_reads_every_n_steps_and_resets_the_peak_unless_told_not_to():
+    stats = json.load(open(FIXTURE))
+    cuda = FakeCuda(stats)
+    p = MemoryProbe(every=5, cuda=cuda)
+    got = [p.take() for _ in range(11)]
+    assert [g is not None for g in got] == [True, False, False, False, False, True, False, False, False, False, True]
+    rss, c = got[0]
+    assert rss and rss > 10 * MiB and c == (3 * G // 2, 6 * G, 2 * G, 3, 0)
+    assert cuda.reads == 3 and cuda.resets == 3
+    keep = FakeCuda(stats)
+    p = MemoryProbe(every=1, cuda=keep, reset_peak=False)
+    p.take()
+    assert keep.resets == 0
+
+
+def test_fragmentation_from_retries_and_from_reserved_far_above_the_peak():
+    det = FragmentationDetector(10)
+    out = []
+    for i in range(10):
+        out += det.observe(StepRecord(step=i, rank=0, time=0.0, step_s=0.1, mem_reserved_bytes=6 * G,
+                                      mem_allocated_bytes=G, mem_fragmentation_bytes=G // 10,
+                                      mem_alloc_retries=1 if i == 4 else 0))
+    assert out and out[0].kind == "memory_fragmentation" and out[0].data["alloc_retries"] == 1
+    assert "expandable_segments:True" in out[0].action
+    det = FragmentationDetector(10)
+    out = []
+    for i in range(10):
+        out += det.observe(StepRecord(step=i, rank=0, time=0.0, step_s=0.1, mem_reserved_bytes=6 * G,
+                                      mem_allocated_bytes=G, mem_fragmentation_bytes=4 * G, mem_alloc_retries=0))
+    assert out and out[0].data["gap_bytes"] == 4 * G
+    det = FragmentationDetector(10)
+    healthy = [StepRecord(step=i, rank=0, time=0.0, step_s=0.1, mem_reserved_bytes=6 * G, mem_allocated_bytes=G,
+                          mem_fragmentation_bytes=G // 2, mem_alloc_retries=0) for i in range(10)]
+    assert not sum((det.observe(r) for r in healthy), [])
+
+
+def test_near_limit_device_free_below_5000_mib_and_host_above_90_percent():
+    det = NearLimitDetector(5)
+    out = []
+    for i in range(5):
+        out += det.observe(StepRecord(step=i, rank=0, time=0.0, step_s=0.1, mem_device_free_bytes=4000 * MiB))
+    assert out and "4000 MiB" in out[0].summary and "micro-batch" in out[0].action
+    det = NearLimitDetector(5)
+    ok = sum((det.observe(StepRecord(step=i, rank=0, time=0.0, step_s=0.1, mem_device_free_bytes=6000 * MiB))
+              for i in range(5)), [])
+    assert not ok
+    det = NearLimitDetector(5, host=lambda: (95 * G, 100 * G, "cgroup"))
+    out = sum((det.observe(StepRecord(step=i, rank=0, time=0.0, step_s=0.1)) for i in range(5)), [])
+    assert out and out[0].data["host_limit_kind"] == "cgroup" and "persistent_workers" in out[0].action
+
+
+def test_requested_size_parsed_from_cuda_and_cpu_messages():
+    cuda_msg = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of "
+                "which 1.2 GiB is free.")
+    assert requested_bytes(cuda_msg) == 2 * G
+    assert requested_bytes("Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity)") == 20 * MiB
+    cpu = "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried to allocate 8000000000000 bytes."
+    assert requested_bytes(cpu) == 8000000000000
+    assert requested_bytes("") is None
+    import torch
+
+    assert is_oom(torch.OutOfMemoryError("x")) and is_oom(MemoryError()) and not is_oom(RuntimeError("x"))
+
+
+def test_host_readers_current_rss_and_own_smaps():
+    import torch
+
+    r = StatmReader()
+    before = r()
+    blob = torch.ones(64 << 18)  # 64 MiB written
+    after = r()
+    assert after - before == pytest.approx(64 * MiB, rel=0.1)
+    uss, pss, rss = smaps_rollup(os.getpid())
+    assert 0 < uss <= pss <= rss
+    assert parent_pid(os.getpid()) == os.getppid()
+    del blob
+
+
+def test_cgroup_limit_v2_tightest_up_the_tree_and_v1(tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       1000000 kB\nMemAvailable:    400000 kB\n")
+    cg = tmp_path / "cg"
+    job = cg / "slurm" / "job1"
+    job.mkdir(parents=True)
+    (cg / "memory.max").write_text("max\n")
+    (cg / "slurm" / "memory.max").write_text(f"{8 * G}\n")
+    (job / "memory.max").write_text(f"{16 * G}\n")
+    (job / "memory.current").write_text(f"{5 * G}\n")
+    (job / "memory.stat").write_text(f"anon 100\ninactive_file {G}\n")
+    (proc / "self" / "cgroup").write_text("0::/slurm/job1\n")
+    lim = HostLimit(proc=str(proc), cgroup_root=str(cg))
+    assert (lim.limit, lim.kind, lim.used()) == (8 * G, "cgroup", 4 * G)
+    # no cgroup limit: physical RAM, used = total - available
+    (proc / "self" / "cgroup").write_text("0::/\n")
+    (cg / "slurm" / "memory.max").write_text("max\n")
+    (job / "memory.max").write_text("max\n")
+    lim = HostLimit(proc=str(proc), cgroup_root=str(cg))
+    assert (lim.limit, lim.kind, lim.used()) == (1000000 * 1024, "physical RAM", 600000 * 1024)
+    # v1
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "docker" / "abc").mkdir(parents=True)
+    d = v1 / "memory" / "docker" / "abc"
+    (d / "memory.limit_in_bytes").write_text(f"{2 * G}\n")
+    (d / "memory.usage_in_bytes").write_text(f"{G}\n")
+    (d / "memory.stat").write_text(f"total_inactive_file {G // 4}\n")
+    (proc / "self" / "cgroup").write_text("12:memory:/docker/abc\n")
+    lim = HostLimit(proc=str(proc), cgroup_root=str(v1))
+    assert (lim.limit, lim.kind, lim.used()) == (2 * G, "cgroup", 3 * G // 4)
+
+
+def test_bad_memory_settings_name_the_variable():
+    from stepwatch.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match="STEPWATCH_MEMORY_EVERY.*integer >= 1"):
+        Config.from_env({"STEPWATCH_MEMORY_EVERY": "0"})
+    with pytest.raises(ConfigError, match="STEPWATCH_MEMORY_HISTORY.*auto, on, off"):
+        Config.from_env({"STEPWATCH_MEMORY_HISTORY": "sometimes"})
+
+
+class FakeMemoryModule:
+    def __init__(self):
+        self.calls = []
+
+    def _record_memory_history(self, **kw):
+        self.calls.append(kw)
+
+
+def test_session_fills_cuda_fields_counts_retries_per_read_and_arms_the_history_on_growth(sw):
+    """A real session and loop on CPU; only torch.cuda is a stand-in serving the fixture's stats."""
+    import torch
+
+    stepwatch, mem, start = sw
+    s = start(memory_every=1, training_metrics=False, comm=False, gpu_telemetry=False)
+    feat = next(f for f in s.features_started if f.name == "memory")
+    cuda = FakeCuda(json.load(open(FIXTURE)))
+    cuda.mem_get_info = lambda dev: (3000 * MiB, 80 * G)
+    cuda.memory = FakeMemoryModule()
+    probe = MemoryProbe(every=1, cuda=cuda)
+    s.tracker.collectors[s.tracker.collectors.index(feat.probe)] = probe
+    feat.probe = probe
+    m = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for i in range(60):
+        if i == 30:
+            cuda.stats["num_alloc_retries"] = 5
+        m(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 10:
+            import time
+
+            time.sleep(1.2)  # a background sample of the device's free memory
+    stepwatch.shutdown()
+    recs = mem.records
+    assert all(r.mem_allocated_bytes == 3 * G // 2 and r.mem_reserved_bytes == 6 * G for r in recs)
+    assert all(r.mem_peak_bytes == 2 * G and r.mem_fragmentation_bytes == 4 * G for r in recs)
+    assert sum(r.mem_alloc_retries for r in recs) == 2 and recs[0].mem_alloc_retries == 0
+    assert any(r.mem_device_free_bytes == 3000 * MiB for r in recs)
+    kinds = {f.kind for f in mem.findings}
+    assert {"memory_fragmentation", "memory_near_limit"} <= kinds, kinds
+    # near-limit fired: the bounded allocation history was switched on, and off at shutdown
+    assert cuda.memory.calls[0] == dict(enabled="all", context="all", stacks="python", max_entries=20000)
+    assert cuda.memory.calls[-1] == dict(enabled=None)
+    assert not [f for f in mem.findings if f.kind == "internal_error"]
+
+
+def test_report_draws_host_memory_per_step(sw, tmp_path):
+    import torch
+
+    stepwatch, mem, start = sw
+    start(memory_every=2, training_metrics=False, comm=False, gpu_telemetry=False)
+    m = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(40):
+        m(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    from stepwatch.cli import main
+
+    assert main(["report", str(tmp_path / "run")]) == 0
+    html = (tmp_path / "run" / "report.html").read_text()
+    i = html.index("Host memory (rank 0)")
+    assert "<svg" in html[i:i + 400] and "trainer RSS" in html[i:]
+    assert "Device memory" not in html  # no CUDA here: no device chart
+    recs = [json.loads(ln) for ln in (tmp_path / "run" / "steps.rank0.jsonl").read_text().splitlines()]
+    assert [r["host_rss_bytes"] is not None for r in recs[:4]] == [True, False, True, False]
+
+
+def test_a_failing_allocator_read_is_reported_once_and_leaves_the_host_numbers():
+    class Broken(FakeCuda):
+        def memory_stats_as_nested_dict(self, device):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    errors = []
+    p = MemoryProbe(every=1, cuda=Broken({}), on_error=lambda where, e: errors.append(where))
+    got = [p.take() for _ in range(3)]
+    assert [g[1] for g in got] == [None, None, None] and all(g[0] for g in got)
+    assert errors == ["memory.cuda"]
+
+
+def test_memory_metrics_reach_otel_and_prometheus_names():
+    """Records -> the OTel exporter (the SDK's in-memory reader): gauges keep the last read (a
+    record without a read exports nothing for them), counters add retries and OOMs."""
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from stepwatch.context import RunContext
+    from stepwatch.exporters.base import Batch
+    from stepwatch.exporters.otel import OTelExporter
+
+    reader = InMemoryMetricReader()
+    e = OTelExporter(RunContext(rank=0, local_rank=0, world_size=1, run_id="t", run_dir="/tmp", host="h", pid=1),
+                     readers=[reader], environ={})
+    try:
+        e.export(Batch(records=[
+            StepRecord(step=0, rank=0, time=1.0, step_s=0.1, mem_allocated_bytes=G, mem_reserved_bytes=2 * G,
+                       mem_fragmentation_bytes=G // 2, mem_alloc_retries=2, mem_ooms=0, host_rss_bytes=3 * G,
+                       workers_uss_bytes=MiB, workers_pss_bytes=5 * MiB, mem_device_free_bytes=4 * G),
+            StepRecord(step=1, rank=0, time=1.1, step_s=0.1),  # no read this step
+            StepRecord(step=2, rank=0, time=1.2, step_s=0.1, mem_allocated_bytes=G + 1, mem_alloc_retries=3,
+                       mem_ooms=1, host_rss_bytes=3 * G + 1),
+        ]))
+        got = {}
+        for rm in reader.get_metrics_data().resource_metrics:
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    got[m.name] = getattr(m.data.data_points[0], "value", None)
+    finally:
+        e.shutdown()
+    assert got["training_memory_allocated_bytes"] == G + 1
+    assert got["training_memory_reserved_bytes"] == 2 * G
+    assert got["training_memory_fragmentation_bytes"] == G // 2
+    assert got["training_host_rss_bytes"] == 3 * G + 1
+    assert got["training_dataloader_workers_uss_bytes"] == MiB
+    assert got["training_dataloader_workers_pss_bytes"] == 5 * MiB
+    assert got["training_memory_device_free_bytes"] == 4 * G
+    assert got["training_memory_alloc_retries_total"] == 5 and got["training_memory_ooms_total"] == 1
