@@ -32,6 +32,8 @@ from .record import SCHEMA_VERSION, Finding, StepRecord
 
 # How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
 _MAX_HOLD_S = 30.0
+# Distinct scalar names counted in run.json's ``null_scalars`` (the rest under "<other>").
+_MAX_NULL_NAMES = 64
 
 
 class _MemProbe:
@@ -82,6 +84,8 @@ class Session:
         self.failures = FailureLog()
         self.dropped = 0
         self.steps_seen = 0
+        # Logged values that became null (not a number, or too big for a float), per name.
+        self.null_scalars: dict[str, int] = {}
         self.exporters: list[Exporter] = []
         self._exporter_names: list[str] = []
         self._queue: collections.deque[tuple] = collections.deque()
@@ -395,7 +399,13 @@ class Session:
     def _resolve(self, raws: list[tuple], *, final: bool) -> list[StepRecord]:
         now = time.monotonic()
         for raw in raws:
-            self._held.append([now, self._build(raw), raw[-1], []])
+            try:
+                rec = self._build(raw)
+            except Exception as e:  # one bad record never costs the others of the pass
+                self.dropped += 1
+                self._internal_error("pipeline.build", e)
+                continue
+            self._held.append([now, rec, raw[-1], []])
         out: list[StepRecord] = []
         # Records leave in order: the first one still waiting on the device holds the rest.
         while self._held:
@@ -456,11 +466,25 @@ class Session:
             eval_s=ev * s,
             checkpoint_s=ckpt * s,
             phases={k: v * s for k, v in phases.items()},
-            scalars={k: (v if isinstance(v, _Pending) else _to_float(v)) for k, v in scalars.items()},
+            scalars={k: (v if isinstance(v, _Pending) else self._scalar(k, v)) for k, v in scalars.items()},
             skipped=skipped,
             mem_peak_bytes=mem,
             **_checkpoint_fields(extras.get("checkpoint_bytes"), ckpt * s),
         )
+
+    def _scalar(self, name: str, v: Any) -> float | None:
+        """A logged value as a float; one that is not a number or does not fit (``10**400``)
+        is None, counted per name in run.json's ``null_scalars`` and logged once."""
+        f = _to_float(v)
+        if f is None and v is not None:
+            key = name if name in self.null_scalars or len(self.null_scalars) < _MAX_NULL_NAMES else "<other>"
+            self.null_scalars[key] = self.null_scalars.get(key, 0) + 1
+            if self.null_scalars[key] == 1:
+                logger.warning(
+                    "stepwatch.log(%s=...): a %s is not a number that fits a float; recorded as null "
+                    "(counted in run.json's null_scalars)", name, type(v).__name__,
+                )
+        return f
 
     # -- manifest -------------------------------------------------------------------------------
 
@@ -498,6 +522,7 @@ class Session:
                 "exporters": self._exporter_names,
                 "steps": self.steps_seen,
                 "dropped_records": self.dropped,
+                "null_scalars": dict(self.null_scalars),
                 "internal_errors": dict(self.failures.counts),
             }
             if not hasattr(self, "_manifest_path"):
@@ -538,7 +563,7 @@ def _to_float(v: Any) -> float | None:
                 return None
             v = v.detach()
         return float(v)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # OverflowError: 10**400
         return None
 
 
