@@ -145,20 +145,22 @@ def test_exporters_whose_constructor_fails_cost_no_other(tmp_path):
 
 
 def test_a_collector_that_is_down_delays_exit_by_at_most_2_s(tmp_path):
-    base = _run(tmp_path / "base", 20)
-    refused = _run(tmp_path / "refused", 20, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{_free_port()}")
+    """A job long enough (10,000 steps, ~3 s) for the OTel exporter to be built and export while it
+    runs; then its final export at exit meets the collector's silence (before: 12-15 s)."""
+    base = _run(tmp_path / "base", 10_000, "explicit")
+    refused = _run(tmp_path / "refused", 10_000, "explicit", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{_free_port()}")
     # A blackhole: the kernel completes the handshake into the backlog, nobody ever answers.
     hole = socket.socket()
     hole.bind(("127.0.0.1", 0))
     hole.listen(64)
     try:
         blackhole = _run(
-            tmp_path / "blackhole", 20, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{hole.getsockname()[1]}"
+            tmp_path / "blackhole", 10_000, "explicit", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{hole.getsockname()[1]}"
         )
     finally:
         hole.close()
     for name, r in (("refused", refused), ("blackhole", blackhole)):
-        assert r["steps_written"] == 20
+        assert r["steps_written"] == 10_000
         assert r["shutdown_s"] <= 2.0, f"{name}: stepwatch's shutdown took {r['shutdown_s']:.2f} s"
         # Nothing of the OTLP exporter holds the process after it either (before: 12-15 s); the
         # margin is the interpreter's teardown, whose time varies by a second or more here.
