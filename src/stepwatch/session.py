@@ -23,6 +23,7 @@ from .analysis.kinds import make_finding
 from .config import Config
 from .context import RunContext, from_env
 from .exporters.base import Batch, Exporter
+from .exporters.worker import ExporterWorker, describe_drops
 from ._files import make_private_dir, private_run_dir, write_json_private
 from .exporters.records import claim_name
 from .cuda_ext import copy_to_host, event_done
@@ -32,6 +33,12 @@ from .record import SCHEMA_VERSION, Finding, StepRecord
 
 # How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
 _MAX_HOLD_S = 30.0
+# Shutdown's time for the final pass and every exporter's flush (in parallel): a collector that is
+# down or a slow sink delays the job's exit by at most this (2 s with the rest of shutdown); what
+# is left is counted in run.json.
+SHUTDOWN_TIMEOUT_S = 1.5
+# Distinct scalar names counted in run.json's ``null_scalars`` (the rest under "<other>").
+_MAX_NULL_NAMES = 64
 
 
 class _Pending:
@@ -59,13 +66,18 @@ class Session:
         self.failures = FailureLog()
         self.dropped = 0
         self.steps_seen = 0
-        self.exporters: list[Exporter] = []
+        # Logged values that became null (not a number, or too big for a float), per name.
+        self.null_scalars: dict[str, int] = {}
+        # The records file, written on the background thread; every other exporter on its own.
+        self._records: Exporter | None = None
+        self._workers: list[ExporterWorker] = []
         self._exporter_names: list[str] = []
         self._queue: collections.deque[tuple] = collections.deque()
         self._cap = config.queue_size
         self._held: list[tuple[float, StepRecord]] = []
         self._internal_findings: list[Finding] = []
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the first record: open the exporters now, not at a pass
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._started = False
@@ -119,6 +131,10 @@ class Session:
         self._start_features()
         self._thread = threading.Thread(target=self._run, name="stepwatch-pipeline", daemon=True)
         self._thread.start()
+        from .exporters.builtin import otel_wanted, preload
+
+        if otel_wanted(self.config):
+            threading.Thread(target=preload, args=(self.config,), name="stepwatch-preload", daemon=True).start()
         self._started = True
         atexit.register(self.shutdown)
         # SIGTERM skips atexit: finish the run directory first (see _sigterm.py)
@@ -177,8 +193,10 @@ class Session:
             if feat is not None:
                 self.features_started.append(feat)
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Finish the last step, stop hooks and the pipeline, flush and close every exporter."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Finish the last step, stop hooks and the pipeline, flush and close every exporter,
+        all within ``timeout_s`` (but the features' own stop); what is left is counted."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             if self._closed:
                 return
@@ -199,21 +217,33 @@ class Session:
             except Exception as e:
                 self._internal_error("hooks.uninstall", e)
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            self._thread.join(max(deadline - time.monotonic(), 0.0))
         if self._thread is None or not self._thread.is_alive():
             self._pass(final=True)
+        else:  # the pipeline is stuck in a pass: what it has not taken is lost, and counted
+            lost = len(self._queue) + len(self._held)
+            self.dropped += lost
+            logger.warning("stepwatch: the background pass did not end in %.1f s; %d records not written", timeout_s, lost)
+        for w in self._workers:  # they flush in parallel while the features stop
+            w.close(deadline)
         for f in self.features_started:
             try:
                 f.stop()
             except Exception as exc:
                 self._internal_error(f"feature.{type(f).__name__}.stop", exc)
-        for e in self.exporters:
+        if self._records is not None:
             try:
-                e.force_flush(timeout_s)
-                e.shutdown()
+                self._records.shutdown()
             except Exception as exc:
-                self._internal_error(f"exporter.{getattr(e, 'name', type(e).__name__)}", exc)
+                self._internal_error("exporter.records", exc)
+        for w in self._workers:
+            if not w.join(deadline):
+                logger.warning(
+                    "stepwatch: exporter %s did not finish within the %.1f s of shutdown; what it still held is "
+                    "counted in run.json's exporter_drops", w.name, timeout_s,
+                )
         self._write_manifest(final=True)
 
     def after_fork_in_child(self) -> None:
@@ -229,12 +259,21 @@ class Session:
     def _enqueue(self, raw: tuple) -> None:
         if len(self._queue) < self._cap:
             self._queue.append(raw)
+            if not self._opened:
+                self._wake.set()
         else:
             self.dropped += 1
 
+    @property
+    def exporters(self) -> list[Exporter]:
+        """The exporters running now (one still starting on its thread is not listed yet)."""
+        out = [self._records] if self._records is not None else []
+        return out + [w.exporter for w in self._workers if w.exporter is not None]
+
     def total_dropped(self) -> int:
-        """Records dropped on the bounded queue plus what exporters dropped (e.g. OTLP down)."""
-        n = self.dropped
+        """Records dropped on the bounded queue or by an exporter's queue, plus what exporters
+        dropped themselves (e.g. OTLP down)."""
+        n = self.dropped + sum(w.total_dropped() for w in self._workers)
         for e in self.exporters:
             fn = getattr(e, "dropped", None)
             if callable(fn):
@@ -297,7 +336,11 @@ class Session:
     # -- background pipeline ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.wait(self.config.flush_interval_s):
+        while True:
+            self._wake.wait(self.config.flush_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self._pass(final=False)
 
     def _refresh_context(self) -> None:
@@ -314,22 +357,48 @@ class Session:
             self._internal_error("context", e)
 
     def _open_exporters(self) -> None:
-        from .exporters.builtin import build_exporters
+        """Each exporter starts on its own: the records file here (a file to open), every other
+        on its own thread (see exporters/worker.py). One that fails is counted under its name."""
+        from .exporters.builtin import exporter_specs
 
         self._refresh_context()
         try:
-            exporters = build_exporters(self.config, self.ctx)
+            specs = exporter_specs(self.config, self.ctx)
         except Exception as e:
             self._internal_error("exporter.start", e)
-            exporters = list(self.config.exporters)
+            specs = []
+        from .exporters.builtin import ExporterSpec
+
         # A feature that is also a sink (MLflow: it must see the training thread from init).
-        exporters.extend(f for f in self.features_started if isinstance(f, Exporter))
-        self.exporters = exporters
-        self._exporter_names = [getattr(e, "name", type(e).__name__) for e in exporters]
-        for e in exporters:
-            if hasattr(e, "drops"):
-                e.drops = self.total_dropped
+        specs += [ExporterSpec(str(getattr(f, "name", type(f).__name__)), (lambda f=f: f))
+                  for f in self.features_started if isinstance(f, Exporter)]
+        for spec in specs:
+            self._exporter_names.append(spec.name)
+            if spec.inline:
+                try:
+                    self._records = spec.build()
+                except Exception as e:
+                    self._internal_error(f"exporter.{spec.name}.start", e)
+                continue
+            self._workers.append(
+                ExporterWorker(
+                    spec.name, spec.build, capacity=self._cap, on_error=self._internal_error, on_built=self._wire
+                )
+            )
         self._write_manifest(final=False)
+
+    def _wire(self, exporter: Exporter) -> None:
+        if hasattr(exporter, "drops"):  # the console shows the drops
+            exporter.drops = self.total_dropped  # type: ignore[attr-defined]
+
+    def _drain_exporters(self, timeout_s: float) -> bool:
+        """Wait until every exporter has taken what it was given (tests drive passes by hand)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if all(w.idle() for w in self._workers):
+                return True
+            time.sleep(0.005)
+        return False
 
     def _pass(self, *, final: bool) -> None:
         try:
@@ -376,18 +445,26 @@ class Session:
             batch = Batch(records=records, findings=findings, samples=samples)
             if not batch:
                 return
-            for e in self.exporters:
+            if self._records is not None:
                 try:
-                    e.export(batch)
+                    self._records.export(batch)
                 except Exception as exc:
-                    self._internal_error(f"exporter.{getattr(e, 'name', type(e).__name__)}", exc)
+                    self._internal_error("exporter.records", exc)
+            for w in self._workers:
+                w.submit(batch)
         except Exception as e:  # the pipeline itself must never die silently
             self._internal_error("pipeline", e)
 
     def _resolve(self, raws: list[tuple], *, final: bool) -> list[StepRecord]:
         now = time.monotonic()
         for raw in raws:
-            self._held.append([now, self._build(raw), raw[-1], []])
+            try:
+                rec = self._build(raw)
+            except Exception as e:  # one bad record never costs the others of the pass
+                self.dropped += 1
+                self._internal_error("pipeline.build", e)
+                continue
+            self._held.append([now, rec, raw[-1], []])
         out: list[StepRecord] = []
         # Records leave in order: the first one still waiting on the device holds the rest.
         while self._held:
@@ -446,11 +523,25 @@ class Session:
             eval_s=ev * s,
             checkpoint_s=ckpt * s,
             phases={k: v * s for k, v in phases.items()},
-            scalars={k: (v if isinstance(v, _Pending) else _to_float(v)) for k, v in scalars.items()},
+            scalars={k: (v if isinstance(v, _Pending) else self._scalar(k, v)) for k, v in scalars.items()},
             skipped=skipped,
             mem_peak_bytes=mem,
             **_checkpoint_fields(extras.get("checkpoint_bytes"), ckpt * s),
         )
+
+    def _scalar(self, name: str, v: Any) -> float | None:
+        """A logged value as a float; one that is not a number or does not fit (``10**400``)
+        is None, counted per name in run.json's ``null_scalars`` and logged once."""
+        f = _to_float(v)
+        if f is None and v is not None:
+            key = name if name in self.null_scalars or len(self.null_scalars) < _MAX_NULL_NAMES else "<other>"
+            self.null_scalars[key] = self.null_scalars.get(key, 0) + 1
+            if self.null_scalars[key] == 1:
+                logger.warning(
+                    "stepwatch.log(%s=...): a %s is not a number that fits a float; recorded as null "
+                    "(counted in run.json's null_scalars)", name, type(v).__name__,
+                )
+        return f
 
     # -- manifest -------------------------------------------------------------------------------
 
@@ -492,6 +583,8 @@ class Session:
                 "exporters": self._exporter_names,
                 "steps": self.steps_seen,
                 "dropped_records": self.dropped,
+                "exporter_drops": describe_drops(self._workers),
+                "null_scalars": dict(self.null_scalars),
                 "internal_errors": dict(self.failures.counts),
             }
             if not hasattr(self, "_manifest_path"):
@@ -533,7 +626,7 @@ def _to_float(v: Any) -> float | None:
                 return None
             v = v.detach()
         return float(v)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # OverflowError: 10**400
         return None
 
 

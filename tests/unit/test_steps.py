@@ -272,6 +272,7 @@ def test_each_enricher_runs_once_per_record_while_the_list_changes(sw):
     s._new_enrichers.append(Named("new"))  # as _maybe_device_timing does, on the training thread
     gate["open"] = True
     s._pass(final=False)
+    assert s._drain_exporters(10)  # user exporters take batches on their own thread
     assert [c for c in calls if c[1] == 0] == [("fails", 0), ("a", 0), ("waits", 0), ("new", 0), ("waits", 0), ("b", 0)]
     assert [r.step for r in mem.records] == [0]
     assert [getattr(e, "name", None) for e in s.enrichers] == ["new", "a", "waits", "b"]

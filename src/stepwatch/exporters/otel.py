@@ -178,12 +178,17 @@ def _count_points(data: MetricsData) -> int:
     return n
 
 
+# The OTLP metric exporter's module for each protocol (also preloaded: exporters/builtin.py).
+OTLP_MODULES = {
+    "grpc": "opentelemetry.exporter.otlp.proto.grpc.metric_exporter",
+    "http/protobuf": "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+}
+
+
 def _make_otlp_exporter(environ: Mapping[str, str]) -> MetricExporter:
-    protocol = otlp_protocol(environ)
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter  # type: ignore[assignment]
+    import importlib
+
+    OTLPMetricExporter = importlib.import_module(OTLP_MODULES[otlp_protocol(environ)]).OTLPMetricExporter
     # Endpoint, headers, timeout, compression, TLS, temporality and histogram aggregation
     # (OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram
     # for exponential ones): the exporter reads the standard variables itself. Explicit buckets

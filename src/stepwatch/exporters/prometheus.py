@@ -12,16 +12,15 @@ Imported only when the endpoint is enabled (``STEPWATCH_PROMETHEUS_PORT``).
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
-import socket
-import threading
 import weakref
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+
+from ._http import BoundedHTTPServer
 
 log = logging.getLogger("stepwatch.exporters.prometheus")
 
@@ -35,27 +34,14 @@ def make_reader(registry: CollectorRegistry) -> "PrometheusReader":
     return PrometheusReader(registry)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    registry: CollectorRegistry  # set on the per-endpoint subclass
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-            self.send_error(404, "stepwatch serves /metrics")
-            return
-        try:
-            body = generate_latest(self.registry)
-        except Exception as e:  # a collect failure must answer the scraper, not kill the thread
-            log.warning("stepwatch: Prometheus collect failed: %r", e)
-            self.send_error(500, "collect failed")
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        return None  # one line per scrape would flood the training log
+def _respond(registry: CollectorRegistry, path: str) -> tuple[int, str, bytes]:
+    if path.split("?", 1)[0] not in ("/metrics", "/"):
+        return 404, "text/plain; charset=utf-8", b"stepwatch serves /metrics\n"
+    try:
+        return 200, CONTENT_TYPE_PLAIN_0_0_4, generate_latest(registry)
+    except Exception as e:  # a collect failure must answer the scraper, not kill the worker
+        log.warning("stepwatch: Prometheus collect failed: %r", e)
+        return 500, "text/plain; charset=utf-8", b"collect failed\n"
 
 
 def _close_in_child(ref: "weakref.ref[PrometheusEndpoint]") -> None:
@@ -64,14 +50,13 @@ def _close_in_child(ref: "weakref.ref[PrometheusEndpoint]") -> None:
     if server is not None:
         ep._server = None
         ep.bound = False
-        try:
-            server.socket.close()
-        except OSError:
-            pass
+        server.close_in_child()
 
 
 class PrometheusEndpoint:
-    """Serve ``registry`` on ``host:port`` from a daemon thread. ``port`` 0 picks a free one.
+    """Serve ``registry`` on ``host:port``. ``port`` 0 picks a free one. Threads and descriptors
+    are fixed whatever scrapers do (:mod:`stepwatch.exporters._http`): 3 threads, a bounded
+    number of connections, each given 5 s to send its request; the excess is closed unanswered.
 
     A port that is taken (another job, or two ranks given one port) is one warning and no
     endpoint: the job goes on. ``bound`` says whether it is serving.
@@ -81,14 +66,11 @@ class PrometheusEndpoint:
         self.host = host
         self.port = port
         self.bound = False
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        handler = type("StepwatchMetricsHandler", (_Handler,), {"registry": registry})
-        server_cls = ThreadingHTTPServer
-        if ":" in host:  # an IPv6 address such as ::1 or ::
-            server_cls = type("StepwatchHTTPServer6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
+        self._server: BoundedHTTPServer | None = None
         try:
-            server = server_cls((host, port), handler)
+            server = BoundedHTTPServer(
+                host, port, functools.partial(_respond, registry), name="stepwatch-prometheus"
+            )
         except (OSError, OverflowError) as e:  # OverflowError: base + local rank above 65535
             if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
                 reason, fix = "port already in use", "Set STEPWATCH_PROMETHEUS_PORT to a free base port (each rank serves base + local rank)."
@@ -101,14 +83,9 @@ class PrometheusEndpoint:
                 host, port, reason, fix,
             )
             return
-        server.daemon_threads = True
         self._server = server
-        self.port = server.server_address[1]
+        self.port = server.port
         self.bound = True
-        self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.5}, name="stepwatch-prometheus", daemon=True
-        )
-        self._thread.start()
         # A forked child (DataLoader worker) inherits the listening socket but not the thread
         # serving it: close the child's copy so the port is the parent's alone.
         if hasattr(os, "register_at_fork"):
@@ -124,6 +101,5 @@ class PrometheusEndpoint:
         server, self._server = self._server, None
         if server is None:
             return
-        server.shutdown()
-        server.server_close()
+        server.close()
         self.bound = False

@@ -16,6 +16,9 @@ What is hooked, and why this way:
   callable is wrapped instead, so timing stays outside compiled code. Framework adapters may
   declare more roots, or wrappers that are not model calls (:meth:`Instrumentation.declare_roots`).
 
+- Pickling: ``nn.Module.__getstate__`` (what ``torch.save(model)``, ``pickle`` and ``copy.deepcopy``
+  take) leaves the root hooks out, so a copy or a loaded model carries none.
+
 Everything is undone by :meth:`Instrumentation.uninstall`.
 """
 
@@ -127,6 +130,17 @@ class Instrumentation:
         self._patch(torch.serialization, "save", wrapped_save)
         self._patch(torch, "save", wrapped_save)
         self._patch_dcp()
+
+        # torch.save(model) / pickle / copy.deepcopy of a hooked module: the state they take
+        # leaves stepwatch's root hooks out, so the pickle names nothing of stepwatch and a copy
+        # or a loaded model carries no hooks. The module itself is not touched.
+        orig_getstate = torch.nn.Module.__getstate__
+
+        @functools.wraps(orig_getstate)
+        def __getstate__(module: Any) -> Any:
+            return _without_root_hooks(orig_getstate(module))
+
+        self._patch(torch.nn.Module, "__getstate__", __getstate__)
 
     def uninstall(self) -> None:
         for h in self._handles:
@@ -338,37 +352,101 @@ class Instrumentation:
             self._patches.append((m, "_compiled_call_impl", compiled))
             return
 
-        import torch
-
-        is_compiling = torch.compiler.is_compiling
-        is_grad_enabled = torch.is_grad_enabled
-
-        def pre(mod: Any, args: Any, kwargs: Any) -> None:
-            if is_compiling() or is_counting():  # is_compiling is constant-folded by dynamo
-                return
-            if not_roots and id(mod) in not_roots:
-                return
-            # Only the outermost call is observed: a declared root nested in another is part of it.
-            if self.forward_observers and tr.enabled and not tr._fwd_depth:
-                tr.work_begins()  # what the observers count belongs to the step this forward opens
-                self._observe_forward(mod, args, kwargs)
-            tr.forward_begin(is_grad_enabled())
-
-        def post(mod: Any, args: Any, out: Any) -> None:
-            if is_compiling() or is_counting():
-                return
-            if not_roots and id(mod) in not_roots:
-                return
-            if out is None and self.exception_observers:
-                # always_call: torch runs this hook from its ``except`` when forward raised.
-                exc = sys.exc_info()[1]
-                if exc is not None:
-                    self._observe_exception("forward" if is_grad_enabled() else "eval", exc)
-            tr.forward_end()
-
+        pre, post = _RootPreHook(self), _RootPostHook(self)
         self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(m.register_forward_hook(post, always_call=True))
 
+
+class _RootHook:
+    """A root module's forward hook. Not a closure, so that it can be pickled or deep-copied
+    when a module's own ``__getstate__`` skips ``nn.Module``'s (which leaves these hooks out, see
+    :func:`_without_root_hooks`): then it becomes an :class:`_Inert` hook, never a second
+    tracker of the original model."""
+
+    __slots__ = ("inst", "tr", "compiling", "counting", "grad_enabled")
+
+    def __init__(self, inst: "Instrumentation") -> None:
+        import torch
+
+        from ..analysis.flops import is_counting
+
+        self.inst = inst
+        self.tr = inst.tracker
+        self.compiling = torch.compiler.is_compiling  # constant-folded by dynamo
+        self.counting = is_counting
+        self.grad_enabled = torch.is_grad_enabled
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_Inert, ())
+
+
+class _RootPreHook(_RootHook):
+    __slots__ = ()
+
+    def __call__(self, mod: Any, args: Any, kwargs: Any) -> None:
+        if self.compiling() or self.counting():
+            return
+        inst = self.inst
+        if inst._not_roots and id(mod) in inst._not_roots:
+            return
+        tr = self.tr
+        # Only the outermost call is observed: a declared root nested in another is part of it.
+        if inst.forward_observers and tr.enabled and not tr._fwd_depth:
+            tr.work_begins()  # what the observers count belongs to the step this forward opens
+            inst._observe_forward(mod, args, kwargs)
+        tr.forward_begin(self.grad_enabled())
+
+
+class _RootPostHook(_RootHook):
+    __slots__ = ()
+
+    def __call__(self, mod: Any, args: Any, out: Any) -> None:
+        if self.compiling() or self.counting():
+            return
+        inst = self.inst
+        if inst._not_roots and id(mod) in inst._not_roots:
+            return
+        if out is None and inst.exception_observers:
+            # always_call: torch runs this hook from its ``except`` when forward raised.
+            exc = sys.exc_info()[1]
+            if exc is not None:
+                inst._observe_exception("forward" if self.grad_enabled() else "eval", exc)
+        self.tr.forward_end()
+
+
+class _Inert:
+    """What a stepwatch hook becomes in a copy that kept it: does nothing, returns None."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+_HOOK_ID_DICTS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _without_root_hooks(state: Any) -> Any:
+    """``nn.Module.__getstate__``'s state (a copy of ``__dict__``) with stepwatch's root hooks
+    left out: new hook dicts in the copy, the module's own dicts untouched."""
+    if not isinstance(state, dict):
+        return state
+    ours: set[Any] = set()
+    for key in _HOOK_DICTS:
+        hooks = state.get(key)
+        if hooks and any(isinstance(h, _RootHook) for h in hooks.values()):
+            kept = type(hooks)()
+            for k, h in hooks.items():
+                if isinstance(h, _RootHook):
+                    ours.add(k)
+                else:
+                    kept[k] = h
+            state[key] = kept
+    if ours:
+        for key in _HOOK_ID_DICTS:
+            ids = state.get(key)
+            if ids:
+                state[key] = type(ids)((k, v) for k, v in ids.items() if k not in ours)
+    return state
 
 
 # A step pre-hook gets ``args`` of ``step`` as called through the optimizer's hook wrapper: the

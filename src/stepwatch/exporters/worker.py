@@ -1,0 +1,176 @@
+"""One exporter on its own thread, fed through a bounded queue.
+
+The session writes the records file itself, on its background thread; every other exporter
+(console, OpenTelemetry, a user's sink) runs here, one thread each, so an exporter that is slow
+to import, slow to export or stuck in a collector's retries delays no other exporter and never the
+records file. It is built on its thread too, and a failure to start is counted under its own
+name. What does not fit its queue, and what is still queued when shutdown's time is up, is
+dropped and counted (:attr:`ExporterWorker.dropped`, ``run.json``'s ``exporter_drops``).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable
+
+from .base import Batch, Exporter
+
+OnError = Callable[[str, BaseException], None]
+
+
+def batch_size(batch: Batch) -> int:
+    return len(batch.records) + len(batch.findings) + len(batch.samples)
+
+
+class ExporterWorker:
+    """Runs ``build()`` (an exporter, or None for "off") and then its ``export`` on a daemon
+    thread named ``stepwatch-export-<name>``. ``capacity`` bounds the items (records, findings,
+    samples) waiting for it. ``on_built(exporter)`` runs on the thread once it is built."""
+
+    def __init__(
+        self,
+        name: str,
+        build: Callable[[], Exporter | None],
+        *,
+        capacity: int,
+        on_error: OnError,
+        on_built: Callable[[Exporter], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.exporter: Exporter | None = None
+        self.dropped = {"records": 0, "findings": 0, "samples": 0}
+        self._build = build
+        self._cap = capacity
+        self._on_error = on_error
+        self._on_built = on_built
+        self._queue: collections.deque[Batch] = collections.deque()
+        self._queued = 0
+        self._busy: Batch | None = None  # the batch being exported
+        self._cv = threading.Condition()
+        self._closing = False
+        self._gone = False  # failed to start, off, or given up at shutdown: drop what comes
+        self._deadline = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"stepwatch-export-{name}", daemon=True)
+        self._thread.start()
+
+    # -- the session's side (its background thread) -------------------------------------------
+
+    def submit(self, batch: Batch) -> None:
+        """Queue ``batch``; never blocks. A batch that does not fit is dropped and counted."""
+        n = batch_size(batch)
+        if not n:
+            return
+        with self._cv:
+            if self._gone or self._closing or self._queued + n > self._cap:
+                self._count(batch)
+                return
+            self._queue.append(batch)
+            self._queued += n
+            self._cv.notify()
+
+    def close(self, deadline: float) -> None:
+        """Export what is queued, then flush and shut the exporter down, until ``deadline``
+        (``time.monotonic()``). Returns at once; :meth:`join` waits."""
+        with self._cv:
+            self._closing = True
+            self._deadline = deadline
+            self._cv.notify()
+
+    def join(self, deadline: float) -> bool:
+        """Wait for the worker until ``deadline``; True if it finished. If not, what it still
+        holds (queued, and the batch in its ``export``) is counted as dropped."""
+        self._thread.join(max(deadline - time.monotonic(), 0.0))
+        if not self._thread.is_alive():
+            return True
+        with self._cv:
+            self._gone = True
+            for b in self._queue:
+                self._count(b)
+            self._queue.clear()
+            self._queued = 0
+            if self._busy is not None:
+                self._count(self._busy)
+                self._busy = None
+        return False
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not self._queue and self._busy is None
+
+    def total_dropped(self) -> int:
+        with self._cv:
+            return sum(self.dropped.values())
+
+    def _count(self, batch: Batch) -> None:  # under self._cv
+        self.dropped["records"] += len(batch.records)
+        self.dropped["findings"] += len(batch.findings)
+        self.dropped["samples"] += len(batch.samples)
+
+    # -- the worker's thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            exporter = self._build()
+        except Exception as e:  # noqa: BLE001 - any failure to start leaves this exporter off, alone
+            self._on_error(f"exporter.{self.name}.start", e)
+            exporter = None
+        if exporter is None:
+            self._give_up()
+            return
+        self.exporter = exporter
+        if self._on_built is not None:
+            try:
+                self._on_built(exporter)
+            except Exception as e:  # noqa: BLE001
+                self._on_error(f"exporter.{self.name}.start", e)
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if self._gone:  # shutdown's time is up: what was left is counted
+                    return
+                if not self._queue:  # closing, nothing left
+                    break
+                batch = self._busy = self._queue.popleft()
+                self._queued -= batch_size(batch)
+            try:
+                exporter.export(batch)
+            except Exception as e:  # noqa: BLE001 - counted, logged once; the next batch is tried
+                self._on_error(f"exporter.{self.name}", e)
+            with self._cv:
+                self._busy = None
+        try:
+            exporter.force_flush(max(self._deadline - time.monotonic(), 0.0))
+            exporter.shutdown()
+        except Exception as e:  # noqa: BLE001
+            self._on_error(f"exporter.{self.name}", e)
+
+    def _give_up(self) -> None:
+        with self._cv:
+            self._gone = True
+            for b in self._queue:
+                self._count(b)
+            self._queue.clear()
+            self._queued = 0
+
+
+def describe_drops(workers: list[ExporterWorker]) -> dict[str, dict[str, Any]]:
+    """``run.json``'s ``exporter_drops``: per exporter, what it lost (nonzero counts only);
+    ``points`` are what the exporter itself could not deliver (e.g. OTLP with the collector down)."""
+    out: dict[str, dict[str, Any]] = {}
+    for w in workers:
+        with w._cv:
+            d = {k: v for k, v in w.dropped.items() if v}
+        own = getattr(w.exporter, "dropped", None)
+        if callable(own):
+            try:
+                n = int(own())
+            except Exception:  # noqa: BLE001 - an exporter's counter must not break the manifest
+                n = 0
+            if n:
+                d["points"] = n
+        if d:
+            out[w.name] = d
+    return out

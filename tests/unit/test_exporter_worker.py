@@ -1,0 +1,81 @@
+"""An exporter on its own thread (exporters/worker.py): a stuck ``export`` delays nobody, what does
+not fit its queue is counted, and shutdown's deadline counts what it still held."""
+
+import threading
+import time
+
+from stepwatch.exporters.base import Batch, Exporter
+from stepwatch.record import StepRecord
+
+
+def _batch(n, start=0):
+    return Batch(records=[StepRecord(step=start + i, rank=0, time=0.0, step_s=0.01) for i in range(n)])
+
+
+class Stuck(Exporter):
+    name = "stuck"
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.got = 0
+        self.shut = False
+
+    def export(self, batch):
+        self.release.wait(30)
+        self.got += len(batch.records)
+
+    def shutdown(self):
+        self.shut = True
+
+
+def test_a_stuck_exporter_costs_its_own_records_only_and_all_are_counted():
+    from stepwatch.exporters.worker import ExporterWorker, describe_drops
+
+    errors = []
+    stuck = Stuck()
+    w = ExporterWorker("stuck", lambda: stuck, capacity=100, on_error=lambda where, e: errors.append(where))
+    t0 = time.monotonic()
+    for k in range(10):  # 500 records: one in export, 100 queued, the rest do not fit
+        w.submit(_batch(50, 50 * k))
+    assert time.monotonic() - t0 < 0.5, "submit waited for the exporter"
+    deadline = time.monotonic() + 0.3
+    w.close(deadline)
+    assert not w.join(deadline)  # still stuck at the deadline
+    assert time.monotonic() - deadline < 0.2
+    stuck.release.set()
+    assert w.dropped["records"] == 500 and stuck.got <= 50  # the batch in export is counted too
+    assert describe_drops([w]) == {"stuck": {"records": 500}}
+    assert errors == []
+
+
+def test_a_worker_drains_and_shuts_down_within_the_deadline():
+    from stepwatch.exporters.worker import ExporterWorker
+
+    stuck = Stuck()
+    stuck.release.set()
+    w = ExporterWorker("ok", lambda: stuck, capacity=1000, on_error=lambda where, e: None)
+    for k in range(5):
+        w.submit(_batch(20, 20 * k))
+    deadline = time.monotonic() + 5
+    w.close(deadline)
+    assert w.join(deadline)
+    assert stuck.got == 100 and stuck.shut and w.total_dropped() == 0
+
+
+def test_a_failed_start_is_counted_under_the_exporters_name():
+    from stepwatch.exporters.worker import ExporterWorker
+
+    errors = []
+
+    def build():
+        raise OverflowError("cannot fit 'int' into an index-sized integer")
+
+    w = ExporterWorker("console", build, capacity=100, on_error=lambda where, e: errors.append((where, type(e))))
+    deadline = time.monotonic() + 5
+    while not errors and time.monotonic() < deadline:
+        time.sleep(0.01)
+    w.submit(_batch(3))
+    w.close(deadline)
+    assert w.join(deadline)
+    assert errors == [("exporter.console.start", OverflowError)]
+    assert w.dropped["records"] == 3 and w.exporter is None
