@@ -14,6 +14,8 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -199,11 +201,17 @@ def test_requested_size_parsed_from_cuda_and_cpu_messages():
 def test_host_readers_current_rss_and_own_smaps():
     import torch
 
-    r = StatmReader()
-    before = r()
-    blob = torch.ones(64 << 18)  # 64 MiB written
-    after = r()
-    assert after - before == pytest.approx(64 * MiB, rel=0.1)
+    # In a fresh process: in this one, threads left by earlier tests free memory meanwhile.
+    code = (
+        "import torch; from stepwatch.memory.host import StatmReader; r = StatmReader(); b = r(); "
+        "blob = torch.ones(64 << 18); print(r() - b)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "src")}
+    rise = int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              check=True, timeout=120).stdout.strip())
+    assert rise == pytest.approx(64 * MiB, rel=0.1)  # 64 MiB written
+    blob = torch.ones(1 << 18)
     uss, pss, rss = smaps_rollup(os.getpid())
     assert 0 < uss <= pss <= rss
     assert parent_pid(os.getpid()) == os.getppid()
