@@ -63,6 +63,9 @@ class StepRecord:
     algbw_gbps: float | None = None
     busbw_gbps: float | None = None
     comm_wait_s: float | None = None
+    # The run's last record when evaluation or checkpoints ran after the last step: no training
+    # step (step_s and the training phases are 0), only eval_s / checkpoint_s, so totals count them.
+    tail: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in STEP_FIELDS}

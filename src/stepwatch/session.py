@@ -460,6 +460,7 @@ class Session:
             skipped=skipped,
             mem_peak_bytes=mem,
             **_checkpoint_fields(extras.get("checkpoint_bytes"), ckpt * s),
+            tail=bool(extras.get("tail", False)),
         )
 
     # -- manifest -------------------------------------------------------------------------------
@@ -516,6 +517,9 @@ class Session:
             "timing_clock": "device" if self.timing_backend else "host",
             "timing_backend": self.timing_backend or "host clock",
             "root_modules": list(inst.roots) if inst is not None else [],
+            # What ends a step: "optimizer" (optimizer.step()), "backward" (no torch optimizer
+            # in the loop: one step per backward) or "explicit" (stepwatch.step()).
+            "step_boundary": self.tracker.boundary if self.tracker is not None else None,
             "module_scan_s": inst.scan_s if inst is not None else 0.0,
             **{
                 getattr(f, "name", type(f).__name__): f.status() if hasattr(f, "status") else True

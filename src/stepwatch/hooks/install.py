@@ -15,6 +15,12 @@ What is hooked, and why this way:
   place (``model.compile()``) runs its own hooks inside the compiled region; there the compiled
   callable is wrapped instead, so timing stays outside compiled code. Framework adapters may
   declare more roots, or wrappers that are not model calls (:meth:`Instrumentation.declare_roots`).
+  Until the first scan, one global forward pre-hook waits for the first module call (and removes
+  itself there): a loop without a DataLoader has its roots hooked before its first forward, so
+  step 0 counts every micro-batch. A root called inside a DataLoader fetch (an ``nn.Module``
+  transform in ``Dataset.__getitem__``) is data loading: its calls are not timed or observed.
+- No optimizer: when no ``torch.optim.Optimizer`` exists at the first backward, each backward ends
+  a step (``tracker.boundary = "backward"``, named in ``run.json``), and one line says so.
 
 Everything is undone by :meth:`Instrumentation.uninstall`.
 """
@@ -44,6 +50,11 @@ class Instrumentation:
         self._hooked: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._seen_optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._scans = 0
+        self._optimizers_alive = False  # the last scan saw a torch.optim.Optimizer
+        self._boundary_checked = False
+        self._data_scanned = False
+        self._first_fwd: Any = None  # the global pre-hook's handle until the first scan
+        self._new_pres: dict[int, Any] | None = None
         self._dcp_patched = False
         self.scan_s = 0.0
         self.roots: list[str] = []
@@ -73,8 +84,8 @@ class Instrumentation:
         def backward(*args: Any, **kwargs: Any) -> Any:
             if is_counting():  # stepwatch's own FLOP-count replay (reentrant checkpoint)
                 return orig_backward(*args, **kwargs)
-            if tr.enabled and self._scans == 0:
-                self._scan("first backward")
+            if tr.enabled and not self._boundary_checked:
+                self._check_boundary()
             tr.backward_begin()
             try:
                 return orig_backward(*args, **kwargs)
@@ -88,7 +99,8 @@ class Instrumentation:
 
         @functools.wraps(orig_next)
         def __next__(it: Any) -> Any:
-            if self._scans == 0 and tr.enabled:
+            if not self._data_scanned and tr.enabled:
+                self._data_scanned = True
                 self._scan("first data fetch")
             t0 = tr.data_begin()
             try:
@@ -116,6 +128,50 @@ class Instrumentation:
         self._patch(torch.serialization, "save", wrapped_save)
         self._patch(torch, "save", wrapped_save)
         self._patch_dcp()
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self._first_fwd = register_module_forward_pre_hook(self._first_forward)
+        self._handles.append(self._first_fwd)
+
+    def _first_forward(self, mod: Any, args: Any) -> None:
+        """The first module call before any scan: find the roots now, and time this call too
+        (the hooks just added to ``mod`` are not in the list its call already took)."""
+        import torch
+
+        from ..analysis.flops import is_counting
+
+        tr = self.tracker
+        if torch.compiler.is_compiling() or is_counting() or tr.in_data or self._first_fwd is None:
+            return
+        handle, self._first_fwd = self._first_fwd, None
+        handle.remove()
+        if not tr.enabled or self._scans:
+            return
+        self._new_pres = {}
+        try:
+            self._scan("first forward")
+            pre = self._new_pres.get(id(mod))
+        finally:
+            self._new_pres = None
+        if pre is not None:
+            pre(mod, args, {})
+
+    def _check_boundary(self) -> None:
+        """First backward: find the roots if no scan ran yet, and whether the loop has a torch
+        optimizer at all; without one, each backward ends a step."""
+        self._boundary_checked = True
+        # Always (not only when no scan ran yet): the first module call may have come before the
+        # model was built.
+        self._scan("first backward")
+        tr = self.tracker
+        if not self._optimizers_alive and not self._seen_optimizers and tr.boundary == "optimizer":
+            tr.boundary = "backward"
+            from .._log import logger
+
+            logger.warning(
+                "stepwatch: no torch.optim optimizer in this process; each backward ends a step "
+                "(call stepwatch.step() after your update to mark steps yourself)"
+            )
 
     def uninstall(self) -> None:
         for h in self._handles:
@@ -268,9 +324,17 @@ class Instrumentation:
         t0 = time.perf_counter()
         try:
             import torch.nn as nn
+            from torch.optim import Optimizer
 
             # type() rather than isinstance(): some objects warn when their __class__ is read.
-            modules = [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
+            modules = []
+            optimizers = []
+            for o in gc.get_objects():
+                t = type(o)
+                if issubclass(t, nn.Module):
+                    modules.append(o)
+                elif issubclass(t, Optimizer):
+                    optimizers.append(o)
             children: set[int] = set()
             for m in modules:
                 for c in m._modules.values():
@@ -279,6 +343,7 @@ class Instrumentation:
             for m in modules:
                 if id(m) not in children and m not in self._hooked and id(m) not in self._not_roots:
                     self._hook_root(m)
+            self._optimizers_alive = _steps_a_root(optimizers, list(self._hooked))
         except Exception as e:
             self._on_error("hooks.discovery", e)
         finally:
@@ -300,7 +365,7 @@ class Instrumentation:
             def timed_call(*args: Any, **kwargs: Any) -> Any:
                 import torch
 
-                if is_counting() or (not_roots and id(m) in not_roots):
+                if is_counting() or (not_roots and id(m) in not_roots) or tr.in_data:
                     return compiled(*args, **kwargs)
                 if self.forward_observers and tr.enabled and not tr._fwd_depth:
                     tr.work_begins()  # what the observers count belongs to the step this forward opens
@@ -323,7 +388,7 @@ class Instrumentation:
         def pre(mod: Any, args: Any, kwargs: Any) -> None:
             if is_compiling() or is_counting():  # is_compiling is constant-folded by dynamo
                 return
-            if not_roots and id(mod) in not_roots:
+            if (not_roots and id(mod) in not_roots) or tr.in_data:
                 return
             # Only the outermost call is observed: a declared root nested in another is part of it.
             if self.forward_observers and tr.enabled and not tr._fwd_depth:
@@ -334,13 +399,24 @@ class Instrumentation:
         def post(mod: Any, args: Any, out: Any) -> None:
             if is_compiling() or is_counting():
                 return
-            if not_roots and id(mod) in not_roots:
+            if (not_roots and id(mod) in not_roots) or tr.in_data:
                 return
             tr.forward_end()
 
+        if self._new_pres is not None:
+            self._new_pres[id(m)] = pre
         self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(m.register_forward_hook(post, always_call=True))
 
+
+
+def _steps_a_root(optimizers: list[Any], roots: list[Any]) -> bool:
+    """Does one of ``optimizers`` hold a parameter of the hooked roots? (An optimizer of another
+    model, or one that is garbage not yet collected, says nothing about this loop.)"""
+    if not optimizers:
+        return False
+    params = {id(p) for m in roots for p in m.parameters()}
+    return any(id(p) in params for o in optimizers for g in o.param_groups for p in g["params"])
 
 
 # A step pre-hook gets ``args`` of ``step`` as called through the optimizer's hook wrapper: the
