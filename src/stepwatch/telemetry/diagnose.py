@@ -47,6 +47,9 @@ MATRIX_REPEAT_S = 600.0
 # "> 10 GB/s healthy; < 2 GB/s -> storage degraded".
 CHECKPOINT_SHARE_MAX = 0.08
 CHECKPOINT_GBPS_DEGRADED = 2.0
+# stepwatch: a save smaller than this says nothing about storage bandwidth (its time is open,
+# pickling and metadata latency; a 2 KB save "writes" 0.00 GB/s): only larger saves are judged.
+CHECKPOINT_MIN_BYTES = 100_000_000
 # stepwatch: straggler = a rank whose SM activity std-dev is >= 0.10 while the others' median is
 # <= 0.05 (ratio units), over at least 5 samples each.
 STRAGGLER_STD = 0.10
@@ -323,7 +326,7 @@ class CheckpointWatch:
             self.saves += 1
             self.ck_s += r.checkpoint_s
             b = _ck_bytes(r)
-            if b:
+            if b and b >= CHECKPOINT_MIN_BYTES:
                 self.ck_bytes += b
                 self.ck_bytes_s += r.checkpoint_s
             share = self.ck_s / self.run_s if self.run_s > 0 else 0.0
