@@ -207,6 +207,16 @@ class Config:
         default=50,
         metadata=_opt("STEPWATCH_WINDOW", "Steps per analysis window (percentiles, detectors).", _int_at_least(2)),
     )
+    finding_repeat_windows: int = field(
+        default=20,
+        metadata=_opt(
+            "STEPWATCH_FINDING_REPEAT_WINDOWS",
+            "Every finding kind is rate-limited: a condition that persists is one finding per episode, "
+            "repeated with its count at most every N windows (`STEPWATCH_WINDOW` steps each); an episode "
+            "ends after a window without it, with one closing finding giving the total.",
+            _int_at_least(1),
+        ),
+    )
     data_wait_threshold_ms: float = field(
         default=10.0,
         metadata=_opt(

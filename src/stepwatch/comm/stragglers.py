@@ -362,5 +362,6 @@ class StragglerDetector:
                 "window_steps": self.every,
                 "window": w,
                 "ranks_reporting": len(sums),
+                "subject": "ranks " + ",".join(str(r) for r in named),  # one episode per set named
             },
         )
