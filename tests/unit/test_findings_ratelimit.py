@@ -88,3 +88,15 @@ def test_alternating_grad_norm_is_one_spike_episode(sw):
     spikes = [f for f in mem.findings if f.kind == "grad_norm_spike"]
     assert 1 <= len(spikes) <= 300 // 50 + 2, len(spikes)
     assert spikes[-1].data["episode"]["count"] >= 140
+
+
+def test_seconds_positions_for_serve_vllm():
+    lim = FindingLimiter(window=300.0, repeat_windows=20, position=lambda f: f.time, unit="s")
+    out = []
+    for t in range(0, 3 * 3600, 2):  # a TTFT breach every 2 s scrape for 3 hours
+        f = make_finding("ttft_slo", rank=0, step=None, summary="p99 high", when=1e9 + t)
+        out += lim.filter([f], now=1e9 + t)
+    out += lim.flush()
+    # The opening, one repeat after 20 windows (6000 s), and the closing count.
+    assert [f.time - 1e9 for f in out] == [0, 6000, 3 * 3600 - 2]
+    assert out[-1].data["episode"]["count"] == 3 * 3600 // 2 and "over 10798 s" in out[-1].summary
