@@ -262,3 +262,68 @@ def test_losses_are_bit_identical_on_and_off(sw):
     stepwatch.shutdown()
     assert len([r for r in mem.records if not r.tail]) == 4
     assert torch.equal(on, off)
+
+
+class MaskedEncoder(nn.Module):
+    """word_language_model's TransformerModel in small: nn.TransformerEncoder with a causal mask."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 4, 64, dropout=0.1), 2,
+                                         enable_nested_tensor=False)
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[0])
+        return self.head(self.enc(x, mask=mask))
+
+
+def test_encoder_with_a_mask_gets_flops_from_a_real_count(sw):
+    """The fake-tensor replay raises DataDependentOutputException here; FlopCounterMode on a real
+    step counts it, and so must stepwatch (its fallback counts on real tensors, once)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    stepwatch, mem, start = sw
+    torch.manual_seed(0)
+    ref = MaskedEncoder()
+    x = torch.randn(10, 4, 32)
+    with FlopCounterMode(display=False) as fc:
+        ref(x).sum().backward()
+    start()
+    torch.manual_seed(0)
+    m = MaskedEncoder()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(3):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = mem.records
+    _all_identity(recs)
+    assert [r.flops for r in recs] == [float(fc.get_total_flops())] * 3
+
+
+def test_lstm_flops_are_counted_by_formula():
+    from stepwatch.analysis.flops import count_step_flops
+
+    m = nn.LSTM(16, 32, num_layers=2)
+    fc = count_step_flops(m, (torch.randn(10, 4, 16),))
+    tokens = 10 * 4
+    # Per timestep: x @ W_ih^T and h @ W_hh^T for 4 gates, both layers (layer 2's input is h).
+    fwd = 2 * tokens * (4 * 32 * 16 + 4 * 32 * 32 + 4 * 32 * 32 + 4 * 32 * 32)
+    assert fc.forward == {"fp32": fwd} and fc.backward == {"fp32": 2 * fwd}
+
+
+def test_real_count_leaves_grads_buffers_and_rng_alone():
+    from stepwatch.analysis.flops import count_step_flops
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5))
+    x = torch.randn(4, 8)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    rng = torch.get_rng_state()
+    fc = count_step_flops(m, (x,), real=True)
+    assert fc.total == 2 * (2 * 4 * 8 * 8)  # forward, and grad-weight (the input needs no grad)
+    assert all(p.grad is None for p in m.parameters())
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
