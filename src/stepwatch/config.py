@@ -51,6 +51,21 @@ def _int_at_least(lo: int) -> Callable[[Any], int]:
     return parse
 
 
+def _zero_or_at_least(lo: int) -> Callable[[Any], int]:
+    at_least = _int_at_least(lo)
+
+    def parse(s: Any) -> int:
+        try:
+            return at_least(s)
+        except ValueError:
+            if not isinstance(s, bool) and str(s).strip() == "0":
+                return 0
+            raise ValueError(f"expected 0 (adaptive) or an integer >= {lo}") from None
+
+    parse.__doc__ = f"0 or integer >= {lo}"
+    return parse
+
+
 def _float_above(lo: float, *, optional: bool = False) -> Callable[[Any], float | None]:
     def parse(s: Any) -> float | None:
         if optional and (s is None or (isinstance(s, str) and s.strip() == "")):
@@ -403,12 +418,14 @@ class Config:
         ),
     )
     straggler_every: int = field(
-        default=20,
+        default=0,
         metadata=_opt(
             "STEPWATCH_STRAGGLER_EVERY",
             "Steps per straggler-exchange window: every N steps each rank publishes one compact summary "
-            "(compute without comm waiting, step time, data wait) through the c10d store.",
-            _int_at_least(2),
+            "(compute without comm waiting, step time, data wait) through the c10d store. `0`: adaptive "
+            "(from the warm-up's step time: a persistent straggler is named after at least 1 s, within "
+            "20 steps of a warm-up of at most 20, and within 60 s; docs/comm.md).",
+            _zero_or_at_least(2),
         ),
     )
     straggler_margin: float = field(
@@ -424,7 +441,8 @@ class Config:
         default=3,
         metadata=_opt(
             "STEPWATCH_STRAGGLER_WINDOWS",
-            "Consecutive slow windows before a `straggler` finding names the rank.",
+            "Consecutive slow windows before a `straggler` finding names the rank (adaptive windows "
+            "may use fewer when steps are long, to name it within 60 s).",
             _int_at_least(1),
         ),
     )
