@@ -15,9 +15,10 @@ What is hooked, and why this way:
   place (``model.compile()``) runs its own hooks inside the compiled region; there the compiled
   callable is wrapped instead, so timing stays outside compiled code. Framework adapters may
   declare more roots, or wrappers that are not model calls (:meth:`Instrumentation.declare_roots`).
-  Until the first scan, one global forward pre-hook waits for the first module call (and removes
-  itself there): a loop without a DataLoader has its roots hooked before its first forward, so
-  step 0 counts every micro-batch. A root called inside a DataLoader fetch (an ``nn.Module``
+  The first optimizer's construction (``Optimizer.__init__``, wrapped) scans too: a loop without a
+  DataLoader has its roots hooked before its first forward, so step 0 counts every micro-batch
+  (a global module hook would do it for loops without an optimizer too, but torch.compile traces
+  global hooks, and it would cost every module call until it fired). A root called inside a DataLoader fetch (an ``nn.Module``
   transform in ``Dataset.__getitem__``) is data loading: its calls are not timed or observed.
 - No optimizer: when no ``torch.optim.Optimizer`` exists at the first backward, each backward ends
   a step (``tracker.boundary = "backward"``, named in ``run.json``), and one line says so.
@@ -53,8 +54,7 @@ class Instrumentation:
         self._optimizers_alive = False  # the last scan saw a torch.optim.Optimizer
         self._boundary_checked = False
         self._data_scanned = False
-        self._first_fwd: Any = None  # the global pre-hook's handle until the first scan
-        self._new_pres: dict[int, Any] | None = None
+        self._init_scanned = False
         self._dcp_patched = False
         self.scan_s = 0.0
         self.roots: list[str] = []
@@ -128,33 +128,19 @@ class Instrumentation:
         self._patch(torch.serialization, "save", wrapped_save)
         self._patch(torch, "save", wrapped_save)
         self._patch_dcp()
-        from torch.nn.modules.module import register_module_forward_pre_hook
+        opt_cls = torch.optim.Optimizer
+        orig_init = opt_cls.__init__
 
-        self._first_fwd = register_module_forward_pre_hook(self._first_forward)
-        self._handles.append(self._first_fwd)
+        @functools.wraps(orig_init)
+        def optimizer_init(opt: Any, *args: Any, **kwargs: Any) -> None:
+            orig_init(opt, *args, **kwargs)
+            if not self._init_scanned and tr.enabled:
+                # The model exists once an optimizer holds its parameters: hook its roots before
+                # the first forward (a loop without a DataLoader would miss step 0's first).
+                self._init_scanned = True
+                self._scan("first optimizer")
 
-    def _first_forward(self, mod: Any, args: Any) -> None:
-        """The first module call before any scan: find the roots now, and time this call too
-        (the hooks just added to ``mod`` are not in the list its call already took)."""
-        import torch
-
-        from ..analysis.flops import is_counting
-
-        tr = self.tracker
-        if torch.compiler.is_compiling() or is_counting() or tr.in_data or self._first_fwd is None:
-            return
-        handle, self._first_fwd = self._first_fwd, None
-        handle.remove()
-        if not tr.enabled or self._scans:
-            return
-        self._new_pres = {}
-        try:
-            self._scan("first forward")
-            pre = self._new_pres.get(id(mod))
-        finally:
-            self._new_pres = None
-        if pre is not None:
-            pre(mod, args, {})
+        self._patch(opt_cls, "__init__", optimizer_init)
 
     def _check_boundary(self) -> None:
         """First backward: find the roots if no scan ran yet, and whether the loop has a torch
@@ -403,8 +389,6 @@ class Instrumentation:
                 return
             tr.forward_end()
 
-        if self._new_pres is not None:
-            self._new_pres[id(m)] = pre
         self._handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(m.register_forward_hook(post, always_call=True))
 
