@@ -598,3 +598,15 @@ def test_pooled_ranks_in_time_order_ties_by_rank_then_record_order(tmp_path):
     assert s.overall.scalars_last["loss"] == 13.0
     assert s.per_rank[0].scalars_last == {"b": 0.0, "loss": 3.0}
     assert s.overall.step_mean == pytest.approx(0.6)
+
+
+def test_a_tail_record_counts_in_eval_and_checkpoint_totals_not_in_step_times(tmp_path):
+    rng = np.random.default_rng(3)
+    recs = make_records(0, 40, rng)
+    tail = StepRecord(step=40, rank=0, time=recs[-1].time + 30, step_s=0.0, eval_s=20.0, checkpoint_s=5.0, tail=True)
+    write_jsonl(tmp_path / "steps.rank0.jsonl", recs + [tail])
+    st = summarize(load_run(str(tmp_path))).per_rank[0]
+    timed = np.array([r.step_s for r in recs])
+    assert st.step_p[50] == pytest.approx(np.percentile(timed, 50), rel=1e-12)
+    assert st.eval_total == pytest.approx(sum(r.eval_s for r in recs) + 20.0)
+    assert st.checkpoint_total == pytest.approx(sum(r.checkpoint_s for r in recs) + 5.0)
