@@ -62,6 +62,23 @@ def _int_range(lo: int, hi: int) -> Callable[[Any], int]:
     return parse
 
 
+def _zero_or_at_least(lo: int, hi: int) -> Callable[[Any], int]:
+    """0 (adaptive) or an integer in ``lo..hi``."""
+    in_range = _int_range(lo, hi)
+
+    def parse(s: Any) -> int:
+        if not isinstance(s, bool) and str(s).strip() == "0":
+            return 0
+        try:
+            return in_range(s)
+        except ValueError:
+            raise ValueError(f"expected 0 (adaptive) or an integer >= {_num(lo)} and <= {_num(hi)}") from None
+
+    parse.__doc__ = f"0 or {_num(lo)} .. {_num(hi)}"
+    parse.valid = f"0 (adaptive), or {_num(lo)} .. {_num(hi)}"  # type: ignore[attr-defined]
+    return parse
+
+
 def _float_range(lo: float, hi: float, *, lo_open: bool = True, optional: bool = False) -> Callable[[Any], float | None]:
     """A finite number in ``(lo, hi]`` (``[lo, hi]`` when not ``lo_open``); ``optional``: empty/None is None."""
     want = f"a finite number {'>' if lo_open else '>='} {_num(lo)} and <= {_num(hi)}"
@@ -222,6 +239,16 @@ class Config:
     window: int = field(
         default=50,
         metadata=_opt("STEPWATCH_WINDOW", "Steps per analysis window (percentiles, detectors).", _int_range(2, 100_000)),
+    )
+    finding_repeat_windows: int = field(
+        default=20,
+        metadata=_opt(
+            "STEPWATCH_FINDING_REPEAT_WINDOWS",
+            "Every finding kind is rate-limited: a condition that persists is one finding per episode, "
+            "repeated with its count at most every N windows (`STEPWATCH_WINDOW` steps each); an episode "
+            "ends after a window without it, with one closing finding giving the total.",
+            _int_range(1, 100_000),
+        ),
     )
     data_wait_threshold_ms: float = field(
         default=10.0,
@@ -448,12 +475,14 @@ class Config:
         ),
     )
     straggler_every: int = field(
-        default=20,
+        default=0,
         metadata=_opt(
             "STEPWATCH_STRAGGLER_EVERY",
             "Steps per straggler-exchange window: every N steps each rank publishes one compact summary "
-            "(compute without comm waiting, step time, data wait) through the c10d store.",
-            _int_range(2, 100_000),
+            "(compute without comm waiting, step time, data wait) through the c10d store. `0`: adaptive "
+            "(from the warm-up's step time: a persistent straggler is named after at least 1 s, within "
+            "20 steps of a warm-up of at most 20, and within 60 s; docs/comm.md).",
+            _zero_or_at_least(2, 100_000),
         ),
     )
     straggler_margin: float = field(
@@ -469,7 +498,8 @@ class Config:
         default=3,
         metadata=_opt(
             "STEPWATCH_STRAGGLER_WINDOWS",
-            "Consecutive slow windows before a `straggler` finding names the rank.",
+            "Consecutive slow windows before a `straggler` finding names the rank (adaptive windows "
+            "may use fewer when steps are long, to name it within 60 s).",
             _int_range(1, 10_000),
         ),
     )

@@ -79,6 +79,9 @@ class StepRecord:
     workers_uss_bytes: int | None = None
     workers_pss_bytes: int | None = None
     dataloader_workers: int | None = None
+    # The run's last record when evaluation or checkpoints ran after the last step: no training
+    # step (step_s and the training phases are 0), only eval_s / checkpoint_s, so totals count them.
+    tail: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in STEP_FIELDS}

@@ -20,6 +20,7 @@ from ._log import FailureLog, logger
 from ._sigterm import SigtermFinisher
 from .analysis.detectors import DataLoadingDetector
 from .analysis.kinds import make_finding
+from .analysis.ratelimit import FindingLimiter
 from .config import Config
 from .context import RunContext, from_env
 from .exporters.base import Batch, Exporter
@@ -93,6 +94,8 @@ class Session:
         self.tracker: StepTracker | None = None
         self.instrumentation: Any = None
         self.detectors: list[Any] = [DataLoadingDetector(config.window, config.data_wait_threshold_ms)]
+        # Every finding of every kind passes here before anything acts on it (analysis/ratelimit.py).
+        self.limiter = FindingLimiter(config.window, config.finding_repeat_windows)
         # Background-thread stages between building a record and the detectors:
         # ``enrich(record, extras, *, force) -> bool`` fills fields from the step's extras and
         # returns False while it still waits on the device (``force`` means: give up, use None).
@@ -329,7 +332,7 @@ class Session:
                     rank=rank,
                     step=self.tracker.step if self.tracker is not None else None,
                     summary=f"{where} failed ({type(exc).__name__}: {exc}) and was disabled",
-                    data={"where": where, "error": f"{type(exc).__name__}: {exc}"},
+                    data={"where": where, "error": f"{type(exc).__name__}: {exc}", "subject": where},
                 )
             )
 
@@ -433,6 +436,9 @@ class Session:
                     continue
                 samples.extend(got_samples)
                 findings.extend(got_findings)
+            findings = self.limiter.filter(findings, now=records[-1].step if records else None)
+            if final:
+                findings.extend(self.limiter.flush())
             for f in self.features_started:
                 # A feature that acts on findings (captures) sees every finding of the pass.
                 on_findings = getattr(f, "on_findings", None)
@@ -527,6 +533,7 @@ class Session:
             skipped=skipped,
             mem_peak_bytes=mem,
             **_checkpoint_fields(extras.get("checkpoint_bytes"), ckpt * s),
+            tail=bool(extras.get("tail", False)),
         )
 
     def _scalar(self, name: str, v: Any) -> float | None:
@@ -604,6 +611,9 @@ class Session:
             "timing_clock": "device" if self.timing_backend else "host",
             "timing_backend": self.timing_backend or "host clock",
             "root_modules": list(inst.roots) if inst is not None else [],
+            # What ends a step: "optimizer" (optimizer.step()), "backward" (no torch optimizer
+            # in the loop: one step per backward) or "explicit" (stepwatch.step()).
+            "step_boundary": self.tracker.boundary if self.tracker is not None else None,
             "module_scan_s": inst.scan_s if inst is not None else 0.0,
             **{
                 getattr(f, "name", type(f).__name__): f.status() if hasattr(f, "status") else True

@@ -69,7 +69,8 @@ def test_trainer_records_match_what_the_trainer_logs(tmp_path):
     mem = start(tmp_path, "on")
     trainer, logs = _train(tmp_path, [StepwatchCallback()])
     stepwatch.shutdown()
-    recs = mem.records
+    recs = [r for r in mem.records if not r.tail]  # the tail record: evaluation after the last step
+    assert mem.records[-1].tail and mem.records[-1].eval_s > 0
     no_internal_errors(mem)
     assert trainer.state.global_step == STEPS
     # One record per optimizer step; record k is the Trainer's global_step k + 1.

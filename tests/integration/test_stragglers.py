@@ -67,3 +67,27 @@ def test_balanced_job_names_no_one(tmp_path):
     named = findings(run, 0, "straggler") + findings(run, 1, "straggler")
     assert not named, (named, window_compute(run))
     assert len(records(run, 0)) == STEPS
+
+
+def test_adaptive_windows_name_the_slow_rank_within_20_steps_of_the_warm_up(tmp_path):
+    """The default (STEPWATCH_STRAGGLER_EVERY=0): rank 0 plans the windows from the warm-up's
+    step time; the slow rank is named after >= 1 s of evidence, within 20 steps and 60 s."""
+    run = tmp_path / "run"
+    env = {k: v for k, v in ENV.items() if k != "STEPWATCH_STRAGGLER_EVERY"}
+    torchrun([*ARGS, "--slow-rank", "1", "--slow-matmuls", "80"], {"STEPWATCH_DIR": str(run), **env}, tmp_path)
+    found = findings(run, 0, "straggler")
+    assert found and found[0]["data"]["ranks"] == [1], (found, window_compute(run))
+    r0 = records(run, 0)
+    named = found[0]["step"]
+    warm_end = min(s for s in r0 if s >= 3 and (s + 1 >= 20 or r0[s]["time"] - r0[0]["time"] >= 10))
+    assert named - warm_end <= 20 + 1, (named, warm_end)
+    evidence = r0[named]["time"] - r0[warm_end]["time"]
+    assert 1.0 - 0.05 <= evidence <= 60, evidence
+
+
+def test_adaptive_windows_balanced_job_names_no_one(tmp_path):
+    run = tmp_path / "run"
+    env = {k: v for k, v in ENV.items() if k != "STEPWATCH_STRAGGLER_EVERY"}
+    torchrun(ARGS, {"STEPWATCH_DIR": str(run), **env}, tmp_path)
+    named = findings(run, 0, "straggler") + findings(run, 1, "straggler")
+    assert not named, (named, window_compute(run))

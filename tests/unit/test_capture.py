@@ -635,3 +635,43 @@ def test_hang_timeout_stays_within_half_the_process_group_timeout(tmp_path):
     assert Watchdog.within_pg_timeout(300.0, snap) == 38.5 and Watchdog.within_pg_timeout(30.0, snap) == 30.0
     assert Watchdog.within_pg_timeout(300.0, {"pg_timeout_s": None}) == 300.0
     b.close()
+
+
+def test_a_killed_sidecar_is_noticed_said_once_and_restarted_once(sw, tmp_path, caplog):
+    """SIGKILL the watchdog sidecar (what the OOM killer does): the next background pass notices,
+    warns once and starts a new one; a second death is said once more and not restarted."""
+    import logging
+
+    stepwatch, mem, start = sw
+    s = start(watchdog="on", capture="off", hang_timeout=60)
+    (feat,) = [f for f in s.features_started if getattr(f, "name", "") == "capture"]
+
+    def wait_for(cond, what):
+        for _ in range(200):
+            with stepwatch.phase("work"):
+                time.sleep(0.005)
+            stepwatch.step()
+            if cond():
+                return
+            time.sleep(0.05)
+        raise AssertionError(what)
+
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        first = feat.sidecar
+        os.kill(first.pid, signal.SIGKILL)
+        wait_for(lambda: feat.sidecar is not first, "the sidecar was not restarted")
+        second = feat.sidecar
+        time.sleep(0.5)
+        assert second.poll() is None and feat.sidecar_restarts == 1
+        assert feat.status()["hang_watchdog"]["enabled"]
+        os.kill(second.pid, signal.SIGKILL)
+        wait_for(lambda: feat.sidecar_dead is not None, "the second death was not noticed")
+        for _ in range(30):  # more passes: no third sidecar, no more warnings
+            stepwatch.step()
+            time.sleep(0.05)
+    assert feat.sidecar is second and feat.sidecar_restarts == 1
+    said = [r.getMessage() for r in caplog.records if "sidecar" in r.getMessage()]
+    assert len(said) == 2 and "restarting it once" in said[0] and "no hang watchdog" in said[1], said
+    status = feat.status()["hang_watchdog"]
+    assert status["enabled"] is False and status["restarts"] == 1 and "after one restart" in status["died"]
+    stepwatch.shutdown()

@@ -189,3 +189,55 @@ def test_summary_line_round_trips_with_and_without_sm_activity():
     b = Summary(4, 0.5, 0.6, 0.01, 0.2, "node-2", None)
     got = Summary.decode_all(a.encode() + b.encode() + b"5 0.1 0.2 0.0 - old-writer\n")
     assert got[3] == a and got[4] == b and got[5].sm_active is None
+
+
+# ----------------------------------------------------------------------------- adaptive windows
+
+
+def run_timed(dets, steps, compute_of, step_s, t0=1000.0):
+    """Ranks in lockstep; each record's time advances by the (slowest) step time."""
+    findings = []
+    for step in range(steps):
+        slowest = max(compute_of(r) for r in range(len(dets)))
+        for d in dets:
+            c = compute_of(d.rank)
+            r = StepRecord(step=step, rank=d.rank, time=t0 + (step + 1) * step_s, step_s=step_s,
+                           comm_exposed_s=slowest - c, allreduce_s=slowest - c + 0.001)
+            findings += d.observe(r)
+    return findings
+
+
+@pytest.mark.parametrize("step_s", [0.002, 0.05, 0.1, 1.0, 10.0, 25.0])
+def test_adaptive_windows_name_a_straggler_soon_but_not_before_1_s(store, step_s):
+    """A rank computing 50% more: named within 20 steps after a warm-up of at most 20 steps,
+    after at least 1 s of evidence, and within 60 s (step times from 2 ms to 25 s)."""
+    server, client = store
+    dets, _ = detectors(client, 4, every=0)
+    base = step_s / 2
+    found = run_timed(dets, 1200 if step_s < 0.01 else 60, lambda r: base * 1.5 if r == 3 else base, step_s)
+    assert found and found[0].data["ranks"] == [3], found
+    start, e, k = dets[0].plan
+    assert start <= 20  # the warm-up
+    named_at = found[0].step
+    evidence_s = (named_at - start + 1) * step_s
+    assert evidence_s >= 1.0 - 1e-9
+    if step_s >= 0.05:
+        assert named_at - start + 1 <= 20
+    assert evidence_s <= 60.0
+    assert all(d.plan == dets[0].plan for d in dets)  # every rank numbers the windows the same way
+
+
+@pytest.mark.parametrize("step_s", [0.002, 0.1, 10.0])
+def test_adaptive_windows_balanced_job_names_no_one(store, step_s):
+    server, client = store
+    dets, _ = detectors(client, 4, every=0)
+    base = step_s / 2
+    found = run_timed(dets, 1200 if step_s < 0.01 else 60, lambda r: base * (1 + 0.03 * r), step_s)
+    assert found == []
+
+
+def test_plan_windows_bounds():
+    assert S.plan_windows(0.001, 3) == (250, 4)  # 1 s of 1 ms steps
+    assert S.plan_windows(0.05, 3) == (5, 4)  # 20 steps of 50 ms = 1 s
+    assert S.plan_windows(1.0, 3) == (1, 3)
+    assert S.plan_windows(30.0, 3) == (1, 1)  # one 30 s step of evidence, named within 60 s

@@ -350,8 +350,23 @@ def test_cache_failure_is_logged_once_and_remembered(caplog):
         def forward(self, x):
             return self.lin(x) if x.sum().item() > -1e9 else x
 
+    class NotReplayable(nn.Module):
+        """Fails on fake and on real tensors alike whenever stepwatch replays it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if fl.is_counting():
+                raise RuntimeError("no replay here")
+            return self.lin(x)
+
     cache = FlopCache()
-    m = DataDependent()
+    # Data-dependent control flow cannot run on fake tensors: counted once on real tensors instead.
+    dd = DataDependent()
+    assert cache.get(dd, (torch.randn(2, 4),)).total == 2 * (2 * 2 * 4 * 4)
+    m = NotReplayable()
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
         assert cache.get(m, (torch.randn(2, 4),)) is None
         assert cache.get(m, (torch.randn(2, 4),)) is None

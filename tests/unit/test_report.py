@@ -685,3 +685,15 @@ def test_two_concurrent_jobs_are_told_apart_from_an_elastic_restart(tmp_path, ca
     assert cli(["report", str(restarted), "--no-html"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "two jobs" not in out and "elastic restarts" in out
+
+
+def test_a_tail_record_counts_in_eval_and_checkpoint_totals_not_in_step_times(tmp_path):
+    rng = np.random.default_rng(3)
+    recs = make_records(0, 40, rng)
+    tail = StepRecord(step=40, rank=0, time=recs[-1].time + 30, step_s=0.0, eval_s=20.0, checkpoint_s=5.0, tail=True)
+    write_jsonl(tmp_path / "steps.rank0.jsonl", recs + [tail])
+    st = summarize(load_run(str(tmp_path))).per_rank[0]
+    timed = np.array([r.step_s for r in recs])
+    assert st.step_p[50] == pytest.approx(np.percentile(timed, 50), rel=1e-12)
+    assert st.eval_total == pytest.approx(sum(r.eval_s for r in recs) + 20.0)
+    assert st.checkpoint_total == pytest.approx(sum(r.checkpoint_s for r in recs) + 5.0)

@@ -142,6 +142,9 @@ def test_checkpoint_share_and_throughput():
     ok = CheckpointWatch()
     fast = StepRecord(step=99, rank=0, time=99.0, step_s=1.0, checkpoint_s=3.0, scalars={"checkpoint_bytes": 140e9})
     assert ok.update(recs + [fast]) == []  # 3% of run time at 47 GB/s: normal
+    # A tiny save (2 KB in 10 ms, within 8% of run time) measures latency, not storage: no verdict.
+    tiny = StepRecord(step=99, rank=0, time=99.0, step_s=1.0, checkpoint_s=0.01, checkpoint_bytes=2048)
+    assert CheckpointWatch().update(recs + [tiny]) == []
     assert checkpoint_fields(14_000_000_000, 7.0) == {"checkpoint_bytes": 14_000_000_000, "checkpoint_gbps": 2.0}
     assert checkpoint_fields(None, 7.0)["checkpoint_gbps"] is None
 

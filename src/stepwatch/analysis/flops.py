@@ -169,6 +169,40 @@ _cpu_sdpa_fwd._get_raw = True  # type: ignore[attr-defined]
 _cpu_sdpa_bwd._get_raw = True  # type: ignore[attr-defined]
 
 
+# RNNs (LSTM, GRU, RNN): FlopCounterMode has no formula for the fused kernels (CPU's
+# ``mkldnn_rnn_layer``, cuDNN's ``_cudnn_rnn``, ROCm's ``miopen_rnn``), so an LSTM counted 0.
+# Every timestep multiplies the input by W_ih and the hidden state by W_hh (and, with
+# ``proj_size``, by W_hr): forward = 2 * (timesteps * batch) * (sum of the 2-D weights' numel),
+# gate non-linearities not counted (matmul FLOPs, as everywhere here). The backward kernels
+# compute grad-input and grad-weight for every matmul: 2x forward.
+def _rnn_tokens(inp: Any) -> int:
+    return int(inp.numel() // inp.shape[-1]) if inp.dim() else 0
+
+
+def _rnn_fwd(inp: Any, weights: Any) -> int:
+    return 2 * _rnn_tokens(inp) * sum(int(w.numel()) for w in weights if w is not None and w.dim() == 2)
+
+
+def _mkldnn_rnn_fwd(input, weight0, weight1, *args, out_val=None, **kwargs) -> int:
+    return _rnn_fwd(input, (weight0, weight1))
+
+
+def _mkldnn_rnn_bwd(input, weight1, weight2, *args, out_val=None, **kwargs) -> int:
+    return 2 * _rnn_fwd(input, (weight1, weight2))
+
+
+def _cudnn_rnn_fwd(input, weight, *args, out_val=None, **kwargs) -> int:
+    return _rnn_fwd(input, weight)
+
+
+def _cudnn_rnn_bwd(input, weight, *args, out_val=None, **kwargs) -> int:
+    return 2 * _rnn_fwd(input, weight)
+
+
+for _f in (_mkldnn_rnn_fwd, _mkldnn_rnn_bwd, _cudnn_rnn_fwd, _cudnn_rnn_bwd):
+    _f._get_raw = True  # type: ignore[attr-defined]
+
+
 def _attention_ops() -> tuple[dict[Any, Callable[..., Any]], dict[Any, tuple[int, int]]]:
     """Extra formulas, and for each attention backward op the positions of (query, value)."""
     import torch
@@ -181,6 +215,16 @@ def _attention_ops() -> tuple[dict[Any, Callable[..., Any]], dict[Any, tuple[int
     if hasattr(aten, "_scaled_dot_product_fused_attention_overrideable"):
         extra[aten._scaled_dot_product_fused_attention_overrideable] = _cpu_sdpa_fwd
         extra[aten._scaled_dot_product_fused_attention_overrideable_backward] = _cpu_sdpa_bwd
+    for name, formula in (
+        ("mkldnn_rnn_layer", _mkldnn_rnn_fwd),
+        ("mkldnn_rnn_layer_backward", _mkldnn_rnn_bwd),
+        ("_cudnn_rnn", _cudnn_rnn_fwd),
+        ("_cudnn_rnn_backward", _cudnn_rnn_bwd),
+        ("miopen_rnn", _cudnn_rnn_fwd),
+        ("miopen_rnn_backward", _cudnn_rnn_bwd),
+    ):
+        if hasattr(aten, name):
+            extra[getattr(aten, name)] = formula
     bwd_qv: dict[Any, tuple[int, int]] = {}
     for name in (
         "_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -374,6 +418,32 @@ def _fake_state(root: Any, fake_mode: Any) -> dict[str, Any]:
     return state
 
 
+def _real_state(root: Any) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for name, p in root.named_parameters():
+        state[name] = p.detach().requires_grad_(p.requires_grad)
+    for name, b in root.named_buffers():
+        state[name] = b.clone()  # BatchNorm's running stats update in place: never the real ones
+    return state
+
+
+def _real_inputs(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().clone()
+        if obj.requires_grad and (obj.is_floating_point() or obj.is_complex()):
+            t.requires_grad_(True)
+        return t
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_real_inputs(o) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_real_inputs(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _real_inputs(v) for k, v in obj.items()}
+    return obj
+
+
 def _fake_inputs(obj: Any, fake_mode: Any) -> Any:
     import torch
 
@@ -469,8 +539,16 @@ def count_step_flops(
     loss_fn: Callable[[Any], Any] | None = None,
     backward: bool | None = None,
     lint_devices: tuple[str, ...] = ("cuda",),
+    real: bool = False,
 ) -> FlopCount:
     """FLOPs of one call ``module(*args, **kwargs)`` and its backward, on fake tensors.
+
+    ``real=True`` replays on real tensors instead (the fallback when a fake replay cannot run:
+    data-dependent ops such as ``nn.TransformerEncoder(..., mask=...)``'s nested-tensor check):
+    one real forward and backward, on detached aliases of the parameters (their ``.grad`` and
+    autograd hooks untouched; an in-place write to a parameter that requires grad fails the
+    count), clones of the buffers and inputs, with the RNG state restored. It costs one extra
+    forward/backward of compute, once per input signature.
 
     ``module`` may be wrapped in DDP / DataParallel / ``torch.compile``; FSDP2 (``fully_shard``)
     modules are counted on unsharded fakes of each parameter (in the mixed-precision
@@ -508,6 +586,8 @@ def count_step_flops(
     if any(isinstance(p, UninitializedParameter) for p in root.parameters()):
         raise FlopCountNotReady("lazy modules are not initialized until their first real forward")
 
+    if real and any(_is_dtensor(t) for t in (*root.parameters(), *root.buffers())):
+        raise FlopCountError(f"could not count FLOPs of {type(root).__name__}: sharded parameters")
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     counter = _make_counter(tuple(lint_devices))
@@ -515,10 +595,18 @@ def count_step_flops(
     stance = _force_eager()
     _STATE.active = True
     try:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        state = _fake_state(root, fake_mode)
-        fargs = _fake_inputs(args, fake_mode)
-        fkwargs = _fake_inputs(dict(kwargs), fake_mode)
+        if real:
+            import contextlib
+
+            fake_mode = contextlib.nullcontext()
+            state = _real_state(root)
+            fargs = _real_inputs(args)
+            fkwargs = _real_inputs(dict(kwargs))
+        else:
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            state = _fake_state(root, fake_mode)
+            fargs = _fake_inputs(args, fake_mode)
+            fkwargs = _fake_inputs(dict(kwargs), fake_mode)
         with stance, fake_mode, counter:
             out = functional_call(root, state, fargs, fkwargs, tie_weights=True, strict=False)
             if loss_fn is not None:
@@ -535,7 +623,7 @@ def count_step_flops(
                     _run_backward(outs, seeds)
     except Exception as e:  # the user's forward can fail on fakes in many ways; report, never raise raw
         raise FlopCountError(
-            f"could not count FLOPs of {type(root).__name__} on fake tensors: {type(e).__name__}: {e}. "
+            f"could not count FLOPs of {type(root).__name__} on {'real' if real else 'fake'} tensors: {type(e).__name__}: {e}. "
             "Give the FLOPs yourself (stepwatch.init(flops=<number | callable(batch)>)) to get MFU."
         ) from e
     finally:
@@ -669,7 +757,18 @@ class FlopCache:
             return None
         kw = {**self._count_kwargs, **count_kwargs}
         try:
-            value: FlopCount | None = self._counter(module, args, kwargs, **kw)
+            try:
+                value: FlopCount | None = self._counter(module, args, kwargs, **kw)
+            except FlopCountNotReady:
+                raise
+            except FlopCountError as fake_error:
+                # Fake tensors cannot run it (data-dependent ops): count it once on real tensors.
+                if self._counter is not count_step_flops or _redirects_forward(unwrap_module(module)):
+                    raise
+                try:
+                    value = self._counter(module, args, kwargs, **kw, real=True)
+                except FlopCountError:
+                    raise fake_error from None
         except FlopCountNotReady:
             return None
         except FlopCountError as e:

@@ -54,9 +54,13 @@ class TrainingMetrics:
 
     def _on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
         t0 = time.perf_counter_ns()
+        cache = self.throughput.cache
+        misses = cache.misses
         self.throughput.on_forward(module, args, kwargs)
-        # A cache miss counts FLOPs (once per input signature): stepwatch's time, not the step's.
-        self.session.tracker.exclude(time.perf_counter_ns() - t0)
+        # Only a cache miss (a one-off FLOP count on fake tensors) is stepwatch's own time, kept
+        # out of the step; the lookup on every other forward is part of the step like any hook.
+        if cache.misses != misses:
+            self.session.tracker.exclude(time.perf_counter_ns() - t0)
 
     def _first_step(self, step: int) -> None:
         """The device is known once training ran a step; ask for its name here, on the training

@@ -67,6 +67,11 @@ class Feature:
         self._watch_off: int | None = None
         self._watch_t = 0.0
         self._pg_timeout_told = False
+        # A sidecar that dies (OOM killer, a stray kill) is noticed by the background pass, said
+        # once, and restarted once; a second death leaves the job without a watchdog, and says so.
+        self.sidecar_restarts = 0
+        self.sidecar_dead: str | None = None
+        self._stopping = False
 
     # -- pieces -------------------------------------------------------------------------------
 
@@ -163,7 +168,32 @@ class Feature:
 
     # -- lifecycle --------------------------------------------------------------------------------
 
+    def _check_sidecar(self) -> None:
+        sc = self.sidecar
+        if sc is None or self._stopping or self.sidecar_dead is not None:
+            return
+        code = sc.poll()
+        if code is None:
+            return
+        if self.sidecar_restarts >= 1:
+            self.sidecar_dead = f"exited with {code} after one restart"
+            logger.warning("hang watchdog sidecar (pid %d) exited again (code %s): this rank has no "
+                           "hang watchdog any more", sc.pid, code)
+            return
+        self.sidecar_restarts += 1
+        logger.warning("hang watchdog sidecar (pid %d) exited unexpectedly (code %s); restarting it once",
+                       sc.pid, code)
+        try:
+            self.start_sidecar()
+        except (OSError, ValueError) as e:
+            self.sidecar_dead = f"restart failed: {e}"
+            logger.warning("hang watchdog sidecar could not be restarted: %s; this rank has no hang watchdog", e)
+            return
+        if self.sidecar is sc:  # start_sidecar declined (no Python executable)
+            self.sidecar_dead = f"exited with {code}; not restarted"
+
     def stop(self) -> None:
+        self._stopping = True
         if self.captures is not None:
             self.captures.stop()
         if self.board is not None:
@@ -206,6 +236,7 @@ class Feature:
         if now - self._watch_t < 1.0:
             return [], []
         self._watch_t = now
+        self._check_sidecar()
         path = os.path.join(self.session.ctx.run_dir, f"findings.watchdog.rank{self.session.ctx.rank}.jsonl")
         try:
             if self._watch_off is None:
@@ -251,7 +282,9 @@ class Feature:
                 continue
         out: dict[str, Any] = {
             "hang_watchdog": {
-                "enabled": self.sidecar is not None,
+                "enabled": self.sidecar is not None and self.sidecar_dead is None,
+                "restarts": self.sidecar_restarts,
+                **({"died": self.sidecar_dead} if self.sidecar_dead else {}),
                 "timeout_s": self.timeout if self.timeout else "adaptive",
                 "action": self.action,
                 "stack_dump": methods,

@@ -16,6 +16,17 @@ Exchange (background thread only; never a collective, never a blocking wait):
 - every rank reads the verdict with a non-blocking ``check`` then ``get`` (2 operations) to learn
   the transfer floor used for ``comm_wait_s``.
 
+Adaptive windows (``every=0``, the default). A fixed 20-step window and 3 windows in a row
+needed 80 steps to name a straggler: 13 minutes at 10 s a step. Instead the leader measures the
+step time over a warm-up (20 steps, or as soon as 3 steps span 10 s) and writes a *plan* to the
+store once (``<ns>/plan``: first step, window steps ``e``, windows in a row ``K``), chosen so that
+the ``K`` windows of evidence cover at least ``EVIDENCE_S`` (1 s) of wall time (never named
+sooner), at most 20 steps when a step takes 50 ms or more, and at most ``EVIDENCE_MAX_S`` (50 s)
+when steps are long: a persistent straggler is named within 20 steps of the warm-up, and within
+60 s. Every rank buffers its records (bounded) until it reads the plan, then numbers windows
+from the plan's first step, so all ranks still agree on them. A window is still at least ~1/3 s,
+so the store traffic stays bounded by time, not by step rate.
+
 Ranks that disagree on the step only delay a window's verdict; nothing waits for them. Keys are
 namespaced by run id and attempt, so a restarted job never reads an old attempt's summaries.
 """
@@ -46,6 +57,31 @@ POLL_S = 0.25
 REPEAT_WINDOWS = 20
 # Compute below this difference is noise, whatever the ratio (host timer granularity and jitter).
 MIN_EXCESS_S = 2e-4
+# Adaptive windows (every=0): the warm-up, and how much evidence names a straggler.
+WARMUP_STEPS = 20
+WARMUP_MIN_STEPS = 3
+WARMUP_S = 10.0
+EVIDENCE_S = 1.0
+EVIDENCE_MIN_STEPS = 3
+EVIDENCE_MAX_S = 50.0  # + the exchange's latency (a pass or two) stays within 60 s
+PRE_PLAN_RECORDS = 512  # records a rank keeps while it waits for the plan
+
+
+def plan_windows(step_s: float, windows: int) -> tuple[int, int]:
+    """(steps per window, windows in a row) for a job whose steps take ``step_s``."""
+    import math
+
+    t = max(step_s, 1e-6)
+    n = max(EVIDENCE_MIN_STEPS, math.ceil(EVIDENCE_S / t))  # >= 1 s; <= 20 steps when t >= 50 ms
+    # K windows of e steps, e*K >= n with as little overshoot as possible (20 steps of 50 ms:
+    # 4 x 5, not 3 x 7), K from `windows` up to `windows` + 2.
+    k = min((max(1, min(kk, n)) for kk in range(windows, windows + 3)),
+            key=lambda kk: (math.ceil(n / kk) * kk, kk))
+    e = max(1, math.ceil(n / k))
+    if k * e * t > EVIDENCE_MAX_S:  # long steps: fewer windows in a row, to name within 60 s
+        e = 1
+        k = max(1, min(k, int(EVIDENCE_MAX_S // t)))
+    return e, k
 
 
 @dataclass(slots=True)
@@ -199,7 +235,8 @@ class StragglerDetector:
         on_floor: Callable[[float], None] | None = None,
         world_factory: Callable[[], int] | None = None,
     ) -> None:
-        self.every = every
+        self.adaptive = every <= 0
+        self.every = every if every > 0 else 1
         self.margin = margin
         self.windows = windows
         self.rank = rank
@@ -221,6 +258,12 @@ class StragglerDetector:
         # at different times): not published, not judged.
         self.skip_windows = 1
         self._last_poll = -1e9
+        # Adaptive windows: records wait here until the plan is known; windows count from _start.
+        self._start = 0
+        self.plan: tuple[int, int, int] | None = None
+        self._pre: list[StepRecord] = []
+        if self.adaptive:
+            self.skip_windows = 0
         # Leader: each rank's SM activity per window (GPU telemetry), for the B.4 straggler-GPU row.
         self._sm: dict[int, Any] = {}
         self._gpu_reported: frozenset[int] = frozenset()
@@ -238,7 +281,57 @@ class StragglerDetector:
         return self.exchange
 
     def observe(self, rec: StepRecord) -> list[Finding]:
-        w = rec.step // self.every
+        if self.adaptive and self.plan is None:
+            self._pre.append(rec)
+            del self._pre[:-PRE_PLAN_RECORDS]
+            if not self._try_plan(rec):
+                return []
+            pre, self._pre = self._pre, []
+            out: list[Finding] = []
+            for r in pre:
+                if r.step >= self._start:
+                    out += self._observe(r)
+            return out
+        return self._observe(rec)
+
+    def _plan_key(self) -> str:
+        return f"{self.namespace}/plan"
+
+    def _try_plan(self, rec: StepRecord) -> bool:
+        """Adaptive windows: the leader writes the plan after its warm-up; the others read it."""
+        ex = self._ensure()
+        if ex is None:
+            if self._disabled:
+                self._pre = []
+            return False
+        if rec.rank == ex.leader:
+            warm = self._pre
+            if not (len(warm) >= WARMUP_STEPS
+                    or (len(warm) >= WARMUP_MIN_STEPS and warm[-1].time - warm[0].time >= WARMUP_S)):
+                return False
+            t = statistics.median(r.step_s for r in warm[1:])
+            e, k = plan_windows(t, self.windows)
+            start = rec.step + 1
+            ex.store.set(self._plan_key(), f"{start} {e} {k}".encode())
+        else:
+            now = time.monotonic()
+            if now - self._last_poll < POLL_S:
+                return False
+            self._last_poll = now
+            if not ex.store.check([self._plan_key()]):
+                return False
+            try:
+                start, e, k = (int(x) for x in ex.store.get(self._plan_key()).decode().split())
+            except ValueError:
+                return False
+        self.plan = (start, e, k)
+        self._start, self.every, self.windows = start, e, k
+        return True
+
+    def _observe(self, rec: StepRecord) -> list[Finding]:
+        if rec.step < self._start:
+            return []
+        w = (rec.step - self._start) // self.every
         out: list[Finding] = []
         if self._win is not None and w != self._win and self._buf:
             out += self._close()
@@ -251,7 +344,7 @@ class StragglerDetector:
 
     def _close(self) -> list[Finding]:
         buf, self._buf = self._buf, []
-        w = self._win if self._win is not None else buf[-1].step // self.every
+        w = self._win if self._win is not None else (buf[-1].step - self._start) // self.every
         self._win = None
         if w < self.skip_windows:
             return []
@@ -298,7 +391,7 @@ class StragglerDetector:
         if len(self._sm) < 2:
             return []
         found = find_gpu_stragglers({r: list(d) for r, d in self._sm.items()}, rank=self.rank,
-                                    step=(w + 1) * self.every - 1)
+                                    step=self._start + (w + 1) * self.every - 1)
         named = frozenset(f.data["straggler_rank"] for f in found)
         if named == self._gpu_reported:
             return []
@@ -349,7 +442,7 @@ class StragglerDetector:
         return make_finding(
             "straggler",
             rank=self.rank,
-            step=(w + 1) * self.every - 1,
+            step=self._start + (w + 1) * self.every - 1,
             summary=summary,
             data={
                 "ranks": named,
@@ -362,5 +455,6 @@ class StragglerDetector:
                 "window_steps": self.every,
                 "window": w,
                 "ranks_reporting": len(sums),
+                "subject": "ranks " + ",".join(str(r) for r in named),  # one episode per set named
             },
         )

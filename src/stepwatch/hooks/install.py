@@ -15,6 +15,13 @@ What is hooked, and why this way:
   place (``model.compile()``) runs its own hooks inside the compiled region; there the compiled
   callable is wrapped instead, so timing stays outside compiled code. Framework adapters may
   declare more roots, or wrappers that are not model calls (:meth:`Instrumentation.declare_roots`).
+  The first optimizer's construction (``Optimizer.__init__``, wrapped) scans too: a loop without a
+  DataLoader has its roots hooked before its first forward, so step 0 counts every micro-batch
+  (a global module hook would do it for loops without an optimizer too, but torch.compile traces
+  global hooks, and it would cost every module call until it fired). A root called inside a DataLoader fetch (an ``nn.Module``
+  transform in ``Dataset.__getitem__``) is data loading: its calls are not timed or observed.
+- No optimizer: when no ``torch.optim.Optimizer`` exists at the first backward, each backward ends
+  a step (``tracker.boundary = "backward"``, named in ``run.json``), and one line says so.
 
 - Pickling: ``nn.Module.__getstate__`` (what ``torch.save(model)``, ``pickle`` and ``copy.deepcopy``
   take) leaves the root hooks out, so a copy or a loaded model carries none.
@@ -47,6 +54,10 @@ class Instrumentation:
         self._hooked: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._seen_optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._scans = 0
+        self._optimizers_alive = False  # the last scan saw a torch.optim.Optimizer
+        self._boundary_checked = False
+        self._data_scanned = False
+        self._init_scanned = False
         self._dcp_patched = False
         self.scan_s = 0.0
         self.roots: list[str] = []
@@ -79,8 +90,8 @@ class Instrumentation:
         def backward(*args: Any, **kwargs: Any) -> Any:
             if is_counting():  # stepwatch's own FLOP-count replay (reentrant checkpoint)
                 return orig_backward(*args, **kwargs)
-            if tr.enabled and self._scans == 0:
-                self._scan("first backward")
+            if tr.enabled and not self._boundary_checked:
+                self._check_boundary()
             tr.backward_begin()
             try:
                 return orig_backward(*args, **kwargs)
@@ -98,7 +109,8 @@ class Instrumentation:
 
         @functools.wraps(orig_next)
         def __next__(it: Any) -> Any:
-            if self._scans == 0 and tr.enabled:
+            if not self._data_scanned and tr.enabled:
+                self._data_scanned = True
                 self._scan("first data fetch")
             t0 = tr.data_begin()
             try:
@@ -130,6 +142,36 @@ class Instrumentation:
         self._patch(torch.serialization, "save", wrapped_save)
         self._patch(torch, "save", wrapped_save)
         self._patch_dcp()
+        opt_cls = torch.optim.Optimizer
+        orig_init = opt_cls.__init__
+
+        @functools.wraps(orig_init)
+        def optimizer_init(opt: Any, *args: Any, **kwargs: Any) -> None:
+            orig_init(opt, *args, **kwargs)
+            if not self._init_scanned and tr.enabled:
+                # The model exists once an optimizer holds its parameters: hook its roots before
+                # the first forward (a loop without a DataLoader would miss step 0's first).
+                self._init_scanned = True
+                self._scan("first optimizer")
+
+        self._patch(opt_cls, "__init__", optimizer_init)
+
+    def _check_boundary(self) -> None:
+        """First backward: find the roots if no scan ran yet, and whether the loop has a torch
+        optimizer at all; without one, each backward ends a step."""
+        self._boundary_checked = True
+        # Always (not only when no scan ran yet): the first module call may have come before the
+        # model was built.
+        self._scan("first backward")
+        tr = self.tracker
+        if not self._optimizers_alive and not self._seen_optimizers and tr.boundary == "optimizer":
+            tr.boundary = "backward"
+            from .._log import logger
+
+            logger.warning(
+                "stepwatch: no torch.optim optimizer in this process; each backward ends a step "
+                "(call stepwatch.step() after your update to mark steps yourself)"
+            )
 
         # torch.save(model) / pickle / copy.deepcopy of a hooked module: the state they take
         # leaves stepwatch's root hooks out, so the pickle names nothing of stepwatch and a copy
@@ -300,9 +342,17 @@ class Instrumentation:
         t0 = time.perf_counter()
         try:
             import torch.nn as nn
+            from torch.optim import Optimizer
 
             # type() rather than isinstance(): some objects warn when their __class__ is read.
-            modules = [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
+            modules = []
+            optimizers = []
+            for o in gc.get_objects():
+                t = type(o)
+                if issubclass(t, nn.Module):
+                    modules.append(o)
+                elif issubclass(t, Optimizer):
+                    optimizers.append(o)
             children: set[int] = set()
             for m in modules:
                 for c in m._modules.values():
@@ -311,6 +361,7 @@ class Instrumentation:
             for m in modules:
                 if id(m) not in children and m not in self._hooked and id(m) not in self._not_roots:
                     self._hook_root(m)
+            self._optimizers_alive = _steps_a_root(optimizers, list(self._hooked))
         except Exception as e:
             self._on_error("hooks.discovery", e)
         finally:
@@ -332,7 +383,7 @@ class Instrumentation:
             def timed_call(*args: Any, **kwargs: Any) -> Any:
                 import torch
 
-                if is_counting() or (not_roots and id(m) in not_roots):
+                if is_counting() or (not_roots and id(m) in not_roots) or tr.in_data:
                     return compiled(*args, **kwargs)
                 if self.forward_observers and tr.enabled and not tr._fwd_depth:
                     tr.work_begins()  # what the observers count belongs to the step this forward opens
@@ -387,9 +438,9 @@ class _RootPreHook(_RootHook):
         if self.compiling() or self.counting():
             return
         inst = self.inst
-        if inst._not_roots and id(mod) in inst._not_roots:
-            return
         tr = self.tr
+        if (inst._not_roots and id(mod) in inst._not_roots) or tr.in_data:
+            return  # in_data: a module called inside a DataLoader fetch (a Dataset transform)
         # Only the outermost call is observed: a declared root nested in another is part of it.
         if inst.forward_observers and tr.enabled and not tr._fwd_depth:
             tr.work_begins()  # what the observers count belongs to the step this forward opens
@@ -404,7 +455,7 @@ class _RootPostHook(_RootHook):
         if self.compiling() or self.counting():
             return
         inst = self.inst
-        if inst._not_roots and id(mod) in inst._not_roots:
+        if (inst._not_roots and id(mod) in inst._not_roots) or self.tr.in_data:
             return
         if out is None and inst.exception_observers:
             # always_call: torch runs this hook from its ``except`` when forward raised.
@@ -447,6 +498,15 @@ def _without_root_hooks(state: Any) -> Any:
             if ids:
                 state[key] = type(ids)((k, v) for k, v in ids.items() if k not in ours)
     return state
+
+
+def _steps_a_root(optimizers: list[Any], roots: list[Any]) -> bool:
+    """Does one of ``optimizers`` hold a parameter of the hooked roots? (An optimizer of another
+    model, or one that is garbage not yet collected, says nothing about this loop.)"""
+    if not optimizers:
+        return False
+    params = {id(p) for m in roots for p in m.parameters()}
+    return any(id(p) in params for o in optimizers for g in o.param_groups for p in g["params"])
 
 
 # A step pre-hook gets ``args`` of ``step`` as called through the optimizer's hook wrapper: the

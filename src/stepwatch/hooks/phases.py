@@ -10,6 +10,15 @@ data fetch, a forward, a backward, a checkpoint, a user phase) or on ``stepwatch
 shutdown. A second optimizer stepping before that extends the same step. A GradScaler step that
 skips the optimizer still ends a step, marked ``skipped``.
 
+Loops without a torch optimizer (``p.data.add_(p.grad, alpha=-lr)``). ``boundary`` says what
+ends a step: ``"optimizer"`` (the default), ``"backward"`` (set by the hooks when no
+``torch.optim.Optimizer`` exists at the first backward: each outermost backward then makes a
+pending end, like an optimizer step; the first optimizer step seen switches back to
+``"optimizer"``), or ``"explicit"`` (the user calls ``stepwatch.step()``).
+
+Data fetches. Root modules called *inside* a DataLoader fetch (an ``nn.Module`` transform in
+``Dataset.__getitem__``) are data loading, not forward: ``in_data`` tells the hooks to leave them.
+
 Evaluation. A forward of a hooked root module with grad disabled opens an *eval span*; the data
 fetch right before it and every fetch inside the span belong to it. The span closes at the next
 training work. Its length goes to ``eval_s``, never to ``step_s``. Checkpoint saves go to
@@ -94,6 +103,8 @@ class StepTracker:
         self.device: Any = None
         self._dslot_fwd = self._dslot_bwd = self._dslot_opt = -1
         self.step = step_offset
+        self.boundary = "optimizer"
+        self.in_data = 0  # depth of DataLoader fetches in progress
         self._t_start = _now()
         self._reset_step()
         self._prev_end: int | None = None  # end of the previous step (ns); None before any work
@@ -248,6 +259,7 @@ class StepTracker:
             t = _now()
             if self._pending_end is not None or self._prev_end is None:
                 self._start_work(t)
+            self.in_data += 1
             if self.progress is not None:
                 self.progress.set_phase(PHASE_DATA)
             return t
@@ -259,6 +271,7 @@ class StepTracker:
         if not self.enabled or not t0:
             return
         try:
+            self.in_data = max(self.in_data - 1, 0)
             d = _now() - t0
             self._data += d
             if self.progress is not None:
@@ -369,6 +382,9 @@ class StepTracker:
             if self._bwd_paused_opt:
                 self._bwd_paused_opt = False
                 self._resume_opt(t)
+            elif self.boundary == "backward" and not self._opt_depth:
+                self._pending_end = t  # no optimizer in this loop: the backward ends the step
+                self._pending_skipped = False
         except Exception as e:
             self._fail("backward_end", e)
 
@@ -382,6 +398,8 @@ class StepTracker:
             if self._opt_depth > 1:
                 return
             t = _now()
+            if self.boundary == "backward":
+                self.boundary = "optimizer"  # an optimizer after all: it ends steps from now on
             if self._prev_end is None:
                 self._start_work(t)
             elif not self._step_open:
@@ -544,6 +562,8 @@ class StepTracker:
         if not self.enabled:
             return
         try:
+            if self.boundary == "backward":
+                self.boundary = "explicit"
             if self._pending_end is not None:
                 self._finalize(self._pending_end, self._pending_skipped)
             else:
@@ -555,17 +575,29 @@ class StepTracker:
             self._fail("end_step", e)
 
     def flush(self) -> None:
-        """At shutdown: a pending step is complete; a step with no optimizer yet is dropped."""
+        """At shutdown: a pending step is complete; a step with no optimizer yet is dropped, but
+        evaluation and checkpoints after the last step are kept in one *tail* record (no training
+        step: every training phase and ``step_s`` are 0) so that the run's totals count them."""
         if not self.enabled:
             return
         try:
             if self._pending_end is not None:
                 self._finalize(self._pending_end, self._pending_skipped)
+            self._close_eval()
+            if self._eval or self._ckpt:
+                self._emit_tail(max(_now(), self._eval_last))
             if self._step_open:
                 self._step_open = False
                 self._nvtx.pop()
         except Exception as e:
             self._fail("flush", e)
+
+    def _emit_tail(self, t_end: int) -> None:
+        extras: dict[str, Any] = {"tail": True}
+        if self._ckpt:
+            extras["checkpoint_bytes"] = self._ckpt_bytes
+        self._emit((self.step, t_end, 0, 0, 0, 0, 0, self._eval, self._ckpt, {}, self._scalars, False, None, extras))
+        self._reset_step()
 
     def exclude(self, ns: int) -> None:
         """Time stepwatch itself spent inside the step (one-off discovery): kept out of step_s."""

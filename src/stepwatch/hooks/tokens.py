@@ -10,7 +10,9 @@ Rules (docs/mfu.md repeats them for users), applied to the outermost module's ca
 2. Otherwise the first positional argument (or first element of a tuple/list passed first):
    an integer tensor of 2 dims ``[batch, seq]`` is token ids: tokens = numel (minus
    ``pad_token_id`` entries if given), samples = dim 0. Any other tensor (images, features):
-   samples = dim 0, tokens unknown.
+   samples = dim 0, tokens unknown. A *sequence-first* model (every ``nn.RNNBase`` /
+   ``nn.MultiheadAttention`` in it has ``batch_first=False``, torch's default, and it has at least
+   one: ``[seq, batch]`` inputs, as word_language_model) reads samples from dim 1 instead.
 3. Anything else: both unknown (None). Never a guess from an unrelated shape.
 
 Counting non-padding tokens needs a reduction over the mask; on a GPU it is queued on the device
@@ -86,13 +88,30 @@ def _from_ids(ids: Any, mask: Any, pad_token_id: int | None) -> BatchCounts:
     return c
 
 
+def is_seq_first(module: Any) -> bool:
+    """True when ``module`` takes ``[seq, batch, ...]`` inputs: it holds RNN or attention layers
+    and none of them is ``batch_first``. Walks the module tree: call it once per module."""
+    import torch.nn as nn
+
+    from ..analysis.flops import unwrap_module
+
+    flags = [
+        bool(getattr(m, "batch_first", False))
+        for m in unwrap_module(module).modules()
+        if isinstance(m, (nn.RNNBase, nn.MultiheadAttention))
+    ]
+    return bool(flags) and not any(flags)
+
+
 def infer_batch_counts(
     args: Any = (),
     kwargs: Mapping[str, Any] | None = None,
     *,
     pad_token_id: int | None = None,
+    seq_first: bool = False,
 ) -> BatchCounts:
-    """Samples and tokens of one call ``model(*args, **kwargs)`` (training thread, no sync)."""
+    """Samples and tokens of one call ``model(*args, **kwargs)`` (training thread, no sync).
+    ``seq_first``: a positional input is ``[seq, batch, ...]`` (see :func:`is_seq_first`)."""
     import torch
 
     if kwargs and isinstance(kwargs.get("input_ids"), torch.Tensor):
@@ -108,9 +127,12 @@ def infer_batch_counts(
             return _from_ids(ids, first.get("attention_mask"), pad_token_id)
         first = next((v for v in first.values() if isinstance(v, torch.Tensor)), None)
     if isinstance(first, torch.Tensor) and first.dim() >= 1:
-        samples = int(first.shape[0])
+        batch_dim = 1 if seq_first and first.dim() >= 2 else 0
+        samples = int(first.shape[batch_dim])
         if first.dim() == 2 and not first.is_floating_point() and not first.is_complex() and first.dtype != torch.bool:
-            return _from_ids(first, None, pad_token_id)
+            c = _from_ids(first, None, pad_token_id)
+            c.samples = samples
+            return c
         return BatchCounts(samples, None)
     return BatchCounts(None, None)
 
@@ -167,6 +189,7 @@ class ThroughputCollector(Collector):
         self.cache = cache if cache is not None else FlopCache(max_misses=max_misses)
         self.pad_token_id = pad_token_id
         self._token_root: int | None = None
+        self._seq_first = False
         # The first FLOPs count (for the start-up Tensor Core lint: flops.alignment_finding).
         self.first_count: Any = None
         self._dtype_keys: dict[int, str] = {}
@@ -203,6 +226,7 @@ class ThroughputCollector(Collector):
             return
         if self._token_root is None:
             self._token_root = id(module)
+            self._seq_first = is_seq_first(module)
         is_model = id(module) == self._token_root
         if self.override is not None:
             if not is_model:
@@ -219,7 +243,7 @@ class ThroughputCollector(Collector):
             self._flops = fc if self._flops is None else self._flops + fc
         if is_model:
             self._n += 1
-            self._counts.append(infer_batch_counts(args, kwargs, pad_token_id=self.pad_token_id))
+            self._counts.append(infer_batch_counts(args, kwargs, pad_token_id=self.pad_token_id, seq_first=self._seq_first))
 
     def take(self) -> StepThroughput | None:
         if not self._n and self._flops is None:

@@ -130,7 +130,8 @@ def stats_for(c: Columns, rank: int | None) -> Stats:
     step_s = c.num("step_s")
     # A skipped step did no optimizer work; its time is real but it is not a training step's
     # time, so it is counted but kept out of the distribution.
-    timed = step_s[~skipped & ~np.isnan(step_s)]
+    # A tail record (eval/checkpoints after the last step: `tail`, step_s 0) is no step either.
+    timed = step_s[~skipped & ~np.isnan(step_s) & (step_s > 0)]
     del skipped
     if timed.size:
         s.step_mean, s.step_max = float(timed.mean()), float(timed.max())

@@ -134,6 +134,11 @@ class ServeWatcher:
         self.stalls = 0
         self.stall_reports: list[dict[str, Any]] = []
         self.findings: deque[Finding] = deque(maxlen=FINDINGS_KEPT)
+        # The same rate limit as a training session's (analysis/ratelimit.py), in seconds: one
+        # finding per episode, repeated at most every 20 SLO windows, with its count.
+        from ..analysis.ratelimit import FindingLimiter
+
+        self.limiter = FindingLimiter(config.slo_window_s, 20, position=lambda f: f.time, unit="s")
         self._warned: set[str] = set()
         # Loopback servers: never through an HTTP proxy from the environment.
         self._opener = opener or urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -252,6 +257,9 @@ class ServeWatcher:
             stop.wait(max(0.05, self.cfg.interval_s - (time.monotonic() - t0)))
 
     def close(self) -> None:
+        closing = self.limiter.flush()
+        if closing:
+            self._emit(Batch(findings=closing), limit=False)
         for e in self.exporters:
             try:
                 e.force_flush(5.0)
@@ -349,14 +357,17 @@ class ServeWatcher:
         self.stall_reports.append(report)
         stuck = report.get("stuck") or {}
         return make_finding(
-            "stall", rank=0, step=None,
+            "stall", rank=0, step=None,  # data.subject: each stall is its own episode (its own dump)
             summary=stall_summary(report) + (f"; stacks in {report['dir']}" if "dir" in report else ""),
             data={**info, "dir": report.get("dir"), "dumped": report.get("dumped", 0),
                   "stuck_pid": stuck.get("pid"), "stuck_name": stuck.get("name"), "stuck_state": stuck.get("state"),
-                  "why": stuck.get("why"), "where": (stuck.get("where") or {}).get("frames", [None])[:3]},
+                  "why": stuck.get("why"), "where": (stuck.get("where") or {}).get("frames", [None])[:3],
+                  "subject": f"stall {n}"},
         )
 
-    def _emit(self, batch: Batch) -> None:
+    def _emit(self, batch: Batch, *, limit: bool = True) -> None:
+        if limit:
+            batch.findings = self.limiter.filter(batch.findings, now=time.time())
         for f in batch.findings:
             self.findings.append(f)
             log.warning("stepwatch serve-vllm [%s] %s: %s", f.severity, f.kind, f.summary)

@@ -87,6 +87,11 @@ def nvlink_baseline(gpu_name: str | None) -> float | None:
     return NVLINK_BASELINE_BPS
 
 
+# stepwatch: a save smaller than this says nothing about storage bandwidth (its time is open,
+# pickling and metadata latency; a 2 KB save "writes" 0.00 GB/s): only larger saves are judged.
+CHECKPOINT_MIN_BYTES = 100_000_000
+
+
 # stepwatch: straggler = a rank whose SM activity std-dev is >= 0.10 while the others' median is
 # <= 0.05 (ratio units), over at least 5 samples each.
 STRAGGLER_STD = 0.10
@@ -489,7 +494,7 @@ class CheckpointWatch:
             self.saves += 1
             self.ck_s += r.checkpoint_s
             b = _ck_bytes(r)
-            if b:
+            if b and b >= CHECKPOINT_MIN_BYTES:
                 self.ck_bytes += b
                 self.ck_bytes_s += r.checkpoint_s
             share = self.ck_s / self.run_s if self.run_s > 0 else 0.0

@@ -1,0 +1,331 @@
+"""Step accounting on the loop shapes real scripts use (issue 15), each with a small stand-in
+written here: a Dataset with an nn.Module transform, a loop without a torch optimizer,
+accumulation without a DataLoader, eval and a checkpoint after the last step, seq-first inputs.
+The phase identity must hold on every record of every one of them."""
+
+import io
+import json
+import os
+import statistics
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset
+
+
+def _identity_holds(r, tol=1e-6):
+    parts = r.data_wait_s + r.forward_s + r.backward_s + r.optimizer_s + r.other_s
+    return abs(parts - r.step_s) <= tol
+
+
+def _all_identity(recs):
+    bad = [r for r in recs if not _identity_holds(r)]
+    assert not bad, bad[:3]
+
+
+class Normalize(nn.Module):
+    """Stand-in for torchvision.transforms.Normalize: an nn.Module called in __getitem__."""
+
+    def __init__(self, mean, std):
+        super().__init__()
+        self.mean, self.std = mean, std
+
+    def forward(self, x):
+        time.sleep(0.002)  # a transform doing real work (decode, resize): 2 ms per sample
+        return (x - self.mean) / self.std
+
+
+class TransformData(Dataset):
+    def __init__(self, n):
+        self.n = n
+        self.transform = Normalize(0.5, 0.25)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return self.transform(torch.rand(16, generator=g)), torch.randn(4, generator=g)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def test_dataset_transform_module_is_data_loading_not_forward(sw):
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for x, y in DataLoader(TransformData(24), batch_size=4):
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert len(recs) == 6
+    _all_identity(recs)
+    for r in recs[1:]:
+        # 4 samples x 2 ms of transform are data wait, and not forward time as well.
+        assert r.data_wait_s >= 0.008 * 0.9
+        assert r.data_wait_s + r.forward_s <= r.step_s + 1e-6, r  # counted once, not twice
+        assert r.samples == 4  # the model's batch, not the transform's input
+
+
+def test_loop_without_optimizer_gets_one_step_per_backward(sw, tmp_path):
+    """word_language_model's default loop: p.data.add_(p.grad, alpha=-lr), no torch optimizer."""
+    stepwatch, mem, start = sw
+    start(dir=str(tmp_path / "run"))
+    m = _model()
+    for i in range(6):
+        x = torch.randn(4, 16)
+        m.zero_grad()
+        m(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.25)
+        for p in m.parameters():
+            p.data.add_(p.grad, alpha=-0.1)
+    stepwatch.shutdown()
+    recs = mem.records
+    assert [r.step for r in recs] == list(range(6))
+    _all_identity(recs)
+    assert all(r.backward_s > 0 and r.optimizer_s == 0 for r in recs)
+    # No DataLoader and no optimizer: roots are found at the first backward, so step 0's
+    # forward is in its other_s (README); from step 1 on it is forward_s.
+    assert all(r.forward_s > 0 for r in recs[1:])
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert manifest["features"]["step_boundary"] == "backward"
+
+
+def test_optimizer_loop_says_optimizer_boundary(sw, tmp_path):
+    stepwatch, mem, start = sw
+    start(dir=str(tmp_path / "run"))
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for i in range(3):
+        for _ in range(2):  # accumulation: the backward alone must not end a step
+            m(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert len(mem.records) == 3
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert manifest["features"]["step_boundary"] == "optimizer"
+
+
+def test_accumulation_without_dataloader_counts_every_micro_batch_of_step_0(sw):
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for _ in range(4):
+            x = torch.randn(8, 16, generator=g)
+            (m(x).sum() / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert len(recs) == 3
+    _all_identity(recs)
+    assert [r.samples for r in recs] == [32, 32, 32]
+    assert recs[0].flops == recs[1].flops and recs[0].flops > 0
+
+
+def test_eval_and_checkpoint_after_the_last_step_are_recorded(sw):
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(3):
+        m(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        for _ in range(5):
+            m(torch.randn(4, 16))
+            time.sleep(0.01)
+    torch.save(m.state_dict(), io.BytesIO())
+    stepwatch.shutdown()
+    recs = mem.records
+    steps = [r for r in recs if not r.tail]
+    assert len(steps) == 3
+    tail = recs[-1]
+    assert tail.tail and tail.step == 3
+    assert tail.eval_s >= 0.04 * 0.9
+    assert tail.checkpoint_s > 0 and tail.checkpoint_bytes and tail.checkpoint_bytes > 100
+    assert tail.step_s == 0 and tail.forward_s == 0 and tail.other_s == 0
+    _all_identity(recs)
+
+
+class SeqFirstLM(nn.Module):
+    """word_language_model's RNNModel in small: input [seq, batch] of token ids."""
+
+    def __init__(self, vocab=50, emb=16, hidden=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, emb)
+        self.rnn = nn.LSTM(emb, hidden, num_layers=1)  # batch_first=False (torch's default)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        h, _ = self.rnn(self.emb(x))
+        return self.out(h)
+
+
+def test_seq_first_inputs_count_samples_from_the_batch_dim(sw):
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = SeqFirstLM()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    seq, batch = 35, 4
+    for _ in range(3):
+        x = torch.randint(0, 50, (seq, batch))
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = mem.records
+    _all_identity(recs)
+    assert [r.samples for r in recs] == [batch] * 3
+    assert [r.tokens for r in recs] == [seq * batch] * 3
+
+
+class TinyLM(nn.Module):
+    """An HF-style model called as model(input_ids=..., attention_mask=...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, input_ids, attention_mask):
+        return self.head(self.emb(input_ids) * attention_mask.unsqueeze(-1)).mean()
+
+
+def test_step_s_agrees_with_an_independent_optimizer_step_clock(sw):
+    """The user's own clock, read right after each optimizer.step(): step_s must agree with
+    it within 0.5% (median), i.e. stepwatch keeps none of the step's real time out of it."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = TinyLM()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    clock = []
+    ids = torch.randint(0, 100, (150, 8, 64))
+    mask = torch.ones(150, 8, 64, dtype=torch.long)
+    mask[:, :, 48:] = 0
+    for x, am in zip(ids, mask):
+        m(input_ids=x, attention_mask=am).backward()
+        opt.step()
+        clock.append(time.perf_counter_ns())
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert len(recs) == len(clock) == 150
+    _all_identity(recs)
+    assert recs[5].tokens == 8 * 48
+    # Per 10-step window (the clocks read a few us apart, and a preempted read moves time
+    # from one step to the next): each window's step_s sum over the clock's time for it.
+    ratios = [
+        sum(r.step_s for r in recs[k + 1 : k + 11]) / ((clock[k + 10] - clock[k]) * 1e-9)
+        for k in range(1, len(recs) - 10, 10)
+    ]
+    assert abs(statistics.median(ratios) - 1) < 0.005, ratios
+
+
+def _train(seed, *, use_stepwatch, start=None):
+    torch.manual_seed(seed)
+    m = SeqFirstLM()
+    data = TransformData(16)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    losses = []
+    for x, _ in DataLoader(data, batch_size=4):
+        ids = (x.abs() * 10).long().clamp(0, 49).T  # [seq, batch]
+        for _ in range(2):
+            loss = m(ids).float().logsumexp(-1).mean() / 2
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    with torch.no_grad():
+        m(ids)
+    return torch.stack(losses)
+
+
+def test_losses_are_bit_identical_on_and_off(sw):
+    stepwatch, mem, start = sw
+    off = _train(1, use_stepwatch=False)
+    start()
+    on = _train(1, use_stepwatch=True)
+    stepwatch.shutdown()
+    assert len([r for r in mem.records if not r.tail]) == 4
+    assert torch.equal(on, off)
+
+
+class MaskedEncoder(nn.Module):
+    """word_language_model's TransformerModel in small: nn.TransformerEncoder with a causal mask."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 4, 64, dropout=0.1), 2,
+                                         enable_nested_tensor=False)
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[0])
+        return self.head(self.enc(x, mask=mask))
+
+
+def test_encoder_with_a_mask_gets_flops_from_a_real_count(sw):
+    """The fake-tensor replay raises DataDependentOutputException here; FlopCounterMode on a real
+    step counts it, and so must stepwatch (its fallback counts on real tensors, once)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    stepwatch, mem, start = sw
+    torch.manual_seed(0)
+    ref = MaskedEncoder()
+    x = torch.randn(10, 4, 32)
+    with FlopCounterMode(display=False) as fc:
+        ref(x).sum().backward()
+    start()
+    torch.manual_seed(0)
+    m = MaskedEncoder()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(3):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = mem.records
+    _all_identity(recs)
+    assert [r.flops for r in recs] == [float(fc.get_total_flops())] * 3
+
+
+def test_lstm_flops_are_counted_by_formula():
+    from stepwatch.analysis.flops import count_step_flops
+
+    m = nn.LSTM(16, 32, num_layers=2)
+    fc = count_step_flops(m, (torch.randn(10, 4, 16),))
+    tokens = 10 * 4
+    # Per timestep: x @ W_ih^T and h @ W_hh^T for 4 gates, both layers (layer 2's input is h).
+    fwd = 2 * tokens * (4 * 32 * 16 + 4 * 32 * 32 + 4 * 32 * 32 + 4 * 32 * 32)
+    assert fc.forward == {"fp32": fwd} and fc.backward == {"fp32": 2 * fwd}
+
+
+def test_real_count_leaves_grads_buffers_and_rng_alone():
+    from stepwatch.analysis.flops import count_step_flops
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5))
+    x = torch.randn(4, 8)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    rng = torch.get_rng_state()
+    fc = count_step_flops(m, (x,), real=True)
+    assert fc.total == 2 * (2 * 4 * 8 * 8)  # forward, and grad-weight (the input needs no grad)
+    assert all(p.grad is None for p in m.parameters())
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
