@@ -84,15 +84,7 @@ class ExporterWorker:
         self._thread.join(max(deadline - time.monotonic(), 0.0))
         if not self._thread.is_alive():
             return True
-        with self._cv:
-            self._gone = True
-            for b in self._queue:
-                self._count(b)
-            self._queue.clear()
-            self._queued = 0
-            if self._busy is not None:
-                self._count(self._busy)
-                self._busy = None
+        self._give_up(busy_too=True)
         return False
 
     def idle(self) -> bool:
@@ -147,13 +139,17 @@ class ExporterWorker:
         except Exception as e:  # noqa: BLE001
             self._on_error(f"exporter.{self.name}", e)
 
-    def _give_up(self) -> None:
+    def _give_up(self, busy_too: bool = False) -> None:
+        """Take nothing more; count what is queued (and, ``busy_too``, the batch in ``export``)."""
         with self._cv:
             self._gone = True
             for b in self._queue:
                 self._count(b)
             self._queue.clear()
             self._queued = 0
+            if busy_too and self._busy is not None:
+                self._count(self._busy)
+                self._busy = None
 
 
 def describe_drops(workers: list[ExporterWorker]) -> dict[str, dict[str, Any]]:

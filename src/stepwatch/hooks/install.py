@@ -156,6 +156,17 @@ class Instrumentation:
 
         self._patch(opt_cls, "__init__", optimizer_init)
 
+        # torch.save(model) / pickle / copy.deepcopy of a hooked module: the state they take
+        # leaves stepwatch's root hooks out, so the pickle names nothing of stepwatch and a copy
+        # or a loaded model carries no hooks. The module itself is not touched.
+        orig_getstate = torch.nn.Module.__getstate__
+
+        @functools.wraps(orig_getstate)
+        def __getstate__(module: Any) -> Any:
+            return _without_root_hooks(orig_getstate(module))
+
+        self._patch(torch.nn.Module, "__getstate__", __getstate__)
+
     def _check_boundary(self) -> None:
         """First backward: find the roots if no scan ran yet, and whether the loop has a torch
         optimizer at all; without one, each backward ends a step."""
@@ -172,17 +183,6 @@ class Instrumentation:
                 "stepwatch: no torch.optim optimizer in this process; each backward ends a step "
                 "(call stepwatch.step() after your update to mark steps yourself)"
             )
-
-        # torch.save(model) / pickle / copy.deepcopy of a hooked module: the state they take
-        # leaves stepwatch's root hooks out, so the pickle names nothing of stepwatch and a copy
-        # or a loaded model carries no hooks. The module itself is not touched.
-        orig_getstate = torch.nn.Module.__getstate__
-
-        @functools.wraps(orig_getstate)
-        def __getstate__(module: Any) -> Any:
-            return _without_root_hooks(orig_getstate(module))
-
-        self._patch(torch.nn.Module, "__getstate__", __getstate__)
 
     def uninstall(self) -> None:
         for h in self._handles:
