@@ -10,4 +10,5 @@ bash scripts/install_prometheus.sh
 # If it cannot be installed, the serving integration tests skip and say why (pytest's summary).
 bash scripts/setup_vllm.sh >/dev/null || echo "run_tests: vLLM set-up failed; serving integration tests will skip" >&2
 # pytest exits 5 when it ran no test: that is a failure here too (set -e).
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# --durations: the slowest tests, so the suite's 15-minute budget can be kept in view.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"

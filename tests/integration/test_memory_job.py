@@ -131,6 +131,12 @@ WORKERS_SCRIPT = textwrap.dedent("""
                    memory_every=1, dir=sys.argv[2])
     net = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    # A full collection in the parent writes the gc header of every object made before the fork,
+    # which copies those pages and raises each worker's USS by several MiB mid-run (copy-on-write,
+    # real and what this memory view is for, but not the X MiB measured here): freeze them first,
+    # as the gc docs advise before forking workers.
+    import gc
+    gc.freeze()
     dl = torch.utils.data.DataLoader(DS(), batch_size=1, num_workers=2, multiprocessing_context="fork")
     for step, (x,) in enumerate(dl):
         net(x).sum().backward()
@@ -155,11 +161,12 @@ def test_forked_dataloader_workers_memory_is_summed(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout.strip().splitlines()[-1])
-    # before: steps well before any worker reached item 150 (prefetching runs a few items ahead);
+    # before: the steps just before any worker reached item 150 (prefetching runs a few items
+    # ahead), when the workers' own start-up growth (copy-on-write pages touched) is behind them;
     # after: once both have allocated and a sample (at most 1 s apart) has been taken
-    before = [u for s, u, p, n in rows if 30 <= s < 130 and u is not None]
+    before = [u for s, u, p, n in rows if 100 <= s < 140 and u is not None]
     after = [u for s, u, p, n in rows if s >= 300 and u is not None]
-    pss_b = [p for s, u, p, n in rows if 30 <= s < 130 and p is not None]
+    pss_b = [p for s, u, p, n in rows if 100 <= s < 140 and p is not None]
     pss_a = [p for s, u, p, n in rows if s >= 300 and p is not None]
     assert before and after and {n for s, u, p, n in rows if s >= 30 and n is not None} == {2}
     rise = statistics.median(after) - statistics.median(before)

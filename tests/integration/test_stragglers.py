@@ -80,8 +80,11 @@ def test_adaptive_windows_name_the_slow_rank_within_20_steps_of_the_warm_up(tmp_
     r0 = records(run, 0)
     named = found[0]["step"]
     warm_end = min(s for s in r0 if s >= 3 and (s + 1 >= 20 or r0[s]["time"] - r0[0]["time"] >= 10))
-    assert named - warm_end <= 20 + 1, (named, warm_end)
     evidence = r0[named]["time"] - r0[warm_end]["time"]
+    step_s = sorted(r0[s]["step_s"] for s in range(warm_end + 1, named + 1))[(named - warm_end) // 2]
+    # Within 20 steps of the warm-up; where 20 steps are shorter than 1 s, the 1 s floor decides:
+    # then named as soon as 1 s of evidence is in (a few steps of slack for the exchange).
+    assert named - warm_end <= 20 + 1 or evidence <= 1.0 + 3 * step_s, (named, warm_end, evidence, step_s)
     assert 1.0 - 0.05 <= evidence <= 60, evidence
 
 
