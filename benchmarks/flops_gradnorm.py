@@ -31,8 +31,8 @@ def main() -> None:
     import torch.nn as nn
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    from stepwatch.analysis.flops import FlopCache
-    from stepwatch.hooks.grads import GradNormProbe
+    from stepwatch.metrics.flops import FlopCache
+    from stepwatch.metrics.grads import GradNormProbe
 
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {a.threads} thread(s), {a.steps} steps x {a.rounds} rounds per loop\n")

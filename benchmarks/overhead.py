@@ -248,7 +248,7 @@ def memory_read_cost(n: int = 20000) -> None:
 
 def _find_probe(session):
     """The session's grad-norm probe (where the training-metrics feature keeps it)."""
-    from stepwatch.hooks.grads import GradNormProbe
+    from stepwatch.metrics.grads import GradNormProbe
 
     seen = set()
     stack = [session]

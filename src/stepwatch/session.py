@@ -174,7 +174,7 @@ class Session:
         wanted = [
             ("gpu_telemetry", cfg.gpu_telemetry, "stepwatch.telemetry.feature"),
             # FLOPs, MFU, tokens, grad-norm (docs/mfu.md).
-            ("training_metrics", cfg.training_metrics, "stepwatch.analysis.training_metrics"),
+            ("training_metrics", cfg.training_metrics, "stepwatch.metrics"),
             ("comm", cfg.comm, "stepwatch.comm"),
             # Memory fields, memory findings, OOM forensics (docs/memory.md).
             ("memory", cfg.memory, "stepwatch.memory"),

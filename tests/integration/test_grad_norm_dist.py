@@ -56,8 +56,8 @@ def worker(mode: str, rank: int, world: int, init_file: str, out_path: str) -> N
     import torch.nn as nn
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    from stepwatch.analysis.flops import count_step_flops
-    from stepwatch.hooks.grads import GradNormProbe, StoreNormExchange
+    from stepwatch.metrics.flops import count_step_flops
+    from stepwatch.metrics.grads import GradNormProbe, StoreNormExchange
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.manual_seed(0)

@@ -12,10 +12,12 @@ import pytest
 
 from stepwatch._os import pyspy
 from stepwatch._os.ptrace import can_read_memory
-from stepwatch.capture import hang, progress, signals
+from stepwatch.capture import signals
+from stepwatch.hooks import progress
+from stepwatch.watchdog import verdict as hang
 from stepwatch.capture.profiler import CaptureManager
 from stepwatch.capture.triggers import StepTimeSpikeDetector
-from stepwatch.capture.watchdog import CAP_S, FLOOR_S, K, default_timeout
+from stepwatch.watchdog.sidecar import CAP_S, FLOOR_S, K, default_timeout
 from stepwatch.config import Config, ConfigError
 from stepwatch.hooks.phases import PHASE_BACKWARD, PHASE_FORWARD, StepTracker
 from stepwatch.record import StepRecord
@@ -560,7 +562,7 @@ def test_a_rank_waiting_while_another_saves_gets_the_checkpoint_allowance(tmp_pa
     hosts) and an earlier attempt's marker does not count."""
     import argparse
 
-    from stepwatch.capture.watchdog import Watchdog
+    from stepwatch.watchdog.sidecar import Watchdog
 
     def sidecar(rank, attempt=1):
         return Watchdog(argparse.Namespace(rank=rank, trainer_pid=os.getpid(), run_dir=str(tmp_path), run_id="t",
@@ -583,7 +585,7 @@ def test_the_checkpoint_question_is_asked_at_most_every_few_seconds(tmp_path, mo
     and the store request behind "is another rank saving?" go out every CHECKPOINT_RECHECK_S."""
     import argparse
 
-    from stepwatch.capture import watchdog as wd
+    from stepwatch.watchdog import sidecar as wd
 
     w = wd.Watchdog(argparse.Namespace(rank=1, trainer_pid=os.getpid(), run_dir=str(tmp_path), run_id="t",
                                        store_addr=None, store_port=None, attempt=1, world_size=2, timeout=None))
@@ -600,7 +602,7 @@ def test_the_checkpoint_question_is_asked_at_most_every_few_seconds(tmp_path, mo
 def test_rank_0_does_not_take_an_old_hangs_snapshot_for_this_one():
     """Episodes are counted per rank and run dirs get reused: a complete snapshot lying in
     hang-<n> from an earlier hang (or job) would blame the wrong rank."""
-    from stepwatch.capture.watchdog import Watchdog
+    from stepwatch.watchdog.sidecar import Watchdog
 
     now = time.time()
     mine = {"detected_at": now, "timeout_s": 120.0}
@@ -617,7 +619,7 @@ def test_hang_timeout_stays_within_half_the_process_group_timeout(tmp_path):
     from datetime import timedelta
 
     from stepwatch.capture import pg_timeout_s
-    from stepwatch.capture.watchdog import Watchdog
+    from stepwatch.watchdog.sidecar import Watchdog
 
     assert pg_timeout_s() is None  # no process group yet
     store = dist.HashStore()

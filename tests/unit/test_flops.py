@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 from torch.utils.flop_counter import FlopCounterMode
 
-from stepwatch.analysis import flops as fl
-from stepwatch.analysis.flops import FlopCache, FlopCount, count_step_flops, sum_counts, transformer_flops
+from stepwatch.metrics import flops as fl
+from stepwatch.metrics.flops import FlopCache, FlopCount, count_step_flops, sum_counts, transformer_flops
 
 
 def mm(m: int, k: int, n: int) -> int:
@@ -409,11 +409,11 @@ def test_overrides_and_bad_values():
 
 
 # ----------------------------------------------------------------------------- tokens and samples
-# (hooks/tokens.py: what tokens/s and samples/s divide by; rules in docs/mfu.md)
+# (metrics/tokens.py: what tokens/s and samples/s divide by; rules in docs/mfu.md)
 
 
 def test_tokens_from_input_ids_and_attention_mask():
-    from stepwatch.hooks.tokens import infer_batch_counts
+    from stepwatch.metrics.tokens import infer_batch_counts
 
     ids = torch.randint(1, 100, (3, 10))
     mask = torch.ones(3, 10, dtype=torch.long)
@@ -431,7 +431,7 @@ def test_tokens_from_input_ids_and_attention_mask():
 
 
 def test_tokens_from_plain_tensors_and_tuples():
-    from stepwatch.hooks.tokens import infer_batch_counts
+    from stepwatch.metrics.tokens import infer_batch_counts
 
     ids = torch.randint(0, 50, (4, 16))
     assert infer_batch_counts((ids,)).resolve().tokens == 64
@@ -445,7 +445,7 @@ def test_tokens_from_plain_tensors_and_tuples():
 
 
 def test_tokens_add_up_over_micro_batches():
-    from stepwatch.hooks.tokens import BatchCounts, infer_batch_counts
+    from stepwatch.metrics.tokens import BatchCounts, infer_batch_counts
 
     micro = [torch.randint(0, 50, (b, 8)) for b in (2, 3, 1, 2)]  # variable batch sizes
     total = BatchCounts(0, 0)
@@ -483,7 +483,7 @@ def test_lazy_modules_are_counted_after_their_first_forward():
 
 def test_throughput_collector_sums_micro_batches_and_ignores_loss_module_and_eval():
     """The session's forward pre-hook on each root feeds it; take() at step end."""
-    from stepwatch.hooks.tokens import ThroughputCollector
+    from stepwatch.metrics.tokens import ThroughputCollector
 
     model, loss_mod = TinyLM(), nn.CrossEntropyLoss()
     col = ThroughputCollector()
@@ -503,7 +503,7 @@ def test_throughput_collector_sums_micro_batches_and_ignores_loss_module_and_eva
 
 
 def test_throughput_collector_override_number_and_callable():
-    from stepwatch.hooks.tokens import ThroughputCollector
+    from stepwatch.metrics.tokens import ThroughputCollector
 
     m = mlp()
     for override, want in ((1000, 2000), (lambda batch: 10 * batch.shape[0], 2 * 10 * 8)):

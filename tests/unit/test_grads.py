@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from stepwatch.hooks.grads import GradNormProbe, StoreNormExchange, combine_sharded
+from stepwatch.metrics.grads import GradNormProbe, StoreNormExchange, combine_sharded
 
 
 def model() -> nn.Module:
@@ -252,13 +252,13 @@ def test_store_exchange_single_process_two_ranks():
 
 
 def _res(norm, skipped=False):
-    from stepwatch.hooks.grads import GradNormResult
+    from stepwatch.metrics.grads import GradNormResult
 
     return GradNormResult(norm, (0.0, norm), False, not math.isfinite(norm), skipped, False)
 
 
 def test_spike_detector_absolute_relative_and_nonfinite():
-    from stepwatch.hooks.grads import GradNormSpikeDetector
+    from stepwatch.metrics.grads import GradNormSpikeDetector
 
     d = GradNormSpikeDetector(abs_threshold=10.0, factor=5.0, window=20)
     assert all(d.observe_result(i, _res(1.0 + 0.01 * i)) is None for i in range(12))
@@ -276,7 +276,7 @@ def test_spike_detector_absolute_relative_and_nonfinite():
 
 def test_collector_hands_over_a_steps_probes_including_skipped():
     """The shape the session uses: pre-hook feeds the collector, take() at step end, resolve off-thread."""
-    from stepwatch.hooks.grads import GradNormCollector
+    from stepwatch.metrics.grads import GradNormCollector
 
     col = GradNormCollector().install()
     handle = register_optimizer_step_pre_hook(lambda o, a, k: col.on_optimizer_step(o))
@@ -354,7 +354,7 @@ def _rec(step, **kw):
 def test_enricher_fills_grad_norm_and_waits_for_sharded_ranks():
     import torch.distributed as dist
 
-    from stepwatch.hooks.grads import GradNormEnricher, PendingGradNorm
+    from stepwatch.metrics.grads import GradNormEnricher, PendingGradNorm
 
     # Plain: the probe's value, as is.
     col_vals = torch.tensor([0.0, 3.0])
@@ -381,7 +381,7 @@ def test_enricher_fills_grad_norm_and_waits_for_sharded_ranks():
 
 
 def test_spike_detector_record_interface():
-    from stepwatch.hooks.grads import GradNormSpikeDetector
+    from stepwatch.metrics.grads import GradNormSpikeDetector
 
     d = GradNormSpikeDetector()
     assert d.observe(_rec(1, grad_norm=1.0)) == [] and d.observe(_rec(2)) == []
@@ -413,7 +413,7 @@ def test_sparse_grads_norm_on_cpu_and_unknown_for_uncoalesced_cuda(hooked, caplo
     class Param:
         grad = UncoalescedCudaGrad()
 
-    with caplog.at_level("WARNING", logger="stepwatch.hooks.grads"):
+    with caplog.at_level("WARNING", logger="stepwatch.metrics.grads"):
         assert h.probe._compute([Param()]) == (None, False)
         assert h.probe._compute([Param()]) == (None, False)
     assert len([m for m in caplog.messages if "sparse" in m]) == 1

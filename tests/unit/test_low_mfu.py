@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from stepwatch.analysis.detectors import LOW_MFU_MIN_STEPS, LowMfuDetector
+from stepwatch.metrics.lowmfu import LOW_MFU_MIN_STEPS, LowMfuDetector
 from stepwatch.record import StepRecord
 
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from stepwatch.analysis.peaks import (
+from stepwatch.metrics.peaks import (
     PeakResolver,
     compute_mfu,
     lookup_device,
@@ -124,7 +124,7 @@ def test_matmul_dtype_key():
 
 
 def test_mfu_drop_detector_uses_the_right_sign():
-    from stepwatch.analysis.peaks import MfuDropDetector
+    from stepwatch.metrics.peaks import MfuDropDetector
 
     d = MfuDropDetector(points=5.0, window_s=600.0)
     t0 = 1_000_000.0
@@ -145,8 +145,8 @@ def test_mfu_enricher_fills_record_with_flops_over_step_time_over_peak():
     import torch
     import torch.nn as nn
 
-    from stepwatch.analysis.peaks import MfuDropDetector, MfuEnricher
-    from stepwatch.hooks.tokens import ThroughputCollector
+    from stepwatch.metrics.peaks import MfuDropDetector, MfuEnricher
+    from stepwatch.metrics.tokens import ThroughputCollector
     from stepwatch.record import StepRecord
 
     m = nn.Linear(64, 32)

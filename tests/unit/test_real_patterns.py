@@ -306,7 +306,7 @@ def test_encoder_with_a_mask_gets_flops_from_a_real_count(sw):
 
 
 def test_lstm_flops_are_counted_by_formula():
-    from stepwatch.analysis.flops import count_step_flops
+    from stepwatch.metrics.flops import count_step_flops
 
     m = nn.LSTM(16, 32, num_layers=2)
     fc = count_step_flops(m, (torch.randn(10, 4, 16),))
@@ -317,7 +317,7 @@ def test_lstm_flops_are_counted_by_formula():
 
 
 def test_real_count_leaves_grads_buffers_and_rng_alone():
-    from stepwatch.analysis.flops import count_step_flops
+    from stepwatch.metrics.flops import count_step_flops
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5))

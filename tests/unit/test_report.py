@@ -451,7 +451,8 @@ def test_writer_conventions_nonfinite_relaunch_manifest_rank_hosts(tmp_path, cap
 def test_terminal_splits_wide_tables_instead_of_cutting_numbers(tmp_path):
     import io
 
-    from stepwatch.report import tables, terminal
+    from stepwatch import _terminal as terminal
+    from stepwatch.report import tables
 
     make_run(tmp_path, ranks=3, n=30, mem_peak_bytes=123 * 2**20)
     s = summarize(load_run(str(tmp_path)))

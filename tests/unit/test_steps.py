@@ -294,7 +294,7 @@ def test_values_inside_a_graph_capture_are_unknown_not_captured(sw, monkeypatch)
     """log() of a CUDA scalar and the token count of a CUDA mask queue a copy and an event;
     inside a CUDA graph capture both would be graph nodes holding the capture's values, so
     they are left unknown (torch.cuda.is_current_stream_capturing faked: no GPU here)."""
-    from stepwatch.hooks.tokens import _count_nonzero
+    from stepwatch.metrics.tokens import _count_nonzero
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     stepwatch, mem, start = sw

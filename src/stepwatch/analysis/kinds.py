@@ -35,7 +35,7 @@ KINDS: dict[str, Kind] = {
             "or move decoding off the critical path.",
             "B.9 Storage and I/O: 'If avg_wait_ms > 10ms -> data loading is bottlenecking GPU'",
         ),
-        # -- MFU, FLOPs and grad norm (analysis/flops.py, analysis/peaks.py, hooks/grads.py) --
+        # -- MFU, FLOPs and grad norm (metrics/flops.py, metrics/peaks.py, metrics/grads.py) --
         Kind(
             "grad_norm_spike",
             "warning",

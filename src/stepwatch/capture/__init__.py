@@ -76,7 +76,7 @@ class Feature:
     # -- pieces -------------------------------------------------------------------------------
 
     def start_board(self) -> None:
-        from . import progress
+        from ..hooks import progress
 
         ctx = self.session.ctx
         for path in progress.clean_stale(ctx.run_dir):
@@ -99,7 +99,7 @@ class Feature:
         env["STEPWATCH_ENABLED"] = "0"  # the sidecar must not instrument itself (sitecustomize shim)
         env[SIDECAR_ENV] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
-        cmd = [exe, "-m", "stepwatch.capture.watchdog", "--trainer-pid", str(os.getpid()), "--board", self.board.path,
+        cmd = [exe, "-m", "stepwatch.watchdog.sidecar", "--trainer-pid", str(os.getpid()), "--board", self.board.path,
                "--run-dir", ctx.run_dir, "--run-id", ctx.run_id, "--rank", str(ctx.rank),
                "--world-size", str(ctx.world_size), "--attempt", str(ctx.attempt), "--action", cfg.hang_action]
         if cfg.hang_timeout:

@@ -78,7 +78,7 @@ class Instrumentation:
         import torch.optim.optimizer as optim_mod
         from torch.utils.data import dataloader
 
-        from ..analysis.flops import is_counting
+        from .replay import is_counting
 
         tr = self.tracker
         self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._opt_pre))
@@ -373,7 +373,7 @@ class Instrumentation:
         self._hooked.add(m)
         self.roots.append(type(m).__name__)
         tr = self.tracker
-        from ..analysis.flops import is_counting
+        from .replay import is_counting
 
         not_roots = self._not_roots
         compiled = getattr(m, "_compiled_call_impl", None)
@@ -419,7 +419,7 @@ class _RootHook:
     def __init__(self, inst: "Instrumentation") -> None:
         import torch
 
-        from ..analysis.flops import is_counting
+        from .replay import is_counting
 
         self.inst = inst
         self.tr = inst.tracker

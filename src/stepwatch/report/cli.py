@@ -38,7 +38,8 @@ def default_html_path(run_dir: str, other: str | None) -> str:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from . import page, tables, terminal
+    from .. import _terminal as terminal
+    from . import page, tables
     from .load import ReportError, load_run
     from .summary import compare, summarize
 

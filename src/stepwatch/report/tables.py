@@ -3,24 +3,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
+from .._table import Table
 from . import fmt
 from .summary import (
     COMPARE_NOISE_PP, COMPARE_NOISE_REL, PHASE_LABELS, PHASES, STANDOUT_SPREAD, CompareRow, Summary,
 )
-
-
-@dataclass(slots=True)
-class Table:
-    title: str
-    headers: list[str]
-    rows: list[list[str]]
-    # Per row: "" or a tag the renderers style ("warn", "bad", "good", "critical", "info").
-    tags: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    # Trailing columns a narrow renderer (the terminal) folds into the column before them.
-    fold_last: int = 0
 
 
 def run_info(s: Summary) -> Table:

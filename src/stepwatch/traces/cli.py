@@ -55,7 +55,7 @@ def _print(summaries: list[dict], as_json: bool) -> None:
         json.dump(summaries, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return
-    from ..report import terminal
+    from .. import _terminal as terminal
     from .tables import all_tables
 
     fs = [Finding.from_dict(f) for s in summaries for f in s.get("findings", [])] + joined

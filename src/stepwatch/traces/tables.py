@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..report.tables import Table
+from .._table import Table
 
 
 def _n(x: Any, unit: str = "") -> str:

@@ -32,21 +32,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
+from ..hooks.replay import is_counting, set_counting
 from .peaks import matmul_dtype_key
 
 log = logging.getLogger(__name__)
-
-_STATE = threading.local()
-
-
-def is_counting() -> bool:
-    """True while this thread is replaying a forward/backward to count FLOPs.
-
-    stepwatch's own module / autograd hooks must return at once when this is True: the replay runs
-    the user's modules, so their hooks fire.
-    """
-    return getattr(_STATE, "active", False)
-
 
 class FlopCountError(RuntimeError):
     """The FLOPs of this call could not be counted (e.g. data-dependent Python control flow)."""
@@ -593,7 +582,7 @@ def count_step_flops(
     counter = _make_counter(tuple(lint_devices))
     snapshot = _ModuleSnapshot(root)
     stance = _force_eager()
-    _STATE.active = True
+    set_counting(True)
     try:
         if real:
             import contextlib
@@ -627,7 +616,7 @@ def count_step_flops(
             "Give the FLOPs yourself (stepwatch.init(flops=<number | callable(batch)>)) to get MFU."
         ) from e
     finally:
-        _STATE.active = False
+        set_counting(False)
         snapshot.restore()
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
@@ -738,7 +727,7 @@ class FlopCache:
         """The FLOPs of this call (training thread); counts on a miss. Never raises for a failed count.
 
         Returns None when called from inside a replay (a hook on the module firing during it)."""
-        if getattr(_STATE, "active", False):
+        if is_counting():
             return None
         key = self.key(module, args, kwargs)
         try:
@@ -832,7 +821,7 @@ def alignment_finding(count: FlopCount | None, *, rank: int, step: int | None = 
     """The start-up ``tensor_core_alignment`` finding from a count's lint, or None if all is well."""
     if count is None or not count.alignment:
         return None
-    from .kinds import make_finding
+    from ..analysis.kinds import make_finding
 
     names = sorted({a["module"] for a in count.alignment})
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")

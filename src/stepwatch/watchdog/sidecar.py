@@ -1,7 +1,7 @@
 """The hang watchdog: a sidecar process per rank, outside the trainer's GIL.
 
 A Python thread inside the trainer cannot run while the main thread holds the GIL in C code, so
-the watchdog is a separate process (``python -m stepwatch.capture.watchdog``, started with
+the watchdog is a separate process (``python -m stepwatch.watchdog.sidecar``, started with
 exec, never forked from the trainer). It maps the rank's progress board read-only, and:
 
 * measures step times and derives the timeout (``STEPWATCH_HANG_TIMEOUT`` overrides);
@@ -32,10 +32,10 @@ from collections import deque
 from typing import Any
 
 from .._files import open_private, private_subdir, write_json_private
-from . import hang as hang_mod
+from . import verdict as hang_mod
 from .._os import pyspy
 from .._os.ptrace import can_read_memory
-from . import progress
+from ..hooks import progress
 
 # Default timeout: K x the p99 step time, at least FLOOR_S, at most CAP_S. The cap keeps the
 # dump well inside the process-group timeout that destroys the evidence: NCCL's default is
@@ -475,7 +475,7 @@ class Watchdog:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m stepwatch.capture.watchdog", description="stepwatch's hang watchdog sidecar")
+    p = argparse.ArgumentParser(prog="python -m stepwatch.watchdog.sidecar", description="stepwatch's hang watchdog sidecar")
     p.add_argument("--trainer-pid", type=int, required=True)
     p.add_argument("--board", required=True)
     p.add_argument("--run-dir", required=True)

@@ -45,7 +45,7 @@ import zlib
 from typing import Any
 
 from .._files import create_private
-from ..hooks.phases import PHASE_NAMES, PHASE_OTHER
+from .phases import PHASE_NAMES, PHASE_OTHER
 
 MAGIC = 0x42505753  # b"SWPB" little endian
 VERSION = 1

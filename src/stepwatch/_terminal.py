@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from .tables import Table
+from ._table import Table
 
 _STYLES = {"warn": "yellow", "warning": "yellow", "critical": "bold red", "bad": "red",
            "good": "green", "info": "cyan"}

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..cuda_ext import copy_to_host, event_done
-from .phases import Collector
+from ..hooks.phases import Collector
 
 log = logging.getLogger(__name__)
 

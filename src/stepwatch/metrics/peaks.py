@@ -353,7 +353,7 @@ class MfuDropDetector:
         if self._in_drop:
             return None
         self._in_drop = True
-        from .kinds import make_finding
+        from ..analysis.kinds import make_finding
 
         return make_finding(
             "mfu_drop",

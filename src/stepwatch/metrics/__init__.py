@@ -1,5 +1,5 @@
 """FLOPs, MFU, tokens and grad-norm as a session feature: wires the measuring parts
-(``analysis/flops.py``, ``analysis/peaks.py``, ``hooks/grads.py``, ``hooks/tokens.py``) into the
+(``metrics/flops.py``, ``metrics/peaks.py``, ``metrics/grads.py``, ``metrics/tokens.py``) into the
 tracker and the background pipeline. Measures nothing itself.
 
 Training thread: each root module's forward pre-hook hands its call to the throughput collector
@@ -24,9 +24,9 @@ class TrainingMetrics:
     name = "training_metrics"
 
     def __init__(self, session: Any) -> None:
-        from ..hooks.grads import GradNormCollector, GradNormEnricher, GradNormSpikeDetector
-        from ..hooks.tokens import ThroughputCollector
-        from .detectors import LowMfuDetector
+        from .grads import GradNormCollector, GradNormEnricher, GradNormSpikeDetector
+        from .tokens import ThroughputCollector
+        from .lowmfu import LowMfuDetector
         from .peaks import MfuDropDetector, MfuEnricher, PeakResolver
 
         cfg = session.config
@@ -81,7 +81,7 @@ class TrainingMetrics:
         dist = sys.modules.get("torch.distributed")
         if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
             return None
-        from ..hooks.grads import StoreNormExchange
+        from .grads import StoreNormExchange
 
         store = dist.distributed_c10d._get_default_store()
         return StoreNormExchange(store, dist.get_rank(), dist.get_world_size(),

@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..analysis.flops import FlopCache, is_counting, resolve_override
+from .flops import FlopCache, is_counting, resolve_override
 from ..cuda_ext import copy_to_host, event_done
-from ..analysis.peaks import matmul_dtype_key
-from .phases import Collector
+from .peaks import matmul_dtype_key
+from ..hooks.phases import Collector
 
 
 @dataclass(slots=True)
@@ -93,7 +93,7 @@ def is_seq_first(module: Any) -> bool:
     and none of them is ``batch_first``. Walks the module tree: call it once per module."""
     import torch.nn as nn
 
-    from ..analysis.flops import unwrap_module
+    from .flops import unwrap_module
 
     flags = [
         bool(getattr(m, "batch_first", False))
