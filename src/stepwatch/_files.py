@@ -7,7 +7,10 @@ timelines, captures) goes through these, so the rules hold in one place:
   ``O_EXCL|O_NOFOLLOW``, appends are opened ``O_NOFOLLOW`` and must be regular files (a planted
   FIFO neither blocks nor receives anything), subdirectories must be real directories of ours;
 * a run directory that another user owns, or that others may write to, is not used as is: one
-  warning, and the files go to a private subfolder (:func:`private_run_dir`).
+  warning, and the files go to a private subfolder (:func:`private_run_dir`);
+* what the job reads back from a run directory (other ranks' manifests, the sidecar's findings,
+  stack dumps) is read the same way (:func:`read_private`): never through a link, never from a
+  FIFO (which would block the reading thread), at most a bounded number of bytes.
 """
 
 from __future__ import annotations
@@ -42,6 +45,25 @@ def _open_file(path: str, flags: int, mode: int = 0o600) -> int:
         os.close(fd)
         raise
     return fd
+
+
+# What one read of a run-directory file takes at most (a manifest, a stack dump, new findings).
+READ_MAX_BYTES = 16 << 20
+
+
+def read_private(path: str, *, offset: int = 0, max_bytes: int = READ_MAX_BYTES, errors: str = "strict") -> str:
+    """The text of the run-directory file ``path`` from byte ``offset``, at most ``max_bytes`` of
+    it; never through a link, never from anything but a regular file (OSError otherwise)."""
+    fd = _open_file(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        if offset:
+            f.seek(offset)
+        return f.read(max_bytes).decode("utf-8", errors=errors)
+
+
+def read_json_private(path: str, *, max_bytes: int = READ_MAX_BYTES) -> Any:
+    """A JSON run-directory file (see :func:`read_private`); ValueError when it is not JSON."""
+    return json.loads(read_private(path, max_bytes=max_bytes))
 
 
 def _check_own_dir(path: str) -> None:
@@ -134,8 +156,8 @@ def create_private(path: str) -> int:
         return os.open(path, flags, 0o600)
 
 
-def write_private(path: str, text: str, *, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``text`` atomically (a reader never sees half a file), mode 0600.
+def write_private(path: str, text: str | bytes, *, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``text`` (or bytes) atomically (a reader never sees half a file), mode 0600.
 
     The temporary file is new (``mkstemp``: a random name, ``O_EXCL|O_NOFOLLOW``), and the rename
     replaces a link at ``path`` rather than writing through it. ``mode`` other than 0600 (a path
@@ -143,7 +165,7 @@ def write_private(path: str, text: str, *, mode: int = 0o600) -> None:
     d, base = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=d)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as f:
             if mode != 0o600:
                 umask = os.umask(0)
                 os.umask(umask)

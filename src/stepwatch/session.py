@@ -649,8 +649,8 @@ def _hosts_in(run_dir: str) -> list[str]:
     for n in names:
         if n.startswith("rank") and n.endswith(".json"):
             try:
-                with open(os.path.join(run_dir, n), encoding="utf-8") as f:
-                    out.append(json.load(f)["host"])
+                from ._files import read_json_private
+                out.append(read_json_private(os.path.join(run_dir, n))["host"])
             except (OSError, ValueError, KeyError):
                 continue
     return out

@@ -227,6 +227,46 @@ def test_adaptive_windows_name_a_straggler_soon_but_not_before_1_s(store, step_s
     assert all(d.plan == dets[0].plan for d in dets)  # every rank numbers the windows the same way
 
 
+def run_paced(dets, steps, pace, t0=1000.0):
+    """Ranks in lockstep, rank 3 computing 50% more; step ``s`` lasts ``pace(s)`` seconds."""
+    findings, t = [], t0
+    for step in range(steps):
+        step_s = pace(step)
+        t += step_s
+        base = step_s / 2
+        for d in dets:
+            c = base * 1.5 if d.rank == 3 else base
+            r = StepRecord(step=step, rank=d.rank, time=t, step_s=step_s, comm_exposed_s=base * 1.5 - c,
+                           allreduce_s=base * 1.5 - c + 0.001)
+            findings += d.observe(r)
+    return findings
+
+
+@pytest.mark.parametrize("warm_s, later_s", [(0.1, 0.03), (0.025, 0.04), (0.05, 0.2)])
+def test_adaptive_windows_judge_the_evidence_by_wall_time_not_the_warm_up_pace(store, warm_s, later_s):
+    """The plan is made from the warm-up's pace; steps that then run faster (a quieter machine)
+    or slower (a loaded one) still name the straggler after >= 1 s of evidence and about one
+    window past it (was: 0.36 s of evidence when steps got 3x faster; 1.6 s when 1.6x slower)."""
+    server, client = store
+    dets, _ = detectors(client, 4, every=0)
+    times = {}
+
+    def pace(step):
+        s = warm_s if step < 20 else later_s
+        times[step] = times.get(step - 1, 0.0) + s
+        return s
+
+    found = run_paced(dets, 400, pace)
+    assert found and found[0].data["ranks"] == [3], found
+    start, e, k = dets[0].plan
+    evidence = times[found[0].step] - times[start - 1]
+    window_s = e * later_s
+    assert 1.0 - 1e-9 <= evidence <= 1.0 + window_s + 1e-9, (evidence, dets[0].plan)
+    assert found[0].data["evidence_s"] == pytest.approx(evidence, rel=1e-3)
+    if later_s >= 0.05:
+        assert found[0].step - start + 1 <= 20
+
+
 @pytest.mark.parametrize("step_s", [0.002, 0.1, 10.0])
 def test_adaptive_windows_balanced_job_names_no_one(store, step_s):
     server, client = store

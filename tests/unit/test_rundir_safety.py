@@ -168,3 +168,47 @@ def test_report_html_is_not_written_through_a_planted_link(tmp_path, victim):
     _unchanged(victim)
     assert not os.path.islink(run / "report.html")
     assert "<html" in (run / "report.html").read_text().lower()
+
+
+def test_reads_refuse_a_link_and_a_fifo_and_are_bounded(tmp_path, victim):
+    """What the job reads back from its run directory: never through a link, never from a FIFO
+    (a plain open(O_RDONLY) of a FIFO blocks until someone writes), at most max_bytes."""
+    link = tmp_path / "rank1.json"
+    os.symlink(victim, link)
+    with pytest.raises(PermissionError, match="link"):
+        _files.read_private(str(link))
+    fifo = tmp_path / "watchdog.rank1.json"
+    os.mkfifo(fifo)
+    done = []
+    th = threading.Thread(target=lambda: done.append(pytest.raises(OSError, _files.read_json_private, str(fifo))),
+                          daemon=True)
+    th.start()
+    th.join(10)
+    assert done, "read_private blocked on a FIFO"
+    big = tmp_path / "progress.rank0.json"
+    big.write_text("x" * 5000)
+    assert _files.read_private(str(big), max_bytes=100) == "x" * 100
+    assert _files.read_private(str(big), offset=4990) == "x" * 10
+
+
+def test_a_fifo_planted_where_the_job_reads_other_ranks_files_does_not_hang_shutdown(tmp_path):
+    """A FIFO at every name the job reads back at shutdown (other ranks' manifests and watchdog
+    notes, comm timelines): the job ends within its shutdown budget and writes run.json."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    for name in ("rank1.json", "watchdog.rank1.json", "comm_timeline.rank1.json", "checkpointing.rank1.json"):
+        os.mkfifo(run / name)
+    code = (
+        "import torch, torch.nn as nn, stepwatch\n"
+        f"stepwatch.init(dir={str(run)!r}, watchdog='on', capture='off')\n"
+        "m = nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "stepwatch.shutdown()\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads((run / "run.json").read_text())["steps"] == 3

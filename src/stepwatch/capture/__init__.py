@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from .._files import read_json_private, read_private
 from .._log import logger
 from .._os.ptrace import grant_ptrace
 
@@ -243,9 +244,7 @@ class Feature:
                 self._watch_off = os.path.getsize(path) if os.path.exists(path) else 0
             if os.path.getsize(path) <= self._watch_off:
                 return [], []
-            with open(path, encoding="utf-8") as f:
-                f.seek(self._watch_off)
-                lines = f.readlines()
+            lines = read_private(path, offset=self._watch_off).splitlines(keepends=True)
         except OSError:
             return [], []
         from ..record import Finding
@@ -275,8 +274,7 @@ class Feature:
             names = []
         for n in names:
             try:
-                with open(os.path.join(run_dir, n), encoding="utf-8") as f:
-                    info = json.load(f)
+                info = read_json_private(os.path.join(run_dir, n))
                 methods[str(info["rank"])] = info["stack_method"]
             except (OSError, ValueError, KeyError):
                 continue
@@ -349,7 +347,7 @@ def install(session: Any) -> Feature | None:
     capture = _wanted(cfg.capture, ctx)
     if not (watchdog or capture):
         return None
-    from ..exporters.records import make_private_dir
+    from .._files import make_private_dir
 
     make_private_dir(ctx.run_dir)
     feat = Feature(session)

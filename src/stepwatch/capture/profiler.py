@@ -45,7 +45,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .._files import private_subdir, private_tmp, write_json_private
+from .._files import private_subdir, private_tmp, read_json_private, write_json_private
 from .._log import logger, warn_once
 from ..record import Finding, StepRecord
 from . import nsys as nsys_mod
@@ -463,8 +463,7 @@ class CaptureManager:
             with self._lock:
                 self._analyses.remove(item)
             try:
-                with open(path, encoding="utf-8") as f:
-                    summary = json.load(f)
+                summary = read_json_private(path)
             except (OSError, ValueError):
                 warn_once("capture.analysis", "captures: the analysis of %s wrote no summary (exit %s)",
                           meta["trace"], proc.returncode)

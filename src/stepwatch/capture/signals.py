@@ -33,7 +33,7 @@ import threading
 import time
 from typing import IO, Any
 
-from .._files import open_private
+from .._files import open_private, read_private
 from .._os.procs import read_stat
 
 # <signal.h> on Linux (asm-generic/signal.h; x86 and arm64 use the same value).
@@ -106,8 +106,8 @@ def signal_for(path: str, pid: int) -> tuple[int | None, bool]:
     still that process (its start time matches): a reused pid belongs to some other process,
     which the signal's default action would end."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            found = [(int(t), int(sig)) for p, t, sig in _HEADER_RE.findall(f.read()) if int(p) == pid]
+        found = [(int(t), int(sig)) for p, t, sig in _HEADER_RE.findall(read_private(path, errors="replace"))
+                 if int(p) == pid]
     except OSError:
         return None, False
     start = _start_ticks(pid)

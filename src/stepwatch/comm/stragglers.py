@@ -20,11 +20,14 @@ Adaptive windows (``every=0``, the default). A fixed 20-step window and 3 window
 needed 80 steps to name a straggler: 13 minutes at 10 s a step. Instead the leader measures the
 step time over a warm-up (20 steps, or as soon as 3 steps span 10 s) and writes a *plan* to the
 store once (``<ns>/plan``: first step, window steps ``e``, windows in a row ``K``), chosen so that
-the ``K`` windows of evidence cover at least ``EVIDENCE_S`` (1 s) of wall time (never named
-sooner), at most 20 steps when a step takes 50 ms or more, and at most ``EVIDENCE_MAX_S`` (50 s)
-when steps are long: a persistent straggler is named within 20 steps of the warm-up, and within
-60 s. Every rank buffers its records (bounded) until it reads the plan, then numbers windows
-from the plan's first step, so all ranks still agree on them. A window is still at least ~1/3 s,
+``K`` windows cover ``EVIDENCE_S`` (1 s) at the warm-up's pace, at most 20 steps when a step takes
+50 ms or more, and at most ``EVIDENCE_MAX_S`` (50 s) when steps are long. Later steps need not keep
+the warm-up's pace (a machine under load), so the verdict does not count windows: a rank is named
+once it has been slow for at least 1 s of wall time, summed from the windows' own spans, and at
+least ``EVIDENCE_MIN_STEPS`` steps. Never sooner than 1 s; about one window past it otherwise; a
+persistent straggler is named within 20 steps of the warm-up where 20 steps last 1 s or more, and
+within 60 s. Every rank buffers its records (bounded) until it reads the plan, then numbers windows
+from the plan's first step, so all ranks still agree on them. A window is still at least ~1/4 s,
 so the store traffic stays bounded by time, not by step rate.
 
 Ranks that disagree on the step only delay a window's verdict; nothing waits for them. Keys are
@@ -94,24 +97,31 @@ class Summary:
     host: str
     # Mean SM activity (DCGM ratio) over the window from GPU telemetry; None without a GPU.
     sm_active: float | None = None
+    # The window's wall time (its first step's start to its last step's end): the evidence a
+    # window adds. None from a rank that does not send it (then ``step_s`` x the window's steps).
+    span_s: float | None = None
 
     def encode(self) -> bytes:
         ar = "-" if self.allreduce_s is None else f"{self.allreduce_s:.6g}"
         sm = "-" if self.sm_active is None else f"{self.sm_active:.4g}"
+        span = "-" if self.span_s is None else f"{self.span_s:.6g}"
         host = (self.host or "?").replace(" ", "_")
-        return f"{self.rank} {self.compute_s:.6g} {self.step_s:.6g} {self.data_wait_s:.6g} {ar} {host} {sm}\n".encode()
+        return (f"{self.rank} {self.compute_s:.6g} {self.step_s:.6g} {self.data_wait_s:.6g} {ar} {host} {sm} "
+                f"{span}\n").encode()
 
     @staticmethod
     def decode_all(blob: bytes) -> dict[int, "Summary"]:
         out: dict[int, Summary] = {}
         for line in blob.decode(errors="replace").splitlines():
             p = line.split()
-            if len(p) not in (6, 7):
+            if len(p) not in (6, 7, 8):
                 continue  # a torn or foreign line: skip it, never fail the pass
             try:
                 sm = None if len(p) == 6 or p[6] == "-" else float(p[6])
+                span = None if len(p) < 8 or p[7] == "-" else float(p[7])
                 out[int(p[0])] = Summary(
-                    int(p[0]), float(p[1]), float(p[2]), float(p[3]), None if p[4] == "-" else float(p[4]), p[5], sm
+                    int(p[0]), float(p[1]), float(p[2]), float(p[3]), None if p[4] == "-" else float(p[4]), p[5], sm,
+                    span,
                 )
             except ValueError:
                 continue
@@ -134,6 +144,7 @@ def summarize(records: list[StepRecord], rank: int, host: str) -> Summary:
         allreduce_s=statistics.median(ars) if ars else None,
         host=host,
         sm_active=sum(sms) / len(sms) if sms else None,
+        span_s=max(records[-1].time - records[0].time + records[0].step_s, 0.0),
     )
 
 
@@ -249,7 +260,8 @@ class StragglerDetector:
         self._win: int | None = None
         self.exchange: StragglerExchange | None = None
         self._disabled = False
-        self._streak: dict[int, int] = {}
+        self._streak: dict[int, int] = {}  # rank -> slow windows in a row
+        self._streak_s: dict[int, float] = {}  # rank -> their wall time
         self._reported_at: int | None = None
         self._reported_set: frozenset[int] = frozenset()
         self.latest = -1
@@ -401,8 +413,14 @@ class StragglerDetector:
     def _judge_compute(self, w: int, sums: dict[int, Summary]) -> list[Finding]:
         slow = slow_ranks(sums, self.margin)
         for r in set(self._streak) | set(sums):
-            self._streak[r] = self._streak.get(r, 0) + 1 if r in slow else 0
-        named = sorted(r for r, n in self._streak.items() if n >= self.windows)
+            if r in slow:
+                self._streak[r] = self._streak.get(r, 0) + 1
+                su = sums[r]
+                span = su.span_s if su.span_s is not None else su.step_s * self.every
+                self._streak_s[r] = self._streak_s.get(r, 0.0) + span
+            else:
+                self._streak[r], self._streak_s[r] = 0, 0.0
+        named = sorted(r for r in self._streak if self._persistent(r))
         floors = [s.allreduce_s for s in sums.values() if s.allreduce_s is not None]
         floor = min(floors) if floors else None
         verdict = {"w": w, "slow": sorted(slow), "named": named, "floor_s": floor, "ranks": len(sums)}
@@ -420,6 +438,17 @@ class StragglerDetector:
         self._reported_set, self._reported_at = key, w
         return [self._finding(w, sums, named, slow)]
 
+    def _persistent(self, r: int) -> bool:
+        """Fixed windows: ``windows`` slow windows in a row. Adaptive: slow for at least
+        ``EVIDENCE_S`` of wall time (the windows' own spans, not the warm-up's step time, which
+        later steps need not keep) and at least ``EVIDENCE_MIN_STEPS`` steps (as the plan allows)."""
+        n = self._streak.get(r, 0)
+        if not self.adaptive:
+            return n >= self.windows
+        steps = n * self.every
+        enough_steps = steps >= min(EVIDENCE_MIN_STEPS, self.every * self.windows)
+        return n > 0 and enough_steps and self._streak_s.get(r, 0.0) >= EVIDENCE_S * (1 - 1e-6)
+
     def _finding(self, w: int, sums: dict[int, Summary], named: list[int], slow: dict[int, float]) -> Finding:
         hosts = {str(r): sums[r].host for r in named if r in sums}
         compute = {str(r): s.compute_s for r, s in sorted(sums.items())}
@@ -436,7 +465,9 @@ class StragglerDetector:
                 f"rank {r} ({s.host}) computes {s.compute_s * 1e3:.1f} ms per step vs "
                 f"{med * 1e3:.1f} ms median of the others (+{(s.compute_s / med - 1) * 100 if med > 0 else 0:.0f}%)"
             )
-        summary = "; ".join(parts) + f", {self.windows} windows of {self.every} steps in a row"
+        n = min(self._streak.get(r, 0) for r in named)
+        evidence = min(self._streak_s.get(r, 0.0) for r in named)
+        summary = "; ".join(parts) + f", {n} windows of {self.every} steps in a row ({evidence:.1f} s)"
         if most_comm is not None and most_comm not in named:
             summary += f"; rank {most_comm} spends the most time in AllReduce because it waits for the straggler"
         return make_finding(
@@ -451,7 +482,8 @@ class StragglerDetector:
                 "allreduce_s": wait,
                 "median_others_s": {str(r): slow[r] for r in named if r in slow},
                 "margin": self.margin,
-                "windows": self.windows,
+                "windows": n,
+                "evidence_s": evidence,
                 "window_steps": self.every,
                 "window": w,
                 "ranks_reporting": len(sums),

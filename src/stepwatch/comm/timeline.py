@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from .._files import make_private_dir, write_private
+from .._files import make_private_dir, read_json_private, write_private
 from .._log import logger
 
 
@@ -55,8 +55,7 @@ def load(run_dir: str) -> list[dict[str, Any]]:
     for name in sorted(os.listdir(run_dir)):
         if name.startswith("comm_timeline.rank") and name.endswith(".json"):
             try:
-                with open(os.path.join(run_dir, name), encoding="utf-8") as f:
-                    out.append(json.load(f))
+                out.append(read_json_private(os.path.join(run_dir, name)))
             except (OSError, ValueError):
                 continue
     return sorted(out, key=lambda d: d["rank"])

@@ -140,12 +140,7 @@ class OomForensics:
                 where, n = _free_dir(self.run_dir)
                 report["files"] = sorted(files) + ["records.jsonl", "report.json"]
                 for name, body in files.items():
-                    if isinstance(body, bytes):
-                        fd = os.open(os.path.join(where, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                        with os.fdopen(fd, "wb") as f:
-                            f.write(body)
-                    else:
-                        write_private(os.path.join(where, name), body)
+                    write_private(os.path.join(where, name), body)
                 # The pipeline is up to a pass behind the training thread: the last records are
                 # written once it has seen the steps before this one (write_records).
                 with self._lock:

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .._files import open_private, private_subdir, write_json_private
+from .._files import open_private, private_subdir, read_json_private, read_private, write_json_private
 from . import verdict as hang_mod
 from .._os import pyspy
 from .._os.ptrace import can_read_memory
@@ -237,9 +237,8 @@ class Watchdog:
             if not n.startswith("checkpointing.rank") or n == f"checkpointing.rank{self.rank}":
                 continue
             try:
-                with open(os.path.join(self.run_dir, n), encoding="utf-8") as f:
-                    if json.load(f).get("attempt") == self.a.attempt:  # not a crashed attempt's
-                        return True
+                if read_json_private(os.path.join(self.run_dir, n)).get("attempt") == self.a.attempt:
+                    return True  # not a crashed attempt's
             except (OSError, ValueError, AttributeError):
                 continue
         n = self.store.add(f"checkpointing/{self.a.attempt}", 0) if self.a.world_size > 1 else None
@@ -335,9 +334,7 @@ class Watchdog:
                         "method": "faulthandler"}
             time.sleep(1.0)
             try:
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    f.seek(start)
-                    samples.append(f.read())
+                samples.append(read_private(path, offset=start, errors="replace"))
             except OSError:
                 samples.append("")
             if i == 0:
@@ -403,8 +400,7 @@ class Watchdog:
                     continue
                 got = None
                 try:
-                    with open(os.path.join(d, f"progress.rank{r}.json"), encoding="utf-8") as f:
-                        got = json.load(f)
+                    got = read_json_private(os.path.join(d, f"progress.rank{r}.json"))
                 except (OSError, ValueError):
                     raw = self.store.try_get(f"hang/{self.a.attempt}/{n}/{r}") if self.a.world_size > 1 else None
                     if raw:
