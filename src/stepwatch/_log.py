@@ -45,9 +45,12 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
-def warn_once(key: str, msg: str, *args: object) -> None:
+def warn_once(key: str, msg: str, *args: object, level: int = logging.WARNING, log: logging.Logger | None = None) -> bool:
+    """Log ``msg`` the first time ``key`` is seen in this process (every part of stepwatch says
+    a repeated condition once through here). Returns whether it was logged."""
     with _warned_lock:
         if key in _warned:
-            return
+            return False
         _warned.add(key)
-    logger.warning(msg, *args)
+    (log or logger).log(level, msg, *args)
+    return True

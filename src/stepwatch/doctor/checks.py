@@ -170,26 +170,26 @@ def check_timing() -> Check:
 
 
 def check_pyspy(attach: bool = True) -> Check:
-    from .._os import ptrace as pyspy
+    from .._os import ptrace
 
-    scope = pyspy.ptrace_scope()
-    cap = pyspy.has_cap_sys_ptrace()
-    exe = pyspy.find_pyspy()
+    scope = ptrace.ptrace_scope()
+    cap = ptrace.has_cap_sys_ptrace()
+    exe = ptrace.find_pyspy()
     details: dict[str, Any] = {"py_spy": exe, "ptrace_scope": scope, "cap_sys_ptrace": cap}
     scope_s = ("no Yama (classic ptrace rules)" if scope is None
-               else f"ptrace_scope={scope} ({pyspy.YAMA_MEANING.get(scope, 'unknown value')})")
+               else f"ptrace_scope={scope} ({ptrace.YAMA_MEANING.get(scope, 'unknown value')})")
     cap_s = {True: "CAP_SYS_PTRACE held", False: "no CAP_SYS_PTRACE", None: "capabilities unknown"}[cap]
     if exe is None:
         return Check("py-spy", "warn", f"py-spy not found; {scope_s}; {cap_s}",
                      "pip install py-spy (hang dumps and anomaly captures use it).", details)
     if not attach:
         return Check("py-spy", "info", f"{exe}; attach not tried; {scope_s}; {cap_s}", None, details)
-    ok, what = pyspy.try_attach(exe)
+    ok, what = ptrace.try_attach(exe)
     details["attach"] = ok
     details["attach_detail"] = what
     if ok:
         return Check("py-spy", "ok", f"attach works: {what}; {scope_s}; {cap_s}", None, details)
-    return Check("py-spy", "warn", f"attach FAILED: {what}; {scope_s}; {cap_s}", pyspy.FIX, details)
+    return Check("py-spy", "warn", f"attach FAILED: {what}; {scope_s}; {cap_s}", ptrace.FIX, details)
 
 
 def check_nsys() -> Check:

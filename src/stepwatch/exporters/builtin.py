@@ -159,12 +159,9 @@ def _wandb(ctx: "RunContext") -> Exporter:
 
 
 def otlp_configured() -> bool:
-    """Cheap pre-check (no OTel import) of what ``otel.otlp_endpoint`` decides in full."""
+    """Whether the environment turns OTLP export on (no OTel import): ``_otlp_env`` decides."""
     import os
 
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    wanted = [e.strip().lower() for e in os.environ.get("OTEL_METRICS_EXPORTER", "").split(",") if e.strip()]
-    if wanted and "otlp" not in wanted:
-        return False
-    return any(os.environ.get(v, "").strip() for v in ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"))
+    from ._otlp_env import otlp_endpoint
+
+    return otlp_endpoint(os.environ) is not None

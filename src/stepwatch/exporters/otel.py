@@ -41,33 +41,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("stepwatch.exporters.otel")
 
-# Standard OpenTelemetry SDK variables (opentelemetry-specification,
-# specification/configuration/sdk-environment-variables.md and protocol/exporter.md).
-OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
-OTEL_RESOURCE_ATTRIBUTES = "OTEL_RESOURCE_ATTRIBUTES"
-OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
-OTEL_METRICS_EXPORTER = "OTEL_METRICS_EXPORTER"
-ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-PROTOCOL_VARS = ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-# The Python SDK's default OTLP protocol is gRPC (its `otlp` exporter entry point), kept here.
-PROTOCOLS = ("grpc", "http/protobuf")
-DEFAULT_SERVICE_NAME = "stepwatch"
+from ._otlp_env import (  # noqa: F401 (names this module's users read from it)
+    DEFAULT_SERVICE_NAME, ENDPOINT_VARS, OTEL_METRICS_EXPORTER, OTEL_RESOURCE_ATTRIBUTES, OTEL_SDK_DISABLED,
+    OTEL_SERVICE_NAME, PROTOCOL_VARS, PROTOCOLS, otlp_endpoint,
+)
 
 _EXTRA_NAME = re.compile(r"^stepwatch_[a-z0-9_]{1,120}$")
-
-
-def otlp_endpoint(environ: Mapping[str, str]) -> str | None:
-    """The configured OTLP metrics endpoint, or None when OTLP is off."""
-    if environ.get(OTEL_SDK_DISABLED, "").strip().lower() == "true":
-        return None
-    exporters = [e.strip().lower() for e in environ.get(OTEL_METRICS_EXPORTER, "").split(",") if e.strip()]
-    if exporters and "otlp" not in exporters:
-        return None  # e.g. OTEL_METRICS_EXPORTER=none
-    for var in ENDPOINT_VARS:
-        v = environ.get(var, "").strip()
-        if v:
-            return v
-    return None
 
 
 def otlp_protocol(environ: Mapping[str, str]) -> str:

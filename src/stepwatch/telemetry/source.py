@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any, Mapping, Sequence
 
+from .._log import warn_once
 from ..record import Finding, StepRecord
 from .diagnose import Analyzer, CheckpointWatch
 from .summary import samples_between, summarize_window
@@ -45,9 +46,6 @@ def driver_problem(nvml: Any, err: Exception) -> str:
     if value == getattr(nvml, "NVML_ERROR_DRIVER_NOT_LOADED", object()):
         return "NVIDIA driver not loaded (the kernel module is not running)"
     return f"NVML failed to start: {err}"
-
-
-_said: set[str] = set()
 
 
 class TelemetrySource:
@@ -206,9 +204,7 @@ class TelemetrySource:
         if opened is None:
             # Once per process: a job that starts several sessions need not hear it again.
             msg = f"GPU telemetry off on rank {self.rank}: {self.status.get('error')}"
-            if msg not in _said:
-                _said.add(msg)
-                log.info("stepwatch: %s", msg)
+            warn_once(f"telemetry.off.{msg}", "stepwatch: %s", msg, level=logging.INFO, log=log)
             self._ready.set()
             return
         dev, xid, shutdown = opened
