@@ -45,6 +45,7 @@ import time
 from collections import deque
 from typing import Any
 
+from .. import _store
 from .._files import private_subdir, private_tmp, read_json_private, write_json_private
 from .._log import logger, warn_once
 from ..record import Finding, StepRecord
@@ -126,16 +127,14 @@ class CaptureManager:
         """torch.distributed's default store once a multi-rank process group exists, else None."""
         if self._store_state == "ok":
             return self._store
-        dist = sys.modules.get("torch.distributed")
         try:
-            if dist is None or not dist.is_available() or not dist.is_initialized():
+            store = _store.default_store()
+            if store is None:
                 return None
-            if dist.get_world_size() < 2:
+            if _store.world()[1] < 2:
                 self._store_state = "single"
                 return None
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            self._store = _get_default_store()
+            self._store = store
             self._store_state = "ok"
             return self._store
         except Exception as e:
@@ -145,7 +144,7 @@ class CaptureManager:
             return None
 
     def _key(self, name: str) -> str:
-        return f"stepwatch/{self.ctx.run_id}/capture/{name}"
+        return _store.namespace(self.ctx.run_id, "capture", name)
 
     def on_pass(self, findings: list[Finding]) -> None:
         """Each background pass, with the findings of that pass."""

@@ -9,8 +9,9 @@ the cross-rank straggler exchange). Importing this package is cheap; torch loads
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
+
+from .. import _store
 
 __all__ = ["CommFeature", "install"]
 
@@ -51,20 +52,6 @@ class CommFeature:
         if self.nccl_log is None or not records:
             return [], []
         return [], self.nccl_log.poll(records[-1].step)
-
-
-def _default_store() -> Any:
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist.distributed_c10d._get_default_store()
-
-
-def _world() -> int:
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_initialized():
-        return 1
-    return dist.get_world_size()
 
 
 def install(session: Any) -> CommFeature | None:
@@ -115,9 +102,9 @@ def install(session: Any) -> CommFeature | None:
         windows=cfg.straggler_windows,
         rank=ctx.rank,
         host=ctx.host,
-        store_factory=_default_store,
-        world_factory=_world,
-        namespace=f"stepwatch/{ctx.run_id}/{getattr(ctx, 'attempt', 0)}/strag",
+        store_factory=_store.default_store,
+        world_factory=lambda: _store.world()[1],
+        namespace=_store.namespace(ctx.run_id, getattr(ctx, "attempt", 0), "strag"),
         on_floor=on_floor,
     )
     session.detectors.extend([feat.overlap, feat.busbw, feat.stragglers])

@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from .. import _store
 from ..record import Finding, StepRecord
 
 
@@ -78,14 +79,13 @@ class TrainingMetrics:
     # -- background thread -------------------------------------------------------------------------
 
     def _exchange(self) -> Any:
-        dist = sys.modules.get("torch.distributed")
-        if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        rank, world = _store.world()
+        if world < 2:
             return None
         from .grads import StoreNormExchange
 
-        store = dist.distributed_c10d._get_default_store()
-        return StoreNormExchange(store, dist.get_rank(), dist.get_world_size(),
-                                 prefix=f"stepwatch/{self.session.ctx.run_id}/gradnorm")
+        return StoreNormExchange(_store.default_store(), rank, world,
+                                 prefix=_store.namespace(self.session.ctx.run_id, "gradnorm"))
 
     def collect(self, records: list[StepRecord]) -> tuple[list[dict[str, Any]], list[Finding]]:
         findings: list[Finding] = []
