@@ -1,4 +1,5 @@
-"""Memory does not grow with steps: 200,000 steps of a trivial loop with stepwatch on."""
+"""Memory does not grow with steps: 100,000 steps of a trivial loop with stepwatch on (a leak of
+200 bytes a step would show as 18 MB)."""
 
 import json
 import os
@@ -26,12 +27,12 @@ p = torch.nn.Parameter(torch.ones(4))
 opt = torch.optim.SGD([p], lr=1e-6)
 x = torch.ones(4)
 marks = {}
-for i in range(200_000):
+for i in range(100_000):
     loss = (p * x).sum()
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=False)
-    if i == 20_000:
+    if i == 10_000:
         marks["warm"] = rss_mb()
 marks["end"] = rss_mb()
 s = stepwatch.get_session()
@@ -42,12 +43,12 @@ print(json.dumps(marks))
 """
 
 
-def test_200k_steps_grow_resident_memory_by_less_than_20mb(tmp_path):
+def test_100k_steps_grow_resident_memory_by_less_than_20mb(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, r.stderr[-3000:]
     marks = json.loads(r.stdout.strip().splitlines()[-1])
-    assert marks["steps"] + marks["dropped"] == 200_000
+    assert marks["steps"] + marks["dropped"] == 100_000
     assert marks["end"] - marks["warm"] < 20, marks
