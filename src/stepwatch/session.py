@@ -384,15 +384,9 @@ class Session:
                     self._internal_error(f"exporter.{spec.name}.start", e)
                 continue
             self._workers.append(
-                ExporterWorker(
-                    spec.name, spec.build, capacity=self._cap, on_error=self._internal_error, on_built=self._wire
-                )
+                ExporterWorker(spec.name, spec.build, capacity=self._cap, on_error=self._internal_error)
             )
         self._write_manifest(final=False)
-
-    def _wire(self, exporter: Exporter) -> None:
-        if hasattr(exporter, "drops"):  # the console shows the drops
-            exporter.drops = self.total_dropped  # type: ignore[attr-defined]
 
     def _drain_exporters(self, timeout_s: float) -> bool:
         """Wait until every exporter has taken what it was given (tests drive passes by hand)."""
@@ -451,6 +445,7 @@ class Session:
             batch = Batch(records=records, findings=findings, samples=samples)
             if not batch:
                 return
+            batch.dropped = self.total_dropped()
             if self._records is not None:
                 try:
                     self._records.export(batch)
