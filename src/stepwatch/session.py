@@ -30,7 +30,7 @@ from .exporters.records import claim_name
 from .cuda_ext import copy_to_host, event_done
 from .hooks.nvtx import Nvtx
 from .hooks.phases import StepTracker
-from .record import SCHEMA_VERSION, Finding, StepRecord
+from .record import SCHEMA_VERSION, Finding, RawStep, StepRecord
 
 # How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
 _MAX_HOLD_S = 30.0
@@ -73,7 +73,7 @@ class Session:
         self._records: Exporter | None = None
         self._workers: list[ExporterWorker] = []
         self._exporter_names: list[str] = []
-        self._queue: collections.deque[tuple] = collections.deque()
+        self._queue: collections.deque[RawStep] = collections.deque()
         self._cap = config.queue_size
         self._held: list[tuple[float, StepRecord]] = []
         self._internal_findings: list[Finding] = []
@@ -259,7 +259,7 @@ class Session:
 
     # -- training-thread API ---------------------------------------------------------------------
 
-    def _enqueue(self, raw: tuple) -> None:
+    def _enqueue(self, raw: RawStep) -> None:
         if len(self._queue) < self._cap:
             self._queue.append(raw)
             if not self._opened:
@@ -456,7 +456,7 @@ class Session:
         except Exception as e:  # the pipeline itself must never die silently
             self._internal_error("pipeline", e)
 
-    def _resolve(self, raws: list[tuple], *, final: bool) -> list[StepRecord]:
+    def _resolve(self, raws: list[RawStep], *, final: bool) -> list[StepRecord]:
         now = time.monotonic()
         for raw in raws:
             try:
@@ -465,7 +465,7 @@ class Session:
                 self.dropped += 1
                 self._internal_error("pipeline.build", e)
                 continue
-            self._held.append([now, rec, raw[-1], []])
+            self._held.append([now, rec, raw.extras, []])
         out: list[StepRecord] = []
         # Records leave in order: the first one still waiting on the device holds the rest.
         while self._held:
@@ -507,29 +507,11 @@ class Session:
                 return False
         return True
 
-    def _build(self, raw: tuple) -> StepRecord:
-        (step, t_end, step_ns, data, fwd, bwd, opt, ev, ckpt, phases, scalars, skipped, mem, extras) = raw
-        s = 1e-9
-        other = max(step_ns - data - fwd - bwd - opt, 0)
-        return StepRecord(
-            step=step,
-            rank=self.ctx.rank,
-            time=self._wall_ref + (t_end - self._perf_ref) * s,
-            step_s=step_ns * s,
-            data_wait_s=data * s,
-            forward_s=fwd * s,
-            backward_s=bwd * s,
-            optimizer_s=opt * s,
-            other_s=other * s,
-            eval_s=ev * s,
-            checkpoint_s=ckpt * s,
-            phases={k: v * s for k, v in phases.items()},
-            scalars={k: (v if isinstance(v, _Pending) else self._scalar(k, v)) for k, v in scalars.items()},
-            skipped=skipped,
-            mem_peak_bytes=mem,
-            **_checkpoint_fields(extras.get("checkpoint_bytes"), ckpt * s),
-            tail=bool(extras.get("tail", False)),
-        )
+    def _build(self, raw: RawStep) -> StepRecord:
+        return raw.to_record(self.ctx.rank, self._wall_ref, self._perf_ref, self._scalar_or_pending)
+
+    def _scalar_or_pending(self, name: str, v: Any) -> Any:
+        return v if isinstance(v, _Pending) else self._scalar(name, v)
 
     def _scalar(self, name: str, v: Any) -> float | None:
         """A logged value as a float; one that is not a number or does not fit (``10**400``)
@@ -615,13 +597,6 @@ class Session:
                 for f in self.features_started
             },
         }
-
-
-def _checkpoint_fields(nbytes: int | None, seconds: float) -> dict[str, Any]:
-    if not seconds:
-        return {}
-    gbps = nbytes / seconds / 1e9 if nbytes else None
-    return {"checkpoint_bytes": nbytes, "checkpoint_gbps": gbps}
 
 
 def _to_float(v: Any) -> float | None:
