@@ -167,5 +167,13 @@ def private_tmp(path: str, suffix: str = ".tmp") -> str:
     return tmp
 
 
+def read_json(path: str, *, max_bytes: int = 1 << 20) -> Any:
+    """A small JSON file of a run directory (another rank's manifest): never through a link,
+    never from anything but a regular file (a planted FIFO does not block the reader)."""
+    fd = _open_file(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        return json.loads(f.read(max_bytes).decode("utf-8"))
+
+
 def write_json_private(path: str, obj: Any) -> None:
     write_private(path, json.dumps(obj, indent=2, default=str))

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import atexit
 import collections
-import json
 import os
-import platform
 import sys
 import threading
 import time
 from typing import Any, Callable
 
-from ._version import __version__
 from ._log import FailureLog, logger
 from ._sigterm import SigtermFinisher
 from .analysis.detectors import DataLoadingDetector
@@ -25,12 +22,12 @@ from .config import Config
 from .context import RunContext, from_env
 from .exporters.base import Batch, Exporter
 from .exporters.worker import ExporterWorker, describe_drops
-from ._files import make_private_dir, private_run_dir, write_json_private
-from .exporters.records import claim_name
+from ._files import private_run_dir
+from ._manifest import Manifest, RunFacts
 from .cuda_ext import copy_to_host, event_done
 from .hooks.nvtx import Nvtx
 from .hooks.phases import StepTracker
-from .record import SCHEMA_VERSION, Finding, RawStep, StepRecord
+from .record import Finding, RawStep, StepRecord
 
 # How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
 _MAX_HOLD_S = 30.0
@@ -530,52 +527,22 @@ class Session:
     # -- manifest -------------------------------------------------------------------------------
 
     def _write_manifest(self, *, final: bool) -> None:
-        """Every rank writes ``rank<R>.json``; rank 0 writes ``run.json`` (hosts from all rank files)."""
         if not self.config.records:
             return
-        ctx = self.ctx
-        try:
-            make_private_dir(ctx.run_dir)
-            me = {
-                "rank": ctx.rank,
-                "local_rank": ctx.local_rank,
-                "host": ctx.host,
-                "pid": self.pid,
-                "attempt": ctx.attempt,
-                "start_time": self._start_wall,
-            }
-            if not hasattr(self, "_rank_path"):
-                # rank<R>.<K>.json beside the first launch's: a relaunch or a second job in the
-                # same directory keeps the other's file (the report tells them apart)
-                self._rank_path = claim_name(ctx.run_dir, f"rank{ctx.rank}", "json")
-            write_json_private(self._rank_path, me)
-            if ctx.rank != 0:
-                return
-            hosts = sorted({ctx.host} | set(_hosts_in(ctx.run_dir)))
-            manifest = {
-                "schema_version": SCHEMA_VERSION,
-                "run_id": ctx.run_id,
-                "argv": list(sys.argv),
-                "versions": _versions(),
-                "world_size": ctx.world_size,
-                "hosts": hosts,
-                "attempt": ctx.attempt,
-                "start_time": self._start_wall,
-                "end_time": time.time() if final else None,
-                "config": self.config.as_manifest(),
-                "features": self.features(),
-                "exporters": self._exporter_names,
-                "steps": self.steps_seen,
-                "dropped_records": self.dropped,
-                "exporter_drops": describe_drops(self._workers),
-                "null_scalars": dict(self.null_scalars),
-                "internal_errors": dict(self.failures.counts),
-            }
-            if not hasattr(self, "_manifest_path"):
-                self._manifest_path = claim_name(ctx.run_dir, "run", "json")
-            write_json_private(self._manifest_path, manifest)
-        except OSError as e:
-            logger.warning("cannot write the manifest in %s: %s", ctx.run_dir, e)
+        if not hasattr(self, "_manifest"):
+            self._manifest = Manifest(self.config, self.ctx, pid=self.pid, start_time=self._start_wall)
+        self._manifest.write(
+            RunFacts(
+                features=self.features(),
+                exporters=self._exporter_names,
+                steps=self.steps_seen,
+                dropped_records=self.dropped,
+                exporter_drops=describe_drops(self._workers),
+                null_scalars=self.null_scalars,
+                internal_errors=dict(self.failures.counts),
+            ),
+            final=final,
+        )
 
     def features(self) -> dict[str, Any]:
         inst = self.instrumentation
@@ -608,28 +575,3 @@ def _to_float(v: Any) -> float | None:
         return float(v)
     except (TypeError, ValueError, RuntimeError, OverflowError):  # OverflowError: 10**400
         return None
-
-
-def _hosts_in(run_dir: str) -> list[str]:
-    out = []
-    try:
-        names = os.listdir(run_dir)
-    except OSError:
-        return out
-    for n in names:
-        if n.startswith("rank") and n.endswith(".json"):
-            try:
-                with open(os.path.join(run_dir, n), encoding="utf-8") as f:
-                    out.append(json.load(f)["host"])
-            except (OSError, ValueError, KeyError):
-                continue
-    return out
-
-
-def _versions() -> dict[str, str]:
-    torch = sys.modules.get("torch")
-    return {
-        "stepwatch": __version__,
-        "torch": getattr(torch, "__version__", "not imported"),
-        "python": platform.python_version(),
-    }
