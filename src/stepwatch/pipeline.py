@@ -89,15 +89,15 @@ class Pipeline:
     export; ``on_open()`` runs right after (the session writes its manifest there). ``features``
     is a list the caller may keep appending to: each item's optional ``collect(records) ->
     (samples, findings)`` and ``on_findings(findings)`` run every pass. ``step_of()`` says the
-    training thread's step for an internal-error finding."""
+    training thread's step for an internal-error finding. The defaults are :class:`Config`'s."""
 
     def __init__(
         self,
         ctx: RunContext,
         *,
-        queue_size: int = 10_000,
+        queue_size: int = 4096,
         flush_interval_s: float = 0.25,
-        window: int = 100,
+        window: int = 50,
         repeat_windows: int = 20,
         detectors: Iterable[Any] = (),
         features: list[Any] | None = None,

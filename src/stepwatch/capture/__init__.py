@@ -260,7 +260,7 @@ class Feature:
         return [], out
 
     def on_findings(self, findings: list[Any]) -> None:
-        """Each background pass, with every finding of the pass (the session calls it)."""
+        """Each background pass, with every finding of the pass (the pipeline calls it)."""
         if self.captures is not None:
             self.captures.on_pass(findings)
 

@@ -1,9 +1,9 @@
 """Communication: AllReduce time and overlap with backward, bus bandwidth, stragglers (docs/comm.md).
 
-``install(hub)`` wires everything in through the session's hub (``_feature.py``): a collector on the training thread (spans
-of DDP buckets and FSDP2 collectives), an enricher on the background thread (comm_s,
-allreduce_s, comm_exposed_s, overlap, algbw/busbw, comm_wait_s), and detectors (overlap, busbw,
-the cross-rank straggler exchange). Importing this package is cheap; torch loads at install.
+``install(hub)`` wires everything in through the session's hub (``_feature.py``): a collector
+on the training thread (spans of DDP buckets and FSDP2 collectives), an enricher on the
+background thread (comm_s, allreduce_s, comm_exposed_s, overlap, algbw/busbw, comm_wait_s), and
+detectors (overlap, busbw, the cross-rank straggler exchange). Importing this package is cheap; torch loads at install.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class CommFeature:
 
     def collect(self, records: list[Any]) -> tuple[list[Any], list[Any]]:
         """Each background pass: NCCL's own warnings from the user's NCCL_DEBUG_FILE, if set."""
-        # Only on passes that carry records: the session opens its exporters with the first record,
+        # Only on passes that carry records: the pipeline opens its exporters with the first record,
         # and a finding of an earlier pass would have nowhere to go.
         if self.nccl_log is None or not records:
             return [], []
