@@ -199,7 +199,10 @@ class Session:
         if tr is None or not tr.enabled:
             return
         try:
-            tr.log({k: loggable(v) for k, v in scalars.items()})
+            out = {}
+            for k, v in scalars.items():  # a plain number passes as it is, without a call
+                out[k] = loggable(v) if hasattr(v, "detach") else v
+            tr.log(out)
         except Exception as e:
             self.report_error("log", e)
 
