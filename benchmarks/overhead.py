@@ -271,16 +271,15 @@ def background(run_dir: str) -> float:
     """One background pass over a realistic queue (the default size) of records, per record."""
     s = stepwatch.init(dir=os.path.join(run_dir, "bg"), console="off", **{**FOUNDATION, "training_metrics": True})
     one_step = hook_sequence(s.tracker)
-    s._stop.set()
-    s._thread.join()
-    s._pass(final=False)
+    s.pipeline.stop_thread()
+    s.pipeline.run_pass()
     per = []
     m = 500  # about what a 2 s flush interval holds at 250 steps/s
     for _ in range(5):
         for _ in range(m):
             one_step()
         t = time.thread_time_ns()
-        s._pass(final=False)
+        s.pipeline.run_pass()
         per.append((time.thread_time_ns() - t) / m / 1e3)
     stepwatch.shutdown()
     bg = statistics.median(per)

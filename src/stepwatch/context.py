@@ -72,3 +72,16 @@ def from_env(env: Mapping[str, str], *, run_dir: str | None, run_id: str | None)
         attempt=_env_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
         pid=os.getpid(),
     )
+
+
+def refresh_from_dist(ctx: RunContext) -> bool:
+    """Learn rank and world size from ``torch.distributed`` once a process group exists (never
+    importing torch); True when they were read."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        ctx.rank = dist.get_rank()
+        ctx.world_size = dist.get_world_size()
+        return True
+    return False

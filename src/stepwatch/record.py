@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 SCHEMA_VERSION = 1
 
@@ -113,6 +113,87 @@ class Finding:
     def from_dict(cls, d: dict[str, Any]) -> "Finding":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class RawStep:
+    """One step as the training thread hands it over (``hooks/phases.py``): host-clock
+    nanoseconds and what the collectors took, nothing converted. Built once per step on the hot
+    path, so a slots class with a positional constructor (about what the tuple it replaced cost);
+    :meth:`to_record` decodes it on the background thread."""
+
+    __slots__ = (
+        "step", "t_end_ns", "step_ns", "data_ns", "forward_ns", "backward_ns", "optimizer_ns",
+        "eval_ns", "checkpoint_ns", "phases", "scalars", "skipped", "mem_peak_bytes", "extras", "tail",
+    )
+
+    def __init__(
+        self,
+        step: int,
+        t_end_ns: int,
+        step_ns: int,
+        data_ns: int,
+        forward_ns: int,
+        backward_ns: int,
+        optimizer_ns: int,
+        eval_ns: int,
+        checkpoint_ns: int,
+        phases: dict[str, int],
+        scalars: dict[str, Any],
+        skipped: bool,
+        mem_peak_bytes: int | None,
+        extras: dict[str, Any],
+        tail: bool = False,
+    ) -> None:
+        self.step = step
+        self.t_end_ns = t_end_ns  # perf_counter_ns at the step's end
+        self.step_ns = step_ns
+        self.data_ns = data_ns
+        self.forward_ns = forward_ns
+        self.backward_ns = backward_ns
+        self.optimizer_ns = optimizer_ns
+        self.eval_ns = eval_ns
+        self.checkpoint_ns = checkpoint_ns
+        self.phases = phases  # user phases, ns
+        self.scalars = scalars  # as logged (a pending device copy stays as it is)
+        self.skipped = skipped
+        self.mem_peak_bytes = mem_peak_bytes
+        # What the collectors took at the step's end, by collector name (the enrichers read it),
+        # plus ``backward_spans`` and, with a checkpoint in the step, ``checkpoint_bytes``.
+        self.extras = extras
+        self.tail = tail  # evaluation/checkpoints after the last step (see StepTracker.flush)
+
+    def to_record(
+        self, rank: int, wall_ref: float, perf_ref_ns: int, scalar: Callable[[str, Any], Any]
+    ) -> StepRecord:
+        """The record: seconds; ``time`` in unix seconds from the pair (``wall_ref`` = time.time()
+        taken at ``perf_ref_ns``); ``other_s`` the step's rest; ``scalar(name, value)`` converts
+        each logged value."""
+        s = 1e-9
+        other = max(self.step_ns - self.data_ns - self.forward_ns - self.backward_ns - self.optimizer_ns, 0)
+        ckpt_s = self.checkpoint_ns * s
+        rec = StepRecord(
+            step=self.step,
+            rank=rank,
+            time=wall_ref + (self.t_end_ns - perf_ref_ns) * s,
+            step_s=self.step_ns * s,
+            data_wait_s=self.data_ns * s,
+            forward_s=self.forward_ns * s,
+            backward_s=self.backward_ns * s,
+            optimizer_s=self.optimizer_ns * s,
+            other_s=other * s,
+            eval_s=self.eval_ns * s,
+            checkpoint_s=ckpt_s,
+            phases={k: v * s for k, v in self.phases.items()},
+            scalars={k: scalar(k, v) for k, v in self.scalars.items()},
+            skipped=self.skipped,
+            mem_peak_bytes=self.mem_peak_bytes,
+            tail=bool(self.tail),
+        )
+        if ckpt_s:
+            nbytes = self.extras.get("checkpoint_bytes")
+            rec.checkpoint_bytes = nbytes
+            rec.checkpoint_gbps = nbytes / ckpt_s / 1e9 if nbytes else None
+        return rec
 
 
 STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))

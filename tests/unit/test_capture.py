@@ -267,14 +267,20 @@ def test_spike_detector_needs_history():
 
 
 def _manager(tmp_path, **kw):
-    tracker = StepTracker(lambda raw: None)
-    errors = []
-    session = types.SimpleNamespace(
-        tracker=tracker, ctx=types.SimpleNamespace(rank=0, world_size=1, run_dir=str(tmp_path), run_id="t"),
-        _internal_error=lambda where, e: errors.append((where, e)))
+    """A capture manager on a real hub (no session): its errors are the pipeline's counts."""
+    from stepwatch._feature import Hub
+    from stepwatch.context import RunContext
+    from stepwatch.hooks.install import Instrumentation
+    from stepwatch.pipeline import Pipeline
+
+    ctx = RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="t", run_dir=str(tmp_path))
+    pipeline = Pipeline(ctx)
+    tracker = StepTracker(pipeline.enqueue)
+    hub = Hub(config=Config(), ctx=ctx, tracker=tracker, instrumentation=Instrumentation(tracker, pipeline.report_error),
+              pipeline=pipeline, pid=os.getpid())
     args = dict(steps=2, cooldown_s=0.3, max_count=2, budget_mb=1)
     args.update(kw)
-    return CaptureManager(session, **args), errors
+    return CaptureManager(hub, **args), pipeline.failures.counts
 
 
 def test_capture_limits_cooldown_and_max_count(tmp_path):
@@ -297,7 +303,7 @@ def test_capture_limits_cooldown_and_max_count(tmp_path):
     m.scheduled = None
     time.sleep(0.35)
     m.on_pass(spike)
-    assert m.scheduled is None and m.skipped["max_count"] == 1 and errors == []
+    assert m.scheduled is None and m.skipped["max_count"] == 1 and not errors
 
 
 def test_a_capture_never_takes_over_the_jobs_own_profiler(tmp_path):
@@ -319,7 +325,7 @@ def test_a_capture_never_takes_over_the_jobs_own_profiler(tmp_path):
         m.on_step_end(sc.first)
     assert m.active is None and m.skipped == {"busy: the job's own profiler is running": 1}
     names = {e.name for e in job.events()}
-    assert "aten::sum" in names and "aten::mul" in names and errors == []
+    assert "aten::sum" in names and "aten::mul" in names and not errors
     assert not torch.autograd._profiler_enabled()
 
 

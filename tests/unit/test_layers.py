@@ -2,7 +2,7 @@
 over it, the session over the features, adapters and commands on top. No import (at module level
 or inside a function) runs from a lower layer to a higher one, and no two folders import each
 other. The session starts features by module name (``importlib``), which this does not count: the
-session sits above them anyway."""
+session sits above them anyway. Imports under ``if TYPE_CHECKING:`` are annotations, not imports."""
 
 import ast
 import os
@@ -58,7 +58,14 @@ def _imports(root: str = ROOT):
             pkg = mod if is_pkg else mod.rsplit(".", 1)[0]
             with open(path, encoding="utf-8") as f:
                 tree = ast.parse(f.read(), path)
+            # ``if TYPE_CHECKING:`` imports name types for annotations only (the hub a hook is
+            # handed); they never run, so they order nothing.
+            typing_only = {id(n) for node in ast.walk(tree)
+                           if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                           for sub in node.body for n in ast.walk(sub)}
             for node in ast.walk(tree):
+                if id(node) in typing_only:
+                    continue
                 targets = []
                 if isinstance(node, ast.ImportFrom):
                     if node.level:

@@ -227,7 +227,7 @@ def test_device_timing_path_fills_phases_from_the_timer_ring(sw):
     s = start()
     timer = get_timer(None)
     _, enricher = install(s.tracker, timer, 0)
-    s.enrichers.insert(0, enricher)
+    s.hub.add_enricher(enricher, first=True)
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     for x, y in DataLoader(SleepyData(16), batch_size=4):
@@ -263,21 +263,22 @@ def test_each_enricher_runs_once_per_record_while_the_list_changes(sw):
                 raise RuntimeError("enricher bug")
             return not self.waits or gate["open"] or force
 
-    s._stop.set()
-    s._thread.join()  # drive the pipeline by hand
-    s.enrichers[:] = [Named("fails", fails=True), Named("a"), Named("waits", waits=True), Named("b")]
+    p = s.pipeline
+    assert p.stop_thread(10)  # drive the pipeline by hand
+    p.run_pass()  # the features' enrichers are taken in; replaced here
+    p.enrichers[:] = [Named("fails", fails=True), Named("a"), Named("waits", waits=True), Named("b")]
     opt = torch.optim.SGD(_model().parameters(), lr=0.0)
     opt.step()  # step 0 ends at the next step's work; end it explicitly
     stepwatch.step()
-    s._pass(final=False)
+    p.run_pass()
     assert [c for c in calls] == [("fails", 0), ("a", 0), ("waits", 0)] and not mem.records
-    s._new_enrichers.append(Named("new"))  # as _maybe_device_timing does, on the training thread
+    s.hub.add_enricher(Named("new"), first=True)  # as device timing does, on the training thread
     gate["open"] = True
-    s._pass(final=False)
-    assert s._drain_exporters(10)  # user exporters take batches on their own thread
+    p.run_pass()
+    assert p.drain(10)  # user exporters take batches on their own thread
     assert [c for c in calls if c[1] == 0] == [("fails", 0), ("a", 0), ("waits", 0), ("new", 0), ("waits", 0), ("b", 0)]
     assert [r.step for r in mem.records] == [0]
-    assert [getattr(e, "name", None) for e in s.enrichers] == ["new", "a", "waits", "b"]
+    assert [getattr(e, "name", None) for e in p.enrichers] == ["new", "a", "waits", "b"]
 
 
 class _CapturedCudaTensor:

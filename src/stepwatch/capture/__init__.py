@@ -1,7 +1,7 @@
 """Hang watchdog, on-demand stack dumps and anomaly-triggered captures (docs/hang.md).
 
-``install(session)`` wires them into a session at init (training thread, cheap): a progress
-board as ``tracker.progress``, the watchdog sidecar process, the SIGUSR1 stack dump, the
+``install(hub)`` wires them in through the session's hub at init (training thread, cheap): a
+progress board for the tracker, the watchdog sidecar process, the SIGUSR1 stack dump, the
 step-time spike detector and the capture manager. Heavy parts (torch.profiler, py-spy) load only
 when used.
 """
@@ -12,9 +12,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._files import read_json_private, read_private
 from .._log import logger
@@ -35,6 +34,9 @@ FR_FILE = "nccl_flight_recorder.rank"
 RUN_ENV = "STEPWATCH_RUN"  # set by `stepwatch run` for every process of the job
 SIDECAR_ENV = "STEPWATCH_SIDECAR"
 
+if TYPE_CHECKING:
+    from .._feature import Hub
+
 
 def _wanted(setting: str, ctx: Any) -> bool:
     """``auto``: on in a multi-rank job or under ``stepwatch run``; a lone process (a notebook, a
@@ -52,8 +54,8 @@ class Feature:
 
     name = "capture"
 
-    def __init__(self, session: Any) -> None:
-        self.session = session
+    def __init__(self, hub: "Hub") -> None:
+        self.hub = hub
         self.board: Any = None
         self.sidecar: subprocess.Popen | None = None
         self.ptrace_grant: str | None = None
@@ -79,18 +81,16 @@ class Feature:
     def start_board(self) -> None:
         from ..hooks import progress
 
-        ctx = self.session.ctx
+        ctx = self.hub.ctx
         for path in progress.clean_stale(ctx.run_dir):
             logger.info("removed the progress board %s of a trainer that was killed", path)
         self.board = progress.Board(progress.default_path(ctx.run_id, ctx.rank, ctx.run_dir), ctx.rank)
-        tr = self.session.tracker
-        if tr is not None:
-            tr.progress = self.board
+        self.hub.set_progress(self.board)
 
     def start_sidecar(self) -> None:
         from .._os.ptrace import find_pyspy
 
-        s, ctx, cfg = self.session, self.session.ctx, self.session.config
+        ctx, cfg = self.hub.ctx, self.hub.config
         exe = sys.executable
         if not exe or not os.path.basename(exe).startswith("python"):
             logger.warning("hang watchdog off: no Python executable to start the sidecar with (%r)", exe)
@@ -125,7 +125,7 @@ class Feature:
 
         if not supported():
             return
-        ctx = self.session.ctx
+        ctx = self.hub.ctx
         path = os.path.join(ctx.run_dir, f"sigusr1.rank{ctx.rank}.txt")
         sig = StackSignal(path)
         sig.install()
@@ -141,9 +141,9 @@ class Feature:
         from .profiler import CaptureManager
         from .triggers import StepTimeSpikeDetector
 
-        s, cfg = self.session, self.session.config
+        hub, cfg = self.hub, self.hub.config
         self.captures = CaptureManager(
-            s, steps=cfg.capture_steps, cooldown_s=cfg.capture_cooldown_s, max_count=cfg.capture_max,
+            hub, steps=cfg.capture_steps, cooldown_s=cfg.capture_cooldown_s, max_count=cfg.capture_max,
             budget_mb=cfg.capture_budget_mb, board=self.board if self.sidecar is not None else None,
             nsys=nsys.requested(),
         )
@@ -151,11 +151,11 @@ class Feature:
             took = self.captures.warm()
             logger.debug("captures: profiler warmed up in %.2f s", took)
         except Exception as e:  # no torch.profiler: no captures, the rest goes on
-            s._internal_error("capture.warm_up", e)
+            hub.report_error("capture.warm_up", e)
             self.captures = None
             return
-        s.detectors.append(StepTimeSpikeDetector(cfg.window, mads=cfg.spike_mads))
-        s.detectors.append(self.captures)
+        hub.add_detector(StepTimeSpikeDetector(cfg.window, mads=cfg.spike_mads))
+        hub.add_detector(self.captures)
 
     def on_step_end(self, ended: int) -> None:
         """tracker listener (training thread)."""
@@ -165,7 +165,7 @@ class Feature:
             if self.captures is not None:
                 self.captures.on_step_end(ended)
         except Exception as e:
-            self.session._internal_error("capture.step", e)
+            self.hub.report_error("capture.step", e)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -219,11 +219,9 @@ class Feature:
         when the trainer's pipeline still runs."""
         extra: list[Any] = []
         if self.captures is not None:
-            # The job's last pass (shutdown runs it on its own thread once the pipeline stopped):
-            # wait, bounded, for analyses still running.
-            s = self.session
-            final = s._stop.is_set() and threading.current_thread() is not getattr(s, "_thread", None)
-            extra = self.captures.collect_analyses(final)
+            # The job's last pass (shutdown runs it once the pipeline's thread stopped): wait,
+            # bounded, for analyses still running.
+            extra = self.captures.collect_analyses(self.hub.final_pass)
         samples, found = self._collect_watchdog()
         return samples, found + extra
 
@@ -238,7 +236,7 @@ class Feature:
             return [], []
         self._watch_t = now
         self._check_sidecar()
-        path = os.path.join(self.session.ctx.run_dir, f"findings.watchdog.rank{self.session.ctx.rank}.jsonl")
+        path = os.path.join(self.hub.ctx.run_dir, f"findings.watchdog.rank{self.hub.ctx.rank}.jsonl")
         try:
             if self._watch_off is None:
                 self._watch_off = os.path.getsize(path) if os.path.exists(path) else 0
@@ -261,12 +259,12 @@ class Feature:
         return [], out
 
     def on_findings(self, findings: list[Any]) -> None:
-        """Each background pass, with every finding of the pass (the session calls it)."""
+        """Each background pass, with every finding of the pass (the pipeline calls it)."""
         if self.captures is not None:
             self.captures.on_pass(findings)
 
     def status(self) -> dict[str, Any]:
-        run_dir = self.session.ctx.run_dir
+        run_dir = self.hub.ctx.run_dir
         methods: dict[str, Any] = {}
         try:
             names = sorted(n for n in os.listdir(run_dir) if n.startswith("watchdog.rank") and n.endswith(".json"))
@@ -338,11 +336,11 @@ def enable_flight_recorder(run_dir: str) -> str:
     return "; ".join(said)
 
 
-def install(session: Any) -> Feature | None:
-    """Wire the watchdog, SIGUSR1 dumps and captures into ``session`` (training thread, at init)."""
+def install(hub: "Hub") -> Feature | None:
+    """Wire the watchdog, SIGUSR1 dumps and captures in through ``hub`` (training thread, at init)."""
     if os.environ.get(SIDECAR_ENV) == "1":
         return None
-    cfg, ctx = session.config, session.ctx
+    cfg, ctx = hub.config, hub.ctx
     watchdog = _wanted(cfg.watchdog, ctx)
     capture = _wanted(cfg.capture, ctx)
     if not (watchdog or capture):
@@ -350,20 +348,19 @@ def install(session: Any) -> Feature | None:
     from .._files import make_private_dir
 
     make_private_dir(ctx.run_dir)
-    feat = Feature(session)
+    feat = Feature(hub)
     if watchdog:
         feat.flight_recorder = enable_flight_recorder(ctx.run_dir)
         feat.start_board()
         try:
             feat.start_signal()
         except Exception as e:
-            session._internal_error("capture.sigusr1", e)
+            hub.report_error("capture.sigusr1", e)
         try:
             feat.start_sidecar()
         except Exception as e:
-            session._internal_error("capture.watchdog", e)
-    if capture and session.tracker is not None:
+            hub.report_error("capture.watchdog", e)
+    if capture:
         feat.start_captures()
-    if session.tracker is not None:
-        session.tracker.listeners.append(feat.on_step_end)
-    return feat  # the session keeps it in features_started: stop() at shutdown, status() in run.json
+    hub.add_listener(feat.on_step_end)
+    return feat  # the session keeps it: stop() at shutdown, status() in run.json

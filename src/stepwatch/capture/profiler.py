@@ -9,7 +9,7 @@ Who does what:
   (``capture/req``, ``store.add``). Every other rank polls for the next key without blocking
   (``store.check``) each pass. The first step is the current step plus a lag long enough for
   every rank to read the key first (two seconds of steps, at least two steps).
-* Training thread (a ``tracker.listeners`` callback at each step end): starts the profiler at the
+* Training thread (a step-end listener, ``hub.add_listener``): starts the profiler at the
   boundary before the first step, marks each step (``stepwatch_step_<n>`` ranges), stops it after
   the N-th. A profiler started from another thread records none of the training thread's ops.
 * An export thread writes the Chrome trace JSON to ``<run_dir>/captures/`` (Perfetto opens it).
@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _store
 from .._files import private_subdir, private_tmp, read_json_private, write_json_private
@@ -51,6 +51,9 @@ from .._log import logger, warn_once
 from ..record import Finding, StepRecord
 from . import nsys as nsys_mod
 from .triggers import TRIGGER_KINDS
+
+if TYPE_CHECKING:
+    from .._feature import Hub
 
 # Seconds of steps between the decision and the first captured step: every rank must read the
 # store key first (one background pass is flush_interval_s, 0.25 s by default) and warm up.
@@ -77,11 +80,10 @@ class _Scheduled:
 class CaptureManager:
     name = "captures"
 
-    def __init__(self, session: Any, *, steps: int, cooldown_s: float, max_count: int, budget_mb: int,
+    def __init__(self, hub: "Hub", *, steps: int, cooldown_s: float, max_count: int, budget_mb: int,
                  board: Any = None, nsys: bool = False) -> None:
-        self.session = session
-        self.tracker = session.tracker
-        self.ctx = session.ctx
+        self.hub = hub
+        self.ctx = hub.ctx
         self.steps = steps
         self.cooldown_s = cooldown_s
         self.max_count = max_count
@@ -150,7 +152,7 @@ class CaptureManager:
         """Each background pass, with the findings of that pass."""
         reason = next((f.kind for f in findings if f.kind in TRIGGER_KINDS and f.rank == self.ctx.rank), None)
         store = self._get_store()
-        rank = self.session.ctx.rank
+        rank = self.ctx.rank
         if rank == 0 and (store is not None or self.ctx.world_size < 2 or self._store_state in ("single", "failed")):
             try:
                 self._take_request(store)
@@ -258,7 +260,7 @@ class CaptureManager:
         self._last_decision = now
         k = self._next_k
         self._next_k += 1
-        first = self.tracker.step + self._lag()
+        first = self.hub.step + self._lag()
         n = steps or self.steps
         if store is not None:
             store.set(self._key(str(k)), f"{first}:{n}:{reason}")
@@ -302,7 +304,7 @@ class CaptureManager:
             self._start(sc, ended + 1)
         except Exception as e:
             self.scheduled = None
-            self.session._internal_error("capture.profiler", e)
+            self.hub.report_error("capture.profiler", e)
 
     def _activities(self) -> list[Any]:
         import torch
@@ -412,12 +414,12 @@ class CaptureManager:
                 self.done.append(meta)
             logger.info("captures: rank %d steps %d-%d (%s) -> %s", r, a["first"], a["last"], sc.reason, trace)
         except Exception as e:
-            self.session._internal_error("capture.export", e)
+            self.hub.report_error("capture.export", e)
             return
         try:
             self._start_analysis(meta, os.path.join(self.dir, f"{stem}.analysis.json"))
         except Exception as e:
-            self.session._internal_error("capture.analysis", e)
+            self.hub.report_error("capture.analysis", e)
 
     # -- trace analysis (a process of its own) ---------------------------------------------------
 
@@ -482,7 +484,7 @@ class CaptureManager:
             try:
                 self._stop()
             except Exception as e:
-                self.session._internal_error("capture.stop", e)
+                self.hub.report_error("capture.stop", e)
         for th in self._exports:
             th.join(timeout_s)
 

@@ -1,15 +1,18 @@
 """Communication: AllReduce time and overlap with backward, bus bandwidth, stragglers (docs/comm.md).
 
-``install(session)`` wires everything into a session: a collector on the training thread (spans
-of DDP buckets and FSDP2 collectives), an enricher on the background thread (comm_s,
-allreduce_s, comm_exposed_s, overlap, algbw/busbw, comm_wait_s), and detectors (overlap, busbw,
-the cross-rank straggler exchange). Importing this package is cheap; torch loads at install.
+``install(hub)`` wires everything in through the session's hub (``_feature.py``): a collector
+on the training thread (spans of DDP buckets and FSDP2 collectives), an enricher on the
+background thread (comm_s, allreduce_s, comm_exposed_s, overlap, algbw/busbw, comm_wait_s), and
+detectors (overlap, busbw, the cross-rank straggler exchange). Importing this package is cheap; torch loads at install.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .._feature import Hub
 
 from .. import _store
 
@@ -47,17 +50,17 @@ class CommFeature:
 
     def collect(self, records: list[Any]) -> tuple[list[Any], list[Any]]:
         """Each background pass: NCCL's own warnings from the user's NCCL_DEBUG_FILE, if set."""
-        # Only on passes that carry records: the session opens its exporters with the first record,
+        # Only on passes that carry records: the pipeline opens its exporters with the first record,
         # and a finding of an earlier pass would have nowhere to go.
         if self.nccl_log is None or not records:
             return [], []
         return [], self.nccl_log.poll(records[-1].step)
 
 
-def install(session: Any) -> CommFeature | None:
-    """Register the comm collector, enricher and detectors on ``session``; None when off."""
-    cfg = session.config
-    if not getattr(cfg, "comm", True) or session.tracker is None:
+def install(hub: "Hub") -> CommFeature | None:
+    """Register the comm collector, enricher and detectors through ``hub``; None when off."""
+    cfg = hub.config
+    if not getattr(cfg, "comm", True):
         return None
     import torch.distributed as dist
 
@@ -73,24 +76,24 @@ def install(session: Any) -> CommFeature | None:
     from .spans import CommCollector
     from .stragglers import StragglerDetector
 
-    tracker = session.tracker
     feat = CommFeature()
-    feat.collector = CommCollector(progress_getter=lambda: getattr(tracker, "progress", None))
+    # The progress board (the capture feature may set it after this) is read when a collective starts.
+    feat.collector = CommCollector(progress_getter=lambda: hub.progress)
     feat.busbw = LowBusbwDetector(None)
     timeline = None
     if cfg.records:
         from .timeline import TimelineWriter
 
-        timeline = TimelineWriter(session.ctx.run_dir, cfg.window)
+        timeline = TimelineWriter(hub.ctx.run_dir, cfg.window)
     feat.enricher = CommEnricher(cfg.window, large_sink=_large_sink(feat.busbw), timeline=timeline)
-    feat.ddp = DDPCommHooks(feat.collector, session._internal_error)
-    feat.collectives = CollectivePatches(feat.collector, session._internal_error)
+    feat.ddp = DDPCommHooks(feat.collector, hub.report_error)
+    feat.collectives = CollectivePatches(feat.collector, hub.report_error)
     feat.ddp.install()
     feat.collectives.install()
-    tracker.collectors.append(feat.collector)
-    session.enrichers.append(feat.enricher)
+    hub.add_collector(feat.collector)
+    hub.add_enricher(feat.enricher)
     feat.overlap = OverlapDetector(cfg.window, cfg.overlap_threshold)
-    ctx = session.ctx
+    ctx = hub.ctx
     enricher = feat.enricher
 
     def on_floor(floor_s: float) -> None:
@@ -107,13 +110,14 @@ def install(session: Any) -> CommFeature | None:
         namespace=_store.namespace(ctx.run_id, getattr(ctx, "attempt", 0), "strag"),
         on_floor=on_floor,
     )
-    session.detectors.extend([feat.overlap, feat.busbw, feat.stragglers])
+    for det in (feat.overlap, feat.busbw, feat.stragglers):
+        hub.add_detector(det)
     from .nccl_log import NcclLogWatch
 
     # Read where the user sent NCCL's output; never set it for them (that would take NCCL's
     # messages out of their stderr).
     feat.nccl_log = NcclLogWatch.from_env(os.environ, rank=ctx.rank, host=ctx.host)
-    return feat  # the session keeps it in features_started and calls stop() at shutdown
+    return feat  # the session calls stop() at shutdown
 
 
 def _large_sink(det: Any) -> Any:

@@ -23,6 +23,9 @@ class Batch:
     findings: list[Finding] = field(default_factory=list)
     # Device telemetry samples (GPU health); plain dicts keyed by field name.
     samples: list[dict[str, Any]] = field(default_factory=list)
+    # Records and metric points dropped anywhere so far (the bounded queues, an exporter that
+    # could not deliver), as the pipeline counted them when it made this batch.
+    dropped: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.records or self.findings or self.samples)

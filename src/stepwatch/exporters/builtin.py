@@ -1,7 +1,7 @@
 """Which exporters a session starts from its config. The session calls :func:`exporter_specs`.
 
 Each exporter is one :class:`ExporterSpec`: a name and a ``build`` that makes it (or returns None
-when it cannot run here, after saying why). The session builds and runs each on its own (the
+when it cannot run here, after saying why). The pipeline builds and runs each on its own (the
 records file on its background thread, every other exporter on a thread of its own, see
 :mod:`stepwatch.exporters.worker`), so one that fails to start, or is slow, costs no other.
 Each built-in exporter is imported only when its feature is on, so an unused exporter costs
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class ExporterSpec:
     name: str
     build: Callable[[], Exporter | None]
-    #: Run on the session's background thread (the records file); else on a thread of its own.
+    #: Run on the pipeline's background thread (the records file); else on a thread of its own.
     inline: bool = False
 
 

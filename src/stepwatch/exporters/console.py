@@ -95,13 +95,13 @@ class ConsoleExporter(Exporter):
         self.window: deque[StepRecord] = deque(maxlen=config.window)
         self._last_print = clock()
         self.total_steps = 0
-        # Set by the session: records and metric points dropped anywhere (bounded queues, a
-        # collector that is down), shown on the line when not zero.
-        self.drops: Callable[[], int] | None = None
+        # Records and metric points dropped anywhere (bounded queues, a collector that is down),
+        # as the latest batch said; shown on the line when not zero.
+        self._drops = 0
 
     def _line(self) -> str:
         line = format_line(list(self.window), self.ctx.device)
-        n = self.drops() if self.drops is not None else 0
+        n = self._drops
         return line + (f" | {n:,} dropped" if n else "")
 
     def _write(self, line: str) -> None:
@@ -112,6 +112,7 @@ class ConsoleExporter(Exporter):
             pass
 
     def export(self, batch: Batch) -> None:
+        self._drops = max(self._drops, batch.dropped)
         self.window.extend(batch.records)
         self.total_steps += len(batch.records)
         for f in batch.findings:

@@ -26,6 +26,7 @@ from .base import Batch
 from .tracking import PREFIX, FindingGate, RowLimiter, TrackingExporter, finding_text, record_scalars
 
 if TYPE_CHECKING:
+    from .._feature import Hub
     from ..context import RunContext
 
 # MLflow's limit of metrics per log_batch call (mlflow/utils/validation.py MAX_METRICS_PER_BATCH).
@@ -196,11 +197,9 @@ class MlflowExporter(TrackingExporter):
         return {"run_seen": self.probe.run_at(None) is not None, "off": self.off}
 
 
-def install(session: Any) -> MlflowExporter | None:
+def install(hub: "Hub") -> MlflowExporter | None:
     """Training thread, at init: the exporter and its run probe among the step-end listeners, so
     the probe sees every step from the first. The session adds it to its exporters."""
-    if session.tracker is None:
-        return None
-    e = MlflowExporter(session.ctx)
-    session.tracker.listeners.append(e.probe.on_step_end)
+    e = MlflowExporter(hub.ctx)
+    hub.add_listener(e.probe.on_step_end)
     return e

@@ -1,6 +1,6 @@
 """One exporter on its own thread, fed through a bounded queue.
 
-The session writes the records file itself, on its background thread; every other exporter
+The pipeline writes the records file itself, on its background thread; every other exporter
 (console, OpenTelemetry, a user's sink) runs here, one thread each, so an exporter that is slow
 to import, slow to export or stuck in a collector's retries delays no other exporter and never the
 records file. It is built on its thread too, and a failure to start is counted under its own
@@ -55,7 +55,7 @@ class ExporterWorker:
         self._thread = threading.Thread(target=self._run, name=f"stepwatch-export-{name}", daemon=True)
         self._thread.start()
 
-    # -- the session's side (its background thread) -------------------------------------------
+    # -- the pipeline's side (its background thread) ------------------------------------------
 
     def submit(self, batch: Batch) -> None:
         """Queue ``batch``; never blocks. A batch that does not fit is dropped and counted."""

@@ -12,9 +12,13 @@ the phase identity still holds.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 from ..record import StepRecord
+
+if TYPE_CHECKING:
+    from .._feature import Hub
 
 # Phase codes as in phases.py (forward, backward, optimizer).
 FIELDS = {2: "forward_s", 3: "backward_s", 4: "optimizer_s"}
@@ -101,3 +105,31 @@ def install(tracker: Any, timer: Any, stream: Any) -> tuple[DeviceTiming, Device
     tracker.device = dev
     tracker.collectors.append(dev)
     return dev, DeviceTimingEnricher(timer)
+
+
+class DeviceTimingSwitch:
+    """Device timing's wiring (``Config.device_timing``): at the first step end, on the training
+    thread, if CUDA is in use by then, phases are timed on the device from the next step on.
+    ``backend`` names the timer; None while the host clock times them."""
+
+    def __init__(self, hub: "Hub") -> None:
+        self.hub = hub
+        self.backend: str | None = None
+        hub.add_listener(self.on_step_end)
+
+    def on_step_end(self, step: int) -> None:
+        hub = self.hub
+        try:
+            hub.remove_listener(self.on_step_end)
+            torch = sys.modules.get("torch")
+            if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+                return
+            from ..cuda_ext import get_timer
+
+            timer = get_timer("cuda", capacity=4096)
+            _, enricher = install(hub.tracker, timer, torch.cuda.current_stream().cuda_stream)
+            # First: device times replace the host phases before any other enricher reads them.
+            hub.add_enricher(enricher, first=True)
+            self.backend = getattr(timer, "name", "python")
+        except Exception as e:
+            hub.report_error("device_timing", e)

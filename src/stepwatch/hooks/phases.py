@@ -1,8 +1,8 @@
 """The step tracker: the training thread's side of stepwatch.
 
 Hooks call the tracker's ``*_begin``/``*_end`` methods; the tracker keeps a handful of integer
-accumulators (nanoseconds, host clock) and, when a step ends, hands one plain tuple to ``emit``
-(the bounded queue). It knows nothing of files, metrics or analysis.
+accumulators (nanoseconds, host clock) and, when a step ends, hands one :class:`~stepwatch.record.RawStep`
+to ``emit`` (the bounded queue). It knows nothing of files, metrics or analysis.
 
 Step boundaries. A step ends at the *last* ``optimizer.step()`` of an iteration: the end is only
 *pending* after an optimizer step, and becomes final when the next iteration's work starts (a
@@ -37,27 +37,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from ..record import RawStep
 from .nvtx import Nvtx
 
 _now = time.perf_counter_ns
-
-# Field order of the raw tuple handed to ``emit`` (decoded by the session's pipeline).
-RAW_FIELDS = (
-    "step",
-    "t_end_ns",
-    "step_ns",
-    "data_ns",
-    "forward_ns",
-    "backward_ns",
-    "optimizer_ns",
-    "eval_ns",
-    "checkpoint_ns",
-    "phases",
-    "scalars",
-    "skipped",
-    "mem_peak_bytes",
-    "extras",
-)
 
 # Phase codes published to a progress board (the hang watchdog reads them from another process).
 PHASE_OTHER, PHASE_DATA, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_EVAL, PHASE_CHECKPOINT = range(7)
@@ -80,7 +63,7 @@ class StepTracker:
 
     def __init__(
         self,
-        emit: Callable[[tuple], None],
+        emit: Callable[[RawStep], None],
         *,
         step_offset: int = 0,
         nvtx: Nvtx | None = None,
@@ -224,7 +207,7 @@ class StepTracker:
         for c in self.collectors:
             extras[c.name] = c.take()
         self._emit(
-            (
+            RawStep(
                 self.step,
                 t_end,
                 step_ns,
@@ -593,10 +576,10 @@ class StepTracker:
             self._fail("flush", e)
 
     def _emit_tail(self, t_end: int) -> None:
-        extras: dict[str, Any] = {"tail": True}
+        extras: dict[str, Any] = {}
         if self._ckpt:
             extras["checkpoint_bytes"] = self._ckpt_bytes
-        self._emit((self.step, t_end, 0, 0, 0, 0, 0, self._eval, self._ckpt, {}, self._scalars, False, None, extras))
+        self._emit(RawStep(self.step, t_end, 0, 0, 0, 0, 0, self._eval, self._ckpt, {}, self._scalars, False, None, extras, True))
         self._reset_step()
 
     def exclude(self, ns: int) -> None:

@@ -22,4 +22,4 @@ def ensure_session(config: dict[str, Any] | None) -> Any:
 def internal_error(session: Any, where: str, exc: BaseException) -> None:
     """An adapter never raises into the training loop: count, log once, finding (session's rule)."""
     if session is not None:
-        session._internal_error(f"integrations.{where}", exc)
+        session.report_error(f"integrations.{where}", exc)

@@ -20,13 +20,16 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..record import Finding, StepRecord
 from .detect import FragmentationDetector, MemoryGrowthDetector, NearLimitDetector, MiB
 from .host import HostLimit, parent_pid, smaps_rollup
 from .oom import OomForensics, is_oom
 from .probe import MemoryProbe
+
+if TYPE_CHECKING:
+    from .._feature import Hub
 
 # Background samples (workers' smaps_rollup, limit, device free) at most this often, seconds.
 SAMPLE_EVERY_S = 1.0
@@ -37,10 +40,10 @@ LAST_RECORDS = 64
 class MemoryFeature:
     name = "memory"
 
-    def __init__(self, session: Any) -> None:
-        cfg = session.config
-        self.session = session
-        self._err = getattr(session, "report_error", None) or session._internal_error
+    def __init__(self, hub: "Hub") -> None:
+        cfg = hub.config
+        self.hub = hub
+        self._err = hub.report_error
         self.probe = MemoryProbe(cfg.memory_every, reset_peak=cfg.memory_peak_reset, on_error=self._err)
         self.limit = HostLimit()
         self.history_mode = cfg.memory_history
@@ -58,17 +61,14 @@ class MemoryFeature:
         self._oom_findings: list[Finding] = []
         self._oom_lock = threading.Lock()
         self._seen_exc: collections.deque[int] = collections.deque(maxlen=8)
-        self.oom = OomForensics(session.ctx.run_dir, session.ctx.rank, records=self._last_dicts,
+        self.oom = OomForensics(hub.ctx.run_dir, hub.ctx.rank, records=self._last_dicts,
                                 host=self._host_now, cuda_device=lambda: self.probe.device)
-        tr = session.tracker
-        tr.collectors.append(self.probe)
-        session.enrichers.append(self)
-        session.detectors += [
-            MemoryGrowthDetector(cfg.memory_growth_window, cfg.memory_growth_mib * MiB, headroom=self._headroom),
-            FragmentationDetector(cfg.window),
-            NearLimitDetector(cfg.window, host=self._host_sample),
-        ]
-        session.instrumentation.exception_observers.append(self._on_exception)
+        hub.add_collector(self.probe)
+        hub.add_enricher(self)
+        hub.add_detector(MemoryGrowthDetector(cfg.memory_growth_window, cfg.memory_growth_mib * MiB, headroom=self._headroom))
+        hub.add_detector(FragmentationDetector(cfg.window))
+        hub.add_detector(NearLimitDetector(cfg.window, host=self._host_sample))
+        hub.add_exception_observer(self._on_exception)
         self._prev_hook = sys.excepthook
         sys.excepthook = self._excepthook
         self._patched: tuple[Any, Any] | None = None
@@ -98,7 +98,7 @@ class MemoryFeature:
             return
         self._seen_exc.append(id(exc))
         try:
-            f = self.oom.handle(exc, phase=phase, step=self.session.tracker.step)
+            f = self.oom.handle(exc, phase=phase, step=self.hub.step)
             with self._oom_lock:
                 self._oom_findings.append(f)
         except Exception as e:
@@ -109,8 +109,8 @@ class MemoryFeature:
         # down, in the phase the tracker was in; then the previous hook prints it as before.
         try:
             # (a forked child inherits the hook: the parent's session is not its to write for)
-            if v is not None and self.session.tracker is not None and os.getpid() == self.session.pid:
-                self._on_exception(self.session.tracker.phase_now(), v)
+            if v is not None and os.getpid() == self.hub.pid:
+                self._on_exception(self.hub.phase_now(), v)
         except Exception as e:
             self._err("memory.excepthook", e)
         self._prev_hook(t, v, tb)
@@ -223,7 +223,7 @@ class MemoryFeature:
     def on_findings(self, findings: list[Finding]) -> None:
         if self.history_mode != "auto" or self.history_on or self.probe.device is None:
             return
-        if any(f.kind in ("memory_growth", "memory_near_limit") and f.rank == self.session.ctx.rank for f in findings):
+        if any(f.kind in ("memory_growth", "memory_near_limit") and f.rank == self.hub.ctx.rank for f in findings):
             self._history(True)
 
     def stop(self) -> None:
@@ -233,9 +233,7 @@ class MemoryFeature:
             cls, orig = self._patched
             cls.__init__ = orig
             self._patched = None
-        obs = self.session.instrumentation.exception_observers
-        if self._on_exception in obs:
-            obs.remove(self._on_exception)
+        self.hub.remove_exception_observer(self._on_exception)
         if self.history_on:
             try:
                 self._history(False)
@@ -258,7 +256,5 @@ class MemoryFeature:
         }
 
 
-def install(session: Any) -> MemoryFeature | None:
-    if session.tracker is None or session.instrumentation is None:
-        return None
-    return MemoryFeature(session)
+def install(hub: "Hub") -> MemoryFeature:
+    return MemoryFeature(hub)

@@ -15,41 +15,42 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _store
 from ..record import Finding, StepRecord
+
+if TYPE_CHECKING:
+    from .._feature import Hub
 
 
 class TrainingMetrics:
     name = "training_metrics"
 
-    def __init__(self, session: Any) -> None:
+    def __init__(self, hub: "Hub") -> None:
         from .grads import GradNormCollector, GradNormEnricher, GradNormSpikeDetector
         from .tokens import ThroughputCollector
         from .lowmfu import LowMfuDetector
         from .peaks import MfuDropDetector, MfuEnricher, PeakResolver
 
-        cfg = session.config
-        self.session = session
+        cfg = hub.config
+        self.hub = hub
         self.resolver = PeakResolver(cfg.peak_tflops)
         self.grads = GradNormCollector(every=cfg.grad_norm_every).install()
         self.throughput = ThroughputCollector(flops=cfg.flops)
         self.mfu = MfuEnricher(None)
         self.device: str | None = None
         self._lint_done = False
-        tr = session.tracker
-        tr.collectors += [self.grads, self.throughput]
-        tr.listeners.append(self._first_step)
-        session.enrichers += [self.mfu, GradNormEnricher(self._exchange)]
-        session.detectors += [
-            GradNormSpikeDetector(cfg.grad_norm_spike_abs, cfg.grad_norm_spike_factor, cfg.grad_norm_window),
-            MfuDropDetector(cfg.mfu_drop_points, cfg.mfu_drop_window_s),
-            LowMfuDetector(cfg.low_mfu, cfg.window, captures_dir=os.path.join(session.ctx.run_dir, "captures")),
-        ]
-        inst = session.instrumentation
-        inst.forward_observers.append(self._on_forward)
-        inst.optimizer_observers.append(self.grads.on_optimizer_step)
+        hub.add_collector(self.grads)
+        hub.add_collector(self.throughput)
+        hub.add_listener(self._first_step)
+        hub.add_enricher(self.mfu)
+        hub.add_enricher(GradNormEnricher(self._exchange))
+        hub.add_detector(GradNormSpikeDetector(cfg.grad_norm_spike_abs, cfg.grad_norm_spike_factor, cfg.grad_norm_window))
+        hub.add_detector(MfuDropDetector(cfg.mfu_drop_points, cfg.mfu_drop_window_s))
+        hub.add_detector(LowMfuDetector(cfg.low_mfu, cfg.window, captures_dir=os.path.join(hub.ctx.run_dir, "captures")))
+        hub.add_forward_observer(self._on_forward)
+        hub.add_optimizer_observer(self.grads.on_optimizer_step)
 
     # -- training thread --------------------------------------------------------------------------
 
@@ -61,19 +62,18 @@ class TrainingMetrics:
         # Only a cache miss (a one-off FLOP count on fake tensors) is stepwatch's own time, kept
         # out of the step; the lookup on every other forward is part of the step like any hook.
         if cache.misses != misses:
-            self.session.tracker.exclude(time.perf_counter_ns() - t0)
+            self.hub.exclude(time.perf_counter_ns() - t0)
 
     def _first_step(self, step: int) -> None:
         """The device is known once training ran a step; ask for its name here, on the training
         thread (never creating a CUDA context: only when CUDA is already initialized)."""
-        tr = self.session.tracker
-        tr.listeners.remove(self._first_step)
+        self.hub.remove_listener(self._first_step)
         torch = sys.modules.get("torch")
         name = None
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             name = torch.cuda.get_device_name(torch.cuda.current_device())
         self.device = name or "cpu"
-        self.session.ctx.device = self.device
+        self.hub.set_device(self.device)
         self.mfu.peaks = self.resolver.peaks(name)
 
     # -- background thread -------------------------------------------------------------------------
@@ -85,7 +85,7 @@ class TrainingMetrics:
         from .grads import StoreNormExchange
 
         return StoreNormExchange(_store.default_store(), rank, world,
-                                 prefix=_store.namespace(self.session.ctx.run_id, "gradnorm"))
+                                 prefix=_store.namespace(self.hub.ctx.run_id, "gradnorm"))
 
     def collect(self, records: list[StepRecord]) -> tuple[list[dict[str, Any]], list[Finding]]:
         findings: list[Finding] = []
@@ -93,7 +93,7 @@ class TrainingMetrics:
             self._lint_done = True
             from .flops import alignment_finding
 
-            f = alignment_finding(self.throughput.first_count, rank=self.session.ctx.rank,
+            f = alignment_finding(self.throughput.first_count, rank=self.hub.ctx.rank,
                                   step=records[0].step if records else None)
             if f is not None:
                 findings.append(f)
@@ -107,7 +107,5 @@ class TrainingMetrics:
         return {"device": self.device, "peak_tflops": peaks if not isinstance(peaks, dict) else dict(peaks)}
 
 
-def install(session: Any) -> TrainingMetrics | None:
-    if session.tracker is None or session.instrumentation is None:
-        return None
-    return TrainingMetrics(session)
+def install(hub: "Hub") -> TrainingMetrics:
+    return TrainingMetrics(hub)

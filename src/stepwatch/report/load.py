@@ -134,7 +134,7 @@ def _read_json(path: str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-# The manifest's fields and their types (session.py writes them); a field of another type is
+# The manifest's fields and their types (_manifest.py writes them); a field of another type is
 # dropped with a note instead of breaking the report.
 _NUM, _TIME = (int, float), (int, float, type(None))
 _MANIFEST_TYPES: dict[str, tuple[tuple[type, ...], str]] = {

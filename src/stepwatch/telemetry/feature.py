@@ -3,9 +3,12 @@ samples to the exporters, summarise them into each record's ``gpu`` object, and 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..record import Finding, StepRecord
+
+if TYPE_CHECKING:
+    from .._feature import Hub
 
 
 class TelemetryFeature:
@@ -27,12 +30,12 @@ class TelemetryFeature:
         return dict(self.source.status)
 
 
-def install(session: Any) -> TelemetryFeature | None:
+def install(hub: "Hub") -> TelemetryFeature | None:
     """Called on the training thread at init (CUDA's current device is per thread)."""
     from .nvml import current_cuda_uuid
     from .source import TelemetrySource
 
-    cfg = session.config
-    src = TelemetrySource.from_config(cfg, session.ctx, device=cfg.gpu_device or current_cuda_uuid())
+    cfg = hub.config
+    src = TelemetrySource.from_config(cfg, hub.ctx, device=cfg.gpu_device or current_cuda_uuid())
     src.start()
     return TelemetryFeature(src)

@@ -1,0 +1,183 @@
+"""The feature contract: what a feature is, and the one hub it plugs in through.
+
+A feature package (``metrics/``, ``comm/``, ``telemetry/``, ``memory/``, ``capture/``, a sink
+such as ``exporters/mlflow.py``) exposes ``install(hub: Hub) -> Feature | None``, called once on
+the training thread at init, each in its own guard (one that raises is reported and left off).
+It registers what it measures on the hot path and what it does per record off it through the
+:class:`Hub`, and returns what the session keeps until shutdown (None: nothing to keep, e.g. off
+here). It touches nothing else of the session.
+
+Threads. ``add_collector``, the listeners and the observers run on the training thread (cheap,
+never raising: a failure is reported and the hook is dropped); enrichers, detectors and a
+feature's ``collect``/``on_findings`` run on the pipeline's thread (:mod:`stepwatch.pipeline`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+from .record import Finding, StepRecord
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .context import RunContext
+    from .hooks.install import Instrumentation
+    from .hooks.phases import Collector, StepTracker
+    from .pipeline import Pipeline
+
+
+@runtime_checkable
+class Feature(Protocol):
+    """What ``install`` returns.
+
+    * ``name``: the feature's key in run.json's ``features``.
+    * ``stop()``: at shutdown, after the final pass, while the exporters flush; undo patches,
+      stop threads and processes. Must not block for long.
+    * ``status() -> dict | bool``: what run.json's ``features[name]`` says (an omitted ``status``
+      reads as ``True``).
+
+    Optional, looked up by name on the pipeline's thread once per pass:
+
+    * ``collect(records) -> (samples, findings)``: every pass, with the records of the pass (maybe
+      none): telemetry samples for the exporters and findings of its own.
+    * ``on_findings(findings)``: every pass, with every finding of the pass after rate limiting
+      (captures act on them).
+
+    A feature that is also an :class:`~stepwatch.exporters.base.Exporter` joins the exporters.
+    """
+
+    name: str
+
+    def stop(self) -> None: ...
+
+    def status(self) -> dict[str, Any] | bool: ...
+
+
+class Collects(Protocol):
+    def collect(self, records: list[StepRecord]) -> tuple[list[dict[str, Any]], list[Finding]]: ...
+
+
+class ActsOnFindings(Protocol):
+    def on_findings(self, findings: list[Finding]) -> None: ...
+
+
+class Hub:
+    """Handed to every feature's ``install``: the session's extension points, and nothing more."""
+
+    def __init__(
+        self,
+        *,
+        config: "Config",
+        ctx: "RunContext",
+        tracker: "StepTracker",
+        instrumentation: "Instrumentation",
+        pipeline: "Pipeline",
+        pid: int,
+    ) -> None:
+        self._config = config
+        self._ctx = ctx
+        self._tracker = tracker
+        self._inst = instrumentation
+        self._pipeline = pipeline
+        self._pid = pid
+
+    # -- what a feature reads ----------------------------------------------------------------------
+
+    @property
+    def config(self) -> "Config":
+        return self._config
+
+    @property
+    def ctx(self) -> "RunContext":
+        """Rank, world size, run id and run directory (rank and world size are refreshed from
+        torch.distributed when the exporters open)."""
+        return self._ctx
+
+    @property
+    def pid(self) -> int:
+        """The process the session started in (a forked child is not it)."""
+        return self._pid
+
+    @property
+    def step(self) -> int:
+        """The training thread's step number now."""
+        return self._tracker.step
+
+    def phase_now(self) -> str:
+        """The phase the training thread is in (see ``StepTracker.phase_now``)."""
+        return self._tracker.phase_now()
+
+    @property
+    def final_pass(self) -> bool:
+        """True while shutdown's last pipeline pass runs (a feature may wait there, bounded)."""
+        return self._pipeline.final_pass
+
+    @property
+    def tracker(self) -> "StepTracker":
+        """The step tracker itself, for what has no method here; prefer the methods."""
+        return self._tracker
+
+    # -- training thread ---------------------------------------------------------------------------
+
+    def add_collector(self, collector: "Collector") -> None:
+        """``take()`` at every step end; its value lands in the step's ``extras[collector.name]``."""
+        self._tracker.collectors.append(collector)
+
+    def add_listener(self, fn: Callable[[int], None]) -> None:
+        """``fn(step)`` at every step end, with the number of the step that ended."""
+        self._tracker.listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[int], None]) -> None:
+        """Safe from inside the listener itself (a one-shot listener)."""
+        if fn in self._tracker.listeners:
+            self._tracker.listeners.remove(fn)
+
+    def add_forward_observer(self, fn: Callable[[Any, Any, Any], None]) -> None:
+        """``fn(module, args, kwargs)`` for each root module's forward, before the phase opens."""
+        self._inst.forward_observers.append(fn)
+
+    def add_optimizer_observer(self, fn: Callable[[Any], None]) -> None:
+        """``fn(optimizer)`` for each optimizer step, before the phase opens."""
+        self._inst.optimizer_observers.append(fn)
+
+    def add_exception_observer(self, fn: Callable[[str, BaseException], None]) -> None:
+        """``fn(phase, exc)`` for an exception passing through a hooked phase, before it goes on."""
+        self._inst.exception_observers.append(fn)
+
+    def remove_exception_observer(self, fn: Callable[[str, BaseException], None]) -> None:
+        if fn in self._inst.exception_observers:
+            self._inst.exception_observers.remove(fn)
+
+    @property
+    def progress(self) -> Any:
+        """The progress board, or None (no hang watchdog)."""
+        return self._tracker.progress
+
+    def set_progress(self, board: Any) -> None:
+        """A progress board (``set_phase(code)``, ``set_step(n)``) the hang watchdog reads."""
+        self._tracker.progress = board
+
+    def exclude(self, ns: int) -> None:
+        """Time stepwatch itself spent inside the step (a one-off count): kept out of ``step_s``."""
+        self._tracker.exclude(ns)
+
+    def set_device(self, name: str | None) -> None:
+        """The accelerator's name, once known (``ctx.device``: the console and run.json show it)."""
+        self._ctx.device = name
+
+    # -- pipeline thread ---------------------------------------------------------------------------
+
+    def add_enricher(self, enricher: Any, *, first: bool = False) -> None:
+        """``enrich(record, extras, *, force) -> bool``; see :meth:`Pipeline.add_enricher`."""
+        self._pipeline.add_enricher(enricher, first=first)
+
+    def add_detector(self, detector: Any) -> None:
+        """``observe(record) -> list[Finding]``, every record in order."""
+        self._pipeline.add_detector(detector)
+
+    # -- any thread --------------------------------------------------------------------------------
+
+    def report_error(self, where: str, exc: BaseException) -> None:
+        """An internal failure: counted in run.json, logged once, an ``internal_error`` finding.
+        The caller disables what failed."""
+        self._pipeline.report_error(where, exc)

@@ -1,0 +1,120 @@
+"""The run directory's manifests: every rank writes ``rank<R>.json`` (who it is), rank 0 also
+``run.json`` (the run: hosts from every rank's file, versions, config, features, exporters, what
+was dropped, logged values that became null, internal errors). ``report/load.py`` reads them.
+
+Written at the first pass that opens the exporters and again at shutdown (``end_time`` set); a
+relaunch in the same directory gets ``rank<R>.<K>.json`` / ``run.<K>.json`` beside the first.
+Files only through :mod:`stepwatch._files`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._files import make_private_dir, read_json_private, write_json_private
+from ._log import logger
+from ._version import __version__
+from .config import Config
+from .context import RunContext
+from .exporters.records import claim_name
+from .record import SCHEMA_VERSION
+
+
+@dataclass
+class RunFacts:
+    """What the session knows at the moment of writing (run.json's fields beyond who and when)."""
+
+    features: dict[str, Any] = field(default_factory=dict)
+    exporters: list[str] = field(default_factory=list)
+    steps: int = 0
+    dropped_records: int = 0
+    exporter_drops: dict[str, dict[str, Any]] = field(default_factory=dict)
+    null_scalars: dict[str, int] = field(default_factory=dict)
+    internal_errors: dict[str, int] = field(default_factory=dict)
+
+
+class Manifest:
+    def __init__(self, config: Config, ctx: RunContext, *, pid: int, start_time: float) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.pid = pid
+        self.start_time = start_time
+        self._rank_path: str | None = None
+        self._run_path: str | None = None
+
+    def write(self, facts: RunFacts, *, final: bool) -> None:
+        """Never raises for a file that cannot be written: one warning, the job goes on."""
+        if not self.config.records:
+            return
+        ctx = self.ctx
+        try:
+            make_private_dir(ctx.run_dir)
+            me = {
+                "rank": ctx.rank,
+                "local_rank": ctx.local_rank,
+                "host": ctx.host,
+                "pid": self.pid,
+                "attempt": ctx.attempt,
+                "start_time": self.start_time,
+            }
+            if self._rank_path is None:
+                # rank<R>.<K>.json beside the first launch's: a relaunch or a second job in the
+                # same directory keeps the other's file (the report tells them apart)
+                self._rank_path = claim_name(ctx.run_dir, f"rank{ctx.rank}", "json")
+            write_json_private(self._rank_path, me)
+            if ctx.rank != 0:
+                return
+            manifest = {
+                "schema_version": SCHEMA_VERSION,
+                "run_id": ctx.run_id,
+                "argv": list(sys.argv),
+                "versions": versions(),
+                "world_size": ctx.world_size,
+                "hosts": sorted({ctx.host} | set(hosts_in(ctx.run_dir))),
+                "attempt": ctx.attempt,
+                "start_time": self.start_time,
+                "end_time": time.time() if final else None,
+                "config": self.config.as_manifest(),
+                "features": facts.features,
+                "exporters": facts.exporters,
+                "steps": facts.steps,
+                "dropped_records": facts.dropped_records,
+                "exporter_drops": facts.exporter_drops,
+                "null_scalars": dict(facts.null_scalars),
+                "internal_errors": dict(facts.internal_errors),
+            }
+            if self._run_path is None:
+                self._run_path = claim_name(ctx.run_dir, "run", "json")
+            write_json_private(self._run_path, manifest)
+        except OSError as e:
+            logger.warning("cannot write the manifest in %s: %s", ctx.run_dir, e)
+
+
+def hosts_in(run_dir: str) -> list[str]:
+    """The hosts named by the rank files in ``run_dir`` (one unreadable file is skipped)."""
+    out = []
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return out
+    for n in names:
+        if n.startswith("rank") and n.endswith(".json"):
+            try:
+                out.append(read_json_private(os.path.join(run_dir, n))["host"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+def versions() -> dict[str, str]:
+    torch = sys.modules.get("torch")
+    return {
+        "stepwatch": __version__,
+        "torch": getattr(torch, "__version__", "not imported"),
+        "python": platform.python_version(),
+    }

@@ -1,0 +1,428 @@
+"""The background pipeline: raw steps in, batches out, on one thread ("stepwatch-pipeline").
+
+Each pass (every ``flush_interval_s``, at once for the first step, and a final one at shutdown):
+
+  queue (bounded; the training thread's :meth:`Pipeline.enqueue`) -> decode each
+  :class:`~stepwatch.record.RawStep` -> hold records in order until their device-side values are in
+  (logged CUDA scalars, enrichers waiting on events; at most ``_MAX_HOLD_S``) -> enrich -> detect
+  -> features' ``collect`` -> rate-limit (:mod:`stepwatch.analysis.ratelimit`) -> features'
+  ``on_findings`` -> export: the records file on this thread, every other exporter through its own
+  :class:`~stepwatch.exporters.worker.ExporterWorker`.
+
+It knows nothing of the session or of any feature: it is given its stages, the features to call
+and how to make its sinks, and runs without a Session (``tests/unit/test_pipeline.py``). A stage
+that raises is reported (counted, logged once, an ``internal_error`` finding), left out from then
+on where it is a stage of its own, and costs no other stage.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+from ._log import FailureLog, logger
+from .analysis.kinds import make_finding
+from .analysis.ratelimit import FindingLimiter
+from .context import RunContext
+from .cuda_ext import copy_to_host, event_done
+from .exporters.base import Batch, Exporter
+from .exporters.builtin import ExporterSpec
+from .exporters.worker import ExporterWorker
+from .record import Finding, RawStep, StepRecord
+
+# How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
+_MAX_HOLD_S = 30.0
+# Shutdown's time for the final pass and every exporter's flush (in parallel): a collector that is
+# down or a slow sink delays the job's exit by at most this (2 s with the rest of shutdown); what
+# is left is counted in run.json.
+SHUTDOWN_TIMEOUT_S = 1.5
+# Distinct scalar names counted in run.json's ``null_scalars`` (the rest under "<other>").
+_MAX_NULL_NAMES = 64
+
+
+class Pending:
+    """A scalar the training thread logged as a CUDA tensor: copied to host without blocking,
+    read by the background thread once its event says the copy is done."""
+
+    __slots__ = ("host", "event", "device")
+
+    def __init__(self, host: Any, event: Any, device: int) -> None:
+        self.host = host
+        self.event = event
+        self.device = device
+
+
+def to_float(v: Any) -> float | None:
+    try:
+        if hasattr(v, "numel"):
+            if v.numel() != 1:
+                return None
+            v = v.detach()
+        return float(v)
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # OverflowError: 10**400
+        return None
+
+
+def loggable(v: Any) -> Any:
+    """Training thread: a value given to ``stepwatch.log`` as the pipeline takes it. A CUDA tensor
+    is copied to host without blocking and read once its event completes (:class:`Pending`); a
+    CPU tensor is plain memory, read now (a later in-place update cannot change what was logged,
+    and no graph is kept); anything else as it is (converted, or counted as null, off the hot path)."""
+    if hasattr(v, "detach") and hasattr(v, "is_cuda"):
+        if not v.is_cuda:
+            return to_float(v)
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            # inside a CUDA graph capture the copy would be a graph node and the host value the
+            # capture's, not a replay's: unknown instead
+            return None
+        return Pending(*copy_to_host(v.detach()))
+    return v
+
+
+class Pipeline:
+    """``ctx`` gives each record its rank (read when the record is decoded). ``sinks()`` makes the
+    exporters' specs, called once, on the pipeline's thread, at the first pass with anything to
+    export; ``on_open()`` runs right after (the session writes its manifest there). ``features``
+    is a list the caller may keep appending to: each item's optional ``collect(records) ->
+    (samples, findings)`` and ``on_findings(findings)`` run every pass. ``step_of()`` says the
+    training thread's step for an internal-error finding. The defaults are :class:`Config`'s."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        *,
+        queue_size: int = 4096,
+        flush_interval_s: float = 0.25,
+        window: int = 50,
+        repeat_windows: int = 20,
+        detectors: Iterable[Any] = (),
+        features: list[Any] | None = None,
+        sinks: Callable[[], list[ExporterSpec]] | None = None,
+        on_open: Callable[[], None] | None = None,
+        step_of: Callable[[], int | None] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.failures = FailureLog()
+        self.dropped = 0  # records lost on the bounded queue, or that could not be decoded
+        self.steps_seen = 0
+        # Logged values that became null (not a number, or too big for a float), per name.
+        self.null_scalars: dict[str, int] = {}
+        self.enrichers: list[Any] = []
+        self.detectors: list[Any] = list(detectors)
+        self.features: list[Any] = features if features is not None else []
+        # Every finding of every kind passes here before anything acts on it (analysis/ratelimit.py).
+        self.limiter = FindingLimiter(window, repeat_windows)
+        self.exporter_names: list[str] = []
+        self.workers: list[ExporterWorker] = []
+        self.final_pass = False  # True while shutdown's last pass runs (a feature may wait, bounded)
+        self.perf_ref_ns = time.perf_counter_ns()
+        self.wall_ref = time.time()
+        self._records: Exporter | None = None
+        self._sinks = sinks
+        self._on_open = on_open
+        self._step_of = step_of
+        self._queue: collections.deque[RawStep] = collections.deque()
+        self._cap = queue_size
+        self._interval = flush_interval_s
+        self._held: list[list[Any]] = []  # [since, record, extras, enrichers done with it]
+        self._new_enrichers: list[tuple[Any, bool]] = []  # from any thread; taken in by the pass
+        self._internal_findings: list[Finding] = []
+        self._opened = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # the first record: open the exporters now, not at a pass
+        self._thread: threading.Thread | None = None
+
+    # -- stages ---------------------------------------------------------------------------------
+
+    def add_enricher(self, enricher: Any, *, first: bool = False) -> None:
+        """``enrich(record, extras, *, force) -> bool`` fills fields from the step's extras and
+        returns False while it still waits on the device (``force``: give up, use None). Safe from
+        any thread: taken in at the next pass; ``first`` puts it before the others (device times
+        replace the host phases before anything reads them)."""
+        self._new_enrichers.append((enricher, first))
+
+    def add_detector(self, detector: Any) -> None:
+        """``observe(record) -> list[Finding]``, every record in order."""
+        self.detectors.append(detector)
+
+    def report_error(self, where: str, exc: BaseException) -> None:
+        """Count, log once, and (the first time for ``where``) an ``internal_error`` finding in
+        the next pass. Never raises."""
+        try:
+            if not self.failures.record(where, exc):
+                return
+            step = self._step_of() if self._step_of is not None else None
+            self._internal_findings.append(
+                make_finding(
+                    "internal_error",
+                    rank=self.ctx.rank,
+                    step=step,
+                    summary=f"{where} failed ({type(exc).__name__}: {exc}) and was disabled",
+                    data={"where": where, "error": f"{type(exc).__name__}: {exc}", "subject": where},
+                )
+            )
+        except Exception:  # noqa: BLE001 - already counted and logged above; reporting must not raise
+            pass
+
+    # -- training thread ------------------------------------------------------------------------
+
+    def enqueue(self, raw: RawStep) -> None:
+        if len(self._queue) < self._cap:
+            self._queue.append(raw)
+            if not self._opened:
+                self._wake.set()
+        else:
+            self.dropped += 1
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="stepwatch-pipeline", daemon=True)
+        self._thread.start()
+
+    def stop_thread(self, timeout_s: float | None = None) -> bool:
+        """Stop the background thread (passes are then driven by :meth:`run_pass` or shutdown);
+        True once it has ended."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def shutdown(
+        self, timeout_s: float = SHUTDOWN_TIMEOUT_S, *, deadline: float | None = None,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
+        """The final pass, then every exporter flushed and shut down, all within ``timeout_s``
+        (by ``deadline``, ``time.monotonic()``, when the caller's shutdown began earlier).
+        ``meanwhile`` runs while the exporters' threads flush (the features' stop). A pass stuck
+        past the deadline leaves its records counted as dropped."""
+        if deadline is None:
+            deadline = time.monotonic() + timeout_s
+        if self.stop_thread(max(deadline - time.monotonic(), 0.0)):
+            self.final_pass = True
+            try:
+                self.run_pass(final=True)
+            finally:
+                self.final_pass = False
+        else:  # the pipeline is stuck in a pass: what it has not taken is lost, and counted
+            lost = len(self._queue) + len(self._held)
+            self.dropped += lost
+            logger.warning("stepwatch: the background pass did not end in %.1f s; %d records not written", timeout_s, lost)
+        for w in self.workers:  # they flush in parallel while ``meanwhile`` runs
+            w.close(deadline)
+        if meanwhile is not None:
+            meanwhile()
+        if self._records is not None:
+            try:
+                self._records.shutdown()
+            except Exception as exc:
+                self.report_error("exporter.records", exc)
+        for w in self.workers:
+            if not w.join(deadline):
+                logger.warning(
+                    "stepwatch: exporter %s did not finish within the %.1f s of shutdown; what it still held is "
+                    "counted in run.json's exporter_drops", w.name, timeout_s,
+                )
+
+    # -- exporters ------------------------------------------------------------------------------
+
+    @property
+    def exporters(self) -> list[Exporter]:
+        """The exporters running now (one still starting on its thread is not listed yet)."""
+        out = [self._records] if self._records is not None else []
+        return out + [w.exporter for w in self.workers if w.exporter is not None]
+
+    def total_dropped(self) -> int:
+        """Records dropped on the bounded queue or by an exporter's queue, plus what exporters
+        dropped themselves (e.g. OTLP down)."""
+        n = self.dropped + sum(w.total_dropped() for w in self.workers)
+        for e in self.exporters:
+            fn = getattr(e, "dropped", None)
+            if callable(fn):
+                try:
+                    n += int(fn())
+                except Exception:  # an exporter's counter must not break the batch
+                    continue
+        return n
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every exporter has taken what it was given (tests drive passes by hand)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if all(w.idle() for w in self.workers):
+                return True
+            time.sleep(0.005)
+        return False
+
+    def _open_exporters(self) -> None:
+        """Each exporter starts on its own: the records file here (a file to open), every other
+        on its own thread (see exporters/worker.py). One that fails is counted under its name."""
+        try:
+            specs = self._sinks() if self._sinks is not None else []
+        except Exception as e:
+            self.report_error("exporter.start", e)
+            specs = []
+        for spec in specs:
+            self.exporter_names.append(spec.name)
+            if spec.inline:
+                try:
+                    self._records = spec.build()
+                except Exception as e:
+                    self.report_error(f"exporter.{spec.name}.start", e)
+                continue
+            self.workers.append(ExporterWorker(spec.name, spec.build, capacity=self._cap, on_error=self.report_error))
+        if self._on_open is not None:
+            self._on_open()
+
+    # -- the pass -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self.run_pass(final=False)
+
+    def run_pass(self, *, final: bool = False) -> None:
+        try:
+            self._take_enrichers()
+            raws = []
+            q = self._queue
+            while q:
+                raws.append(q.popleft())
+            # Internal-error findings too: taken from the list below, they would be lost with no exporter open.
+            if not self._opened and (raws or final or self._held or self._internal_findings):
+                self._opened = True
+                self._open_exporters()
+            records = self._resolve(raws, final=final)
+            findings = self._internal_findings
+            self._internal_findings = []
+            for rec in records:
+                for d in self.detectors:
+                    try:
+                        findings.extend(d.observe(rec))
+                    except Exception as e:
+                        self.report_error(f"detector.{type(d).__name__}", e)
+            samples: list[dict[str, Any]] = []
+            for f in self.features:
+                collect = getattr(f, "collect", None)
+                if collect is None:
+                    continue
+                try:
+                    got_samples, got_findings = collect(records)
+                except Exception as e:
+                    self.report_error(f"feature.{type(f).__name__}", e)
+                    continue
+                samples.extend(got_samples)
+                findings.extend(got_findings)
+            findings = self.limiter.filter(findings, now=records[-1].step if records else None)
+            if final:
+                findings.extend(self.limiter.flush())
+            for f in self.features:
+                # A feature that acts on findings (captures) sees every finding of the pass.
+                on_findings = getattr(f, "on_findings", None)
+                if on_findings is not None:
+                    try:
+                        on_findings(findings)
+                    except Exception as e:
+                        self.report_error(f"feature.{type(f).__name__}", e)
+            self.steps_seen += len(records)
+            batch = Batch(records=records, findings=findings, samples=samples)
+            if not batch:
+                return
+            batch.dropped = self.total_dropped()
+            if self._records is not None:
+                try:
+                    self._records.export(batch)
+                except Exception as exc:
+                    self.report_error("exporter.records", exc)
+            for w in self.workers:
+                w.submit(batch)
+        except Exception as e:  # the pipeline itself must never die silently
+            self.report_error("pipeline", e)
+
+    def _take_enrichers(self) -> None:
+        new = self._new_enrichers
+        if not new:
+            return
+        taken = []
+        while new:
+            taken.append(new.pop(0))
+        # "first" ones before every enricher there is (in the order they came), the rest after
+        self.enrichers = [e for e, f in taken if f] + self.enrichers + [e for e, f in taken if not f]
+
+    def _resolve(self, raws: list[RawStep], *, final: bool) -> list[StepRecord]:
+        now = time.monotonic()
+        rank = self.ctx.rank
+        for raw in raws:
+            try:
+                rec = raw.to_record(rank, self.wall_ref, self.perf_ref_ns, self._scalar)
+            except Exception as e:  # one bad record never costs the others of the pass
+                self.dropped += 1
+                self.report_error("pipeline.build", e)
+                continue
+            self._held.append([now, rec, raw.extras, []])
+        out: list[StepRecord] = []
+        # Records leave in order: the first one still waiting on the device holds the rest.
+        while self._held:
+            entry = self._held[0]
+            since, rec, extras, _ = entry
+            force = final or now - since > _MAX_HOLD_S
+            if not self._ready(rec, force=force) or not self._enrich(entry, force=force):
+                break
+            self._held.pop(0)
+            out.append(rec)
+        return out
+
+    def _enrich(self, entry: list[Any], *, force: bool) -> bool:
+        """Run the enrichers in order; an enricher that waits on the device holds the record.
+        ``entry[3]`` holds the enrichers done with it (by identity: the list can change while
+        records wait, and an enricher must run once per record)."""
+        _, rec, extras, done = entry
+        for e in list(self.enrichers):
+            if e in done:
+                continue
+            try:
+                if not e.enrich(rec, extras, force=force):
+                    return False
+            except Exception as exc:
+                self.report_error(f"enricher.{type(e).__name__}", exc)
+                self.enrichers = [x for x in self.enrichers if x is not e]
+            done.append(e)
+        return True
+
+    def _ready(self, rec: StepRecord, *, force: bool) -> bool:
+        pending = [k for k, v in rec.scalars.items() if isinstance(v, Pending)]
+        for k in pending:
+            p = rec.scalars[k]
+            if event_done(p.event, p.device):
+                rec.scalars[k] = to_float(p.host)
+            elif force:
+                rec.scalars[k] = None
+            else:
+                return False
+        return True
+
+    def _scalar(self, name: str, v: Any) -> Any:
+        """A logged value as a float (a pending device copy waits in :meth:`_ready`); one that is
+        not a number or does not fit (``10**400``) is None, counted per name in run.json's
+        ``null_scalars`` and logged once."""
+        if isinstance(v, Pending):
+            return v
+        f = to_float(v)
+        if f is None and v is not None:
+            key = name if name in self.null_scalars or len(self.null_scalars) < _MAX_NULL_NAMES else "<other>"
+            self.null_scalars[key] = self.null_scalars.get(key, 0) + 1
+            if self.null_scalars[key] == 1:
+                logger.warning(
+                    "stepwatch.log(%s=...): a %s is not a number that fits a float; recorded as null "
+                    "(counted in run.json's null_scalars)", name, type(v).__name__,
+                )
+        return f
