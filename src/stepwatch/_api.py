@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .config import Config, ConfigError
 
 if TYPE_CHECKING:
-    from .session import Session
+    from ._session import Session
 
 _lock = threading.Lock()
 _session: "Session | None" = None
@@ -40,7 +40,7 @@ def init(**config: Any) -> "Session":
                     f"{_diff(_session.config, cfg)})"
                 )
             return _session
-        from .session import Session
+        from ._session import Session
 
         if not _fork_handler_installed:
             # Forked DataLoader workers must start no threads and write no records.

@@ -9,7 +9,7 @@ here). It touches nothing else of the session.
 
 Threads. ``add_collector``, the listeners and the observers run on the training thread (cheap,
 never raising: a failure is reported and the hook is dropped); enrichers, detectors and a
-feature's ``collect``/``on_findings`` run on the pipeline's thread (:mod:`stepwatch.pipeline`).
+feature's ``collect``/``on_findings`` run on the pipeline's thread (:mod:`stepwatch._pipeline`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .context import RunContext
     from .hooks.install import Instrumentation
     from .hooks.phases import Collector, StepTracker
-    from .pipeline import Pipeline
+    from ._pipeline import Pipeline
 
 
 @runtime_checkable

@@ -271,7 +271,7 @@ def _manager(tmp_path, **kw):
     from stepwatch._feature import Hub
     from stepwatch.context import RunContext
     from stepwatch.hooks.install import Instrumentation
-    from stepwatch.pipeline import Pipeline
+    from stepwatch._pipeline import Pipeline
 
     ctx = RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="t", run_dir=str(tmp_path))
     pipeline = Pipeline(ctx)

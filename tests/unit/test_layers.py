@@ -15,17 +15,17 @@ ROOT = os.path.dirname(stepwatch.__file__)
 # Lowest first. A top-level module or a folder (a package) is one unit.
 LAYERS = [
     # core: the schema, files, logging, configuration, OS and device tools
-    {"record", "_log", "_version", "_table", "_terminal", "_files", "_store", "context", "config", "_os", "cuda_ext"},
+    {"record", "_log", "_version", "_table", "_terminal", "_files", "_dist", "context", "config", "_os", "cuda_ext"},
     # core: the training thread's hooks and the findings catalogue, rate limit, generic detectors
     {"hooks", "analysis"},
     # core: exporters consume batches
     {"exporters"},
     # core: the runtime the session assembles (feature hub, pipeline, run-dir manifest, SIGTERM)
-    {"_feature", "pipeline", "_manifest", "_sigterm"},
+    {"_feature", "_pipeline", "_manifest", "_sigterm"},
     # features
     {"metrics", "telemetry", "comm", "memory", "watchdog", "capture", "traces"},
     # the session and the public API
-    {"session", "_api", "__init__", "auto"},
+    {"_session", "_api", "__init__", "auto"},
     # framework adapters
     {"integrations"},
     # commands and tools that read run directories or run beside the job
@@ -130,8 +130,8 @@ def test_the_check_sees_a_violation(tmp_path):
         (pkg / d).mkdir(parents=True)
         (pkg / d / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "session.py").write_text("")
-    (pkg / "metrics" / "flops.py").write_text("from .. import session\n")
+    (pkg / "_session.py").write_text("")
+    (pkg / "metrics" / "flops.py").write_text("from .. import _session\n")
     (pkg / "hooks" / "install.py").write_text("def f():\n    from ..metrics.flops import x\n")
     assert _upward(str(pkg)) == ["stepwatch.hooks.install -> stepwatch.metrics.flops",
-                                 "stepwatch.metrics.flops -> stepwatch.session"]
+                                 "stepwatch.metrics.flops -> stepwatch._session"]

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from stepwatch import pipeline as pipeline_mod
+from stepwatch import _pipeline as pipeline_mod
 from stepwatch.analysis.kinds import make_finding
 from stepwatch.context import RunContext
 from stepwatch.exporters.base import Batch, Exporter, InMemoryExporter
 from stepwatch.exporters.builtin import ExporterSpec
-from stepwatch.pipeline import Pending, Pipeline
+from stepwatch._pipeline import Pending, Pipeline
 from stepwatch.record import RawStep
 
 MS = 1_000_000  # ns

@@ -199,7 +199,7 @@ def test_nvtx_ranges_nest_per_step(sw, monkeypatch):
         def pop(self):
             events.append(("pop",))
 
-    monkeypatch.setattr("stepwatch.session.Nvtx", Recorder)
+    monkeypatch.setattr("stepwatch._session.Nvtx", Recorder)
     start()
     m = nn.Linear(4, 1)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

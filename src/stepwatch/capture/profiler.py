@@ -45,7 +45,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from .. import _store
+from .. import _dist
 from .._files import private_subdir, private_tmp, read_json_private, write_json_private
 from .._log import logger, warn_once
 from ..record import Finding, StepRecord
@@ -130,10 +130,10 @@ class CaptureManager:
         if self._store_state == "ok":
             return self._store
         try:
-            store = _store.default_store()
+            store = _dist.default_store()
             if store is None:
                 return None
-            if _store.world()[1] < 2:
+            if _dist.world()[1] < 2:
                 self._store_state = "single"
                 return None
             self._store = store
@@ -146,7 +146,7 @@ class CaptureManager:
             return None
 
     def _key(self, name: str) -> str:
-        return _store.namespace(self.ctx.run_id, "capture", name)
+        return _dist.namespace(self.ctx.run_id, "capture", name)
 
     def on_pass(self, findings: list[Finding]) -> None:
         """Each background pass, with the findings of that pass."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .._feature import Hub
 
-from .. import _store
+from .. import _dist
 
 __all__ = ["CommFeature", "install"]
 
@@ -105,9 +105,9 @@ def install(hub: "Hub") -> CommFeature | None:
         windows=cfg.straggler_windows,
         rank=ctx.rank,
         host=ctx.host,
-        store_factory=_store.default_store,
-        world_factory=lambda: _store.world()[1],
-        namespace=_store.namespace(ctx.run_id, getattr(ctx, "attempt", 0), "strag"),
+        store_factory=_dist.default_store,
+        world_factory=lambda: _dist.world()[1],
+        namespace=_dist.namespace(ctx.run_id, getattr(ctx, "attempt", 0), "strag"),
         on_floor=on_floor,
     )
     for det in (feat.overlap, feat.busbw, feat.stragglers):

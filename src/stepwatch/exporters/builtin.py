@@ -133,7 +133,7 @@ def _tracking_sinks(config: "Config", ctx: "RunContext") -> list[ExporterSpec]:
         out.append(ExporterSpec("tensorboard", functools.partial(_tensorboard, config, ctx)))
     if config.wandb:
         out.append(ExporterSpec("wandb", functools.partial(_wandb, ctx)))
-    # MLflow's exporter is started with the session's features (session.py): its probe of the
+    # MLflow's exporter is started with the session's features (_session.py): its probe of the
     # thread-local active run must be on the training thread from the first step.
     return out
 

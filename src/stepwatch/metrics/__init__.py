@@ -17,7 +17,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import _store
+from .. import _dist
 from ..record import Finding, StepRecord
 
 if TYPE_CHECKING:
@@ -79,13 +79,13 @@ class TrainingMetrics:
     # -- background thread -------------------------------------------------------------------------
 
     def _exchange(self) -> Any:
-        rank, world = _store.world()
+        rank, world = _dist.world()
         if world < 2:
             return None
         from .grads import StoreNormExchange
 
-        return StoreNormExchange(_store.default_store(), rank, world,
-                                 prefix=_store.namespace(self.hub.ctx.run_id, "gradnorm"))
+        return StoreNormExchange(_dist.default_store(), rank, world,
+                                 prefix=_dist.namespace(self.hub.ctx.run_id, "gradnorm"))
 
     def collect(self, records: list[StepRecord]) -> tuple[list[dict[str, Any]], list[Finding]]:
         findings: list[Finding] = []

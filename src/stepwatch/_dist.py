@@ -1,4 +1,4 @@
-"""torch.distributed's store, as the job's process group holds it: the one way the in-job parts
+"""torch.distributed as the job set it up: its store, rank and world size, the one way the in-job parts
 (straggler exchange, grad-norm exchange, capture decisions) reach it. Never creates a process
 group, never imports torch: before the job initialises one, there is no store (None).
 

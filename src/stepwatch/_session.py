@@ -1,7 +1,7 @@
 """The session: one per process. It holds the config and who this process is (``ctx``), owns the
 lifecycle (start; shutdown at exit, on SIGTERM or by hand; a forked child) and the training
 thread's API (``step``, ``set_step``, ``log``), and assembles the parts: hooks -> tracker ->
-:class:`~stepwatch.pipeline.Pipeline` -> exporters; the features through one
+:class:`~stepwatch._pipeline.Pipeline` -> exporters; the features through one
 :class:`~stepwatch._feature.Hub`; the run directory's manifests (:mod:`stepwatch._manifest`).
 It measures nothing itself.
 """
@@ -28,7 +28,7 @@ from .exporters.builtin import ExporterSpec, exporter_specs, otel_wanted, preloa
 from .exporters.worker import describe_drops
 from .hooks.nvtx import Nvtx
 from .hooks.phases import StepTracker
-from .pipeline import SHUTDOWN_TIMEOUT_S, Pipeline, loggable
+from ._pipeline import SHUTDOWN_TIMEOUT_S, Pipeline, loggable
 
 __all__ = ["SHUTDOWN_TIMEOUT_S", "Session"]
 
