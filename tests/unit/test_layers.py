@@ -15,7 +15,7 @@ ROOT = os.path.dirname(stepwatch.__file__)
 # Lowest first. A top-level module or a folder (a package) is one unit.
 LAYERS = [
     # core: the schema, files, logging, configuration, OS and device tools
-    {"record", "_log", "_version", "_table", "_terminal", "_files", "_dist", "context", "config", "_os", "cuda_ext"},
+    {"record", "_log", "_version", "_table", "_terminal", "_files", "_dist", "_env", "context", "config", "_os", "cuda_ext"},
     # core: the training thread's hooks and the findings catalogue, rate limit, generic detectors
     {"hooks", "analysis"},
     # core: exporters consume batches
@@ -135,3 +135,17 @@ def test_the_check_sees_a_violation(tmp_path):
     (pkg / "hooks" / "install.py").write_text("def f():\n    from ..metrics.flops import x\n")
     assert _upward(str(pkg)) == ["stepwatch.hooks.install -> stepwatch.metrics.flops",
                                  "stepwatch.metrics.flops -> stepwatch._session"]
+
+
+def test_the_run_shim_spells_stepwatchs_own_variables_as_env_py_does():
+    """The shim cannot import the package (it runs first in every process of a job): every
+    ``STEPWATCH_*`` name it reads or sets must be one of _env.py's, or a Config variable."""
+    import re
+
+    from stepwatch import _env
+    from stepwatch.config import env_table
+
+    with open(os.path.join(ROOT, "runner", "shim", "sitecustomize.py"), encoding="utf-8") as f:
+        used = set(re.findall(r"STEPWATCH_[A-Z_]+", f.read()))
+    known = {v for k, v in vars(_env).items() if k.isupper()} | {row[0].strip("`") for row in env_table()}
+    assert used and used <= known, used - known

@@ -15,6 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from .._env import ENABLED as ENABLED_ENV, RUN as RUN_ENV, SIDECAR as SIDECAR_ENV
 from .._files import read_json_private, read_private
 from .._log import logger
 from .._os.ptrace import grant_ptrace
@@ -30,9 +31,6 @@ FR_ENTRIES = "2000"
 # with the umask's permissions; the private run directory instead, beside stepwatch's evidence.
 FR_FILE_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 FR_FILE = "nccl_flight_recorder.rank"
-
-RUN_ENV = "STEPWATCH_RUN"  # set by `stepwatch run` for every process of the job
-SIDECAR_ENV = "STEPWATCH_SIDECAR"
 
 if TYPE_CHECKING:
     from .._feature import Hub
@@ -97,7 +95,7 @@ class Feature:
             return
         pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
-        env["STEPWATCH_ENABLED"] = "0"  # the sidecar must not instrument itself (sitecustomize shim)
+        env[ENABLED_ENV] = "0"  # the sidecar must not instrument itself (sitecustomize shim)
         env[SIDECAR_ENV] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
         cmd = [exe, "-m", "stepwatch.watchdog.sidecar", "--trainer-pid", str(os.getpid()), "--board", self.board.path,

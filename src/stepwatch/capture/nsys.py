@@ -12,9 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .._env import NSYS as ENV  # set by `stepwatch run --nsys`, read here only
 from .._log import warn_once
-
-ENV = "STEPWATCH_NSYS"  # set by `stepwatch run --nsys`, read here only
 
 
 def requested(environ: Any = None) -> bool:

@@ -45,7 +45,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from .. import _dist
+from .. import _dist, _env
 from .._files import private_subdir, private_tmp, read_json_private, write_json_private
 from .._log import logger, warn_once
 from ..record import Finding, StepRecord
@@ -431,7 +431,7 @@ class CaptureManager:
             return
         pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
-        env["STEPWATCH_ENABLED"] = "0"  # the sitecustomize shim must not instrument the analysis
+        env[_env.ENABLED] = "0"  # the sitecustomize shim must not instrument the analysis
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
         ctx = {"capture": meta["capture"], "reason": meta["reason"], "first_step": meta["first_step"],
                "last_step": meta["last_step"], "trace": meta["trace"]}

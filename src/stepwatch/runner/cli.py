@@ -17,6 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
+from .. import _env
 from .._files import make_private_dir, private_run_dir
 
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
@@ -68,9 +69,9 @@ def build(cmd: list[str], *, nsys: bool, nsys_ranges: int, run_dir: str | None, 
         raise ValueError("no command given; usage: stepwatch run [--nsys] -- CMD ...")
     env = dict(environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SHIM, PKG_PARENT, env.get("PYTHONPATH", "")) if p)
-    env["STEPWATCH_RUN"] = "1"
-    env["STEPWATCH_RUN_MODE"] = "ranks" if _is_torchrun(cmd) else "top"
-    env.pop("STEPWATCH_RUN_ACTIVE", None)
+    env[_env.RUN] = "1"
+    env[_env.RUN_MODE] = "ranks" if _is_torchrun(cmd) else "top"
+    env.pop(_env.RUN_ACTIVE, None)
     if run_dir:
         env["STEPWATCH_DIR"] = os.path.abspath(run_dir)
     argv = list(cmd)
@@ -91,7 +92,7 @@ def build(cmd: list[str], *, nsys: bool, nsys_ranges: int, run_dir: str | None, 
         # relaunches), so the node's name goes in too (only [A-Za-z0-9._-]: nsys expands %).
         host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
         out = os.path.join(out_dir, f"report-{host}-%p")
-        env["STEPWATCH_NSYS"] = "1"
+        env[_env.NSYS] = "1"
         argv = [exe, *NSYS_ARGS, f"--capture-range-end=repeat:{nsys_ranges}", "-o", out, *cmd]
     return argv, env
 
