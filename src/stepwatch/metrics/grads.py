@@ -67,6 +67,15 @@ class GradNormResult:
 # ----------------------------------------------------------------------------- patches
 
 
+class _TapLocal(threading.local):
+    """Per-thread tap state, with class defaults: reading one never set raises no AttributeError
+    inside ``getattr(..., None)`` (an exception per optimizer step otherwise)."""
+
+    clip: Any = None
+    scaler_opt: Any = None
+    fired = True
+
+
 class _Tap:
     """Wraps ``clip_grad_norm_`` and ``GradScaler.step`` once per process (they are process-global
     functions); probes subscribe. The wrappers never change what the user's call does or returns."""
@@ -76,7 +85,7 @@ class _Tap:
         self.refs = 0
         self.originals: list[tuple[Any, str, Any, Any]] = []
         self.probes: "weakref.WeakSet[GradNormProbe]" = weakref.WeakSet()
-        self.local = threading.local()
+        self.local = _TapLocal()
         self.errors = 0
 
     def install(self, probe: "GradNormProbe") -> None:
