@@ -512,7 +512,10 @@ class GradNormProbe:
                 return None
             sq, rep = _pair(pending.host.tolist())
         else:
-            sq, rep = _pair(pending.values.detach().to("cpu").tolist())
+            v = pending.values
+            # A CPU value is read as it is: each extra torch call here (detach, to) hands the
+            # GIL to the training thread and back while it runs torch ops of its own.
+            sq, rep = _pair(v.tolist() if v.is_cpu else v.detach().to("cpu").tolist())
         nonfinite = not (math.isfinite(sq) and math.isfinite(rep))
         norm = None if pending.sharded else rep
         return GradNormResult(norm, (sq, rep), pending.sharded, nonfinite, pending.skipped, pending.from_clip)

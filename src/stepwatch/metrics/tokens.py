@@ -51,7 +51,8 @@ class BatchCounts:
                 return None
             value = int(self._host.item())
         else:
-            value = int(self._pending.to("cpu").item())
+            t = self._pending
+            value = int(t.item() if t.is_cpu else t.to("cpu").item())
         return BatchCounts(self.samples, value)
 
     def __add__(self, other: "BatchCounts") -> "BatchCounts":
