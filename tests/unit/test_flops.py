@@ -516,3 +516,106 @@ def test_throughput_collector_override_number_and_callable():
         assert flops.total == want and flops.by_dtype.keys() == {"fp32"} and samples == 16
     with pytest.raises(ValueError, match="flops must be"):
         ThroughputCollector(flops="many")
+
+
+# ----------------------------------------------------------------------------- last-signature fast path
+
+
+class _CountingCounter:
+    """A stand-in counter: FLOPs from the call's signature, and how often it was asked."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module, args, kwargs, **kw):
+        self.calls += 1
+        x = args[0]
+        while isinstance(x, (tuple, list)):
+            x = x[0]
+        n = int(x.numel()) * (2 if x.dtype == torch.float64 else 1) + (7 if x.requires_grad else 0)
+        n += 1000 * int(torch.is_grad_enabled()) + sum(v for v in (kwargs or {}).values() if type(v) is int)
+        return FlopCount(forward={"fp32": n})
+
+
+def _slow(cache, m, args, kwargs=None):
+    """What the full key finds (no fast path)."""
+    return cache._entries[FlopCache.key(m, args, kwargs)]
+
+
+def test_fast_path_gives_the_slow_paths_count_without_building_the_key(monkeypatch):
+    counter = _CountingCounter()
+    cache = FlopCache(counter=counter)
+    m = nn.Linear(4, 4)
+    first = cache.get(m, (torch.randn(2, 4),))
+    keys = []
+    real_key = FlopCache.key
+    monkeypatch.setattr(FlopCache, "key", staticmethod(lambda *a: keys.append(1) or real_key(*a)))
+    for _ in range(3):
+        got = cache.get(m, (torch.randn(2, 4),))
+        assert got is first and got == cache._entries[real_key(m, (torch.randn(2, 4),), None)]
+    assert keys == [] and counter.calls == 1  # answered by the fast path: no key, no count
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["shape", "dtype", "requires_grad", "grad_mode", "kwarg_value", "kwarg_name", "arg_count", "scalar_type", "nested"],
+)
+def test_fast_path_notices_a_changed_signature(change):
+    counter = _CountingCounter()
+    cache = FlopCache(counter=counter)
+    m = nn.Linear(4, 4)
+    base_args, base_kw = (torch.randn(2, 4),), {"extra": 3}
+    before = cache.get(m, base_args, base_kw)
+    assert cache.get(m, (torch.randn(2, 4),), {"extra": 3}) is before  # warm: the fast path holds it
+    args, kw, grad = (torch.randn(2, 4),), {"extra": 3}, True
+    if change == "shape":
+        args = (torch.randn(3, 4),)
+    elif change == "dtype":
+        args = (torch.randn(2, 4, dtype=torch.float64),)
+    elif change == "requires_grad":
+        args = (torch.randn(2, 4, requires_grad=True),)
+    elif change == "grad_mode":
+        grad = False
+    elif change == "kwarg_value":
+        kw = {"extra": 4}
+    elif change == "kwarg_name":
+        kw = {"other": 3}
+    elif change == "arg_count":
+        args = (torch.randn(2, 4), None)
+    elif change == "scalar_type":
+        kw = {"extra": 3.0}
+    elif change == "nested":
+        args = ((torch.randn(2, 4),),)
+    with torch.set_grad_enabled(grad):
+        got = cache.get(m, args, kw)
+        assert got == _slow(cache, m, args, kw)  # the slow path's answer for the new signature
+    # a new signature: counted, not the old answer (3.0 is the same key as 3 to the slow path)
+    assert counter.calls == (1 if change == "scalar_type" else 2)
+    assert cache.get(m, base_args, base_kw) is before  # and the old one is still known
+
+
+def test_fast_path_is_per_module_and_follows_autocast():
+    counter = _CountingCounter()
+    cache = FlopCache(counter=counter)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    fa, fb = cache.get(a, (x,)), cache.get(b, (x,))
+    assert counter.calls == 2 and cache.get(a, (x,)) is fa and cache.get(b, (x,)) is fb
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cache.get(a, (x,))
+    assert counter.calls == 3  # autocast is part of the key: a new count, not the fp32 one
+    assert cache.get(a, (x,)) is fa
+
+
+def test_throughput_collector_reuses_counts_only_for_the_same_shape_and_dtype():
+    from stepwatch.metrics.tokens import ThroughputCollector
+
+    col = ThroughputCollector(cache=FlopCache(counter=_CountingCounter()))
+    m = nn.Linear(4, 4)
+    got = []
+    for x in (torch.randn(2, 4), torch.randn(2, 4), torch.randn(5, 4), torch.randint(0, 9, (3, 6)),
+              torch.randint(0, 9, (3, 6)), torch.randint(0, 9, (3, 7))):
+        col.on_forward(m, (x,), {})
+        _, tokens, samples = col.take().resolve()
+        got.append((tokens, samples))
+    assert got == [(None, 2), (None, 2), (None, 5), (18, 3), (18, 3), (21, 3)]

@@ -417,3 +417,55 @@ def test_sparse_grads_norm_on_cpu_and_unknown_for_uncoalesced_cuda(hooked, caplo
         assert h.probe._compute([Param()]) == (None, False)
         assert h.probe._compute([Param()]) == (None, False)
     assert len([m for m in caplog.messages if "sparse" in m]) == 1
+
+
+def _total(params) -> float:
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]).item()
+
+
+def test_probe_follows_the_params_that_have_grads_from_step_to_step(hooked):
+    """The probe keeps each optimizer's parameter list across steps; which of them have a grad
+    is read every step (a layer frozen or unfrozen mid-run changes the norm at once)."""
+    h = hooked()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    first, last = m[0], m[2]
+    want = []
+    for step in range(4):
+        x, y = data(step)
+        opt.zero_grad()
+        for p in first.parameters():
+            p.requires_grad_(step % 2 == 0)  # frozen on odd steps: no grad there
+        nn.functional.mse_loss(m(x), y).backward()
+        want.append(_total(m.parameters()))
+        opt.step()
+    got = [r.norm for r in h.values()]
+    assert all(rel(g, w) < 1e-6 for g, w in zip(got, want)), (got, want)
+    assert rel(want[0], want[1]) > 1e-3  # the frozen steps really had fewer grads
+
+
+def test_probe_notices_a_changed_parameter_list(hooked):
+    """A new param group, or a group's list swapped for another of the same length, is seen."""
+    h = hooked()
+    a, b = model(), model()
+    for p in b.parameters():
+        p.data.mul_(3.0)
+    opt = torch.optim.SGD(a.parameters(), lr=0.0)
+    want = []
+
+    def step(params) -> None:
+        x, y = data(len(want))
+        opt.zero_grad()
+        for net in (a, b):
+            net.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+        want.append(_total(params))
+        opt.step()
+
+    step(list(a.parameters()))
+    opt.param_groups[0]["params"] = list(b.parameters())  # same length, other tensors
+    step(list(b.parameters()))
+    opt.add_param_group({"params": list(a.parameters())})
+    step(list(b.parameters()) + list(a.parameters()))
+    got = [r.norm for r in h.values()]
+    assert all(rel(g, w) < 1e-6 for g, w in zip(got, want)), (got, want)

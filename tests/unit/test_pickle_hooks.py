@@ -50,8 +50,11 @@ def _train(model, steps=3):
 
 
 def _stepwatch_hooks(m):
+    """stepwatch's hooks on ``m``: forward hooks, or the wrapped call (``_compiled_call_impl``)."""
     hooks = [h for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values()]
-    return [h for h in hooks if (getattr(h, "__module__", None) or type(h).__module__).startswith("stepwatch")]
+    hooks.append(m.__dict__.get("_compiled_call_impl"))
+    return [h for h in hooks if h is not None
+            and (getattr(h, "__module__", None) or type(h).__module__).startswith("stepwatch")]
 
 
 def test_whole_model_save_load_and_pickle_round_trip(sw, tmp_path):

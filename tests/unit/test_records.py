@@ -130,3 +130,23 @@ def test_console_shows_drops_when_there_are_any():
     e.export(Batch(records=[rec(1)], dropped=1234))  # the pipeline's count when it made the batch
     first, second = out.getvalue().splitlines()
     assert "dropped" not in first and second.endswith("| 1,234 dropped")
+
+
+def test_record_lines_are_byte_identical_to_json_dumps_and_survive_a_non_finite_line():
+    """The records file's encoder is made once; each line is what json.dumps(separators=(",", ":"),
+    allow_nan=False, default=str) writes, and a NaN line (written as strings) leaves the next intact."""
+    from stepwatch.exporters.records import _clean, dumps
+
+    def want(d):
+        try:
+            return json.dumps(d, separators=(",", ":"), allow_nan=False, default=str)
+        except ValueError:
+            return json.dumps(_clean(d), separators=(",", ":"), default=str)
+
+    rec = StepRecord(step=3, rank=1, time=1.7e9, step_s=0.0005, forward_s=1e-7, scalars={"loss": 0.25, "lr": 3e-4},
+                     phases={"x": 1.0}, gpu={"util": [1, 2.5]}, clock="host")
+    cases = [rec.to_dict(), {"n": float("nan"), "c": {"i": float("-inf")}}, rec.to_dict(),
+             {"s": "é\"\n", "t": (1, None), "big": 10**30, "o": range(2)}, {}]
+    for d in cases:
+        assert dumps(d) == want(d)
+    assert json.loads(dumps(cases[1])) == {"n": "nan", "c": {"i": "-inf"}}

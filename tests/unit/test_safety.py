@@ -218,3 +218,45 @@ def test_nvtx_ranges_nest_per_step(sw, monkeypatch):
         depth += 1 if e[0] == "push" else -1
         assert depth >= 0
     assert depth == 0
+
+
+def test_roots_keep_torchs_fast_path_and_are_unwrapped_at_shutdown(sw):
+    """A root's call is wrapped (``_compiled_call_impl``), not hooked: torch's no-hook fast path
+    stays, forward is still timed, and shutdown leaves the module as it was."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m, loss_mod = Net(), nn.MSELoss()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(3):
+        loss_mod(m(torch.randn(8, 16)), torch.zeros(8, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    for mod in (m, loss_mod):
+        assert not mod._forward_pre_hooks and not mod._forward_hooks, "a forward hook: torch's slow path"
+        assert type(mod.__dict__.get("_compiled_call_impl")).__module__.startswith("stepwatch")
+    stepwatch.shutdown()
+    assert "_compiled_call_impl" not in m.__dict__ and "_compiled_call_impl" not in loss_mod.__dict__
+    assert len(mem.records) == 3 and all(r.forward_s > 0 for r in mem.records)
+
+
+def test_compile_in_place_after_the_scan_is_still_timed_outside_the_compiled_code(sw):
+    """``model.compile()`` after stepwatch hooked the model: the compiled callable is wrapped."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)  # the scan hooks m here
+    m.compile(backend="eager")
+    losses = []
+    for _ in range(4):
+        loss = m(torch.randn(8, 16)).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    call = m.__dict__["_compiled_call_impl"]
+    assert type(call).__module__.startswith("stepwatch") and call.inner is not m._call_impl
+    stepwatch.shutdown()
+    assert len(mem.records) == 4 and all(r.forward_s > 0 for r in mem.records[1:])
+    assert m.__dict__["_compiled_call_impl"] is call.inner  # the compiled callable, given back

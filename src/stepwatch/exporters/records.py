@@ -57,10 +57,32 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _make_encoder() -> Any:
+    """json's C encoder as ``json.dumps(separators=(",", ":"), allow_nan=False, default=str)``
+    builds it, made once: ``json.dumps`` with arguments builds a ``JSONEncoder`` and its C
+    encoder for every line. None where the C accelerator is missing."""
+    try:
+        from json.encoder import c_make_encoder, encode_basestring_ascii
+    except ImportError:  # pragma: no cover - CPython always has it
+        return None
+    if c_make_encoder is None or encode_basestring_ascii is None:
+        return None
+    return c_make_encoder({}, str, encode_basestring_ascii, None, ":", ",", False, False, False)
+
+
+_ENCODER = _make_encoder()
+
+
 def dumps(d: dict[str, Any]) -> str:
+    global _ENCODER
+    enc = _ENCODER
     try:  # the common case, all in C: no NaN or Infinity anywhere
+        if enc is not None:
+            return "".join(enc(d, 0))
         return json.dumps(d, separators=(",", ":"), allow_nan=False, default=str)
     except ValueError:
+        if enc is not None:
+            _ENCODER = _make_encoder()  # its circular-reference markers may hold the failed call's
         return json.dumps(_clean(d), separators=(",", ":"), default=str)
 
 
@@ -72,7 +94,7 @@ class _RotatingFile:
         self.size = 0
 
     def write_lines(self, lines: list[str]) -> None:
-        data = "".join(line + "\n" for line in lines)
+        data = "\n".join(lines) + "\n" if lines else ""
         if self.size and self.size + len(data) > self.cap:
             self.f.close()
             os.replace(self.path, self.path + ".1")

@@ -678,6 +678,113 @@ def _sig(obj: Any, out: list[Any], tensor: type, depth: int = 0) -> None:
         out.append(t)
 
 
+# The fast path: what ``FlopCache.key`` reads, compared without building the key. A call whose
+# arguments are a flat tuple (and keyword dict) of tensors and small scalars is described once,
+# at the slow lookup, as a tuple of per-argument descriptors; the next call with the same module
+# compares its arguments against it element by element (shape, dtype, device kind, grad) and the
+# global state (grad mode, autocast, TF32 switches) against the one kept. Anything else (nested
+# containers, other objects, a device that is neither CPU nor CUDA) takes the slow path.
+_SCALARS = (int, float, bool, str)
+_GETTERS: Any = None  # (torch, any autocast, grad mode, the two TF32 switches), bound once
+
+
+def _getters() -> Any:
+    global _GETTERS
+    import torch
+
+    C = torch._C
+    if hasattr(C, "_get_cublas_allow_tf32") and hasattr(C, "_get_cudnn_allow_tf32"):
+        tf_a, tf_b = C._get_cublas_allow_tf32, C._get_cudnn_allow_tf32
+    else:
+        def tf_a() -> Any:
+            return torch.backends.cuda.matmul.allow_tf32
+
+        def tf_b() -> Any:
+            return torch.backends.cudnn.allow_tf32
+
+    _GETTERS = (torch, C._is_any_autocast_enabled, C.is_grad_enabled, tf_a, tf_b)
+    return _GETTERS
+
+
+def _state() -> Any:
+    """What ``FlopCache.key`` reads of the global state, as one comparable value."""
+    torch, any_autocast, grad, tf_a, tf_b = _GETTERS or _getters()
+    if any_autocast():
+        auto: Any = tuple(
+            (dev, torch.get_autocast_dtype(dev)) for dev in ("cuda", "cpu") if torch.is_autocast_enabled(dev)
+        )
+    else:
+        auto = False
+    return (grad(), auto, tf_a(), tf_b())
+
+
+_NO = object()
+
+
+def _describe(obj: Any) -> Any:
+    """One argument's descriptor for the fast path, or ``_NO`` if it needs the slow path:
+    a tensor as (class, shape, dtype, on CUDA, requires grad), a small scalar as (class, value)."""
+    torch = (_GETTERS or _getters())[0]
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            return (type(obj), obj.shape, obj.dtype, True, obj.requires_grad)
+        if obj.is_cpu:
+            return (type(obj), obj.shape, obj.dtype, False, obj.requires_grad)
+        return _NO  # another device kind: the slow path keeps its name
+    if obj is None or type(obj) in _SCALARS:
+        return (type(obj), obj)
+    return _NO
+
+
+def _fast_sig(args: Any) -> tuple[Any, ...] | None:
+    if type(args) is not tuple:
+        return None
+    out = tuple(_describe(a) for a in args)
+    return None if any(d is _NO for d in out) else out
+
+
+def _fast_kw(kwargs: Any) -> tuple[Any, ...] | None:
+    if not kwargs:
+        return ()
+    if type(kwargs) is not dict:
+        return None
+    out = tuple((k, _describe(v)) for k, v in kwargs.items())
+    return None if any(d is _NO for _, d in out) else out
+
+
+def _same_one(a: Any, d: tuple[Any, ...]) -> bool:
+    if type(a) is not d[0]:
+        return False
+    if len(d) == 2:
+        return a == d[1]  # same class, so 1 and True, 1.0 and 1 are told apart
+    return (
+        a.dtype is d[2]
+        and a.shape == d[1]
+        and (a.is_cuda if d[3] else a.is_cpu)
+        and a.requires_grad is d[4]
+    )
+
+
+def _same(args: Any, sig: tuple[Any, ...]) -> bool:
+    if type(args) is not tuple or len(args) != len(sig):
+        return False
+    for a, d in zip(args, sig):
+        if not _same_one(a, d):
+            return False
+    return True
+
+
+def _same_kw(kwargs: Any, sig: tuple[Any, ...]) -> bool:
+    if not kwargs:
+        return not sig
+    if type(kwargs) is not dict or len(kwargs) != len(sig):
+        return False
+    for (k, v), (tk, d) in zip(kwargs.items(), sig):
+        if k != tk or not _same_one(v, d):
+            return False
+    return True
+
+
 class FlopCache:
     """FLOPs per input signature: counted on the first call with a new signature, then looked up.
 
@@ -701,6 +808,9 @@ class FlopCache:
         self._counter = counter
         self._count_kwargs = count_kwargs
         self._entries: dict[tuple[Any, ...], FlopCount | None] = {}
+        # Last-signature fast path: per module, the global state and a flat description of the
+        # last call's arguments, with its value (see ``_fast_sig``/``_same``).
+        self._last: dict[int, tuple[Any, tuple[Any, ...], Any, FlopCount | None]] = {}
         self._warned_budget = False
         self._warned_errors: set[str] = set()
         self.misses = 0
@@ -729,11 +839,21 @@ class FlopCache:
         Returns None when called from inside a replay (a hook on the module firing during it)."""
         if is_counting():
             return None
+        mid = id(module)
+        last = self._last.get(mid)
+        if last is not None and not count_kwargs:
+            state, targs, tkw, value = last
+            if _state() == state and _same(args, targs) and (_same_kw(kwargs, tkw)):
+                return value
         key = self.key(module, args, kwargs)
         try:
-            return self._entries[key]
+            value = self._entries[key]
         except KeyError:
             pass
+        else:
+            if not count_kwargs:
+                self._remember(mid, args, kwargs, value)
+            return value
         if self.misses >= self.max_misses:
             if not self._warned_budget:
                 self._warned_budget = True
@@ -769,7 +889,19 @@ class FlopCache:
             value = None
         self.misses += 1
         self._entries[key] = value
+        if not count_kwargs:
+            self._remember(mid, args, kwargs, value)
         return value
+
+    def _remember(self, mid: int, args: Any, kwargs: Any, value: FlopCount | None) -> None:
+        """Keep this call's signature as the module's last one, when it has the flat shape the
+        fast path compares (tensors and small scalars, positional or keyword); else forget it."""
+        targs = _fast_sig(args)
+        tkw = _fast_kw(kwargs)
+        if targs is None or tkw is None:
+            self._last.pop(mid, None)
+        else:
+            self._last[mid] = (_state(), targs, tkw, value)
 
     def __len__(self) -> int:
         return len(self._entries)

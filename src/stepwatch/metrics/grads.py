@@ -67,6 +67,15 @@ class GradNormResult:
 # ----------------------------------------------------------------------------- patches
 
 
+class _TapLocal(threading.local):
+    """Per-thread tap state, with class defaults: reading one never set raises no AttributeError
+    inside ``getattr(..., None)`` (an exception per optimizer step otherwise)."""
+
+    clip: Any = None
+    scaler_opt: Any = None
+    fired = True
+
+
 class _Tap:
     """Wraps ``clip_grad_norm_`` and ``GradScaler.step`` once per process (they are process-global
     functions); probes subscribe. The wrappers never change what the user's call does or returns."""
@@ -76,7 +85,7 @@ class _Tap:
         self.refs = 0
         self.originals: list[tuple[Any, str, Any, Any]] = []
         self.probes: "weakref.WeakSet[GradNormProbe]" = weakref.WeakSet()
-        self.local = threading.local()
+        self.local = _TapLocal()
         self.errors = 0
 
     def install(self, probe: "GradNormProbe") -> None:
@@ -194,8 +203,10 @@ class _Tap:
         return step
 
     def take_clip(self) -> Any:
-        c = getattr(self.local, "clip", None)
-        self.local.clip = None
+        local = self.local
+        c = getattr(local, "clip", None)
+        if c is not None:
+            local.clip = None
         return c
 
     def mark_fired(self, optimizer: Any) -> None:
@@ -207,6 +218,19 @@ _TAP = _Tap()
 
 
 # ----------------------------------------------------------------------------- math
+
+_TORCH: Any = None
+
+
+def _torch() -> Any:
+    """torch, imported on first use (importing stepwatch does not import it)."""
+    global _TORCH
+    if _TORCH is None:
+        import torch
+
+        _TORCH = torch
+    return _TORCH
+
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -289,8 +313,9 @@ class GradNormProbe:
         self.reuse_clip = reuse_clip
         self.on_skipped = on_skipped
         # Keyed weakly by optimizer: a discarded optimizer (and its parameters) is not kept alive.
-        self._calls: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
-        self._params: "weakref.WeakKeyDictionary[Any, tuple[int, list[Any]]]" = weakref.WeakKeyDictionary()
+        # One entry per optimizer: its step count and its parameters as last seen (``_OptState``).
+        self._state: "weakref.WeakKeyDictionary[Any, _OptState]" = weakref.WeakKeyDictionary()
+        self._last: Any = None  # (weakref to the last optimizer seen, its _OptState)
         self._installed = False
         self._warned_fsdp1 = False
         self._warned_sparse = False
@@ -313,22 +338,30 @@ class GradNormProbe:
 
     # -- training thread
 
+    def _opt_state(self, optimizer: Any) -> "_OptState":
+        last = self._last
+        if last is not None and last[0]() is optimizer:
+            st = last[1]()
+            if st is not None:
+                return st
+        st = self._state.get(optimizer)
+        if st is None:
+            st = self._state[optimizer] = _OptState()
+        # Weak both ways: a discarded optimizer's parameters are not kept alive by this shortcut.
+        self._last = (weakref.ref(optimizer), weakref.ref(st))
+        return st
+
     def _optimizer_params(self, optimizer: Any) -> list[Any]:
-        n = sum(len(g["params"]) for g in optimizer.param_groups)
-        cached = self._params.get(optimizer)
-        if cached is None or cached[0] != n:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            cached = (n, params)
-            self._params[optimizer] = cached
-        return cached[1]
+        return self._opt_state(optimizer).parameters(optimizer)
 
     def on_optimizer_step(self, optimizer: Any) -> PendingGradNorm | None:
         """Call from the optimizer step pre-hook. Returns None on steps not probed (``every``) or
         when no parameter has a grad. Never reads a device value."""
         _TAP.mark_fired(optimizer)
         clip = _TAP.take_clip()
-        n = self._calls.get(optimizer, 0)
-        self._calls[optimizer] = n + 1
+        st = self._opt_state(optimizer)
+        n = st.calls
+        st.calls = n + 1
         if n % self.every:
             return None
         return self._probe(optimizer, clip)
@@ -342,9 +375,10 @@ class GradNormProbe:
             self.on_skipped(pending)
 
     def _probe(self, optimizer: Any, clip: Any) -> PendingGradNorm | None:
-        import torch
+        torch = _torch()
 
-        params = self._optimizer_params(optimizer)
+        st = self._opt_state(optimizer)
+        params = st.parameters(optimizer)
         if not params:
             return None
         if params[0].is_cuda and torch.cuda.is_current_stream_capturing():
@@ -355,7 +389,7 @@ class GradNormProbe:
         values = None
         sharded = False
         from_clip = False
-        fsdp1 = getattr(params[0], "_fsdp_flattened", False)
+        fsdp1 = st.fsdp1
         if (
             self.reuse_clip
             and clip is not None
@@ -379,13 +413,17 @@ class GradNormProbe:
                         "fully_shard is supported without it."
                     )
                 return None
-            values, sharded = self._compute(params)
+            values = self._compute_plain(st) if st.plain else None
+            if values is not None:
+                sharded = False
+            else:
+                values, sharded = self._compute(params)
             if values is None:
                 return None
         if isinstance(scale, torch.Tensor):
             s = scale.to(device=values.device, dtype=torch.float32)
-            values = values / torch.stack([s * s, s])
-        host, event, device = copy_to_host(values) if values.device.type == "cuda" else (None, None, -1)
+            values = values / s if values.dim() == 0 else values / torch.stack([s * s, s])
+        host, event, device = copy_to_host(values) if values.is_cuda else (None, None, -1)
         return PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer), device)
 
     @staticmethod
@@ -402,6 +440,26 @@ class GradNormProbe:
                 return torch.stack([sq, zero]), True
             return torch.stack([zero, local]), False
         return torch.stack([zero, total.detach().float()]), False
+
+    def _compute_plain(self, st: "_OptState") -> Any:
+        """The common case in three kernels: every parameter a plain dense tensor (no DTensor,
+        no FSDP1 flat parameter; learnt once per parameter list), so the grads need no sorting:
+        ``vector_norm(stack(_foreach_norm(grads)))`` as a 0-dim fp32 tensor (its sharded part
+        is 0), the arithmetic of ``_local_norm``. None when there is no grad; a sparse grad or
+        grads on several devices make torch refuse, and this optimizer takes the general path
+        (``_compute``) from then on."""
+        torch = _torch()
+        grads = [g for p in st.params if (g := p.grad) is not None]
+        if not grads:
+            return None
+        if type(grads[0]) is not torch.Tensor and _is_dtensor(grads[0]):
+            st.plain = False
+            return None
+        try:
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
+        except (RuntimeError, NotImplementedError, TypeError):
+            st.plain = False
+            return None
 
     def _compute(self, params: list[Any]) -> tuple[Any, bool]:
         import torch
@@ -452,12 +510,52 @@ class GradNormProbe:
         if pending.event is not None:
             if not event_done(pending.event, pending.device):
                 return None
-            sq, rep = pending.host.tolist()
+            sq, rep = _pair(pending.host.tolist())
         else:
-            sq, rep = pending.values.detach().to("cpu").tolist()
+            v = pending.values
+            # A CPU value is read as it is: each extra torch call here (detach, to) hands the
+            # GIL to the training thread and back while it runs torch ops of its own.
+            sq, rep = _pair(v.tolist() if v.is_cpu else v.detach().to("cpu").tolist())
         nonfinite = not (math.isfinite(sq) and math.isfinite(rep))
         norm = None if pending.sharded else rep
         return GradNormResult(norm, (sq, rep), pending.sharded, nonfinite, pending.skipped, pending.from_clip)
+
+
+def _pair(v: Any) -> tuple[float, float]:
+    """``PendingGradNorm.values`` as read: a pair, or one number (the plain norm; sharded part 0)."""
+    if isinstance(v, list):
+        return v[0], v[1]
+    return 0.0, v
+
+
+class _OptState:
+    """The probe's memory of one optimizer: steps seen, and its parameters as a flat list,
+    rebuilt when a group's list or its length changes (``add_param_group``, a new list)."""
+
+    __slots__ = ("calls", "params", "shape", "plain", "fsdp1", "__weakref__")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.params: list[Any] = []
+        self.shape: Any = None
+        self.plain = False
+        self.fsdp1 = False  # FSDP1 flat parameters (the first parameter tells)
+
+    def parameters(self, optimizer: Any) -> list[Any]:
+        groups = optimizer.param_groups
+        if len(groups) == 1:
+            ps = groups[0]["params"]
+            shape: Any = (id(ps), len(ps))
+        else:
+            shape = tuple((id(g["params"]), len(g["params"])) for g in groups)
+        if shape != self.shape:
+            self.params = [p for g in groups for p in g["params"]]
+            self.shape = shape
+            self.fsdp1 = bool(self.params) and bool(getattr(self.params[0], "_fsdp_flattened", False))
+            self.plain = bool(self.params) and all(
+                not _is_dtensor(p) and not getattr(p, "_fsdp_flattened", False) for p in self.params
+            )
+        return self.params
 
 
 def merge_results(results: Sequence[GradNormResult]) -> GradNormResult:

@@ -51,7 +51,8 @@ class BatchCounts:
                 return None
             value = int(self._host.item())
         else:
-            value = int(self._pending.to("cpu").item())
+            t = self._pending
+            value = int(t.item() if t.is_cpu else t.to("cpu").item())
         return BatchCounts(self.samples, value)
 
     def __add__(self, other: "BatchCounts") -> "BatchCounts":
@@ -193,6 +194,9 @@ class ThroughputCollector(Collector):
         # The first FLOPs count (for the start-up Tensor Core lint: flops.alignment_finding).
         self.first_count: Any = None
         self._dtype_keys: dict[int, str] = {}
+        # The last model call's (shape, dtype) of a lone positional tensor and its counts: the
+        # same shape and dtype give the same counts (no pad id, nothing queued on the device).
+        self._last_counts: tuple[Any, Any, int | None, int | None] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -240,10 +244,26 @@ class ThroughputCollector(Collector):
         if fc is None:
             self._flops_known = False
         elif self._flops_known:
-            self._flops = fc if self._flops is None else self._flops + fc
+            if self._flops is None:
+                self._flops = fc
+            elif fc.forward or fc.backward or fc.recompute:  # a loss module's count is often empty
+                self._flops = self._flops + fc
         if is_model:
             self._n += 1
-            self._counts.append(infer_batch_counts(args, kwargs, pad_token_id=self.pad_token_id, seq_first=self._seq_first))
+            self._counts.append(self._batch_counts(args, kwargs))
+
+    def _batch_counts(self, args: Any, kwargs: Any) -> BatchCounts:
+        import torch
+
+        first = args[0] if not kwargs and type(args) is tuple and args else None
+        if type(first) is torch.Tensor:
+            last = self._last_counts
+            if last is not None and last[1] is first.dtype and last[0] == first.shape:
+                return BatchCounts(last[2], last[3])
+        c = infer_batch_counts(args, kwargs, pad_token_id=self.pad_token_id, seq_first=self._seq_first)
+        if type(first) is torch.Tensor and c._pending is None:
+            self._last_counts = (first.shape, first.dtype, c.samples, c.tokens)
+        return c
 
     def take(self) -> StepThroughput | None:
         if not self._n and self._flops is None:
