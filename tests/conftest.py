@@ -9,6 +9,16 @@ if SRC not in sys.path:
     sys.path.insert(0, SRC)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_warn_once():
+    """Each test starts with stepwatch's warn-once memory empty (it is per process: a warning a
+    test expects must not have been spent by an earlier test)."""
+    from stepwatch import _log
+
+    _log._warned.clear()
+    yield
+
+
 @pytest.fixture
 def sw(tmp_path, monkeypatch):
     """A running stepwatch session writing to a temp run dir, with an in-memory exporter.

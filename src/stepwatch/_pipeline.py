@@ -55,11 +55,13 @@ class Pending:
 
 
 def to_float(v: Any) -> float | None:
+    """A float, or None for what is not one number that fits (``10**400``, a tensor of several
+    values, a string). A one-value tensor is read with one call (``float``); no graph is kept."""
+    if type(v) is float:
+        return v
     try:
-        if hasattr(v, "numel"):
-            if v.numel() != 1:
-                return None
-            v = v.detach()
+        if getattr(v, "requires_grad", False):
+            v = v.detach()  # float() of a tensor in a graph warns in the user's job
         return float(v)
     except (TypeError, ValueError, RuntimeError, OverflowError):  # OverflowError: 10**400
         return None
@@ -399,6 +401,8 @@ class Pipeline:
         return True
 
     def _ready(self, rec: StepRecord, *, force: bool) -> bool:
+        if not rec.scalars:
+            return True
         pending = [k for k, v in rec.scalars.items() if isinstance(v, Pending)]
         for k in pending:
             p = rec.scalars[k]

@@ -369,7 +369,7 @@ def stand_in(monkeypatch):
     torch = pytest.importorskip("torch")
     cuda = _StandInCuda()
     cuda.install(monkeypatch, torch)
-    monkeypatch.setattr(cuda_ext, "_warned", set())
+    monkeypatch.setattr("stepwatch._log._warned", set())
     # No runtime library answers for these events (they are Python objects): the queries go
     # through torch's own Event.query(), as on a machine where the extension cannot load one.
     monkeypatch.setattr(cuda_ext, "_direct", False)

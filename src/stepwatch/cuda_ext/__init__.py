@@ -30,6 +30,7 @@ import importlib
 import logging
 from typing import Any
 
+from stepwatch._log import warn_once
 from stepwatch.cuda_ext._python import PyHostRing, TorchEventRing, _Region, check_capacity
 
 __all__ = [
@@ -62,13 +63,8 @@ except ImportError as exc:  # not built (no compiler at install time) or built f
         """No CUDA/HIP runtime library could be loaded; the message lists what was tried."""
 
 
-_warned: set[str] = set()
-
-
 def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        _log.warning("%s", msg)
+    warn_once(f"cuda_ext.{msg}", "%s", msg, log=_log)
 
 
 def native_ring_class(module: Any) -> type:

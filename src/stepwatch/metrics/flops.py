@@ -32,6 +32,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
+from .._log import warn_once
 from ..hooks.replay import is_counting, set_counting
 from .peaks import matmul_dtype_key
 
@@ -811,8 +812,6 @@ class FlopCache:
         # Last-signature fast path: per module, the global state and a flat description of the
         # last call's arguments, with its value (see ``_fast_sig``/``_same``).
         self._last: dict[int, tuple[Any, tuple[Any, ...], Any, FlopCount | None]] = {}
-        self._warned_budget = False
-        self._warned_errors: set[str] = set()
         self.misses = 0
         self.errors = 0
 
@@ -855,14 +854,13 @@ class FlopCache:
                 self._remember(mid, args, kwargs, value)
             return value
         if self.misses >= self.max_misses:
-            if not self._warned_budget:
-                self._warned_budget = True
-                log.warning(
-                    "stepwatch: input shapes changed %d times; FLOPs of new shapes are not counted "
-                    "(MFU is null for them). Pad to a few fixed lengths, or give the FLOPs: "
-                    "stepwatch.init(flops=<number | callable(batch)>) or flops.transformer_flops().",
-                    self.max_misses,
-                )
+            warn_once(
+                "flops.budget",
+                "stepwatch: input shapes changed %d times; FLOPs of new shapes are not counted "
+                "(MFU is null for them). Pad to a few fixed lengths, or give the FLOPs: "
+                "stepwatch.init(flops=<number | callable(batch)>) or flops.transformer_flops().",
+                self.max_misses, log=log,
+            )
             return None
         kw = {**self._count_kwargs, **count_kwargs}
         try:
@@ -883,9 +881,7 @@ class FlopCache:
         except FlopCountError as e:
             self.errors += 1
             msg = str(e)
-            if msg not in self._warned_errors:
-                self._warned_errors.add(msg)
-                log.warning("stepwatch: %s", msg)
+            warn_once(f"flops.error.{msg}", "stepwatch: %s", msg, log=log)
             value = None
         self.misses += 1
         self._entries[key] = value

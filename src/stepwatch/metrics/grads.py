@@ -30,6 +30,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from .._log import warn_once
 from ..cuda_ext import copy_to_host, event_done
 from ..hooks.phases import Collector
 
@@ -317,8 +318,6 @@ class GradNormProbe:
         self._state: "weakref.WeakKeyDictionary[Any, _OptState]" = weakref.WeakKeyDictionary()
         self._last: Any = None  # (weakref to the last optimizer seen, its _OptState)
         self._installed = False
-        self._warned_fsdp1 = False
-        self._warned_sparse = False
 
     # -- lifecycle
 
@@ -405,13 +404,13 @@ class GradNormProbe:
             if fsdp1:
                 # FSDP1 flat grads: sharded or not depends on the sharding strategy, which the
                 # grads do not show. Unknown beats a plausible wrong number.
-                if not self._warned_fsdp1:
-                    self._warned_fsdp1 = True
-                    log.warning(
-                        "stepwatch: grad_norm is null under FSDP1 (FullyShardedDataParallel) unless "
-                        "you call model.clip_grad_norm_() each step (its norm is reused); FSDP2 "
-                        "fully_shard is supported without it."
-                    )
+                warn_once(
+                    "grads.fsdp1",
+                    "stepwatch: grad_norm is null under FSDP1 (FullyShardedDataParallel) unless "
+                    "you call model.clip_grad_norm_() each step (its norm is reused); FSDP2 "
+                    "fully_shard is supported without it.",
+                    log=log,
+                )
                 return None
             values = self._compute_plain(st) if st.plain else None
             if values is not None:
@@ -479,13 +478,13 @@ class GradNormProbe:
                 if g.is_sparse and g.is_cuda and not g.is_coalesced():
                     # Summing an uncoalesced sparse grad's duplicates (coalesce) waits for the
                     # device to learn the new size: unknown rather than a sync every step.
-                    if not self._warned_sparse:
-                        self._warned_sparse = True
-                        log.warning(
-                            "stepwatch: grad_norm is null while a CUDA gradient is sparse and "
-                            "uncoalesced (e.g. nn.Embedding(sparse=True)): its norm needs a "
-                            "device sync stepwatch does not make."
-                        )
+                    warn_once(
+                        "grads.sparse",
+                        "stepwatch: grad_norm is null while a CUDA gradient is sparse and "
+                        "uncoalesced (e.g. nn.Embedding(sparse=True)): its norm needs a "
+                        "device sync stepwatch does not make.",
+                        log=log,
+                    )
                     return None, False
                 plain.append(g)
         if not plain and not sharded:

@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .._log import warn_once
+
 log = logging.getLogger(__name__)
 
 # The dtype keys used everywhere FLOPs are split by precision (flops.py counts into these).
@@ -256,7 +258,6 @@ class PeakResolver:
             if not math.isfinite(override_tflops) or override_tflops <= 0:
                 raise ValueError(f"override_tflops must be a finite number > 0, got {override_tflops!r}")
         self.override_tflops = override_tflops
-        self._warned: set[str] = set()
 
     def peaks(self, device_name: str | None) -> Mapping[str, float] | float | None:
         """What ``compute_mfu`` takes: a float (override), a dtype->TFLOP/s table, or None."""
@@ -266,14 +267,13 @@ class PeakResolver:
         if p is not None:
             return p.tflops
         key = device_name or "<no accelerator>"
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(
-                "stepwatch: no dense peak TFLOP/s known for device %r, so MFU is null. "
-                "Set STEPWATCH_PEAK_TFLOPS=<dense peak TFLOP/s of this device in your training dtype> "
-                "(or stepwatch.init(peak_tflops=...)) to get MFU.",
-                key,
-            )
+        warn_once(
+            f"peaks.unknown.{key}",
+            "stepwatch: no dense peak TFLOP/s known for device %r, so MFU is null. "
+            "Set STEPWATCH_PEAK_TFLOPS=<dense peak TFLOP/s of this device in your training dtype> "
+            "(or stepwatch.init(peak_tflops=...)) to get MFU.",
+            key, log=log,
+        )
         return None
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .._files import make_private_dir, open_private
+from .._log import warn_once
 from ..exporters.base import Batch, Exporter
 from ..record import Finding
 from . import names as N
@@ -139,7 +140,6 @@ class ServeWatcher:
         from ..analysis.ratelimit import FindingLimiter
 
         self.limiter = FindingLimiter(config.slo_window_s, 20, position=lambda f: f.time, unit="s")
-        self._warned: set[str] = set()
         # Loopback servers: never through an HTTP proxy from the environment.
         self._opener = opener or urllib.request.build_opener(urllib.request.ProxyHandler({}))
         make_private_dir(config.run_dir)
@@ -166,9 +166,7 @@ class ServeWatcher:
             return None
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(msg, *args)
+        warn_once(f"serving.{key}", msg, *args, log=log)
 
     def scrape(self, srv: _Server) -> Scrape | None:
         got = self._get(srv.url + "/metrics")
