@@ -240,7 +240,10 @@ class Feature:
                 self._watch_off = os.path.getsize(path) if os.path.exists(path) else 0
             if os.path.getsize(path) <= self._watch_off:
                 return [], []
-            lines = read_private(path, offset=self._watch_off).splitlines(keepends=True)
+            # Split on "\n" only, as the sidecar writes lines; a half-written character at the
+            # end is replaced (its line has no "\n" yet and is read again next pass).
+            parts = read_private(path, offset=self._watch_off, errors="replace").split("\n")
+            lines = [p + "\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
         except OSError:
             return [], []
         from ..record import Finding
