@@ -260,3 +260,30 @@ def test_compile_in_place_after_the_scan_is_still_timed_outside_the_compiled_cod
     stepwatch.shutdown()
     assert len(mem.records) == 4 and all(r.forward_s > 0 for r in mem.records[1:])
     assert m.__dict__["_compiled_call_impl"] is call.inner  # the compiled callable, given back
+
+
+def test_an_exception_from_a_root_forward_shows_no_stepwatch_frame(sw):
+    """Roots are timed by wrapping their call (hooks/install.py _RootCall): an exception from the
+    user's forward must reach them with their own frames and torch's only, as without stepwatch
+    (the memory job test compares whole tracebacks; this is its fast form)."""
+    import traceback
+
+    stepwatch, _, start = sw
+    start()
+
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            raise ValueError("boom")
+
+    net = Boom()
+    torch.optim.SGD(net.parameters(), lr=0.1)  # the optimizer's construction finds the roots
+    assert "Boom" in stepwatch.get_session().instrumentation.roots
+    with pytest.raises(ValueError, match="boom") as info:
+        net(torch.ones(1, 2))
+    files = [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
+    assert not [f for f in files if "/stepwatch/" in f], files
+    assert files[-1] == __file__  # where it was raised

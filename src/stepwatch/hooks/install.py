@@ -454,6 +454,15 @@ class _RootCall:
         return (_no_call, ())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._call(args, kwargs)
+        except BaseException as e:
+            # The user's traceback shows their frames and torch's, as without stepwatch: this
+            # wrapper's two frames are taken out (a bare ``raise`` adds none back).
+            _drop_own_frames(e)
+            raise
+
+    def _call(self, args: Any, kwargs: Any) -> Any:
         if self.compiling() or self.counting():
             return self.inner(*args, **kwargs)
         inst = self.inst
@@ -476,6 +485,17 @@ class _RootCall:
             raise
         finally:
             tr.forward_end()
+
+
+def _drop_own_frames(e: BaseException) -> None:
+    """Take ``_RootCall``'s frames off the head of ``e``'s traceback, unless the exception began
+    in one of them (then they are where it happened, and stay)."""
+    own = (_RootCall.__call__.__code__, _RootCall._call.__code__)
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code in own and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not e.__traceback__:
+        e.__traceback__ = tb
 
 
 class _Inert:
