@@ -81,6 +81,18 @@ def variants() -> list[tuple[str, dict]]:
     return out
 
 
+def train_step(model, lossf, opt, params, x, y, norm: bool = False):
+    """One step of the benchmark's loop; ``norm``: the loop computes the grad-norm floor itself."""
+    loss = lossf(model(x), y)
+    loss.backward()
+    if norm:
+        torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params], 2.0)), 2.0)
+    opt.step()
+    opt.zero_grad()
+    stepwatch.log(loss=loss)
+    return loss
+
+
 def make_loop(width: int, batch: int, steps: int):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
@@ -101,13 +113,7 @@ def make_loop(width: int, batch: int, steps: int):
             if i == 5:  # the block's first steps include discovery and warm-up
                 cpu0 = time.thread_time_ns()
                 GC.start()
-            loss = lossf(model(x), y)
-            loss.backward()
-            if norm:
-                torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params], 2.0)), 2.0)
-            opt.step()
-            opt.zero_grad()
-            stepwatch.log(loss=loss)
+            train_step(model, lossf, opt, params, x, y, norm)
             n = i
         t = (time.thread_time_ns() - cpu0) / 1e9 / (n - 4)
         GC.stop(n - 4)
@@ -326,14 +332,7 @@ def all_defaults_hot(run_dir: str, n: int) -> None:
     loss_box = [None]
 
     def step(norm: bool = False) -> None:
-        loss = lossf(model(x), y)
-        loss.backward()
-        if norm:
-            torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params], 2.0)), 2.0)
-        opt.step()
-        opt.zero_grad()
-        stepwatch.log(loss=loss)
-        loss_box[0] = loss
+        loss_box[0] = train_step(model, lossf, opt, params, x, y, norm)
 
     m = max(n // 10, 200)
     off = _timed(step, m)
