@@ -130,7 +130,8 @@ class Pipeline:
         self._queue: collections.deque[RawStep] = collections.deque()
         self._cap = queue_size
         self._interval = flush_interval_s
-        self._held: list[list[Any]] = []  # [since, record, extras, enrichers done with it]
+        # [since, record, extras, enrichers done with it], oldest first
+        self._held: collections.deque[list[Any]] = collections.deque()
         self._new_enrichers: list[tuple[Any, bool]] = []  # from any thread; taken in by the pass
         self._internal_findings: list[Finding] = []
         self._opened = False
@@ -379,7 +380,7 @@ class Pipeline:
             force = final or now - since > _MAX_HOLD_S
             if not self._ready(rec, force=force) or not self._enrich(entry, force=force):
                 break
-            self._held.pop(0)
+            self._held.popleft()
             out.append(rec)
         return out
 
