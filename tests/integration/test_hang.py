@@ -124,7 +124,9 @@ TIMEOUT_S = 5.0
 
 
 def check_report(run, first_line):
-    # JOB's source line numbers: the script starts at JOB's second line.
+    # JOB's source line numbers: the script starts at JOB's second line. The report is rank 0's
+    # first hang; each rank's stacks lie in its own episode's dir (rank 1 may have stalled past the
+    # timeout once before, waiting for a slow rank 0: then this hang is its hang-2).
     rep = json.loads((run / "hang-1" / "report.json").read_text())
     assert rep["laggards"] == [1], rep
     hang_start = float((run.parent / "hang_start").read_text())
@@ -134,8 +136,9 @@ def check_report(run, first_line):
     assert rep["detected_after_s"] >= TIMEOUT_S
     ranks = {r["rank"]: r for r in rep["ranks"]}
     assert set(ranks) == {0, 1} and ranks[0]["phase"] == "backward" and ranks[1]["phase"] != "backward"
-    s1 = (run / "hang-1" / "stacks.rank1.txt").read_text()
-    s0 = (run / "hang-1" / "stacks.rank0.txt").read_text()
+    assert os.path.samefile(ranks[0]["stacks"], run / "hang-1" / "stacks.rank0.txt")
+    s1 = open(ranks[1]["stacks"]).read()
+    s0 = open(ranks[0]["stacks"]).read()
     assert f"job.py:{first_line})" in s1, s1
     assert f"job.py:{first_line})" in ranks[1]["top_frames"][0] or any(
         f"job.py:{first_line})" in f for f in ranks[1]["top_frames"])
@@ -163,7 +166,11 @@ def test_sleeping_rank_is_named_and_the_job_keeps_waiting(tmp_path):
             text = (tmp_path / "run" / "findings.rank0.jsonl").read_text()
             kinds = [json.loads(x)["kind"] for x in text.splitlines() if x.strip()]
         assert "hang" in kinds
-        assert not (tmp_path / "run" / "hang-2").exists()  # dumped once per hang
+        # Dumped once per hang: no second snapshot of it (a stall that ended before it may have one).
+        hang_start = float((tmp_path / "hang_start").read_text())
+        for r in (0, 1):
+            snaps = [json.loads(p.read_text()) for p in (tmp_path / "run").glob(f"hang-*/progress.rank{r}.json")]
+            assert len([s for s in snaps if s["detected_at"] > hang_start]) == 1, (r, snaps)
         assert time.monotonic() - t0 < 120
     finally:
         out = stop_job(proc, tmp_path / "run")

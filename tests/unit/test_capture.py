@@ -1,6 +1,7 @@
 """Progress board, hang verdict, stack parsing, spike detector, SIGUSR1 registration, limits."""
 
 import faulthandler
+import json
 import os
 import signal
 import subprocess
@@ -615,6 +616,128 @@ def test_rank_0_does_not_take_an_old_hangs_snapshot_for_this_one():
     assert Watchdog._same_episode({"detected_at": now + 30, "complete": True}, mine)
     assert not Watchdog._same_episode({"detected_at": now - 3600, "complete": True}, mine)  # an hour old
     assert not Watchdog._same_episode({"complete": True}, mine)  # written by an older stepwatch
+    # A stall of that rank that ended (progress resumed) before this hang was detected is not it.
+    assert not Watchdog._same_episode({"detected_at": now - 10, "ended_at": now - 1, "complete": True}, mine)
+    assert Watchdog._same_episode({"detected_at": now - 10, "ended_at": now + 1, "complete": True}, mine)
+
+
+def _hang_sidecar(tmp_path, rank, trainer_pid, *, action="dump", attempt=0, board=None):
+    """A sidecar as parse_args builds it: no py-spy, no signal file (stacks come back at once,
+    empty), no store."""
+    import argparse
+
+    from stepwatch.watchdog.sidecar import Watchdog
+
+    return Watchdog(argparse.Namespace(
+        rank=rank, trainer_pid=trainer_pid, board=board, run_dir=str(tmp_path), run_id="t", store_addr=None,
+        store_port=None, attempt=attempt, world_size=2, timeout=0.3, action=action, pyspy=None, native_budget=8.0,
+        signal_file=None, dump_signal=None))
+
+
+def _snapshot_file(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _until(cond, what, tick=None, limit_s=10.0):
+    end = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < end, what
+        if tick is not None:
+            tick()
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("action,attempt", [("dump", 0), ("exit", 1)])
+def test_rank_0_takes_this_hangs_snapshot_from_a_rank_that_counted_one_more_episode(tmp_path, monkeypatch,
+                                                                                   action, attempt):
+    """The CI flake: rank 1 stalled past the timeout alone early on (in backward, waiting for a
+    slow rank 0), progress resumed, then it hung for real before its forward. Its hang-1 is the
+    ended stall, this hang its hang-2; rank 0's first hang is its hang-1. The report must carry
+    rank 1's state now (step 5, phase other) and its hang-2 stacks. Under action=exit rank 1's
+    sidecar waits for rank 0's report after its first dump: it must still see progress resume."""
+    import threading
+
+    from stepwatch.hooks.phases import PHASE_OTHER
+    from stepwatch.watchdog import sidecar as wd
+
+    monkeypatch.setattr(wd, "POLL_S", 0.02)
+    monkeypatch.setattr(wd, "GATHER_S", 1.0)
+    job = subprocess.Popen(["sleep", "60"])  # the trainer both sidecars would end
+    board = progress.Board(str(tmp_path / "board1"), rank=1)
+    board.set_step(1)
+    board.set_phase(PHASE_BACKWARD)  # waits in the allreduce for a slow rank 0
+    w1 = _hang_sidecar(tmp_path, 1, job.pid, action=action, attempt=attempt, board=board.path)
+    side = threading.Thread(target=w1.run, daemon=True)
+    side.start()
+    try:
+        first = os.path.join(w1.hang_dir(1), "progress.rank1.json")
+        _until(lambda: _snapshot_file(first).get("complete"), "rank 1's stall was not dumped")
+        board.set_phase(PHASE_OTHER)  # progress resumed; then rank 1 stops before its forward
+        board.set_step(5)
+        second = os.path.join(w1.hang_dir(2), "progress.rank1.json")
+        _until(lambda: _snapshot_file(second).get("complete"), "rank 1's hang was not dumped")
+
+        b0 = progress.Board(str(tmp_path / "board0"), rank=0)
+        b0.set_step(6)
+        b0.set_phase(PHASE_BACKWARD)
+        w0 = _hang_sidecar(tmp_path, 0, job.pid, action=action, attempt=attempt)
+        w0.on_hang(1, progress.Reader(b0.path).read(), 0.4, 0.3)
+        b0.close()
+        with open(os.path.join(w0.hang_dir(1), "report.json")) as f:
+            rep = json.load(f)
+    finally:
+        board.close()
+        job.kill()
+        job.wait()
+        side.join(timeout=20)
+    assert not side.is_alive()
+    ranks = {r["rank"]: r for r in rep["ranks"]}
+    assert rep["laggards"] == [1] and rep["waiting"] == [0] and rep["missing_ranks"] == []
+    assert (ranks[1]["step"], ranks[1]["phase"]) == (5, "other"), ranks[1]
+    assert ranks[1]["stacks"] == os.path.join(w1.hang_dir(2), "stacks.rank1.txt")
+    assert "ended_at" in _snapshot_file(first) and "ended_at" not in _snapshot_file(second)
+
+
+def test_a_rank_whose_only_stall_ended_is_missing_from_the_report_not_taken(tmp_path, monkeypatch):
+    """Rank 1 stalled past the timeout and resumed; rank 0 hangs later and rank 1's snapshot of
+    this hang never comes (its host is unreachable, its sidecar is late): rank 1 is missing, not
+    described by the stall that ended."""
+    import threading
+
+    from stepwatch.hooks.phases import PHASE_OPTIMIZER
+    from stepwatch.watchdog import sidecar as wd
+
+    monkeypatch.setattr(wd, "POLL_S", 0.02)
+    monkeypatch.setattr(wd, "GATHER_S", 0.5)
+    board = progress.Board(str(tmp_path / "board1"), rank=1)
+    board.set_step(1)
+    board.set_phase(PHASE_BACKWARD)
+    w1 = _hang_sidecar(tmp_path, 1, os.getpid(), board=board.path)
+    side = threading.Thread(target=w1.run, daemon=True)
+    side.start()
+    try:
+        first = os.path.join(w1.hang_dir(1), "progress.rank1.json")
+        _until(lambda: _snapshot_file(first).get("complete"), "rank 1's stall was not dumped")
+        # Progress resumes and goes on (no second stall) until the sidecar has marked the first over.
+        _until(lambda: "ended_at" in _snapshot_file(first), "the stall was not marked over",
+               tick=lambda: board.set_phase(PHASE_OPTIMIZER))
+    finally:
+        board.close()
+        side.join(timeout=20)
+    assert not os.path.exists(w1.hang_dir(2))
+    w0 = _hang_sidecar(tmp_path, 0, os.getpid())
+    b0 = progress.Board(str(tmp_path / "board0"), rank=0)
+    b0.set_step(6)
+    b0.set_phase(PHASE_BACKWARD)
+    w0.on_hang(1, progress.Reader(b0.path).read(), 0.4, 0.3)
+    b0.close()
+    with open(os.path.join(w0.hang_dir(1), "report.json")) as f:
+        rep = json.load(f)
+    assert rep["missing_ranks"] == [1] and [r["rank"] for r in rep["ranks"]] == [0]
 
 
 def test_hang_timeout_stays_within_half_the_process_group_timeout(tmp_path):

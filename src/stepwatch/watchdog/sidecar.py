@@ -53,6 +53,10 @@ POLL_S = 0.25
 CHECKPOINT_RECHECK_S = 5.0
 # Rank 0 waits this long for the other ranks' snapshots before it writes the report anyway.
 GATHER_S = 20.0
+# Episodes are counted per rank: one that stalled alone before (waiting for a slow peer) counts
+# more than rank 0. Rank 0 looks for their snapshots in the store up to this many episodes past
+# its own (the run dir is listed whole, but across hosts only the store is shared).
+EPISODES_AHEAD = 3
 
 
 def default_timeout(step_s: list[float]) -> float:
@@ -162,6 +166,7 @@ class Watchdog:
         self.stack_method = "unknown"
         self.store = Store(a.store_addr, a.store_port, f"stepwatch/{a.run_id}")
         self.board: progress.Reader | None = None
+        self._open_episode: tuple[int, str, dict[str, Any]] | None = None  # (n, snapshot path, snapshot)
         self.checkpointing = False  # this rank's trainer, as last published
         self._others_ckpt: tuple[float, bool] | None = None  # (monotonic s when asked, answer)
 
@@ -272,6 +277,8 @@ class Watchdog:
                 self.last_done = snap["steps_done"]
             if snap["last_progress_ns"] != self.last_progress:
                 self.last_progress = snap["last_progress_ns"]
+                if self.in_hang:
+                    self.end_episode(snap)
                 self.in_hang = False
             if snap["dump_req"] != self.dump_seen:
                 self.dump_seen = snap["dump_req"]
@@ -379,50 +386,105 @@ class Watchdog:
                      "stack_method": st.get("method"), "complete": True})
         _write_json(snap_path, mine)
         self.store.set(f"hang/{self.a.attempt}/{n}/{self.rank}", json.dumps(mine, default=str))
-        report = os.path.join(d, "report.json")
+        self._open_episode = (n, snap_path, mine)
         if self.rank == 0:
             self.report(n, mine, limit)
-        elif self.a.action == "exit":
-            # Ending this rank makes torchrun stop the others: rank 0 must have its report first.
-            end = time.monotonic() + GATHER_S + 10
-            while not os.path.exists(report) and time.monotonic() < end:
-                time.sleep(0.25)
+        elif self.a.action == "exit" and not self.wait_for_report(os.path.join(d, "report.json"), snap):
+            return  # not a hang after all: back to watching
         if self.a.action == "exit":
             self.end_trainer()
 
+    def wait_for_report(self, report: str, snap: dict[str, Any]) -> bool:
+        """Ending this rank makes torchrun stop the others: rank 0 must have its report first. The
+        board is watched meanwhile: when progress resumes, this rank only stalled (waiting for a
+        slow peer), and False says to leave the trainer running and watch on; a later hang is
+        this rank's next episode, with a snapshot of its own for rank 0 to find."""
+        end = time.monotonic() + GATHER_S + 10
+        while not os.path.exists(report) and time.monotonic() < end and _alive(self.pid):
+            cur = self.board.read() if self.board is not None else None
+            if cur is not None and cur["last_progress_ns"] != snap["last_progress_ns"]:
+                return False
+            time.sleep(POLL_S)
+        return True
+
+    def end_episode(self, snap: dict[str, Any]) -> None:
+        """Progress resumed: the open episode's snapshot (file and store key) gets ``ended_at``, so
+        rank 0 does not take it for a later hang (see :meth:`gather`). The time is the newest
+        progress on the board, not now: this sidecar may notice late (it was dumping), and a
+        later time could pass for a stall still open when rank 0 detected its hang. Never fatal."""
+        ep, self._open_episode = self._open_episode, None
+        if ep is None:
+            return
+        n, path, mine = ep
+        try:
+            ago_s = max(time.monotonic_ns() - snap["last_progress_ns"], 0) / 1e9
+            mine["ended_at"] = time.time() - ago_s
+            _write_json(path, mine)
+            self.store.set(f"hang/{self.a.attempt}/{n}/{self.rank}", json.dumps(mine, default=str))
+        except Exception as e:
+            log(f"watchdog rank {self.rank}: cannot mark hang {n} over ({type(e).__name__}: {e})")
+
     def gather(self, n: int, mine: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """Every rank's snapshot of this hang (rank 0's episode ``n``). Each rank numbers its own
+        episodes, so another rank's snapshot of this hang may lie under any number: a rank that
+        stalled alone before (waiting for a slow peer) has an ended episode more. Of a rank's
+        snapshots, those of :meth:`_same_episode` count and the one detected nearest to mine wins."""
         snaps = {self.rank: mine}
-        d = self.hang_dir(n)
         deadline = time.monotonic() + GATHER_S
         while True:
+            episodes = self._episodes(n)
             for r in range(self.a.world_size):
                 if r in snaps and snaps[r].get("complete"):
                     continue
-                got = None
-                try:
-                    got = read_json_private(os.path.join(d, f"progress.rank{r}.json"))
-                except (OSError, ValueError):
-                    raw = self.store.try_get(f"hang/{self.a.attempt}/{n}/{r}") if self.a.world_size > 1 else None
-                    if raw:
-                        try:
-                            got = json.loads(raw)
-                        except ValueError:
-                            got = None
-                if got is not None and self._same_episode(got, mine):
-                    snaps[r] = got
+                found = [got for got in (self._snapshot(k, r) for k in episodes)
+                         if got is not None and self._same_episode(got, mine)]
+                if found:
+                    snaps[r] = min(found, key=lambda got: abs(got["detected_at"] - mine["detected_at"]))
             if all(r in snaps and snaps[r].get("complete") for r in range(self.a.world_size)):
                 return snaps
             if time.monotonic() > deadline:
                 return snaps
-            time.sleep(0.25)
+            time.sleep(POLL_S)
+
+    def _episodes(self, n: int) -> list[int]:
+        """The episode numbers to look under: 1 to n + EPISODES_AHEAD (the store), and every
+        ``hang_dir`` of this attempt in the run dir."""
+        ks = set(range(1, n + EPISODES_AHEAD + 1))
+        try:
+            names = os.listdir(self.run_dir)
+        except OSError:
+            names = []
+        for name in names:
+            k = name[len("hang-"):].split(".", 1)[0] if name.startswith("hang-") else ""
+            if k.isdigit() and os.path.basename(self.hang_dir(int(k))) == name:
+                ks.add(int(k))
+        return sorted(ks)
+
+    def _snapshot(self, k: int, r: int) -> dict[str, Any] | None:
+        """Rank ``r``'s snapshot of its episode ``k``: the run dir's, else the store's (other hosts)."""
+        got: Any = None
+        try:
+            got = read_json_private(os.path.join(self.hang_dir(k), f"progress.rank{r}.json"))
+        except (OSError, ValueError):
+            raw = self.store.try_get(f"hang/{self.a.attempt}/{k}/{r}") if self.a.world_size > 1 else None
+            if raw:
+                try:
+                    got = json.loads(raw)
+                except ValueError:
+                    got = None
+        return got if isinstance(got, dict) else None
 
     @staticmethod
     def _same_episode(got: dict[str, Any], mine: dict[str, Any]) -> bool:
-        """A rank's snapshot of this hang, not of an earlier one: episodes are counted per rank, and
-        a reused run directory (same run id) can hold an old job's ``hang-<n>``. Ranks detect one
-        hang within about a timeout of each other (wall clocks of hosts agree to well under that)."""
+        """A rank's snapshot of this hang, not of an earlier one: a reused run directory (same run
+        id) can hold an old job's ``hang-<n>``, and a rank's own earlier stall may have ended
+        (``ended_at``, progress resumed) before this hang was detected. Ranks detect one hang
+        within about a timeout of each other (wall clocks of hosts agree to well under that)."""
         t = got.get("detected_at")
         if not isinstance(t, (int, float)):
+            return False
+        ended = got.get("ended_at")
+        if isinstance(ended, (int, float)) and ended < mine["detected_at"]:
             return False
         return abs(t - mine["detected_at"]) <= max(float(mine.get("timeout_s") or 0), 60.0) + GATHER_S
 
