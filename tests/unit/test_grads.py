@@ -469,3 +469,56 @@ def test_probe_notices_a_changed_parameter_list(hooked):
     step(list(b.parameters()) + list(a.parameters()))
     got = [r.norm for r in h.values()]
     assert all(rel(g, w) < 1e-6 for g, w in zip(got, want)), (got, want)
+
+
+_FSDP1_JOB = r"""
+import json, os, sys
+import torch, torch.nn as nn, torch.distributed as dist
+import stepwatch
+
+run = sys.argv[1]
+stepwatch.init(dir=run, console="off")
+imported_by_stepwatch = "torch.distributed.fsdp" in sys.modules
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1  # after stepwatch, as a job would
+
+torch.manual_seed(0)
+model = FSDP1(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), device_id=torch.device("cpu"))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+clipped = []
+for step in range(4):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    clipped.append(float(model.clip_grad_norm_(max_norm=100.0)))
+    opt.step()
+    opt.zero_grad()
+stepwatch.shutdown()
+dist.destroy_process_group()
+with open(os.path.join(run, "steps.rank0.jsonl")) as f:
+    norms = [json.loads(line)["grad_norm"] for line in f]
+print(json.dumps({"imported_by_stepwatch": imported_by_stepwatch, "clipped": clipped, "norms": norms}))
+"""
+
+
+def test_fsdp_is_not_imported_by_stepwatch_and_fsdp1s_clip_is_still_reused(tmp_path):
+    """Importing torch.distributed.fsdp costs about 1 s of every process's start-up: stepwatch
+    never imports it. A job that imports it after stepwatch.init still gets FSDP1's clip norm
+    reused from the first step (the tap wraps the clip at the model's first forward), without
+    the warning meant for jobs that never call model.clip_grad_norm_(). And the job trains: the
+    FLOP count used to replay FSDP1 on fakes, which initialized it on the meta device, and the
+    next forward raised "An FSDP-managed module unexpectedly has parameters on meta"."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env.update({"PYTHONPATH": os.path.join(root, "src"), "OMP_NUM_THREADS": "1", "STEPWATCH_GPU_TELEMETRY": "0"})
+    r = subprocess.run([sys.executable, "-c", _FSDP1_JOB, str(tmp_path / "run")], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["imported_by_stepwatch"] is False
+    assert out["norms"] == pytest.approx(out["clipped"], rel=1e-6)
+    assert "grad_norm is null under FSDP1" not in r.stderr
+    assert r.stderr.count("FLOPs are not counted") == 1  # said once; MFU stays null

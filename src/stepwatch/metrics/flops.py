@@ -357,6 +357,33 @@ def _redirects_forward(module: Any) -> bool:
     return any(c.__name__ == "_LightningModuleWrapperBase" for c in type(module).__mro__)
 
 
+def _is_fsdp1(m: Any) -> bool:
+    t = type(m)
+    return t.__name__ == "FullyShardedDataParallel" and t.__module__.startswith("torch.distributed.fsdp")
+
+
+def _never_replay(root: Any) -> str | None:
+    """Why ``root`` must not be replayed at all (on fakes or real tensors), or None."""
+    if _redirects_forward(root):
+        # Lightning's strategy wrapper runs training_step (self.log stores tensors in the trainer's
+        # state): replaying it on fake tensors would leak fakes into the job.
+        return (
+            f"{type(root).__name__} runs Lightning's training_step, not a model forward: FLOPs are "
+            "not counted here; add stepwatch.integrations.lightning.StepwatchCallback() to the "
+            "Trainer's callbacks so stepwatch times and counts the model's own modules"
+        )
+    if any(_is_fsdp1(m) for m in root.modules()):
+        # Its first forward initializes it lazily, on the replay's fakes (a meta device it then
+        # refuses to train on), and a real replay would gather the flat shards: a collective.
+        return (
+            f"{type(root).__name__} holds FullyShardedDataParallel (FSDP1) flat parameters: a "
+            "replay would break its state, so FLOPs are not counted; give them with "
+            "stepwatch.init(flops=<number | callable(batch)>) or flops.transformer_flops() "
+            "(FSDP2 fully_shard is counted)"
+        )
+    return None
+
+
 def _is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor"
 
@@ -561,14 +588,9 @@ def count_step_flops(
     root = unwrap_module(module)
     if not isinstance(root, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if _redirects_forward(root):
-        # Lightning's strategy wrapper runs training_step (self.log stores tensors in the trainer's
-        # state): replaying it on fake tensors would leak fakes into the job. Never replay it.
-        raise FlopCountError(
-            f"{type(root).__name__} runs Lightning's training_step, not a model forward: FLOPs are "
-            "not counted here; add stepwatch.integrations.lightning.StepwatchCallback() to the "
-            "Trainer's callbacks so stepwatch times and counts the model's own modules"
-        )
+    why = _never_replay(root)
+    if why is not None:
+        raise FlopCountError(why)
     if backward is None:
         backward = torch.is_grad_enabled()
     from torch.nn.parameter import UninitializedParameter
@@ -870,7 +892,7 @@ class FlopCache:
                 raise
             except FlopCountError as fake_error:
                 # Fake tensors cannot run it (data-dependent ops): count it once on real tensors.
-                if self._counter is not count_step_flops or _redirects_forward(unwrap_module(module)):
+                if self._counter is not count_step_flops or _never_replay(unwrap_module(module)) is not None:
                     raise
                 try:
                     value = self._counter(module, args, kwargs, **kw, real=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ class _Tap:
         self.probes: "weakref.WeakSet[GradNormProbe]" = weakref.WeakSet()
         self.local = _TapLocal()
         self.errors = 0
+        self.fsdp1_patched = False
 
     def install(self, probe: "GradNormProbe") -> None:
         with self.lock:
@@ -106,12 +108,28 @@ class _Tap:
                     self._patch(owner, "clip_grad_norm_", wrapped_clip)
             scaler_cls = torch.amp.GradScaler
             self._patch(scaler_cls, "step", self._wrap_scaler_step(scaler_cls.__dict__["step"]))
-            if torch.distributed.is_available():
-                # FSDP1's own clip (a method) returns the global norm; its sharded flat grads
-                # cannot be told apart from replicated ones otherwise.
-                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+        self.patch_fsdp1()
 
-                self._patch(FSDP1, "clip_grad_norm_", self._wrap_fsdp1_clip(FSDP1.__dict__["clip_grad_norm_"]))
+    def patch_fsdp1(self) -> bool:
+        """FSDP1's own clip (a method) returns the global norm; its sharded flat grads cannot be
+        told apart from replicated ones otherwise. Patched once the job has imported
+        ``torch.distributed.fsdp``, never imported here: that import costs about 1 s of every
+        process's start-up. Called at install, at the first forward of a root module (an FSDP1
+        model is wrapped, so imported, before it runs) and when a probe first meets FSDP1's flat
+        parameters (the model was found at the first backward, after its first forward: that
+        step's clip went unseen). True when it wrapped the clip just now."""
+        if self.fsdp1_patched:
+            return False
+        mod = sys.modules.get("torch.distributed.fsdp")
+        fsdp1 = getattr(mod, "FullyShardedDataParallel", None) if mod is not None else None
+        if fsdp1 is None:
+            return False
+        with self.lock:
+            if self.fsdp1_patched or not self.refs:
+                return False
+            self.fsdp1_patched = True
+            self._patch(fsdp1, "clip_grad_norm_", self._wrap_fsdp1_clip(fsdp1.__dict__["clip_grad_norm_"]))
+            return True
 
     def _patch(self, owner: Any, name: str, wrapper: Any) -> None:
         orig = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
@@ -131,6 +149,7 @@ class _Tap:
                 if now is wrapper:
                     setattr(owner, name, orig)
             self.originals.clear()
+            self.fsdp1_patched = False
 
     def _fail(self, where: str) -> None:
         self.errors += 1
@@ -335,6 +354,11 @@ class GradNormProbe:
             _TAP.uninstall(self)
             self._installed = False
 
+    def patch_late(self) -> None:
+        """Take what could not be wrapped at install (FSDP1's clip, once FSDP is imported)."""
+        if self._installed:
+            _TAP.patch_fsdp1()
+
     # -- training thread
 
     def _opt_state(self, optimizer: Any) -> "_OptState":
@@ -404,6 +428,8 @@ class GradNormProbe:
             if fsdp1:
                 # FSDP1 flat grads: sharded or not depends on the sharding strategy, which the
                 # grads do not show. Unknown beats a plausible wrong number.
+                if _TAP.patch_fsdp1():
+                    return None  # its clip is wrapped only now: this step's norm went unseen
                 warn_once(
                     "grads.fsdp1",
                     "stepwatch: grad_norm is null under FSDP1 (FullyShardedDataParallel) unless "
