@@ -136,6 +136,10 @@ class Hub:
         """``fn(module, args, kwargs)`` for each root module's forward, before the phase opens."""
         self._inst.forward_observers.append(fn)
 
+    def remove_forward_observer(self, fn: Callable[[Any, Any, Any], None]) -> None:
+        """Safe from inside the observer itself (a one-shot observer)."""
+        self._inst.remove_observer("forward", fn)
+
     def add_optimizer_observer(self, fn: Callable[[Any], None]) -> None:
         """``fn(optimizer)`` for each optimizer step, before the phase opens."""
         self._inst.optimizer_observers.append(fn)
@@ -145,8 +149,7 @@ class Hub:
         self._inst.exception_observers.append(fn)
 
     def remove_exception_observer(self, fn: Callable[[str, BaseException], None]) -> None:
-        if fn in self._inst.exception_observers:
-            self._inst.exception_observers.remove(fn)
+        self._inst.remove_observer("exception", fn)
 
     @property
     def progress(self) -> Any:

@@ -806,3 +806,25 @@ def test_a_killed_sidecar_is_noticed_said_once_and_restarted_once(sw, tmp_path, 
     status = feat.status()["hang_watchdog"]
     assert status["enabled"] is False and status["restarts"] == 1 and "after one restart" in status["died"]
     stepwatch.shutdown()
+
+
+def test_an_observer_that_removes_itself_runs_once_and_the_others_still_run(tmp_path):
+    """A one-shot forward observer (training metrics' first-forward check) takes itself off
+    while the observers' loop runs: every other observer is still called, that call and after.
+    (Removing from the list in place made the loop skip the observer after it; a bound method
+    compared by identity was never found, so the one-shot ran on every forward.)"""
+    m, _ = _manager(tmp_path)
+    hub = m.hub
+    calls = []
+
+    class Once:
+        def first(self, module, args, kwargs):
+            calls.append("first")
+            hub.remove_forward_observer(self.first)  # a new bound method object each access
+
+    hub.add_forward_observer(Once().first)
+    hub.add_forward_observer(lambda module, args, kwargs: calls.append("next"))
+    inst = hub._inst
+    for _ in range(3):
+        inst._observe_forward(object(), (), {})
+    assert calls == ["first", "next", "next", "next"]

@@ -619,3 +619,69 @@ def test_throughput_collector_reuses_counts_only_for_the_same_shape_and_dtype():
         _, tokens, samples = col.take().resolve()
         got.append((tokens, samples))
     assert got == [(None, 2), (None, 2), (None, 5), (18, 3), (18, 3), (21, 3)]
+
+
+def _step_of(col):
+    """One step's (FLOPs total or None, tokens, samples, micro-batches) from a collector."""
+    step = col.take()
+    if step is None:
+        return None
+    fc, tokens, samples = step.resolve()
+    return (None if fc is None else fc.total, tokens, samples, step.micro_batches)
+
+
+def test_throughput_collectors_hot_path_gives_what_the_full_path_gives():
+    """A root called as last time appends what that call left (one lookup); every other call
+    takes the full path. The same calls through a collector that never keeps a hit must give
+    the same steps: shapes, dtypes, grad mode, autocast, kwargs, a mask, a pad id, a loss module."""
+    from stepwatch.metrics.tokens import ThroughputCollector
+
+    def counter(module, args, kwargs, **kw):  # FLOPs from the signature and the global state
+        tensors = [t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)]
+        n = sum(t.numel() * t.element_size() for t in tensors) + 1000 * torch.is_grad_enabled()
+        key = "bf16" if torch.is_autocast_enabled("cpu") else "fp32"
+        return FlopCount(forward={key: n + id(module) % 7})
+
+    model, loss_mod = TinyLM(), nn.CrossEntropyLoss()
+    hot = ThroughputCollector(cache=FlopCache(counter=counter))
+    full = ThroughputCollector(cache=FlopCache(counter=counter))
+    padded = ThroughputCollector(cache=FlopCache(counter=counter), pad_token_id=0)
+    ids = torch.randint(1, 96, (2, 8))
+    calls = []
+    for _ in range(3):
+        calls.append(((ids,), {}))
+    calls.append(((torch.randint(1, 96, (3, 8)),), {}))  # a new shape
+    calls.append(((ids.float(),), {}))  # a new dtype
+    calls.append(((), {"input_ids": ids, "attention_mask": torch.tensor([[1] * 8, [1] * 3 + [0] * 5])}))
+    calls.append(((), {"input_ids": ids, "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])}))  # same shapes, other mask
+    calls.append(((ids.masked_fill(ids > 50, 0),), {}))
+    calls.append(((ids,), {}))
+    steps = {id(c): [] for c in (hot, full, padded)}
+    for args, kwargs in calls:
+        for grad, autocast in ((True, False), (True, True), (False, False)):
+            for col in (hot, full, padded):
+                with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    col.on_forward(model, args, kwargs)
+                    col.on_forward(loss_mod, (torch.randn(16, 96), torch.randint(0, 96, (16,))), {})
+                full._hits.clear()  # never a hit: every call takes the full path
+                steps[id(col)].append(_step_of(col))
+    assert steps[id(hot)] == steps[id(full)]
+    assert None in steps[id(hot)]  # grad disabled: nothing for the step
+    masked = [s for s in steps[id(hot)] if s is not None and s[1] == 11]
+    assert masked and [s for s in steps[id(hot)] if s is not None and s[1] == 14]  # each mask counted
+    # a pad id makes the counts depend on the values: counted on every call, never reused
+    with_pad = [s[1] for s in steps[id(padded)] if s is not None]
+    assert with_pad[:2] == [16, 16] and min(t for t in with_pad if t is not None) < 16
+    assert len(hot._hits) == 2  # the model and the loss module, each with its last call
+
+
+def test_throughput_collector_callable_override_reads_every_batch():
+    from stepwatch.metrics.tokens import ThroughputCollector
+
+    m = mlp()
+    col = ThroughputCollector(flops=lambda batch: 10 * batch.shape[0])
+    totals = []
+    for b in (2, 2, 5, 5):
+        col.on_forward(m, (torch.randn(b, 64),), {})
+        totals.append(col.take().resolve()[0].total)
+    assert totals == [20, 20, 50, 50] and not col._hits

@@ -293,7 +293,7 @@ class Instrumentation:
             try:
                 fn(optimizer)
             except Exception as e:
-                self._drop_observer(self.optimizer_observers, fn, e)
+                self._drop_observer("optimizer", fn, e)
 
     def _wrap_closure(self, closure: Callable[..., Any], optimizer: Any) -> Callable[..., Any]:
         tr = self.tracker
@@ -317,24 +317,30 @@ class Instrumentation:
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.tracker.optimizer_end()
 
-    def _drop_observer(self, observers: list[Any], fn: Any, exc: BaseException) -> None:
-        if fn in observers:
-            observers.remove(fn)
+    def _drop_observer(self, kind: str, fn: Any, exc: BaseException) -> None:
+        self.remove_observer(kind, fn)
         self._on_error(f"observer.{getattr(fn, '__qualname__', fn)}", exc)
+
+    def remove_observer(self, kind: str, fn: Any) -> None:
+        """Take ``fn`` off ``<kind>_observers`` (forward, optimizer, exception). The list is
+        replaced, not changed in place: a loop over it that is running (the observer removing
+        itself) goes on over the old one and calls every other observer."""
+        attr = f"{kind}_observers"
+        setattr(self, attr, [f for f in getattr(self, attr) if f != fn])  # a bound method is made anew each time: equal, not identical
 
     def _observe_exception(self, phase: str, exc: BaseException) -> None:
         for fn in self.exception_observers:
             try:
                 fn(phase, exc)
             except Exception as e:
-                self._drop_observer(self.exception_observers, fn, e)
+                self._drop_observer("exception", fn, e)
 
     def _observe_forward(self, module: Any, args: Any, kwargs: Any) -> None:
         for fn in self.forward_observers:
             try:
                 fn(module, args, kwargs)
             except Exception as e:
-                self._drop_observer(self.forward_observers, fn, e)
+                self._drop_observer("forward", fn, e)
 
     # -- root module discovery ------------------------------------------------------------------
 

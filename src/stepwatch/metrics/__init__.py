@@ -2,7 +2,7 @@
 (``metrics/flops.py``, ``metrics/peaks.py``, ``metrics/grads.py``, ``metrics/tokens.py``) into the
 tracker and the background pipeline. Measures nothing itself.
 
-Training thread: each root module's forward pre-hook hands its call to the throughput collector
+Training thread: each root module's call is handed to the throughput collector
 (FLOPs counted once per input signature on fake tensors — the count's one-off time is kept out
 of the step — tokens and samples read from the batch); the optimizer pre-hook queues the
 grad-norm probe *before* the optimizer phase opens, so its cost shows in ``other_s``, not in
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import TYPE_CHECKING, Any
 
 from .. import _dist
@@ -37,7 +36,9 @@ class TrainingMetrics:
         self.hub = hub
         self.resolver = PeakResolver(cfg.peak_tflops)
         self.grads = GradNormCollector(every=cfg.grad_norm_every).install()
-        self.throughput = ThroughputCollector(flops=cfg.flops)
+        # A FLOP count on a cache miss is stepwatch's own one-off time, kept out of the step; the
+        # lookup on every other forward is part of the step like any hook.
+        self.throughput = ThroughputCollector(flops=cfg.flops, exclude=hub.exclude)
         self.mfu = MfuEnricher(None)
         self.device: str | None = None
         self._lint_done = False
@@ -49,20 +50,17 @@ class TrainingMetrics:
         hub.add_detector(GradNormSpikeDetector(cfg.grad_norm_spike_abs, cfg.grad_norm_spike_factor, cfg.grad_norm_window))
         hub.add_detector(MfuDropDetector(cfg.mfu_drop_points, cfg.mfu_drop_window_s))
         hub.add_detector(LowMfuDetector(cfg.low_mfu, cfg.window, captures_dir=os.path.join(hub.ctx.run_dir, "captures")))
-        hub.add_forward_observer(self._on_forward)
+        hub.add_forward_observer(self._first_forward)
+        hub.add_forward_observer(self.throughput.on_forward)
         hub.add_optimizer_observer(self.grads.on_optimizer_step)
 
     # -- training thread --------------------------------------------------------------------------
 
-    def _on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
-        t0 = time.perf_counter_ns()
-        cache = self.throughput.cache
-        misses = cache.misses
-        self.throughput.on_forward(module, args, kwargs)
-        # Only a cache miss (a one-off FLOP count on fake tensors) is stepwatch's own time, kept
-        # out of the step; the lookup on every other forward is part of the step like any hook.
-        if cache.misses != misses:
-            self.hub.exclude(time.perf_counter_ns() - t0)
+    def _first_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        """Once, at the first root forward (an FSDP1 model is wrapped by then): the grad-norm tap
+        takes FSDP1's clip if the job imported FSDP after stepwatch started."""
+        self.hub.remove_forward_observer(self._first_forward)
+        self.grads.probe.patch_late()
 
     def _first_step(self, step: int) -> None:
         """The device is known once training ran a step; ask for its name here, on the training

@@ -21,10 +21,11 @@ with an async copy (like the grad norm) and read by ``resolve`` on the backgroun
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from .flops import FlopCache, is_counting, resolve_override
+from .flops import FlopCache, _fast_kw, _fast_sig, _same, _same_kw, _state, is_counting, resolve_override
 from ..cuda_ext import copy_to_host, event_done
 from .peaks import matmul_dtype_key
 from ..hooks.phases import Collector
@@ -141,36 +142,73 @@ def infer_batch_counts(
 # ----------------------------------------------------------------------------- step collector
 
 
-@dataclass(slots=True)
 class StepThroughput:
-    """What one step's forwards left for the background thread: FLOPs summed over the
-    micro-batches (None if any was unknown) and the micro-batches' token/sample counts."""
+    """What one step's root forwards left for the background thread: per forward, its FLOPs
+    (None: unknown) and, for the model's calls, the micro-batch's token/sample counts. Summed
+    here, off the training thread (adding FlopCounts costs microseconds a forward)."""
 
-    flops: Any  # FlopCount | None
-    counts: list[BatchCounts]
-    micro_batches: int
+    __slots__ = ("items", "_flops")
+
+    def __init__(self, items: list[tuple[Any, "BatchCounts | None"]]) -> None:
+        self.items = items
+        self._flops: Any = _UNSET
+
+    @property
+    def micro_batches(self) -> int:
+        return sum(1 for _, c in self.items if c is not None)
+
+    @property
+    def counts(self) -> list[BatchCounts]:
+        return [c for _, c in self.items if c is not None]
+
+    @property
+    def flops(self) -> Any:
+        """FLOPs summed over the step's forwards (FlopCount), None if any was unknown."""
+        if self._flops is _UNSET:
+            total = None
+            for fc, _ in self.items:
+                if fc is None:
+                    total = None
+                    break
+                if total is None:
+                    total = fc
+                elif fc.forward or fc.backward or fc.recompute:  # a loss module's count is often empty
+                    total = total + fc
+            self._flops = total
+        return self._flops
 
     def resolve(self) -> "tuple[Any, int | None, int | None] | None":
         """(FlopCount | None, tokens, samples), or None while a token count is on the device."""
+        counts = self.counts
         total = BatchCounts(0, 0)
-        for c in self.counts:
+        for c in counts:
             r = c.resolve()
             if r is None:
                 return None
             total = total + r
-        if not self.counts:
+        if not counts:
             return self.flops, None, None
         return self.flops, total.tokens, total.samples
+
+
+_UNSET = object()
+_RECOUNT = object()  # a model call whose counts depend on values (a mask, a pad id): counted each call
 
 
 class ThroughputCollector(Collector):
     """FLOPs and tokens per micro-batch, summed per step (``extras["throughput"]``).
 
-    Training thread: ``on_forward(module, args, kwargs)`` from the forward pre-hook of each root
-    module (model, loss module...). FLOPs: the user's ``flops`` override (a number, or a callable
-    of the batch) or ``FlopCache`` (counted once per input signature). Tokens and samples come
-    from the first root that runs with grad enabled (the model, called before its loss module).
-    Eval forwards (grad disabled) and replays (``flops.is_counting()``) are ignored.
+    Training thread: ``on_forward(module, args, kwargs)`` for each root module's call (model,
+    loss module...), before its forward. FLOPs: the user's ``flops`` override (a number, or a
+    callable of the batch) or ``FlopCache`` (counted once per input signature). Tokens and
+    samples come from the first root that runs with grad enabled (the model, called before its
+    loss module). Eval forwards (grad disabled) and replays (``flops.is_counting()``) are ignored.
+
+    The hot path is one lookup: a module called as last time (same argument shapes, dtypes and
+    devices, the same autocast and TF32 state) appends what that call left, ``(FlopCount,
+    BatchCounts)``, to the step's list; everything else (first calls, new shapes, overrides,
+    counts that depend on values) takes the full path. ``exclude(ns)`` gets the time of a FLOP
+    count (a cache miss: stepwatch's own one-off work, kept out of the step).
     """
 
     name = "throughput"
@@ -182,6 +220,7 @@ class ThroughputCollector(Collector):
         cache: Any = None,
         pad_token_id: int | None = None,
         max_misses: int = 32,
+        exclude: Callable[[int], None] | None = None,
     ) -> None:
         if flops is not None and not callable(flops):
             if isinstance(flops, bool) or not isinstance(flops, (int, float)) or flops < 0:
@@ -189,21 +228,68 @@ class ThroughputCollector(Collector):
         self.override = flops
         self.cache = cache if cache is not None else FlopCache(max_misses=max_misses)
         self.pad_token_id = pad_token_id
+        self.exclude = exclude
         self._token_root: int | None = None
         self._seq_first = False
         # The first FLOPs count (for the start-up Tensor Core lint: flops.alignment_finding).
         self.first_count: Any = None
         self._dtype_keys: dict[int, str] = {}
-        # The last model call's (shape, dtype) of a lone positional tensor and its counts: the
-        # same shape and dtype give the same counts (no pad id, nothing queued on the device).
-        self._last_counts: tuple[Any, Any, int | None, int | None] | None = None
-        self._reset()
+        # Per root module (by id): its last call's (state, positional and keyword signatures,
+        # what the call appends), when the call has the flat shape the signatures describe.
+        self._hits: dict[int, tuple[Any, Any, Any, tuple[Any, Any]]] = {}
+        self._items: list[tuple[Any, BatchCounts | None]] = []
+        import torch
 
-    def _reset(self) -> None:
-        self._flops: Any = None
-        self._flops_known = True
-        self._counts: list[BatchCounts] = []
-        self._n = 0
+        self._grad_enabled = torch.is_grad_enabled
+
+    def on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        if not self._grad_enabled() or is_counting():
+            return
+        hit = self._hits.get(id(module))
+        if hit is not None and hit[0] == _state() and _same(args, hit[1]) and _same_kw(kwargs, hit[2]):
+            item = hit[3]
+            if item[1] is _RECOUNT:
+                item = (item[0], self._batch_counts(args, kwargs))
+            self._items.append(item)
+            return
+        self._on_forward_full(module, args, kwargs)
+
+    def _on_forward_full(self, module: Any, args: Any, kwargs: Any) -> None:
+        if self._token_root is None:
+            self._token_root = id(module)
+            self._seq_first = is_seq_first(module)
+        is_model = id(module) == self._token_root
+        if self.override is not None:
+            if not is_model:
+                return  # the user's number is the whole micro-batch
+            batch = args[0] if len(args) == 1 and not kwargs else (kwargs or args)
+            fc = resolve_override(self.override, batch, self._dtype_key(module))
+        else:
+            cache = self.cache
+            misses = cache.misses
+            t0 = time.perf_counter_ns()
+            fc = cache.get(module, args, kwargs)
+            if cache.misses != misses and self.exclude is not None:
+                self.exclude(time.perf_counter_ns() - t0)
+        if fc is not None and self.first_count is None:
+            self.first_count = fc
+        counts = self._batch_counts(args, kwargs) if is_model else None
+        self._items.append((fc, counts))
+        self._remember(module, args, kwargs, fc, counts)
+
+    def _remember(self, module: Any, args: Any, kwargs: Any, fc: Any, counts: "BatchCounts | None") -> None:
+        """The next call like this one takes the hot path: a known count (the cache's, or a fixed
+        override's) with counts that follow from the shapes alone, else counted again each call.
+        Not for a count that is None (not ready yet, or over the cache's budget: asked again)
+        nor a callable override (it reads the batch)."""
+        targs, tkw = _fast_sig(args), _fast_kw(kwargs)
+        if fc is None or callable(self.override) or targs is None or tkw is None:
+            self._hits.pop(id(module), None)
+            return
+        if counts is not None and (counts._pending is not None or self.pad_token_id is not None or kwargs
+                                   or not args or type(args[0]) is not _tensor_type()):
+            counts = _RECOUNT
+        self._hits[id(module)] = (_state(), targs, tkw, (fc, counts))
 
     def _dtype_key(self, module: Any) -> str:
         import torch
@@ -223,52 +309,18 @@ class ThroughputCollector(Collector):
             self._dtype_keys[id(module)] = key
         return key
 
-    def on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
-        import torch
-
-        if is_counting() or not torch.is_grad_enabled():
-            return
-        if self._token_root is None:
-            self._token_root = id(module)
-            self._seq_first = is_seq_first(module)
-        is_model = id(module) == self._token_root
-        if self.override is not None:
-            if not is_model:
-                return  # the user's number is the whole micro-batch
-            batch = args[0] if len(args) == 1 and not kwargs else (kwargs or args)
-            fc = resolve_override(self.override, batch, self._dtype_key(module))
-        else:
-            fc = self.cache.get(module, args, kwargs)
-        if fc is not None and self.first_count is None:
-            self.first_count = fc
-        if fc is None:
-            self._flops_known = False
-        elif self._flops_known:
-            if self._flops is None:
-                self._flops = fc
-            elif fc.forward or fc.backward or fc.recompute:  # a loss module's count is often empty
-                self._flops = self._flops + fc
-        if is_model:
-            self._n += 1
-            self._counts.append(self._batch_counts(args, kwargs))
-
     def _batch_counts(self, args: Any, kwargs: Any) -> BatchCounts:
-        import torch
-
-        first = args[0] if not kwargs and type(args) is tuple and args else None
-        if type(first) is torch.Tensor:
-            last = self._last_counts
-            if last is not None and last[1] is first.dtype and last[0] == first.shape:
-                return BatchCounts(last[2], last[3])
-        c = infer_batch_counts(args, kwargs, pad_token_id=self.pad_token_id, seq_first=self._seq_first)
-        if type(first) is torch.Tensor and c._pending is None:
-            self._last_counts = (first.shape, first.dtype, c.samples, c.tokens)
-        return c
+        return infer_batch_counts(args, kwargs, pad_token_id=self.pad_token_id, seq_first=self._seq_first)
 
     def take(self) -> StepThroughput | None:
-        if not self._n and self._flops is None:
-            self._reset()
+        items = self._items
+        if not items:
             return None
-        out = StepThroughput(self._flops if self._flops_known else None, self._counts, self._n)
-        self._reset()
-        return out
+        self._items = []
+        return StepThroughput(items)
+
+
+def _tensor_type() -> Any:
+    import torch
+
+    return torch.Tensor
