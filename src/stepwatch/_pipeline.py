@@ -67,12 +67,25 @@ def to_float(v: Any) -> float | None:
         return None
 
 
+_TENSOR: list[Any] = [None]  # torch.Tensor, once a tensor was logged (torch is never imported for it)
+
+
 def loggable(v: Any) -> Any:
     """Training thread: a value given to ``stepwatch.log`` as the pipeline takes it. A CUDA tensor
     is copied to host without blocking and read once its event completes (:class:`Pending`); a
     CPU tensor is plain memory, read now (a later in-place update cannot change what was logged,
     and no graph is kept); anything else as it is (converted, or counted as null, off the hot path)."""
+    if type(v) is _TENSOR[0] and v.is_cpu:  # the common case: one call, no detach (item() keeps no graph)
+        try:
+            x = v.item()
+        except (RuntimeError, ValueError, TypeError):  # several values: not one number
+            return None
+        return x if type(x) is float else to_float(x)
     if hasattr(v, "detach") and hasattr(v, "is_cuda"):
+        if _TENSOR[0] is None:
+            import torch
+
+            _TENSOR[0] = torch.Tensor
         if not v.is_cuda:
             return to_float(v)
         import torch

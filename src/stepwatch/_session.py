@@ -201,7 +201,7 @@ class Session:
         try:
             out = {}
             for k, v in scalars.items():  # a plain number passes as it is, without a call
-                out[k] = loggable(v) if hasattr(v, "detach") else v
+                out[k] = v if type(v) is float or type(v) is int else loggable(v)
             tr.log(out)
         except Exception as e:
             self.report_error("log", e)

@@ -460,45 +460,42 @@ class _RootCall:
         return (_no_call, ())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # One frame: the user's traceback shows their frames and torch's, as without stepwatch
+        # (this one is taken out before a bare ``raise``, which adds none back).
         try:
-            return self._call(args, kwargs)
+            if self.compiling() or self.counting():
+                return self.inner(*args, **kwargs)
+            inst = self.inst
+            tr = self.tr
+            mod = self.mod
+            # in_data: a module called inside a DataLoader fetch (a Dataset transform)
+            if not tr.enabled or (inst._not_roots and id(mod) in inst._not_roots) or tr.in_data:
+                return self.inner(*args, **kwargs)
+            # Only the outermost call is observed: a declared root nested in another is part of it.
+            if inst.forward_observers and not tr._fwd_depth:
+                tr.work_begins()  # what the observers count belongs to the step this forward opens
+                inst._observe_forward(mod, args, kwargs)
+            grad = self.grad_enabled()
+            tr.forward_begin(grad)
+            try:
+                return self.inner(*args, **kwargs)
+            except BaseException as e:
+                if inst.exception_observers:
+                    inst._observe_exception("forward" if grad else "eval", e)
+                raise
+            finally:
+                tr.forward_end()
         except BaseException as e:
-            # The user's traceback shows their frames and torch's, as without stepwatch: this
-            # wrapper's two frames are taken out (a bare ``raise`` adds none back).
             _drop_own_frames(e)
             raise
-
-    def _call(self, args: Any, kwargs: Any) -> Any:
-        if self.compiling() or self.counting():
-            return self.inner(*args, **kwargs)
-        inst = self.inst
-        tr = self.tr
-        mod = self.mod
-        # in_data: a module called inside a DataLoader fetch (a Dataset transform)
-        if not tr.enabled or (inst._not_roots and id(mod) in inst._not_roots) or tr.in_data:
-            return self.inner(*args, **kwargs)
-        # Only the outermost call is observed: a declared root nested in another is part of it.
-        if inst.forward_observers and not tr._fwd_depth:
-            tr.work_begins()  # what the observers count belongs to the step this forward opens
-            inst._observe_forward(mod, args, kwargs)
-        grad = self.grad_enabled()
-        tr.forward_begin(grad)
-        try:
-            return self.inner(*args, **kwargs)
-        except BaseException as e:
-            if inst.exception_observers:
-                inst._observe_exception("forward" if grad else "eval", e)
-            raise
-        finally:
-            tr.forward_end()
 
 
 def _drop_own_frames(e: BaseException) -> None:
     """Take ``_RootCall``'s frames off the head of ``e``'s traceback, unless the exception began
     in one of them (then they are where it happened, and stay)."""
-    own = (_RootCall.__call__.__code__, _RootCall._call.__code__)
+    own = _RootCall.__call__.__code__
     tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code in own and tb.tb_next is not None:
+    while tb is not None and tb.tb_frame.f_code is own and tb.tb_next is not None:
         tb = tb.tb_next
     if tb is not e.__traceback__:
         e.__traceback__ = tb
