@@ -387,7 +387,7 @@ class GradNormProbe:
         st.calls = n + 1
         if n % self.every:
             return None
-        return self._probe(optimizer, clip)
+        return self._probe(optimizer, clip, st)
 
     def _skipped_step(self, optimizer: Any) -> None:
         pending = self._probe(optimizer, _TAP.take_clip())
@@ -397,10 +397,11 @@ class GradNormProbe:
         if self.on_skipped is not None:
             self.on_skipped(pending)
 
-    def _probe(self, optimizer: Any, clip: Any) -> PendingGradNorm | None:
+    def _probe(self, optimizer: Any, clip: Any, st: "_OptState | None" = None) -> PendingGradNorm | None:
         torch = _torch()
 
-        st = self._opt_state(optimizer)
+        if st is None:
+            st = self._opt_state(optimizer)
         params = st.parameters(optimizer)
         if not params:
             return None
