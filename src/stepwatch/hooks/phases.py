@@ -73,7 +73,8 @@ class StepTracker:
     ) -> None:
         self.enabled = True
         self._emit = emit
-        self._nvtx = nvtx or Nvtx(False)
+        # None unless NVTX is on: a disabled range is a method call per phase for nothing.
+        self._nvtx = nvtx if nvtx is not None and nvtx.enabled else None
         self._mem_probe = mem_probe
         self._on_error = on_error
         # Extension points (training thread, cheap): collectors feed ``extras``; listeners run at
@@ -145,7 +146,8 @@ class StepTracker:
             self._prev_end = t
         if not self._step_open:
             self._step_open = True
-            self._nvtx.push_step(self.step)
+            if self._nvtx is not None:
+                self._nvtx.push_step(self.step)
 
     def _pause_opt(self, t: int) -> bool:
         """A forward/backward starts inside the optimizer phase: close the optimizer's segment."""
@@ -199,7 +201,8 @@ class StepTracker:
         step_ns = max(t_end - prev - self._eval - self._ckpt - self._own, 0)
         mem = self._mem_probe() if self._mem_probe is not None else None
         if self._step_open:
-            self._nvtx.pop()
+            if self._nvtx is not None:
+                self._nvtx.pop()
             self._step_open = False
         extras: dict[str, Any] = {"backward_spans": self._bwd_spans}
         if self._ckpt:
@@ -279,7 +282,8 @@ class StepTracker:
             self._fwd_t0 = t
             if self._pending_end is not None or self._prev_end is None:
                 self._start_work(t)
-            self._nvtx.push("forward" if grad_enabled else "eval")
+            if self._nvtx is not None:
+                self._nvtx.push("forward" if grad_enabled else "eval")
             if self.progress is not None:
                 self.progress.set_phase(PHASE_FORWARD if grad_enabled else PHASE_EVAL)
             if grad_enabled:
@@ -308,7 +312,8 @@ class StepTracker:
             if self._fwd_depth:
                 return
             t = _now()
-            self._nvtx.pop()
+            if self._nvtx is not None:
+                self._nvtx.pop()
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
             if self._fwd_grad:
@@ -341,7 +346,8 @@ class StepTracker:
             self._bwd_t0 = t
             if self.device is not None:
                 self._dslot_bwd = self.device.begin(PHASE_BACKWARD)
-            self._nvtx.push("backward")
+            if self._nvtx is not None:
+                self._nvtx.push("backward")
             if self.progress is not None:
                 self.progress.set_phase(PHASE_BACKWARD)
         except Exception as e:
@@ -359,7 +365,8 @@ class StepTracker:
                 self.device.end(self._dslot_bwd)
             self._bwd += t - self._bwd_t0
             self._bwd_spans.append((self._bwd_t0, t))
-            self._nvtx.pop()
+            if self._nvtx is not None:
+                self._nvtx.pop()
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
             if self._bwd_paused_opt:
@@ -387,7 +394,8 @@ class StepTracker:
                 self._start_work(t)
             elif not self._step_open:
                 self._step_open = True
-                self._nvtx.push_step(self.step)
+                if self._nvtx is not None:
+                    self._nvtx.push_step(self.step)
             # A pending end stays pending: a second optimizer in the same iteration extends it.
             self._pending_end = None
             self._close_eval()
@@ -396,7 +404,8 @@ class StepTracker:
             self._opt_paused = 0
             if self.device is not None:
                 self._dslot_opt = self.device.begin(PHASE_OPTIMIZER)
-            self._nvtx.push("optimizer")
+            if self._nvtx is not None:
+                self._nvtx.push("optimizer")
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OPTIMIZER)
         except Exception as e:
@@ -414,7 +423,8 @@ class StepTracker:
                 if self.device is not None:
                     self.device.end(self._dslot_opt)
                 self._opt += t - self._opt_t0
-            self._nvtx.pop()
+            if self._nvtx is not None:
+                self._nvtx.pop()
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
             self._pending_end = t
@@ -501,7 +511,8 @@ class StepTracker:
             if self._pending_end is not None or self._prev_end is None:
                 self._start_work(t)
             self._phase_t0[name] = t
-            self._nvtx.push(name)
+            if self._nvtx is not None:
+                self._nvtx.push(name)
         except Exception as e:
             self._fail("phase_begin", e)
 
@@ -517,7 +528,8 @@ class StepTracker:
                 return
             d = _now() - self._phase_t0.pop(name)
             self._phases[name] = self._phases.get(name, 0) + d
-            self._nvtx.pop()
+            if self._nvtx is not None:
+                self._nvtx.pop()
         except Exception as e:
             self._fail("phase_end", e)
 
@@ -571,7 +583,8 @@ class StepTracker:
                 self._emit_tail(max(_now(), self._eval_last))
             if self._step_open:
                 self._step_open = False
-                self._nvtx.pop()
+                if self._nvtx is not None:
+                    self._nvtx.pop()
         except Exception as e:
             self._fail("flush", e)
 
