@@ -236,7 +236,8 @@ class ThroughputCollector(Collector):
         self._dtype_keys: dict[int, str] = {}
         # Per root module (by id): its last call's (state, positional and keyword signatures,
         # what the call appends), when the call has the flat shape the signatures describe.
-        self._hits: dict[int, tuple[Any, Any, Any, tuple[Any, Any]]] = {}
+        # (the last one: a lone tensor argument's descriptor, or None).
+        self._hits: dict[int, tuple[Any, Any, Any, tuple[Any, Any], Any]] = {}
         self._items: list[tuple[Any, BatchCounts | None]] = []
         import torch
 
@@ -246,7 +247,17 @@ class ThroughputCollector(Collector):
         if not self._grad_enabled() or is_counting():
             return
         hit = self._hits.get(id(module))
-        if hit is not None and hit[0] == _state() and _same(args, hit[1]) and _same_kw(kwargs, hit[2]):
+        if hit is None:
+            self._on_forward_full(module, args, kwargs)
+            return
+        d = hit[4]
+        if d is not None:  # model(x): one tensor, compared here without a call per argument
+            a = args[0] if len(args) == 1 and not kwargs else None
+            same = (type(a) is d[0] and a.dtype is d[2] and a.shape == d[1] and a.requires_grad is d[4]
+                    and (a.is_cuda if d[3] else a.is_cpu))
+        else:
+            same = _same(args, hit[1]) and _same_kw(kwargs, hit[2])
+        if same and hit[0] == _state():
             item = hit[3]
             if item[1] is _RECOUNT:
                 item = (item[0], self._batch_counts(args, kwargs))
@@ -289,7 +300,8 @@ class ThroughputCollector(Collector):
         if counts is not None and (counts._pending is not None or self.pad_token_id is not None or kwargs
                                    or not args or type(args[0]) is not _tensor_type()):
             counts = _RECOUNT
-        self._hits[id(module)] = (_state(), targs, tkw, (fc, counts))
+        single = targs[0] if len(targs) == 1 and not tkw and len(targs[0]) == 5 else None
+        self._hits[id(module)] = (_state(), targs, tkw, (fc, counts), single)
 
     def _dtype_key(self, module: Any) -> str:
         import torch
