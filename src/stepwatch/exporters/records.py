@@ -129,18 +129,26 @@ class _StepTemplate:
     """A step line for one shape of record (each field's type; the keyed fields' values) as a
     %-template: the keys, nulls and keyed values written in once, ``%r`` for each int and float
     field (what json writes for the exact types), ``%s`` for each other field's JSON (dicts and
-    anything unusual, through the same encoder as :func:`dumps`)."""
+    anything unusual, through the same encoder as :func:`dumps`). What follows the last field
+    filled in (most often some 30 nulls) is kept apart, appended as it is: ``%`` reads its
+    template a character at a time."""
 
-    __slots__ = ("template", "floats", "args", "dicts", "others")
+    __slots__ = ("template", "tail", "floats", "args", "dicts", "others")
 
     def __init__(self, types: tuple[type, ...], keyed: tuple[Any, ...]) -> None:
         literal = dict(zip(_KEYED, keyed))
-        parts, floats, args, self.dicts, self.others = [], [], [], [], []
+        parts: list[str] = []  # the template: literals with % doubled, and the placeholders
+        tail: list[str] = []  # the literals since the last placeholder, as they are
+        floats, args, self.dicts, self.others = [], [], [], []
+        cut = 0
         for i, (name, t) in enumerate(zip(STEP_FIELDS, types)):
-            parts.append(("{" if i == 0 else ",") + (_enc(name) + ":").replace("%", "%%"))
+            text = ("{" if i == 0 else ",") + _enc(name) + ":"
             if t is type(None) or (i in literal and t in (bool, str)):
-                parts.append(_enc(None if t is type(None) else literal[i]).replace("%", "%%"))
+                text += _enc(None if t is type(None) else literal[i])
+                parts.append(text.replace("%", "%%"))
+                tail.append(text)
                 continue
+            parts.append(text.replace("%", "%%"))
             if t is float or t is int:  # not a subclass: json writes float/int's own repr, %r the subclass's
                 parts.append("%r")
                 if t is float:
@@ -149,7 +157,9 @@ class _StepTemplate:
                 (self.dicts if t is dict else self.others).append(len(args))
                 parts.append("%s")
             args.append(i)
-        self.template = "".join(parts) + "}"
+            cut, tail = len(parts), []
+        self.template = "".join(parts[:cut])
+        self.tail = "".join(tail) + "}"
         self.floats = _picker(floats) if floats else None
         self.args = _picker(args)
 
@@ -169,7 +179,7 @@ class _StepTemplate:
             for i in self.others:
                 args[i] = _enc(args[i])
             args = tuple(args)
-        return self.template % args
+        return self.template % args + self.tail
 
 
 def step_line(rec: StepRecord) -> str:
