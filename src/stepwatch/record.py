@@ -174,7 +174,8 @@ class RawStep:
         s = 1e-9
         step_ns, data_ns, fwd_ns = self.step_ns, self.data_ns, self.forward_ns
         bwd_ns, opt_ns = self.backward_ns, self.optimizer_ns
-        other = max(step_ns - data_ns - fwd_ns - bwd_ns - opt_ns, 0)
+        other = step_ns - data_ns - fwd_ns - bwd_ns - opt_ns
+        other = 0 if 0 > other else other  # max(other, 0) without its call (a sixth of this method)
         ckpt_s = self.checkpoint_ns * s
         phases, scalars = self.phases, self.scalars
         rec = StepRecord(
