@@ -130,7 +130,7 @@ class Pipeline:
         self._queue: collections.deque[RawStep] = collections.deque()
         self._cap = queue_size
         self._interval = flush_interval_s
-        # [since, record, extras, enrichers done with it], oldest first
+        # [since, record, extras, enrichers done with it (None: none has run yet)], oldest first
         self._held: collections.deque[list[Any]] = collections.deque()
         self._new_enrichers: list[tuple[Any, bool]] = []  # from any thread; taken in by the pass
         self._internal_findings: list[Finding] = []
@@ -371,7 +371,7 @@ class Pipeline:
                 self.dropped += 1
                 self.report_error("pipeline.build", e)
                 continue
-            self._held.append([now, rec, raw.extras, []])
+            self._held.append([now, rec, raw.extras, None])
         out: list[StepRecord] = []
         # Records leave in order: the first one still waiting on the device holds the rest.
         while self._held:
@@ -387,8 +387,21 @@ class Pipeline:
     def _enrich(self, entry: list[Any], *, force: bool) -> bool:
         """Run the enrichers in order; an enricher that waits on the device holds the record.
         ``entry[3]`` holds the enrichers done with it (by identity: the list can change while
-        records wait, and an enricher must run once per record)."""
+        records wait, and an enricher must run once per record). A record no enricher has run on
+        yet (``None``: nearly every one) runs them all without that bookkeeping, and gets its list
+        only if one makes it wait."""
         _, rec, extras, done = entry
+        if done is None:
+            enrichers = self.enrichers  # replaced, never changed in place, when one fails below
+            for i, e in enumerate(enrichers):
+                try:
+                    if not e.enrich(rec, extras, force=force):
+                        entry[3] = enrichers[:i]  # those before it: done (returned True, or failed)
+                        return False
+                except Exception as exc:
+                    self.report_error(f"enricher.{type(e).__name__}", exc)
+                    self.enrichers = [x for x in self.enrichers if x is not e]
+            return True
         for e in list(self.enrichers):
             if e in done:
                 continue
@@ -402,15 +415,16 @@ class Pipeline:
         return True
 
     def _ready(self, rec: StepRecord, *, force: bool) -> bool:
-        if not rec.scalars:
+        scalars = rec.scalars
+        if not scalars or Pending not in map(type, scalars.values()):  # nearly every record: no CUDA scalar
             return True
-        pending = [k for k, v in rec.scalars.items() if isinstance(v, Pending)]
+        pending = [k for k, v in scalars.items() if isinstance(v, Pending)]
         for k in pending:
-            p = rec.scalars[k]
+            p = scalars[k]
             if event_done(p.event, p.device):
-                rec.scalars[k] = to_float(p.host)
+                scalars[k] = to_float(p.host)
             elif force:
-                rec.scalars[k] = None
+                scalars[k] = None
             else:
                 return False
         return True
