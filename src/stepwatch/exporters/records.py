@@ -190,7 +190,7 @@ def step_line(rec: StepRecord) -> str:
     if type(rec) is StepRecord and _VALUE_ENCODER is not None:
         try:
             vals = _VALUES(rec)
-            key = (tuple([type(v) for v in vals]), _KEYED_VALUES(vals))
+            key = (tuple(map(type, vals)), _KEYED_VALUES(vals))
             tmpl = _SHAPES.get(key)
             if tmpl is None and len(_SHAPES) < _MAX_SHAPES:
                 tmpl = _SHAPES[key] = _StepTemplate(*key)
