@@ -362,9 +362,14 @@ class Pipeline:
         self.enrichers = [e for e, f in taken if f] + self.enrichers + [e for e, f in taken if not f]
 
     def _resolve(self, raws: list[RawStep], *, final: bool) -> list[StepRecord]:
+        """The pass's records that wait on nothing (any more), in order. Each raw step is let go
+        as soon as it is decoded, its dicts with it, not with ``raws`` at the pass's end: the
+        records' allocations then no longer outnumber the frees in the pass, which ran the cyclic
+        GC's young collection (a walk over the whole young generation) three times per 500 records."""
         now = time.monotonic()
         rank = self.ctx.rank
-        for raw in raws:
+        for i, raw in enumerate(raws):
+            raws[i] = None  # type: ignore[call-overload]  # see above
             try:
                 rec = raw.to_record(rank, self.wall_ref, self.perf_ref_ns, self._scalar)
             except Exception as e:  # one bad record never costs the others of the pass
