@@ -107,8 +107,10 @@ _VALUES = operator.attrgetter(*STEP_FIELDS)
 # few distinct values ("host"/"device", "bf16"), written into the template once.
 _KEYED = tuple(STEP_FIELDS.index(n) for n in ("skipped", "clock", "mfu_dtype", "tail"))
 _KEYED_VALUES = operator.itemgetter(*_KEYED)
-_MAX_SHAPES = 64  # a job has a handful; past this, new shapes take dumps(rec.to_dict())
-_SHAPES: dict[tuple[Any, ...], "_StepTemplate | None"] = {}
+# A job has a few dozen at most (features fill fields every step, every N steps, once a second,
+# and in combination); past this bound (~2 KB each), new shapes take dumps(rec.to_dict()).
+_MAX_SHAPES = 256
+_SHAPES: dict[tuple[Any, ...], "_StepTemplate"] = {}
 
 
 def _enc(v: Any) -> str:
