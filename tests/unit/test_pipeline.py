@@ -122,6 +122,42 @@ def test_pending_device_scalars_wait_for_their_copy(monkeypatch):
     assert [r.scalars for r in out.records] == [{"loss": 1.5}]
 
 
+def test_each_enricher_runs_once_per_record_whether_it_waited_or_not():
+    """Records that no enricher holds run every enricher once, in order, with no bookkeeping;
+    one that waits keeps which ran (a failed one counts as run), and resumes after them, with
+    an enricher added meanwhile run once too. The records behind it wait, untried."""
+    out = Recording()
+    gate = {"open": False}
+    calls = []
+
+    class Named:
+        def __init__(self, name, *, waits_on=None, fails=False):
+            self.name, self.waits_on, self.fails = name, waits_on, fails
+
+        def enrich(self, rec, extras, *, force):
+            calls.append((self.name, rec.step))
+            if self.fails:
+                raise RuntimeError("enricher bug")
+            return rec.step != self.waits_on or gate["open"] or force
+
+    p = make(inline=out)
+    for e in (Named("a"), Named("fails", fails=True), Named("waits", waits_on=1), Named("b")):
+        p.add_enricher(e)
+    for i in range(3):
+        p.enqueue(raw(i))
+    p.run_pass()
+    assert [r.step for r in out.records] == [0]
+    assert calls == [("a", 0), ("fails", 0), ("waits", 0), ("b", 0), ("a", 1), ("waits", 1)]
+    calls.clear()
+    p.add_enricher(Named("new"), first=True)
+    gate["open"] = True
+    p.enqueue(raw(3))
+    p.run_pass()
+    assert [r.step for r in out.records] == [0, 1, 2, 3]
+    assert calls == [("new", 1), ("waits", 1), ("b", 1)] + [(n, s) for s in (2, 3) for n in ("new", "a", "waits", "b")]
+    assert p.failures.counts["enricher.Named"] == 1
+
+
 def test_a_failing_enricher_detector_or_exporter_is_reported_and_costs_no_other():
     good_inline, good_other = Recording(), Recording()
 

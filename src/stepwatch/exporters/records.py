@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 from typing import Any
 
 from .._files import make_private_dir, open_private
 from ..context import RunContext
+from ..record import STEP_FIELDS, StepRecord
 from .base import Batch, Exporter
 
 # Share of a rank's budget per file kind; each keeps one rotated segment beside the live one.
@@ -86,6 +88,123 @@ def dumps(d: dict[str, Any]) -> str:
         return json.dumps(_clean(d), separators=(",", ":"), default=str)
 
 
+def _make_value_encoder() -> Any:
+    """:func:`dumps`'s encoder for one field's value (a dict of scalars, an unusual type), without
+    the circular-reference markers (no state left behind by a call that fails: such a line is
+    written by :func:`dumps` instead). None where the C accelerator is missing."""
+    try:
+        from json.encoder import c_make_encoder, encode_basestring_ascii
+    except ImportError:  # pragma: no cover - CPython always has it
+        return None
+    if c_make_encoder is None or encode_basestring_ascii is None:
+        return None
+    return c_make_encoder(None, str, encode_basestring_ascii, None, ":", ",", False, False, False)
+
+
+_VALUE_ENCODER = _make_value_encoder()
+_VALUES = operator.attrgetter(*STEP_FIELDS)
+# Fields whose value, not only its type, is part of a line's shape: bool and str fields with a
+# few distinct values ("host"/"device", "bf16"), written into the template once.
+_KEYED = tuple(STEP_FIELDS.index(n) for n in ("skipped", "clock", "mfu_dtype", "tail"))
+_KEYED_VALUES = operator.itemgetter(*_KEYED)
+# A job has a few dozen at most (features fill fields every step, every N steps, once a second,
+# and in combination); past this bound (~2 KB each), new shapes take dumps(rec.to_dict()).
+_MAX_SHAPES = 256
+_SHAPES: dict[tuple[Any, ...], "_StepTemplate"] = {}
+
+
+def _enc(v: Any) -> str:
+    return "".join(_VALUE_ENCODER(v, 0))
+
+
+def _picker(positions: list[int]) -> Any:
+    """``itemgetter(*positions)`` that always returns a tuple (itemgetter of one returns the item)."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
+    if positions:
+        (p,) = positions
+        return lambda vals: (vals[p],)
+    return lambda vals: ()
+
+
+class _StepTemplate:
+    """A step line for one shape of record (each field's type; the keyed fields' values) as a
+    %-template: the keys, nulls and keyed values written in once, ``%r`` for each int and float
+    field (what json writes for the exact types), ``%s`` for each other field's JSON (dicts and
+    anything unusual, through the same encoder as :func:`dumps`). What follows the last field
+    filled in (most often some 30 nulls) is kept apart, appended as it is: ``%`` reads its
+    template a character at a time."""
+
+    __slots__ = ("template", "tail", "floats", "args", "dicts", "others")
+
+    def __init__(self, types: tuple[type, ...], keyed: tuple[Any, ...]) -> None:
+        literal = dict(zip(_KEYED, keyed))
+        parts: list[str] = []  # the template: literals with % doubled, and the placeholders
+        tail: list[str] = []  # the literals since the last placeholder, as they are
+        floats, args, self.dicts, self.others = [], [], [], []
+        cut = 0
+        for i, (name, t) in enumerate(zip(STEP_FIELDS, types)):
+            text = ("{" if i == 0 else ",") + _enc(name) + ":"
+            if t is type(None) or (i in literal and t in (bool, str)):
+                text += _enc(None if t is type(None) else literal[i])
+                parts.append(text.replace("%", "%%"))
+                tail.append(text)
+                continue
+            parts.append(text.replace("%", "%%"))
+            if t is float or t is int:  # not a subclass: json writes float/int's own repr, %r the subclass's
+                parts.append("%r")
+                if t is float:
+                    floats.append(i)
+            else:
+                (self.dicts if t is dict else self.others).append(len(args))
+                parts.append("%s")
+            args.append(i)
+            cut, tail = len(parts), []
+        self.template = "".join(parts[:cut])
+        self.tail = "".join(tail) + "}"
+        self.floats = _picker(floats) if floats else None
+        self.args = _picker(args)
+
+    def line(self, vals: tuple[Any, ...]) -> str | None:
+        """The line, or None when a float field is not finite (NaN/Infinity: :func:`dumps` writes
+        those as strings)."""
+        if self.floats is not None:
+            total = sum(self.floats(vals))  # non-finite when one is (or on overflow: dumps then)
+            if total - total != 0.0:
+                return None
+        args = self.args(vals)
+        if self.dicts or self.others:
+            args = list(args)
+            for i in self.dicts:
+                v = args[i]
+                args[i] = _enc(v) if v else "{}"
+            for i in self.others:
+                args[i] = _enc(args[i])
+            args = tuple(args)
+        return self.template % args + self.tail
+
+
+def step_line(rec: StepRecord) -> str:
+    """``dumps(rec.to_dict())``, byte for byte, at a fraction of its cost: the line's template is
+    made once per shape of record (json spent most of a line on the 45 keys and the nulls, the
+    same in every line). Anything unusual (a non-finite float, a value json cannot write, a
+    subclass of StepRecord, too many shapes) takes ``dumps(rec.to_dict())`` itself."""
+    if type(rec) is StepRecord and _VALUE_ENCODER is not None:
+        try:
+            vals = _VALUES(rec)
+            key = (tuple(map(type, vals)), _KEYED_VALUES(vals))
+            tmpl = _SHAPES.get(key)
+            if tmpl is None and len(_SHAPES) < _MAX_SHAPES:
+                tmpl = _SHAPES[key] = _StepTemplate(*key)
+            if tmpl is not None:
+                line = tmpl.line(vals)
+                if line is not None:
+                    return line
+        except Exception:  # noqa: BLE001 - dumps below says what is wrong, as it always did
+            pass
+    return dumps(rec.to_dict())
+
+
 class _RotatingFile:
     def __init__(self, path: str, cap_bytes: int) -> None:
         self.path = path
@@ -123,7 +242,7 @@ class RecordsExporter(Exporter):
 
     def export(self, batch: Batch) -> None:
         if batch.records:
-            self.steps.write_lines([dumps(r.to_dict()) for r in batch.records])
+            self.steps.write_lines([step_line(r) for r in batch.records])
         if batch.findings:
             self.findings.write_lines([dumps(f.to_dict()) for f in batch.findings])
 

@@ -1,0 +1,70 @@
+"""RawStep.to_record and StepRecord.to_dict, built for speed (positionally, with attrgetter),
+give what the plain keyword/getattr versions give, field for field and type for type."""
+
+import math
+import random
+
+from stepwatch.record import FINDING_FIELDS, STEP_FIELDS, Finding, RawStep, StepRecord
+
+
+def keyword_to_record(raw, rank, wall_ref, perf_ref_ns, scalar):
+    """RawStep.to_record as it was written first: keyword arguments, every dict walked."""
+    s = 1e-9
+    other = max(raw.step_ns - raw.data_ns - raw.forward_ns - raw.backward_ns - raw.optimizer_ns, 0)
+    ckpt_s = raw.checkpoint_ns * s
+    rec = StepRecord(
+        step=raw.step, rank=rank, time=wall_ref + (raw.t_end_ns - perf_ref_ns) * s, step_s=raw.step_ns * s,
+        data_wait_s=raw.data_ns * s, forward_s=raw.forward_ns * s, backward_s=raw.backward_ns * s,
+        optimizer_s=raw.optimizer_ns * s, other_s=other * s, eval_s=raw.eval_ns * s, checkpoint_s=ckpt_s,
+        phases={k: v * s for k, v in raw.phases.items()}, scalars={k: scalar(k, v) for k, v in raw.scalars.items()},
+        skipped=raw.skipped, mem_peak_bytes=raw.mem_peak_bytes, tail=bool(raw.tail),
+    )
+    if ckpt_s:
+        nbytes = raw.extras.get("checkpoint_bytes")
+        rec.checkpoint_bytes = nbytes
+        rec.checkpoint_gbps = nbytes / ckpt_s / 1e9 if nbytes else None
+    return rec
+
+
+def same(a, b):
+    """Equal and of the same type, NaN equal to NaN, -0.0 told from 0.0 (what the records file shows)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return repr(a) == repr(b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def scalar(name, v):
+    """The pipeline's contract: a float as it is; anything else converted (here: tagged)."""
+    return v if type(v) is float else ("converted", name, repr(v))
+
+
+def test_to_record_matches_the_keyword_version_on_random_steps():
+    rng = random.Random(3)
+    ns = lambda: rng.choice([0, 1, rng.randint(0, 10**9), rng.randint(0, 10**13)])  # noqa: E731
+    for _ in range(3000):
+        phases = {f"p{i}": ns() for i in range(rng.choice([0, 0, 1, 3]))}
+        scalars = {k: rng.choice([rng.random(), 1.0, float("nan"), 2, True, None, "x", 10**400, -0.0])
+                   for k in rng.sample(["loss", "lr", "é", "acc"], rng.choice([0, 1, 2, 4]))}
+        ckpt = rng.choice([0, 0, ns()])
+        extras = {"checkpoint_bytes": rng.choice([None, 0, 2_000_000_000])} if rng.random() < 0.5 else {}
+        raw = RawStep(rng.randint(0, 10**6), ns(), ns(), ns(), ns(), ns(), ns(), ns(), ckpt, phases, scalars,
+                      rng.random() < 0.1, rng.choice([None, 123]), extras, rng.choice([False, True, 0, 1, None]))
+        args = (rng.randint(0, 7), 1.7e9 + rng.random(), rng.randint(0, 10**13), scalar)
+        got, want = raw.to_record(*args), keyword_to_record(raw, *args)
+        for f in STEP_FIELDS:
+            assert same(getattr(got, f), getattr(want, f)), (f, getattr(got, f), getattr(want, f))
+        assert got.phases is not raw.phases and got.scalars is not raw.scalars  # the record's own dicts
+
+
+def test_to_dict_is_every_field_in_order():
+    rec = StepRecord(step=1, rank=2, time=3.0, step_s=0.5, scalars={"loss": math.pi}, gpu={"util": 1}, tail=True)
+    d = rec.to_dict()
+    assert list(d) == list(STEP_FIELDS) and all(d[f] is getattr(rec, f) for f in STEP_FIELDS)
+    f = Finding(1.0, 2, 0, "data_loading", "warning", "s", "d", "a", {"x": 1})
+    fd = f.to_dict()
+    assert list(fd) == list(FINDING_FIELDS) and all(fd[k] is getattr(f, k) for k in FINDING_FIELDS)
+    assert StepRecord.from_dict(d) == rec and Finding.from_dict(fd) == f

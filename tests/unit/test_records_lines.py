@@ -1,0 +1,189 @@
+"""The records file's step lines (exporters/records.py ``step_line``): a %-template per shape of
+record, byte-identical to ``dumps(rec.to_dict())`` (and to json.dumps with the records file's
+settings) for every record: edge values, unusual types, and a few thousand random records."""
+
+import enum
+import json
+import math
+import random
+
+import pytest
+
+from stepwatch.exporters import records as records_mod
+from stepwatch.exporters.records import _clean, dumps, step_line
+from stepwatch.record import STEP_FIELDS, RawStep, StepRecord
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.fixture(autouse=True)
+def fresh_shapes(monkeypatch):
+    """Each test starts with no templates (the cache is bounded: a full one sends lines to dumps)."""
+    monkeypatch.setattr(records_mod, "_SHAPES", {})
+
+
+def reference(rec):
+    """What the records file wrote for a record before step_line: json.dumps of the record's
+    fields in order, non-finite floats as strings. ("ok", line) or ("raises", type, message)."""
+    d = {name: getattr(rec, name) for name in STEP_FIELDS}
+    try:
+        try:
+            return ("ok", json.dumps(d, separators=(",", ":"), allow_nan=False, default=str))
+        except ValueError:
+            return ("ok", json.dumps(_clean(d), separators=(",", ":"), default=str))
+    except Exception as e:  # noqa: BLE001 - the same failure is expected of step_line
+        return ("raises", type(e), str(e))
+
+
+def outcome(fn, rec):
+    try:
+        return ("ok", fn(rec))
+    except Exception as e:  # noqa: BLE001
+        return ("raises", type(e), str(e))
+
+
+def check(rec):
+    got = outcome(step_line, rec)
+    assert got == outcome(lambda r: dumps(r.to_dict()), rec)
+    assert got == reference(rec)
+    return got
+
+
+class Color(enum.IntEnum):
+    RED = 1
+
+
+class MyFloat(float):
+    def __repr__(self):
+        return "MyFloat!"
+
+
+class MyInt(int):
+    def __repr__(self):
+        return "MyInt!"
+
+
+class MyStr(str):
+    pass
+
+
+class Opaque:
+    def __str__(self):
+        return 'opaque "thing" é'
+
+
+def base(**kw):
+    d = dict(step=7, rank=1, time=1.7e9 + 0.123456789, step_s=3.0400000000000004e-4, data_wait_s=7.185400000000001e-05,
+             forward_s=4.2580000000000006e-06, scalars={"loss": 0.25})
+    d.update(kw)
+    return StepRecord(**d)
+
+
+EDGE_FLOATS = [0.0, -0.0, 1e-300, 1e300, 5e-324, 1.7976931348623157e308, 0.1, -2.5, NAN, INF, -INF]
+EDGE_VALUES = EDGE_FLOATS + [
+    None, 0, -1, 2**64 + 1, -(2**70), 10**100, True, False, "", "host", 'q"uote\\back\nnl\t', "é ü 😀 \u2028",
+    "%s %r %% %(x)s", "50%% off", {}, {"a": 1.0}, {"n": NAN}, {"in": {"deep": [1, INF, {"x": -INF}]}}, [1, 2.5, None],
+    (1, "t"), Color.RED, MyFloat(1.5), MyInt(3), MyStr("sub"), Opaque(), {"é\"%": {"k\n": [True, None]}},
+    {1: "int key", 2.5: "float key", True: "bool key", None: "none key"}, range(3),
+]
+
+
+@pytest.mark.parametrize("field", STEP_FIELDS)
+def test_every_field_with_every_edge_value(field):
+    for v in EDGE_VALUES:
+        rec = base()
+        setattr(rec, field, v)
+        check(rec)
+
+
+@pytest.mark.parametrize("v", EDGE_VALUES, ids=repr)
+def test_edge_values_inside_the_dict_fields(v):
+    for field in ("phases", "scalars", "gpu"):
+        check(base(**{field: {"x": v, "é\"%s": v, "ok": 1.0}}))
+        check(base(**{field: {"nested": {"v": v}, "list": [v, v]}}))
+
+
+def test_non_finite_floats_are_strings_as_before():
+    ok, line = check(base(grad_norm=NAN, mfu=INF, hfu=-INF, scalars={"loss": NAN}, gpu={"t": [INF]}))
+    assert ok == "ok"
+    d = json.loads(line)
+    assert (d["grad_norm"], d["mfu"], d["hfu"], d["scalars"]["loss"], d["gpu"]["t"]) == ("nan", "inf", "-inf", "nan", ["inf"])
+    # a line after a non-finite one is written by the fast path again, and is right
+    check(base())
+    # finite floats whose sum overflows take the general path, and are still right
+    check(base(step_s=1.7e308, time=1.7e308))
+
+
+def test_what_json_cannot_write_fails_as_before():
+    assert check(base(scalars={(1, 2): 1.0}))[0] == "raises"  # keys must be str, int, float, bool or None
+    assert check(base(tokens=10**5000))[0] == "raises"  # past int's str-digits limit
+    circular = {}
+    circular["self"] = circular
+    assert check(base(gpu=circular))[0] == "raises"
+    check(base())  # and the next line is right
+
+
+def test_a_subclass_keeps_its_own_to_dict():
+    class Custom(StepRecord):
+        __slots__ = ()
+
+        def to_dict(self):
+            return {"custom": True}
+
+    assert step_line(Custom(step=1, rank=0, time=1.0, step_s=0.1)) == '{"custom":true}'
+
+
+def test_many_shapes_past_the_cache_bound_stay_right():
+    for i in range(3 * records_mod._MAX_SHAPES):
+        check(base(clock=f"clock-{i}", mfu_dtype=random.choice([None, "bf16", "fp32"]), skipped=bool(i % 2)))
+    assert len(records_mod._SHAPES) == records_mod._MAX_SHAPES
+
+
+def random_value(rng, depth=0):
+    r = rng.random()
+    if r < 0.25:
+        return None
+    if r < 0.55:
+        return rng.choice([rng.uniform(-1e6, 1e6), rng.random() * 1e-6, rng.randint(1, 10**9) * 1e-9, rng.choice(EDGE_FLOATS)])
+    if r < 0.7:
+        return rng.choice([rng.randint(-(2**80), 2**80), rng.randint(0, 1000), 0])
+    if r < 0.78:
+        return rng.choice([True, False])
+    if r < 0.86:
+        return rng.choice(["host", "device", "bf16", "", 'a"b', "é😀", "%d%%", "%%", "\x00\x1f"])
+    if r < 0.97 and depth < 2:
+        keys = ["loss", "lr", "é", 'q"', "%s", "a\nb", "😀", "x" * 30]
+        return {rng.choice(keys): random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+    if depth < 2:
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return rng.choice([Color.RED, MyFloat(2.0), MyInt(5), MyStr("s"), Opaque(), (1, 2)])
+
+
+def test_thousands_of_random_records():
+    rng = random.Random(16)
+    for i in range(4000):
+        if i % 32 == 0:
+            records_mod._SHAPES.clear()  # most records here have a shape of their own
+        raw = RawStep(rng.randint(0, 10**6), rng.randint(0, 10**15), *[rng.randint(0, 10**8) for _ in range(7)],
+                      {"p": rng.randint(0, 10**7)} if rng.random() < 0.3 else {},
+                      {"loss": rng.random()} if rng.random() < 0.8 else {}, rng.random() < 0.1, None, {},
+                      rng.random() < 0.05)
+        rec = raw.to_record(rng.randint(0, 7), 1.7e9 + rng.random(), rng.randint(0, 10**15), lambda k, v: v)
+        for field in rng.sample(STEP_FIELDS, rng.randint(0, 12)):  # a few fields anything at all
+            setattr(rec, field, random_value(rng))
+        check(rec)
+
+
+def test_realistic_records_take_the_template(monkeypatch):
+    """The common record (no NaN, plain types) is written by its template, never by dumps."""
+    recs = [base(), base(phases={"fwd": 1e-3}, mfu=0.41, mfu_dtype="bf16", tokens=4096, gpu={"util": 97.0}),
+            base(skipped=True, tail=True, clock="device", scalars={}, grad_norm=1.25)]
+    want = [reference(r)[1] for r in recs]
+
+    def no_dumps(d):
+        raise AssertionError("dumps called")
+
+    monkeypatch.setattr(records_mod, "dumps", no_dumps)
+    assert [step_line(r) for r in recs] == want
+    assert [step_line(r) for r in recs] == want  # from the cached templates
+    assert len(records_mod._SHAPES) == 3
