@@ -522,3 +522,50 @@ def test_fsdp_is_not_imported_by_stepwatch_and_fsdp1s_clip_is_still_reused(tmp_p
     assert out["norms"] == pytest.approx(out["clipped"], rel=1e-6)
     assert "grad_norm is null under FSDP1" not in r.stderr
     assert r.stderr.count("FLOPs are not counted") == 1  # said once; MFU stays null
+
+
+def test_spike_detector_keeps_the_rolling_median_without_sorting_per_record():
+    """The detector keeps its window sorted (one insertion per record, not a median of 100 per
+    record: ~10 us a record before). Its findings are those of a plain statistics.median
+    over the same window, on a long random run of norms with spikes, NaN, inf and skipped steps."""
+    import random
+    import statistics
+    from collections import deque
+    from types import SimpleNamespace
+
+    from stepwatch.metrics.grads import GradNormSpikeDetector
+
+    def reference(norms, window, abs_threshold, factor):
+        recent, in_spike, out = deque(maxlen=window), False, []
+        for step, norm in enumerate(norms):
+            if norm is None:
+                continue
+            if not math.isfinite(norm):
+                out.append((step, "nonfinite_grads"))
+                continue
+            median = statistics.median(recent) if len(recent) >= min(window, 10) else None
+            recent.append(norm)
+            over = norm > abs_threshold or (median is not None and median > 0 and norm > factor * median)
+            if not over:
+                in_spike = False
+            elif not in_spike:
+                in_spike = True
+                out.append((step, "grad_norm_spike", median))
+        return out
+
+    rng = random.Random(7)
+    norms = []
+    for _ in range(3000):
+        r = rng.random()
+        norms.append(None if r < 0.05 else float("nan") if r < 0.06 else float("inf") if r < 0.065
+                     else rng.uniform(5, 40) if r < 0.1 else rng.choice([1.0, 2.0]) if r < 0.2 else rng.lognormvariate(0, 0.3))
+    for window in (2, 7, 100):
+        det = GradNormSpikeDetector(abs_threshold=12.0, factor=3.0, window=window)
+        got = []
+        for step, norm in enumerate(norms):
+            rec = SimpleNamespace(grad_norm=norm, step=step, rank=0, time=0.0, skipped=False)
+            for f in det.observe(rec):
+                got.append((step, f.kind, f.data["median"]) if f.kind == "grad_norm_spike" else (step, f.kind))
+        want = reference(norms, window, 12.0, 3.0)
+        assert got == want and len(want) > 20
+        assert len(det._sorted) == len(det._recent) == window and det._sorted == sorted(det._recent)

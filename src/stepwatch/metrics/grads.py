@@ -23,6 +23,7 @@ What the pre-hook sees, and how the value is made the unscaled norm:
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import sys
@@ -723,14 +724,35 @@ class GradNormSpikeDetector:
         from collections import deque
 
         self.abs_threshold, self.factor, self.window = abs_threshold, factor, window
-        self._recent: deque[float] = deque(maxlen=window)
+        self._recent: deque[float] = deque()
+        self._sorted: list[float] = []  # the same norms, sorted: the median without a sort per record
         self._in_spike = False
+
+    def _median(self) -> float | None:
+        s = self._sorted
+        n = len(s)
+        if n < min(self.window, 10):
+            return None
+        return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2  # as statistics.median
+
+    def _add(self, norm: float) -> None:
+        if len(self._recent) == self.window:
+            old = self._recent.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._recent.append(norm)
+        bisect.insort(self._sorted, norm)
 
     def observe(self, rec: Any) -> list[Any]:
         """The session's detector interface: a ``StepRecord`` in, findings out."""
         norm = rec.grad_norm
         if norm is None:
             return []
+        if math.isfinite(norm) and not self._in_spike:  # the common case, without a result object
+            median = self._median()
+            self._add(norm)
+            if norm <= self.abs_threshold and (median is None or median <= 0 or norm <= self.factor * median):
+                return []
+            return [self._spike(rec.step, norm, median, rec.rank, rec.time)]
         finite = math.isfinite(norm)
         res = GradNormResult(norm, (0.0, norm), False, not finite, bool(rec.skipped), False)
         f = self.observe_result(rec.step, res, rank=rec.rank, when=rec.time)
@@ -738,10 +760,10 @@ class GradNormSpikeDetector:
 
     def observe_result(self, step: int | None, result: GradNormResult, *, rank: int = 0, when: float | None = None) -> Any:
         """Returns a ``Finding`` or None. ``result.norm`` must be the global norm (combined)."""
-        from ..analysis.kinds import make_finding
-
         norm = result.norm
         if result.nonfinite or (norm is not None and not math.isfinite(norm)):
+            from ..analysis.kinds import make_finding
+
             return make_finding(
                 "nonfinite_grads",
                 rank=rank,
@@ -752,10 +774,8 @@ class GradNormSpikeDetector:
             )
         if norm is None:
             return None
-        import statistics
-
-        median = statistics.median(self._recent) if len(self._recent) >= min(self.window, 10) else None
-        self._recent.append(norm)
+        median = self._median()
+        self._add(norm)
         over_abs = norm > self.abs_threshold
         over_rel = median is not None and median > 0 and norm > self.factor * median
         if not (over_abs or over_rel):
@@ -763,7 +783,13 @@ class GradNormSpikeDetector:
             return None
         if self._in_spike:
             return None
+        return self._spike(step, norm, median, rank, when)
+
+    def _spike(self, step: int | None, norm: float, median: float | None, rank: int, when: float | None) -> Any:
+        from ..analysis.kinds import make_finding
+
         self._in_spike = True
+        over_abs = norm > self.abs_threshold
         why = f"above {self.abs_threshold:g}" if over_abs else f"{norm / median:.1f}x the rolling median {median:.3g}"
         return make_finding(
             "grad_norm_spike",
