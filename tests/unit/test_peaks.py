@@ -167,3 +167,30 @@ def test_mfu_enricher_fills_record_with_flops_over_step_time_over_peak():
     assert MfuEnricher(None).enrich(rec2, {"throughput": col.take()}, force=False)
     assert rec2.flops is not None and rec2.mfu is None
     assert MfuDropDetector().observe(rec) == []
+
+
+def test_mfu_enricher_reuses_the_last_counts_facts_and_gives_compute_mfus_numbers():
+    """Steps of one signature share one FlopCount: the enricher keeps what follows from it and
+    the peaks (dtype sums, the busy time) and divides by each step's time. The fields are the
+    ones compute_mfu gives, for a shared count, a new one, recompute (HFU) and new peaks."""
+    from types import SimpleNamespace
+
+    from stepwatch.metrics.flops import FlopCount
+    from stepwatch.metrics.peaks import MfuEnricher, compute_mfu
+
+    a = FlopCount(forward={"bf16": 3e12, "fp32": 1e9}, backward={"bf16": 6e12})
+    b = FlopCount(forward={"bf16": 2e12}, backward={"bf16": 4e12}, recompute={"bf16": 2e12})
+    enr = MfuEnricher({"bf16": 989.0, "fp32": 67.0})
+    for fc, step_s, peaks in ((a, 0.5, None), (a, 0.25, None), (b, 0.4, None), (b, 0.3, {"bf16": 400.0}),
+                              (a, 0.0, None), (a, None, None), (b, 0.2, 50.0)):
+        if peaks is not None:
+            enr.peaks = peaks
+        rec = SimpleNamespace(step_s=step_s, flops=None, mfu=None, hfu=None, mfu_dtype=None, peak_tflops=None,
+                              tokens=None, samples=None)
+        tp = SimpleNamespace(resolve=lambda fc=fc: (fc, 10, 2), flops=fc)
+        assert enr.enrich(rec, {"throughput": tp}, force=False)
+        want_mfu = compute_mfu(fc.by_dtype, step_s, enr.peaks)
+        assert rec.mfu == want_mfu and rec.flops == float(fc.total)
+        assert rec.hfu == (compute_mfu(fc.hfu_by_dtype, step_s, enr.peaks) if fc.recompute else want_mfu)
+        assert rec.mfu_dtype == ("mixed" if fc is a else "bf16")
+        assert rec.peak_tflops == (rec.flops / (rec.mfu * step_s) / 1e12 if rec.mfu and step_s else None)

@@ -289,6 +289,13 @@ def compute_mfu(
     """
     if flops_by_dtype is None or peaks is None or step_s is None or not step_s > 0:
         return None
+    busy_s = busy_seconds(flops_by_dtype, peaks)
+    return None if busy_s is None else busy_s / step_s
+
+
+def busy_seconds(flops_by_dtype: Mapping[str, float], peaks: Mapping[str, float] | float) -> float | None:
+    """The seconds the FLOPs take at the peaks (MFU's numerator over the step time); None when
+    a dtype with FLOPs has no peak, or there are none."""
     busy_s = 0.0
     for key, flops in flops_by_dtype.items():
         if not flops:
@@ -297,9 +304,7 @@ def compute_mfu(
         if peak is None or not peak > 0:
             return None
         busy_s += flops / (peak * 1e12)
-    if busy_s == 0.0:
-        return None
-    return busy_s / step_s
+    return None if busy_s == 0.0 else busy_s
 
 
 def device_name(device: Any = None) -> str | None:
@@ -376,6 +381,24 @@ class MfuEnricher:
     def __init__(self, peaks: Mapping[str, float] | float | None) -> None:
         self.peaks = peaks
         self.last_samples: int | None = None
+        # The last step's count and what follows from it and the peaks alone: steps of one
+        # signature share one FlopCount, so most records reuse it (dtype sums, the busy time).
+        self._last: tuple[Any, Any, tuple[Any, ...]] | None = None
+
+    def _facts(self, fc: Any) -> tuple[Any, ...]:
+        """(flops, mfu_dtype, busy_s, hfu busy_s or None without recompute) for ``fc``."""
+        last = self._last
+        if last is not None and last[0] is fc and last[1] is self.peaks:
+            return last[2]
+        peaks = self.peaks
+        by_dtype = fc.by_dtype
+        by = {k: v for k, v in by_dtype.items() if v}
+        mfu_dtype = next(iter(by)) if len(by) == 1 else ("mixed" if by else None)
+        busy = busy_seconds(by_dtype, peaks) if peaks is not None else None
+        hfu_busy = busy_seconds(fc.hfu_by_dtype, peaks) if peaks is not None and fc.recompute else None
+        facts = (float(fc.total), mfu_dtype, busy, hfu_busy, bool(fc.recompute))
+        self._last = (fc, peaks, facts)
+        return facts
 
     def enrich(self, rec: Any, extras: dict[str, Any], *, force: bool) -> bool:
         tp = extras.get("throughput")
@@ -392,12 +415,14 @@ class MfuEnricher:
         self.last_samples = samples
         if fc is None:
             return True
-        rec.flops = float(fc.total)
-        rec.mfu = compute_mfu(fc.by_dtype, rec.step_s, self.peaks)
+        flops, mfu_dtype, busy, hfu_busy, recompute = self._facts(fc)
+        step_s = rec.step_s
+        timed = step_s is not None and step_s > 0
+        rec.flops = flops
+        rec.mfu = busy / step_s if timed and busy is not None else None  # compute_mfu's arithmetic
         # The denominator, shown beside MFU: the step's matmul dtype and the (FLOP-weighted) peak.
-        by = {k: v for k, v in fc.by_dtype.items() if v}
-        rec.mfu_dtype = next(iter(by)) if len(by) == 1 else ("mixed" if by else None)
-        if rec.mfu and rec.step_s:
-            rec.peak_tflops = rec.flops / (rec.mfu * rec.step_s) / 1e12
-        rec.hfu = compute_mfu(fc.hfu_by_dtype, rec.step_s, self.peaks) if fc.recompute else rec.mfu
+        rec.mfu_dtype = mfu_dtype
+        if rec.mfu and step_s:
+            rec.peak_tflops = rec.flops / (rec.mfu * step_s) / 1e12
+        rec.hfu = (hfu_busy / step_s if timed and hfu_busy is not None else None) if recompute else rec.mfu
         return True
