@@ -234,9 +234,9 @@ class ThroughputCollector(Collector):
         # The first FLOPs count (for the start-up Tensor Core lint: flops.alignment_finding).
         self.first_count: Any = None
         self._dtype_keys: dict[int, str] = {}
-        # Per root module (by id): its last call's (state, positional and keyword signatures,
-        # what the call appends), when the call has the flat shape the signatures describe.
-        # (the last one: a lone tensor argument's descriptor, or None).
+        # Per root module (by id), when its last call had the flat shape the signatures describe:
+        # (global state, positional and keyword signatures, what the call appends, and the lone
+        # tensor argument's descriptor for model(x), else None).
         self._hits: dict[int, tuple[Any, Any, Any, tuple[Any, Any], Any]] = {}
         self._items: list[tuple[Any, BatchCounts | None]] = []
         import torch
