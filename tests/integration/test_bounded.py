@@ -1,5 +1,7 @@
-"""Memory does not grow with steps: 100,000 steps of a trivial loop with stepwatch on (a leak of
-200 bytes a step would show as 18 MB)."""
+"""Memory does not grow with steps: a trivial loop with stepwatch on. The spec (issue 2) is
+200,000 steps < 20 MB, i.e. under 100 bytes a step; here 40,000 steps after a 10,000-step warm-up
+must grow resident memory by < 4 MB, the same bound per step (a leak of 100 bytes a step shows as
+4 MB). Measured: ~0.3 MB over those steps, ~0.5 MB over 90,000."""
 
 import json
 import os
@@ -27,7 +29,7 @@ p = torch.nn.Parameter(torch.ones(4))
 opt = torch.optim.SGD([p], lr=1e-6)
 x = torch.ones(4)
 marks = {}
-for i in range(100_000):
+for i in range(50_000):
     loss = (p * x).sum()
     loss.backward()
     opt.step()
@@ -43,12 +45,12 @@ print(json.dumps(marks))
 """
 
 
-def test_100k_steps_grow_resident_memory_by_less_than_20mb(tmp_path):
+def test_steps_grow_resident_memory_by_less_than_100_bytes_a_step(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, r.stderr[-3000:]
     marks = json.loads(r.stdout.strip().splitlines()[-1])
-    assert marks["steps"] + marks["dropped"] == 100_000
-    assert marks["end"] - marks["warm"] < 20, marks
+    assert marks["steps"] + marks["dropped"] == 50_000
+    assert marks["end"] - marks["warm"] < 4, marks  # MB over the 40,000 steps after warm-up
