@@ -14,6 +14,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 JOB = textwrap.dedent(
     """
     import os, sys, threading, time
@@ -144,10 +146,17 @@ def test_exporters_whose_constructor_fails_cost_no_other(tmp_path):
     assert "OverflowError" in r["stderr"] and "injected" in r["stderr"]
 
 
-def test_a_collector_that_is_down_delays_exit_by_at_most_2_s(tmp_path):
+@pytest.fixture(scope="module")
+def plain_10k(tmp_path_factory):
+    """10,000 quick steps with no exporter but the records file: the baseline both tests below
+    compare with (run once for the module)."""
+    return _run(tmp_path_factory.mktemp("plain"), 10_000, "explicit")
+
+
+def test_a_collector_that_is_down_delays_exit_by_at_most_2_s(tmp_path, plain_10k):
     """A job long enough (10,000 steps, ~3 s) for the OTel exporter to be built and export while it
     runs; then its final export at exit meets the collector's silence (before: 12-15 s)."""
-    base = _run(tmp_path / "base", 10_000, "explicit")
+    base = plain_10k
     refused = _run(tmp_path / "refused", 10_000, "explicit", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{_free_port()}")
     # A blackhole: the kernel completes the handshake into the backlog, nobody ever answers.
     hole = socket.socket()
@@ -168,8 +177,8 @@ def test_a_collector_that_is_down_delays_exit_by_at_most_2_s(tmp_path):
         assert added <= 2.0 + 1.5, f"{name}: exit took {r['exit_delay_s']:.2f} s, {added:.2f} s more than without OTLP"
 
 
-def test_a_slow_user_exporter_does_not_stall_the_records_file(tmp_path):
-    r = _run(tmp_path, 10_000, "explicit")  # no model: 10,000 quick steps
+def test_a_slow_user_exporter_does_not_stall_the_records_file(tmp_path, plain_10k):
+    r = plain_10k  # no model: 10,000 quick steps
     slow = _run(tmp_path / "slow", 10_000, "slow")
     m = slow["manifest"]
     # Every step is in the records file or counted as dropped (the training queue's bound).
