@@ -808,6 +808,37 @@ def _same_kw(kwargs: Any, sig: tuple[Any, ...]) -> bool:
     return True
 
 
+class CallSig:
+    """One call's signature for the last-call fast paths (``FlopCache``, the throughput
+    collector): the global state and a flat description of the arguments. ``of`` is None for a
+    call the description cannot hold (nested containers, other devices); ``matches`` says
+    whether another call has the same signature, a lone tensor (``model(x)``) compared without
+    a call per argument."""
+
+    __slots__ = ("state", "args", "kwargs", "single")
+
+    def __init__(self, state: Any, args: tuple[Any, ...], kwargs: tuple[Any, ...]) -> None:
+        self.state = state
+        self.args = args
+        self.kwargs = kwargs
+        self.single = args[0] if len(args) == 1 and not kwargs and len(args[0]) == 5 else None
+
+    @staticmethod
+    def of(args: Any, kwargs: Any) -> "CallSig | None":
+        targs, tkw = _fast_sig(args), _fast_kw(kwargs)
+        return None if targs is None or tkw is None else CallSig(_state(), targs, tkw)
+
+    def matches(self, args: Any, kwargs: Any) -> bool:
+        d = self.single
+        if d is not None:
+            a = args[0] if type(args) is tuple and len(args) == 1 and not kwargs else None
+            same = (type(a) is d[0] and a.dtype is d[2] and a.shape == d[1] and a.requires_grad is d[4]
+                    and (a.is_cuda if d[3] else a.is_cpu))
+        else:
+            same = _same(args, self.args) and _same_kw(kwargs, self.kwargs)
+        return same and self.state == _state()
+
+
 class FlopCache:
     """FLOPs per input signature: counted on the first call with a new signature, then looked up.
 
@@ -831,9 +862,8 @@ class FlopCache:
         self._counter = counter
         self._count_kwargs = count_kwargs
         self._entries: dict[tuple[Any, ...], FlopCount | None] = {}
-        # Last-signature fast path: per module, the global state and a flat description of the
-        # last call's arguments, with its value (see ``_fast_sig``/``_same``).
-        self._last: dict[int, tuple[Any, tuple[Any, ...], Any, FlopCount | None]] = {}
+        # Last-signature fast path: per module, its last call's signature and value.
+        self._last: dict[int, tuple[CallSig, FlopCount | None]] = {}
         self.misses = 0
         self.errors = 0
 
@@ -862,10 +892,8 @@ class FlopCache:
             return None
         mid = id(module)
         last = self._last.get(mid)
-        if last is not None and not count_kwargs:
-            state, targs, tkw, value = last
-            if _state() == state and _same(args, targs) and (_same_kw(kwargs, tkw)):
-                return value
+        if last is not None and not count_kwargs and last[0].matches(args, kwargs):
+            return last[1]
         key = self.key(module, args, kwargs)
         try:
             value = self._entries[key]
@@ -914,12 +942,11 @@ class FlopCache:
     def _remember(self, mid: int, args: Any, kwargs: Any, value: FlopCount | None) -> None:
         """Keep this call's signature as the module's last one, when it has the flat shape the
         fast path compares (tensors and small scalars, positional or keyword); else forget it."""
-        targs = _fast_sig(args)
-        tkw = _fast_kw(kwargs)
-        if targs is None or tkw is None:
+        sig = CallSig.of(args, kwargs)
+        if sig is None:
             self._last.pop(mid, None)
         else:
-            self._last[mid] = (_state(), targs, tkw, value)
+            self._last[mid] = (sig, value)
 
     def __len__(self) -> int:
         return len(self._entries)

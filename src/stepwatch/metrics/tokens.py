@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .flops import FlopCache, _fast_kw, _fast_sig, _same, _same_kw, _state, is_counting, resolve_override
+from .flops import CallSig, FlopCache, is_counting, resolve_override
 from ..cuda_ext import copy_to_host, event_done
 from .peaks import matmul_dtype_key
 from ..hooks.phases import Collector
@@ -234,10 +234,9 @@ class ThroughputCollector(Collector):
         # The first FLOPs count (for the start-up Tensor Core lint: flops.alignment_finding).
         self.first_count: Any = None
         self._dtype_keys: dict[int, str] = {}
-        # Per root module (by id), when its last call had the flat shape the signatures describe:
-        # (global state, positional and keyword signatures, what the call appends, and the lone
-        # tensor argument's descriptor for model(x), else None).
-        self._hits: dict[int, tuple[Any, Any, Any, tuple[Any, Any], Any]] = {}
+        # Per root module (by id), when its last call had a flat signature: that signature and
+        # what the call appended.
+        self._hits: dict[int, tuple[CallSig, tuple[Any, Any]]] = {}
         self._items: list[tuple[Any, BatchCounts | None]] = []
         import torch
 
@@ -247,18 +246,8 @@ class ThroughputCollector(Collector):
         if not self._grad_enabled() or is_counting():
             return
         hit = self._hits.get(id(module))
-        if hit is None:
-            self._on_forward_full(module, args, kwargs)
-            return
-        d = hit[4]
-        if d is not None:  # model(x): one tensor, compared here without a call per argument
-            a = args[0] if len(args) == 1 and not kwargs else None
-            same = (type(a) is d[0] and a.dtype is d[2] and a.shape == d[1] and a.requires_grad is d[4]
-                    and (a.is_cuda if d[3] else a.is_cpu))
-        else:
-            same = _same(args, hit[1]) and _same_kw(kwargs, hit[2])
-        if same and hit[0] == _state():
-            item = hit[3]
+        if hit is not None and hit[0].matches(args, kwargs):
+            item = hit[1]
             if item[1] is _RECOUNT:
                 item = (item[0], self._batch_counts(args, kwargs))
             self._items.append(item)
@@ -293,15 +282,14 @@ class ThroughputCollector(Collector):
         override's) with counts that follow from the shapes alone, else counted again each call.
         Not for a count that is None (not ready yet, or over the cache's budget: asked again)
         nor a callable override (it reads the batch)."""
-        targs, tkw = _fast_sig(args), _fast_kw(kwargs)
-        if fc is None or callable(self.override) or targs is None or tkw is None:
+        sig = CallSig.of(args, kwargs) if fc is not None and not callable(self.override) else None
+        if sig is None:
             self._hits.pop(id(module), None)
             return
         if counts is not None and (counts._pending is not None or self.pad_token_id is not None or kwargs
                                    or not args or type(args[0]) is not _tensor_type()):
             counts = _RECOUNT
-        single = targs[0] if len(targs) == 1 and not tkw and len(targs[0]) == 5 else None
-        self._hits[id(module)] = (_state(), targs, tkw, (fc, counts), single)
+        self._hits[id(module)] = (sig, (fc, counts))
 
     def _dtype_key(self, module: Any) -> str:
         import torch
