@@ -747,15 +747,11 @@ class GradNormSpikeDetector:
         norm = rec.grad_norm
         if norm is None:
             return []
-        if math.isfinite(norm) and not self._in_spike:  # the common case, without a result object
-            median = self._median()
-            self._add(norm)
-            if norm <= self.abs_threshold and (median is None or median <= 0 or norm <= self.factor * median):
-                return []
-            return [self._spike(rec.step, norm, median, rec.rank, rec.time)]
-        finite = math.isfinite(norm)
-        res = GradNormResult(norm, (0.0, norm), False, not finite, bool(rec.skipped), False)
-        f = self.observe_result(rec.step, res, rank=rec.rank, when=rec.time)
+        if math.isfinite(norm):  # the common case, without a result object
+            f = self._finite(rec.step, norm, rec.rank, rec.time)
+        else:
+            res = GradNormResult(norm, (0.0, norm), False, True, bool(rec.skipped), False)
+            f = self.observe_result(rec.step, res, rank=rec.rank, when=rec.time)
         return [f] if f is not None else []
 
     def observe_result(self, step: int | None, result: GradNormResult, *, rank: int = 0, when: float | None = None) -> Any:
@@ -774,6 +770,10 @@ class GradNormSpikeDetector:
             )
         if norm is None:
             return None
+        return self._finite(step, norm, rank, when)
+
+    def _finite(self, step: int | None, norm: float, rank: int, when: float | None) -> Any:
+        """A finite norm: into the window; a ``grad_norm_spike`` Finding once per episode, else None."""
         median = self._median()
         self._add(norm)
         over_abs = norm > self.abs_threshold
@@ -783,13 +783,9 @@ class GradNormSpikeDetector:
             return None
         if self._in_spike:
             return None
-        return self._spike(step, norm, median, rank, when)
-
-    def _spike(self, step: int | None, norm: float, median: float | None, rank: int, when: float | None) -> Any:
         from ..analysis.kinds import make_finding
 
         self._in_spike = True
-        over_abs = norm > self.abs_threshold
         why = f"above {self.abs_threshold:g}" if over_abs else f"{norm / median:.1f}x the rolling median {median:.3g}"
         return make_finding(
             "grad_norm_spike",
