@@ -287,10 +287,17 @@ def compute_mfu(
     ``peaks`` is TFLOP/s: a per-dtype table, or one number for every dtype. None when anything
     needed is unknown (no FLOPs, no step time, a dtype with FLOPs but no peak).
     """
-    if flops_by_dtype is None or peaks is None or step_s is None or not step_s > 0:
+    if flops_by_dtype is None or peaks is None:
         return None
-    busy_s = busy_seconds(flops_by_dtype, peaks)
-    return None if busy_s is None else busy_s / step_s
+    return per_step(busy_seconds(flops_by_dtype, peaks), step_s)
+
+
+def per_step(busy_s: float | None, step_s: float | None) -> float | None:
+    """MFU from the FLOPs' busy seconds (:func:`busy_seconds`) and the step's; None when either
+    is unknown or the step took no time."""
+    if busy_s is None or step_s is None or not step_s > 0:
+        return None
+    return busy_s / step_s
 
 
 def busy_seconds(flops_by_dtype: Mapping[str, float], peaks: Mapping[str, float] | float) -> float | None:
@@ -386,7 +393,7 @@ class MfuEnricher:
         self._last: tuple[Any, Any, tuple[Any, ...]] | None = None
 
     def _facts(self, fc: Any) -> tuple[Any, ...]:
-        """(flops, mfu_dtype, busy_s, hfu busy_s or None without recompute) for ``fc``."""
+        """(flops, mfu_dtype, busy_s, hfu busy_s, whether it recomputes) for ``fc``."""
         last = self._last
         if last is not None and last[0] is fc and last[1] is self.peaks:
             return last[2]
@@ -417,12 +424,11 @@ class MfuEnricher:
             return True
         flops, mfu_dtype, busy, hfu_busy, recompute = self._facts(fc)
         step_s = rec.step_s
-        timed = step_s is not None and step_s > 0
         rec.flops = flops
-        rec.mfu = busy / step_s if timed and busy is not None else None  # compute_mfu's arithmetic
+        rec.mfu = per_step(busy, step_s)
         # The denominator, shown beside MFU: the step's matmul dtype and the (FLOP-weighted) peak.
         rec.mfu_dtype = mfu_dtype
         if rec.mfu and step_s:
             rec.peak_tflops = rec.flops / (rec.mfu * step_s) / 1e12
-        rec.hfu = (hfu_busy / step_s if timed and hfu_busy is not None else None) if recompute else rec.mfu
+        rec.hfu = per_step(hfu_busy, step_s) if recompute else rec.mfu
         return True
