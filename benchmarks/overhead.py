@@ -33,6 +33,7 @@ its target is met, as measured.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -297,9 +298,9 @@ def hot(run_dir: str, n: int) -> dict[str, float]:
 
     # Interleaved rounds, the best of each variant over them: a drift in the machine's speed
     # (other processes, the clock) would otherwise land in the difference of two timings.
-    best: dict[str, float] = {}
+    best: dict[str, float] = collections.defaultdict(lambda: float("inf"))
     for r in range(ROUNDS):
-        best["plain"] = min(best.get("plain", float("inf")), _timed(fwd, n, reps=1))
+        best["plain"] = min(best["plain"], _timed(fwd, n, reps=1))
         for label, cfg in (("no counting", FOUNDATION), ("flops+tokens", {**FOUNDATION, **FEATURES[1][1]})):
             sess = stepwatch.init(dir=os.path.join(run_dir, f"hot-fwd-{label.replace(' ', '_')}-{r}"), console="off",
                                   **cfg)
@@ -311,7 +312,7 @@ def hot(run_dir: str, n: int) -> dict[str, float]:
                 model(x)
                 end()
 
-            best[label] = min(best.get(label, float("inf")), _timed(_paused(sess, fwd_step), n, reps=1))
+            best[label] = min(best[label], _timed(_paused(sess, fwd_step), n, reps=1))
             if label == "flops+tokens":
                 # What the feature itself adds per root forward, timed alone (the difference of two
                 # whole-forward timings above moves by 10-20 us between sessions here): the
@@ -326,7 +327,7 @@ def hot(run_dir: str, n: int) -> dict[str, float]:
                     for take in takes:
                         take()
 
-                best["own"] = min(best.get("own", float("inf")), _timed(own, n, reps=1))
+                best["own"] = min(best["own"], _timed(own, n, reps=1))
             stepwatch.shutdown()
     per_fwd = {label: best[label] - best["plain"] for label in ("no counting", "flops+tokens")}
     out["flops_tokens_per_forward"] = (per_fwd["flops+tokens"] - per_fwd["no counting"]) / 1e3
@@ -385,14 +386,14 @@ def all_defaults_hot(run_dir: str, n: int) -> None:
 
     m = max(n // 10, 200)
     name, cfg = variants()[len(FEATURES)]  # "+ memory": every feature, cumulative
-    best: dict[str, float] = {}
+    best: dict[str, float] = collections.defaultdict(lambda: float("inf"))
     for r in range(ROUNDS):  # interleaved rounds, the best of each (see hot())
-        best["off"] = min(best.get("off", float("inf")), _timed(step, m, reps=1))
-        best["floor"] = min(best.get("floor", float("inf")), _timed(lambda: step(True), m, reps=1))
+        best["off"] = min(best["off"], _timed(step, m, reps=1))
+        best["floor"] = min(best["floor"], _timed(lambda: step(True), m, reps=1))
         sess = stepwatch.init(dir=os.path.join(run_dir, f"hot-all-{r}"), console="off", **cfg)
         for _ in range(20):
             step()
-        best["on"] = min(best.get("on", float("inf")), _timed(_paused(sess, step), m, reps=1))
+        best["on"] = min(best["on"], _timed(_paused(sess, step), m, reps=1))
         stepwatch.shutdown()
     off = best["off"]
     floor = best["floor"] - off
