@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._env import ENABLED as ENABLED_ENV, RUN as RUN_ENV, SIDECAR as SIDECAR_ENV
 from .._files import read_json_private, read_private
-from .._log import logger
+from .._log import logger, warn_once
 from .._os.ptrace import grant_ptrace
 
 # PyTorch's Flight Recorder keeps the last N collectives per process group for its own dumps
@@ -106,6 +106,11 @@ class Feature:
         pyspy = find_pyspy()
         if pyspy:
             cmd += ["--pyspy", pyspy]
+        else:
+            # Said here, not by the sidecar: a short job can end before the sidecar is up.
+            warn_once("watchdog.nopyspy", "stepwatch: watchdog rank %d: py-spy not found (next to this Python "
+                      "or on PATH); hang stacks come from faulthandler (Python frames only). Fix: pip install "
+                      "py-spy.", ctx.rank)
         if self.signal is not None:
             cmd += ["--signal-file", self.signal.path]
         if self.dump_signal is not None:

@@ -190,10 +190,8 @@ class Watchdog:
             _write_json(os.path.join(self.run_dir, f"watchdog.rank{self.rank}.json"), info)
         except OSError as e:
             log(f"watchdog: cannot write to {self.run_dir}: {e}")
-        if not self.a.pyspy:
-            log(f"watchdog rank {self.rank}: py-spy not found (next to this Python or on PATH); "
-                "hang stacks come from faulthandler (Python frames only). Fix: pip install py-spy.")
-        elif self.stack_method != "py-spy":
+        # py-spy missing is said by the trainer when it starts this sidecar (capture.start_sidecar).
+        if self.a.pyspy and self.stack_method != "py-spy":
             log(f"watchdog rank {self.rank}: py-spy cannot read the trainer ({info['ptrace']}); "
                 "hang stacks come from faulthandler (Python frames only). "
                 "Fix: CAP_SYS_PTRACE or kernel.yama.ptrace_scope=0 (see docs/hang.md).")
