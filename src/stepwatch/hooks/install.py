@@ -59,6 +59,7 @@ class Instrumentation:
         # Roots whose call is wrapped: (weak module, its _RootCall, what _compiled_call_impl was).
         self._calls: list[tuple[Any, Any, Any]] = []
         self._seen_optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._last_optimizer: "weakref.ref[Any] | None" = None  # the one that stepped last
         self._scans = 0
         self._optimizers_alive = False  # the last scan saw a torch.optim.Optimizer
         self._boundary_checked = False
@@ -84,17 +85,19 @@ class Instrumentation:
         import torch.optim.optimizer as optim_mod
         from torch.utils.data import dataloader
 
-        from .replay import is_counting
+        from .replay import REPLAY
 
         tr = self.tracker
         self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._opt_pre))
-        self._handles.append(optim_mod.register_optimizer_step_post_hook(self._opt_post))
+        # The tracker's own method, no frame of ours between (it takes and ignores the hook's
+        # (optimizer, args, kwargs)).
+        self._handles.append(optim_mod.register_optimizer_step_post_hook(tr.optimizer_end))
 
         orig_backward = torch.autograd.backward
 
         @functools.wraps(orig_backward)
         def backward(*args: Any, **kwargs: Any) -> Any:
-            if is_counting():  # stepwatch's own FLOP-count replay (reentrant checkpoint)
+            if REPLAY.active:  # stepwatch's own FLOP-count replay (reentrant checkpoint)
                 return orig_backward(*args, **kwargs)
             if tr.enabled and not self._boundary_checked:
                 self._check_boundary()
@@ -265,15 +268,11 @@ class Instrumentation:
         tr = self.tracker
         if not tr.enabled:
             return
-        if optimizer not in self._seen_optimizers:
-            try:
-                self._seen_optimizers.add(optimizer)
-                self._scan("new optimizer")
-                self._patch_dcp()
-            except Exception as e:
-                self._on_error("hooks.discovery", e)
+        last = self._last_optimizer  # the common case, one optimizer: no WeakSet lookup (~1 us)
+        if last is None or last() is not optimizer:
+            self._new_optimizer(optimizer)
         result = None
-        closure = _closure_arg(args, kwargs)
+        closure = _closure_arg(args, kwargs) if kwargs or len(args) > _CLOSURE_AT else None
         if closure is None:
             if self.optimizer_observers:
                 self._observe_optimizer(optimizer)
@@ -287,6 +286,20 @@ class Instrumentation:
                 self._on_error("hooks.closure", e)
         tr.optimizer_begin()
         return result
+
+    def _new_optimizer(self, optimizer: Any) -> None:
+        """An optimizer other than the last one steps: the first step of one never seen scans."""
+        try:
+            self._last_optimizer = weakref.ref(optimizer)
+        except TypeError:  # not weak-referenceable: asked again each step
+            self._last_optimizer = None
+        if optimizer not in self._seen_optimizers:
+            try:
+                self._seen_optimizers.add(optimizer)
+                self._scan("new optimizer")
+                self._patch_dcp()
+            except Exception as e:
+                self._on_error("hooks.discovery", e)
 
     def _observe_optimizer(self, optimizer: Any) -> None:
         for fn in self.optimizer_observers:
@@ -313,9 +326,6 @@ class Instrumentation:
                     tr.resume_optimizer()
 
         return closure_in_step
-
-    def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.tracker.optimizer_end()
 
     def _drop_observer(self, kind: str, fn: Any, exc: BaseException) -> None:
         self.remove_observer(kind, fn)
@@ -441,19 +451,25 @@ class _RootCall:
     Pickled or deep-copied (a module whose own ``__getstate__`` keeps its ``__dict__``), it
     becomes None: a copy is never a second tracker of the original model."""
 
-    __slots__ = ("inst", "tr", "mod", "inner", "compiling", "counting", "grad_enabled", "__weakref__")
+    __slots__ = ("inst", "tr", "mod", "inner", "dynamo", "compiler", "replay", "grad_enabled", "__weakref__")
 
     def __init__(self, inst: "Instrumentation", mod: Any, inner: Callable[..., Any]) -> None:
         import torch
 
-        from .replay import is_counting
+        from .replay import REPLAY
 
         self.inst = inst
         self.tr = inst.tracker
         self.mod = mod
         self.inner = inner
-        self.compiling = torch.compiler.is_compiling  # constant-folded by dynamo
-        self.counting = is_counting
+        # torch.compiler.is_compiling() without its two Python calls: dynamo constant-folds
+        # is_dynamo_compiling() to True while it traces; the flag is torch.export's (non-strict).
+        # A torch without either keeps is_compiling() itself.
+        c = torch.compiler
+        fast = hasattr(c, "is_dynamo_compiling") and type(getattr(c, "_is_compiling_flag", None)) is bool
+        self.dynamo = c.is_dynamo_compiling if fast else c.is_compiling
+        self.compiler = c if fast else _NO_FLAG
+        self.replay = REPLAY
         self.grad_enabled = torch.is_grad_enabled
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
@@ -463,7 +479,7 @@ class _RootCall:
         # One frame: the user's traceback shows their frames and torch's, as without stepwatch
         # (this one is taken out before a bare ``raise``, which adds none back).
         try:
-            if self.compiling() or self.counting():
+            if self.dynamo() or self.compiler._is_compiling_flag or self.replay.active:
                 return self.inner(*args, **kwargs)
             inst = self.inst
             tr = self.tr
@@ -473,7 +489,8 @@ class _RootCall:
                 return self.inner(*args, **kwargs)
             # Only the outermost call is observed: a declared root nested in another is part of it.
             if inst.forward_observers and not tr._fwd_depth:
-                tr.work_begins()  # what the observers count belongs to the step this forward opens
+                if tr._pending_end is not None:
+                    tr.work_begins()  # what the observers count belongs to the step this forward opens
                 inst._observe_forward(mod, args, kwargs)
             grad = self.grad_enabled()
             tr.forward_begin(grad)
@@ -488,6 +505,13 @@ class _RootCall:
         except BaseException as e:
             _drop_own_frames(e)
             raise
+
+
+class _NoFlag:
+    _is_compiling_flag = False
+
+
+_NO_FLAG = _NoFlag()
 
 
 def _drop_own_frames(e: BaseException) -> None:

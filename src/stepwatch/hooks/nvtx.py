@@ -13,7 +13,11 @@ log = logging.getLogger(__name__)
 
 
 class Nvtx:
-    __slots__ = ("_domain", "_attrs", "enabled")
+    """When ``enabled``: ``push_range(attrs)`` and ``pop_range()`` are the domain's own methods,
+    and ``forward``, ``eval``, ``backward``, ``optimizer`` their ranges' attributes, made once:
+    the tracker's phases push and pop with no call of this class between."""
+
+    __slots__ = ("_domain", "_attrs", "enabled", "push_range", "pop_range", "forward", "eval", "backward", "optimizer")
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = False
@@ -27,15 +31,22 @@ class Nvtx:
             log.warning("stepwatch: NVTX ranges off: the nvtx package cannot be imported (%s)", e)
             return
         self._domain = nvtx.get_domain("stepwatch")
+        self.push_range = self._domain.push_range
+        self.pop_range = self._domain.pop_range
+        self.forward, self.eval, self.backward, self.optimizer = (
+            self._attr(n) for n in ("forward", "eval", "backward", "optimizer")
+        )
         self.enabled = True
 
-    def push(self, name: str) -> None:
-        if not self.enabled:
-            return
+    def _attr(self, name: str) -> Any:
         a = self._attrs.get(name)
         if a is None:
             a = self._attrs[name] = self._domain.get_event_attributes(message=name)
-        self._domain.push_range(a)
+        return a
+
+    def push(self, name: str) -> None:
+        if self.enabled:
+            self._domain.push_range(self._attr(name))
 
     def push_step(self, step: int) -> None:
         # One attribute object per step: the message changes every step.

@@ -194,7 +194,8 @@ class StepTracker:
             self._eval_open = False
 
     def _finalize(self, t_end: int, skipped: bool) -> None:
-        self._close_eval()
+        if self._eval_open:
+            self._close_eval()
         self._pending_end = None
         self._pending_skipped = False
         prev = self._prev_end if self._prev_end is not None else t_end
@@ -202,7 +203,7 @@ class StepTracker:
         mem = self._mem_probe() if self._mem_probe is not None else None
         if self._step_open:
             if self._nvtx is not None:
-                self._nvtx.pop()
+                self._nvtx.pop_range()
             self._step_open = False
         extras: dict[str, Any] = {"backward_spans": self._bwd_spans}
         if self._ckpt:
@@ -277,17 +278,19 @@ class StepTracker:
             if self._fwd_depth > 1:
                 return
             t = _now()
-            self._fwd_paused_opt = self._pause_opt(t)
+            self._fwd_paused_opt = self._pause_opt(t) if self._opt_depth else False
             self._fwd_grad = grad_enabled
             self._fwd_t0 = t
             if self._pending_end is not None or self._prev_end is None:
                 self._start_work(t)
-            if self._nvtx is not None:
-                self._nvtx.push("forward" if grad_enabled else "eval")
+            nv = self._nvtx
+            if nv is not None:
+                nv.push_range(nv.forward if grad_enabled else nv.eval)
             if self.progress is not None:
                 self.progress.set_phase(PHASE_FORWARD if grad_enabled else PHASE_EVAL)
             if grad_enabled:
-                self._close_eval()
+                if self._eval_open:
+                    self._close_eval()
                 self._last_fetch_t0 = None
                 if self.device is not None:
                     self._dslot_fwd = self.device.begin(PHASE_FORWARD)
@@ -313,7 +316,7 @@ class StepTracker:
                 return
             t = _now()
             if self._nvtx is not None:
-                self._nvtx.pop()
+                self._nvtx.pop_range()
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
             if self._fwd_grad:
@@ -340,14 +343,15 @@ class StepTracker:
             t = _now()
             if self._pending_end is not None or self._prev_end is None:
                 self._start_work(t)
-            self._close_eval()
+            if self._eval_open:
+                self._close_eval()
             self._last_fetch_t0 = None
-            self._bwd_paused_opt = self._pause_opt(t)
+            self._bwd_paused_opt = self._pause_opt(t) if self._opt_depth else False
             self._bwd_t0 = t
             if self.device is not None:
                 self._dslot_bwd = self.device.begin(PHASE_BACKWARD)
             if self._nvtx is not None:
-                self._nvtx.push("backward")
+                self._nvtx.push_range(self._nvtx.backward)
             if self.progress is not None:
                 self.progress.set_phase(PHASE_BACKWARD)
         except Exception as e:
@@ -366,7 +370,7 @@ class StepTracker:
             self._bwd += t - self._bwd_t0
             self._bwd_spans.append((self._bwd_t0, t))
             if self._nvtx is not None:
-                self._nvtx.pop()
+                self._nvtx.pop_range()
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
             if self._bwd_paused_opt:
@@ -398,20 +402,23 @@ class StepTracker:
                     self._nvtx.push_step(self.step)
             # A pending end stays pending: a second optimizer in the same iteration extends it.
             self._pending_end = None
-            self._close_eval()
+            if self._eval_open:
+                self._close_eval()
             self._last_fetch_t0 = None
             self._opt_t0 = t
             self._opt_paused = 0
             if self.device is not None:
                 self._dslot_opt = self.device.begin(PHASE_OPTIMIZER)
             if self._nvtx is not None:
-                self._nvtx.push("optimizer")
+                self._nvtx.push_range(self._nvtx.optimizer)
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OPTIMIZER)
         except Exception as e:
             self._fail("optimizer_begin", e)
 
-    def optimizer_end(self) -> None:
+    def optimizer_end(self, *_hook_args: Any) -> None:
+        """Also torch's global optimizer step post-hook as it is: ``(optimizer, args, kwargs)``
+        are ignored."""
         if not self.enabled or self._opt_depth == 0:
             return
         try:
@@ -424,7 +431,7 @@ class StepTracker:
                     self.device.end(self._dslot_opt)
                 self._opt += t - self._opt_t0
             if self._nvtx is not None:
-                self._nvtx.pop()
+                self._nvtx.pop_range()
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
             self._pending_end = t
@@ -470,7 +477,8 @@ class StepTracker:
             t = _now()
             if self._pending_end is not None:
                 self._finalize(self._pending_end, self._pending_skipped)
-            self._close_eval()
+            if self._eval_open:
+                self._close_eval()
             self._ckpt_t0 = t
             if self.progress is not None:
                 self.progress.set_phase(PHASE_CHECKPOINT)
@@ -529,7 +537,7 @@ class StepTracker:
             d = _now() - self._phase_t0.pop(name)
             self._phases[name] = self._phases.get(name, 0) + d
             if self._nvtx is not None:
-                self._nvtx.pop()
+                self._nvtx.pop_range()
         except Exception as e:
             self._fail("phase_end", e)
 
@@ -578,13 +586,14 @@ class StepTracker:
         try:
             if self._pending_end is not None:
                 self._finalize(self._pending_end, self._pending_skipped)
-            self._close_eval()
+            if self._eval_open:
+                self._close_eval()
             if self._eval or self._ckpt:
                 self._emit_tail(max(_now(), self._eval_last))
             if self._step_open:
                 self._step_open = False
                 if self._nvtx is not None:
-                    self._nvtx.pop()
+                    self._nvtx.pop_range()
         except Exception as e:
             self._fail("flush", e)
 

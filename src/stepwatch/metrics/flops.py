@@ -775,53 +775,23 @@ def _fast_kw(kwargs: Any) -> tuple[Any, ...] | None:
     return None if any(d is _NO for _, d in out) else out
 
 
-def _same_one(a: Any, d: tuple[Any, ...]) -> bool:
-    if type(a) is not d[0]:
-        return False
-    if len(d) == 2:
-        return a == d[1]  # same class, so 1 and True, 1.0 and 1 are told apart
-    return (
-        a.dtype is d[2]
-        and a.shape == d[1]
-        and (a.is_cuda if d[3] else a.is_cpu)
-        and a.requires_grad is d[4]
-    )
-
-
-def _same(args: Any, sig: tuple[Any, ...]) -> bool:
-    if type(args) is not tuple or len(args) != len(sig):
-        return False
-    for a, d in zip(args, sig):
-        if not _same_one(a, d):
-            return False
-    return True
-
-
-def _same_kw(kwargs: Any, sig: tuple[Any, ...]) -> bool:
-    if not kwargs:
-        return not sig
-    if type(kwargs) is not dict or len(kwargs) != len(sig):
-        return False
-    for (k, v), (tk, d) in zip(kwargs.items(), sig):
-        if k != tk or not _same_one(v, d):
-            return False
-    return True
-
-
 class CallSig:
     """One call's signature for the last-call fast paths (``FlopCache``, the throughput
     collector): the global state and a flat description of the arguments. ``of`` is None for a
     call the description cannot hold (nested containers, other devices); ``matches`` says
-    whether another call has the same signature, a lone tensor (``model(x)``) compared without
-    a call per argument."""
+    whether another call has the same signature: its positional and keyword values compared in
+    one loop against the descriptors, a lone tensor (``model(x)``) without the loop, then the
+    global state without building it (a new state value only when autocast is on)."""
 
-    __slots__ = ("state", "args", "kwargs", "single")
+    __slots__ = ("state", "args", "kwargs", "single", "flat", "keys")
 
     def __init__(self, state: Any, args: tuple[Any, ...], kwargs: tuple[Any, ...]) -> None:
         self.state = state
         self.args = args
         self.kwargs = kwargs
         self.single = args[0] if len(args) == 1 and not kwargs and len(args[0]) == 5 else None
+        self.flat = args + tuple(d for _, d in kwargs)  # positional descriptors, then keyword ones
+        self.keys = tuple(k for k, _ in kwargs)
 
     @staticmethod
     def of(args: Any, kwargs: Any) -> "CallSig | None":
@@ -832,11 +802,37 @@ class CallSig:
         d = self.single
         if d is not None:
             a = args[0] if type(args) is tuple and len(args) == 1 and not kwargs else None
-            same = (type(a) is d[0] and a.dtype is d[2] and a.shape == d[1] and a.requires_grad is d[4]
-                    and (a.is_cuda if d[3] else a.is_cpu))
+            if not (type(a) is d[0] and a.dtype is d[2] and a.shape == d[1] and a.requires_grad is d[4]
+                    and (a.is_cuda if d[3] else a.is_cpu)):
+                return False
         else:
-            same = _same(args, self.args) and _same_kw(kwargs, self.kwargs)
-        return same and self.state == _state()
+            if type(args) is not tuple:
+                return False
+            if kwargs:
+                if type(kwargs) is not dict or tuple(kwargs) != self.keys:
+                    return False
+                values = args + tuple(kwargs.values())
+            elif self.keys:
+                return False
+            else:
+                values = args
+            flat = self.flat
+            if len(values) != len(flat):
+                return False
+            for a, d in zip(values, flat):
+                if type(a) is not d[0]:
+                    return False
+                if len(d) == 2:
+                    if a != d[1]:  # same class, so 1 and True, 1.0 and 1 are told apart
+                        return False
+                elif not (a.dtype is d[2] and a.shape == d[1] and (a.is_cuda if d[3] else a.is_cpu)
+                          and a.requires_grad is d[4]):
+                    return False
+        torch, any_autocast, grad, tf_a, tf_b = _GETTERS
+        st = self.state
+        if st[1] is not False or any_autocast():
+            return st == _state()
+        return grad() == st[0] and tf_a() == st[2] and tf_b() == st[3]
 
 
 class FlopCache:

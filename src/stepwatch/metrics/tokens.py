@@ -25,10 +25,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .flops import CallSig, FlopCache, is_counting, resolve_override
+from .flops import CallSig, FlopCache, resolve_override
 from ..cuda_ext import copy_to_host, event_done
 from .peaks import matmul_dtype_key
 from ..hooks.phases import Collector
+from ..hooks.replay import REPLAY
 
 
 @dataclass(slots=True)
@@ -202,7 +203,7 @@ class ThroughputCollector(Collector):
     loss module...), before its forward. FLOPs: the user's ``flops`` override (a number, or a
     callable of the batch) or ``FlopCache`` (counted once per input signature). Tokens and
     samples come from the first root that runs with grad enabled (the model, called before its
-    loss module). Eval forwards (grad disabled) and replays (``flops.is_counting()``) are ignored.
+    loss module). Eval forwards (grad disabled) and replays (``hooks.replay``) are ignored.
 
     The hot path is one lookup: a module called as last time (same argument shapes, dtypes and
     devices, the same autocast and TF32 state) appends what that call left, ``(FlopCount,
@@ -243,7 +244,7 @@ class ThroughputCollector(Collector):
         self._grad_enabled = torch.is_grad_enabled
 
     def on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
-        if not self._grad_enabled() or is_counting():
+        if not self._grad_enabled() or REPLAY.active:
             return
         hit = self._hits.get(id(module))
         if hit is not None and hit[0].matches(args, kwargs):

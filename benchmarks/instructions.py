@@ -1,0 +1,202 @@
+"""stepwatch's cost on the training thread in instructions per step: deterministic, side by side.
+
+    python benchmarks/instructions.py [--steps 400] [--variants off,floor,foundation,...]
+
+Timing a ~1 ms CPU step on a shared 2-core machine moves by +-100 us between blocks of the same
+code (other processes, the clock, the hypervisor), which hides a 20-40 us target. Instruction
+counts do not move: this script runs the loop of ``overhead.py`` (DataLoader -> MLP -> loss
+module -> backward -> AdamW -> ``stepwatch.log``) under valgrind's callgrind, one process, every
+variant after the other, and counts the training thread's instructions per step over ``--steps``
+steady steps of each (after 100 steps of warm-up; ``os.getppid()`` marks where a count starts and
+ends: callgrind dumps before each call). Then, outside valgrind, it times the same loop with
+stepwatch off to get this machine's instructions per microsecond *in this loop* (torch's and
+stepwatch's code run out of cache here, at a lower rate than a hot microbenchmark's), and
+converts each added count to microseconds at that rate.
+
+Variants: ``off``; ``floor`` (off, the loop computing ``vector_norm(stack(_foreach_norm))``:
+what the grad-norm probe cannot go below); ``foundation`` (step/phase timing, records file,
+detectors); each optional feature alone on the foundation; ``all`` (every feature of
+``overhead.py``'s cumulative table); ``defaults`` (``stepwatch.init()`` as it comes).
+Needs ``valgrind`` (Debian: ``apt-get install valgrind``); ~1 minute per variant plus ~3 for
+torch's import under valgrind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+sys.path.insert(0, SRC)
+
+NO_GRAD_NORM = 1_000_000  # grad_norm_every: probe once, then never (FLOPs/tokens without grad-norm)
+FOUNDATION = dict(training_metrics=False, comm=False, gpu_telemetry=False, nvtx=False, memory=False,
+                  watchdog="off", capture="off", otel=False)
+ALONE = {
+    "nvtx": dict(nvtx=True),
+    "flops+tokens": dict(training_metrics=True, grad_norm_every=NO_GRAD_NORM),
+    "training metrics": dict(training_metrics=True, grad_norm_every=1),  # FLOPs/tokens + grad-norm
+    "memory": dict(memory=True),
+    "comm": dict(comm=True),
+    "gpu telemetry": dict(gpu_telemetry=True),
+}
+ALL = {**FOUNDATION, **{k: v for cfg in ALONE.values() for k, v in cfg.items()}, "grad_norm_every": 1}
+VARIANTS = ["off", "floor", "foundation", *ALONE, "all", "defaults"]
+WARM = 100
+WIDTH, BATCH = 8, 4  # overhead.py's ~0.5 ms size
+
+
+def config(variant: str) -> dict | None:
+    if variant in ("off", "floor"):
+        return None
+    if variant == "foundation":
+        return dict(FOUNDATION)
+    if variant == "all":
+        return dict(ALL)
+    if variant == "defaults":
+        return {}
+    return {**FOUNDATION, **ALONE[variant]}
+
+
+def make_loop(steps: int):
+    import torch
+    import torch.nn as nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import stepwatch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
+    lossf = nn.MSELoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = list(model.parameters())
+    rows = BATCH * 4
+    data = TensorDataset(torch.randn(rows, WIDTH), torch.randn(rows, WIDTH))
+    order = [i % rows for i in range(BATCH * (steps + WARM))]
+
+    def block(norm: bool = False, mark=os.getppid) -> None:
+        for i, (x, y) in enumerate(DataLoader(data, batch_size=BATCH, sampler=order)):
+            if i == WARM:
+                mark()  # the count starts
+            loss = lossf(model(x), y)
+            loss.backward()
+            if norm:
+                torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params], 2.0)), 2.0)
+            opt.step()
+            opt.zero_grad()
+            stepwatch.log(loss=loss)
+        mark()  # the count ends
+
+    return block
+
+
+def child(variants: list[str], steps: int) -> None:
+    """Under callgrind: every variant, one after the other."""
+    import logging
+
+    import torch
+
+    import stepwatch
+
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    block = make_loop(steps)
+    for v in variants:
+        cfg = config(v)
+        if cfg is not None:
+            stepwatch.init(dir=tempfile.mkdtemp(prefix="sw-instr-"), console="off", **cfg)
+        block(norm=(v == "floor"))
+        if cfg is not None:
+            stepwatch.shutdown()
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown under valgrind
+
+
+def off_rate(steps: int, rounds: int = 5) -> float:
+    """Outside valgrind: the off loop's training-thread CPU us per step (best of ``rounds``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    block = make_loop(steps)
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.thread_time_ns()
+        block(mark=lambda: None)
+        best = min(best, (time.thread_time_ns() - t) / 1e3 / (steps + WARM))
+    return best
+
+
+def counts(out: str, variants: list[str], steps: int) -> dict[str, float]:
+    """The training thread's instructions per step of each variant, from the callgrind dumps:
+    dump 2k+2 (the one before the (2k+2)-th marker) is variant k's counted interval."""
+    per: dict[int, int] = {}
+    for f in glob.glob(os.path.join(out, "cg.*-01")):
+        m = re.match(r".*cg\.(\d+)-01$", f)
+        if m is None:
+            continue
+        with open(f) as fh:
+            for line in fh:
+                if line.startswith(("summary:", "totals:")):
+                    per[int(m.group(1))] = int(line.split()[1])
+                    break
+    return {v: per[2 * k + 2] / steps for k, v in enumerate(variants) if 2 * k + 2 in per}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS}")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    variants = [v for v in a.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        p.error(f"--variants: {bad} not among {VARIANTS}")
+    if a.steps < 10:
+        p.error(f"--steps must be >= 10, got {a.steps}")
+    if a.child:
+        child(variants, a.steps)
+    if "off" not in variants:
+        variants = ["off", *variants]
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        sys.exit("benchmarks/instructions.py needs valgrind on PATH (Debian: apt-get install valgrind)")
+    with tempfile.TemporaryDirectory(prefix="sw-callgrind-") as out:
+        cmd = [valgrind, "--tool=callgrind", "--separate-threads=yes", "--dump-before=getppid",
+               f"--callgrind-out-file={os.path.join(out, 'cg')}", sys.executable, os.path.abspath(__file__),
+               "--child", "--steps", str(a.steps), "--variants", ",".join(variants)]
+        env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict layouts every run
+        t0 = time.monotonic()
+        r = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if r.returncode != 0:
+            sys.exit(f"valgrind exited {r.returncode}:\n{r.stderr[-2000:]}")
+        per = counts(out, variants, a.steps)
+        took = time.monotonic() - t0
+    us = off_rate(a.steps)
+    rate = per["off"] / us  # instructions per us in this loop, on this machine
+    print(f"Training-thread instructions per step, callgrind, {a.steps} steps per variant after {WARM} of warm-up "
+          f"({took / 60:.1f} min); the off loop runs at {us:.0f} us/step here = {rate:.0f} instructions/us")
+    print(f"{'variant':>18} {'instr/step':>12} {'added':>10} {'~us added':>10}")
+    for v in variants:
+        if v not in per:
+            print(f"{v:>18}   (no count: the run ended early)")
+            continue
+        added = per[v] - per["off"]
+        print(f"{v:>18} {per[v]:12.0f} {added:10.0f} {added / rate:10.1f}")
+    for name in ("all", "defaults"):
+        if "floor" in per and name in per:
+            floor = per["floor"] - per["off"]
+            over = per[name] - per["floor"]
+            print(f"{name} over the grad-norm floor: {over:.0f} instructions = ~{over / rate:.1f} us per step "
+                  f"(target <= 40 us over the floor, {floor / rate:.1f} us here): {'met' if over / rate <= 40 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
