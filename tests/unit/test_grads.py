@@ -130,6 +130,48 @@ def test_grad_scaler_gives_unscaled_norm(hooked, fused, explicit_unscale):
     assert not r.skipped and not h.skipped
 
 
+def test_grad_scale_of_an_optimizer_that_delegates_attributes_is_still_read(hooked):
+    """The probe reads ``optimizer.grad_scale`` from the instance's dict (no exception raised
+    and caught per step), except for a class that could give it another way: a wrapper whose
+    ``__getattr__`` answers from an inner object still has its norm unscaled, and a plain
+    optimizer with the attribute set on the instance too."""
+
+    class Plain(torch.optim.Optimizer):  # SGD's own step refuses a grad_scale unless fused
+        def __init__(self, params):
+            super().__init__(params, dict(lr=0.1))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.add_(p.grad, alpha=-g["lr"])
+
+    class Delegating(Plain):
+        def __init__(self, params, inner):
+            super().__init__(params)
+            self.__dict__["_inner"] = inner
+
+        def __getattr__(self, name):
+            return getattr(self.__dict__["_inner"], name)
+
+    class Inner:
+        grad_scale = torch.tensor(4.0)
+
+    for make in (lambda ps: Delegating(ps, Inner()), Plain):
+        h = hooked()
+        m = model()
+        opt = make(m.parameters())
+        if not isinstance(opt, Delegating):
+            opt.grad_scale = torch.tensor(4.0)  # what GradScaler.step sets for a fused optimizer
+        x, y = data(0)
+        nn.functional.mse_loss(m(x), y).backward()
+        want = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item() / 4.0
+        opt.step()
+        (r,) = h.values()
+        assert rel(r.norm, want) < 1e-5, type(opt).__name__
+        h.close()
+
+
 def test_grad_scaler_with_unscale_and_clip_reuses_clip(hooked):
     h = hooked()
     m = model()
