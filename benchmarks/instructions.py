@@ -8,7 +8,9 @@ counts do not move: this script runs the loop of ``overhead.py`` (DataLoader -> 
 module -> backward -> AdamW -> ``stepwatch.log``) under valgrind's callgrind, one process, every
 variant after the other, and counts the training thread's instructions per step over ``--steps``
 steady steps of each (after 100 steps of warm-up; ``os.getppid()`` marks where a count starts and
-ends: callgrind dumps before each call). Then, outside valgrind, it times the same loop with
+ends: callgrind dumps before each call). The pipeline's thread is stopped while a variant is
+counted: this is the training thread's own work; the background's per record is ``overhead.py``'s
+table 3. Then, outside valgrind, it times the same loop with
 stepwatch off to get this machine's instructions per microsecond *in this loop* (torch's and
 stepwatch's code run out of cache here, at a lower rate than a hot microbenchmark's), and
 converts each added count to microseconds at that rate.
@@ -81,9 +83,10 @@ def make_loop(steps: int):
     data = TensorDataset(torch.randn(rows, WIDTH), torch.randn(rows, WIDTH))
     order = [i % rows for i in range(BATCH * (steps + WARM))]
 
-    def block(norm: bool = False, mark=os.getppid) -> None:
+    def block(norm: bool = False, mark=os.getppid, at_start=lambda: None) -> None:
         for i, (x, y) in enumerate(DataLoader(data, batch_size=BATCH, sampler=order)):
             if i == WARM:
+                at_start()
                 mark()  # the count starts
             loss = lossf(model(x), y)
             loss.backward()
@@ -110,9 +113,15 @@ def child(variants: list[str], steps: int) -> None:
     block = make_loop(steps)
     for v in variants:
         cfg = config(v)
+        pause = lambda: None  # noqa: E731
         if cfg is not None:
-            stepwatch.init(dir=tempfile.mkdtemp(prefix="sw-instr-"), console="off", **cfg)
-        block(norm=(v == "floor"))
+            session = stepwatch.init(dir=tempfile.mkdtemp(prefix="sw-instr-"), console="off", **cfg)
+            # The pipeline's thread stops for the count (its records wait in the queue): under
+            # valgrind a step takes ~50x longer, so its 0.25 s passes would come every few steps
+            # instead of every few hundred, and their allocations and GIL hand-offs would land in
+            # the training thread's count far more often than in a job.
+            pause = session.pipeline.stop_thread
+        block(norm=(v == "floor"), at_start=pause)
         if cfg is not None:
             stepwatch.shutdown()
     sys.stdout.flush()
