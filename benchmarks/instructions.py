@@ -38,21 +38,16 @@ import time
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 sys.path.insert(0, SRC)
 
-NO_GRAD_NORM = 1_000_000  # grad_norm_every: probe once, then never (FLOPs/tokens without grad-norm)
-FOUNDATION = dict(training_metrics=False, comm=False, gpu_telemetry=False, nvtx=False, memory=False,
-                  watchdog="off", capture="off", otel=False)
-ALONE = {
-    "nvtx": dict(nvtx=True),
-    "flops+tokens": dict(training_metrics=True, grad_norm_every=NO_GRAD_NORM),
-    "training metrics": dict(training_metrics=True, grad_norm_every=1),  # FLOPs/tokens + grad-norm
-    "memory": dict(memory=True),
-    "comm": dict(comm=True),
-    "gpu telemetry": dict(gpu_telemetry=True),
-}
-ALL = {**FOUNDATION, **{k: v for cfg in ALONE.values() for k, v in cfg.items()}, "grad_norm_every": 1}
+import overhead  # noqa: E402 - the same loop, features and foundation as the timed benchmark
+
+FOUNDATION = overhead.FOUNDATION
+# Each feature alone on the foundation (overhead.py's FEATURES; its grad-norm is the training
+# metrics feature probing every step, FLOPs/tokens included).
+ALONE = {("training metrics" if name == "grad-norm" else name): extra for name, extra in overhead.FEATURES}
+ALL = dict(overhead.variants()[len(overhead.FEATURES)][1])  # every feature, cumulative (its "+ memory")
 VARIANTS = ["off", "floor", "foundation", *ALONE, "all", "defaults"]
 WARM = 100
-WIDTH, BATCH = 8, 4  # overhead.py's ~0.5 ms size
+_, WIDTH, BATCH = overhead.SIZES["0.5"]
 
 
 def config(variant: str) -> dict | None:
@@ -72,8 +67,6 @@ def make_loop(steps: int):
     import torch.nn as nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    import stepwatch
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
     lossf = nn.MSELoss()
@@ -88,13 +81,7 @@ def make_loop(steps: int):
             if i == WARM:
                 at_start()
                 mark()  # the count starts
-            loss = lossf(model(x), y)
-            loss.backward()
-            if norm:
-                torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params], 2.0)), 2.0)
-            opt.step()
-            opt.zero_grad()
-            stepwatch.log(loss=loss)
+            overhead.train_step(model, lossf, opt, params, x, y, norm)
         mark()  # the count ends
 
     return block
