@@ -278,6 +278,74 @@ def test_hooks_see_is_counting():
     assert seen == [True, False]
 
 
+def _on_a_fresh_thread(fn):
+    """``fn()`` on a new thread (its thread-local state starts empty and dies with it)."""
+    import threading
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(60)
+    assert out, "the thread failed"
+    return out[0]
+
+
+class _SetsFunctorchState(nn.Module):
+    """Its forward writes functorch's thread-local state, as a fake-tensor replay does (the flag
+    is one that the state holds and Python can read back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        torch._C._functorch.set_inplace_requires_grad_allowed(True)
+        return self.lin(x)
+
+
+def test_replay_leaves_no_thread_local_state_behind():
+    """After a count, later backwards on the thread would deep-copy functorch's state at every
+    autograd node (~1000 instructions a node): the replay runs inside an autograd node, whose end
+    drops the state it created. The real forward, for contrast, leaves it. (Forward only: a
+    backward's nodes restore a copy of the state that keeps its layer stack, not this flag.)"""
+    read = torch._C._functorch.get_inplace_requires_grad_allowed
+
+    def counted():
+        c = count_step_flops(_SetsFunctorchState(), (torch.randn(4, 8),), backward=False)
+        return c.total, read()
+
+    def real():
+        _SetsFunctorchState()(torch.randn(4, 8))
+        return read()
+
+    total, left = _on_a_fresh_thread(counted)
+    assert total == mm(4, 8, 8)
+    assert left is False
+    assert _on_a_fresh_thread(real) is True
+
+
+def test_replay_runs_with_the_callers_grad_mode_and_raises_what_the_forward_raises():
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled(), fl.is_counting()))
+            if x.shape[0] == 3:
+                raise KeyboardInterrupt  # not an Exception: passes through the engine unchanged
+            return x * 2
+
+    x = torch.randn(2, 4, requires_grad=True)
+    count_step_flops(Probe(), (x,))
+    with torch.no_grad():
+        count_step_flops(Probe(), (x,))
+    with torch.inference_mode():  # no autograd graph can be built: replayed as it is
+        count_step_flops(Probe(), (torch.randn(2, 4),))
+    assert seen == [(True, False, True), (False, False, True), (False, True, True)]
+    with pytest.raises(KeyboardInterrupt):
+        count_step_flops(Probe(), (torch.randn(3, 4),))
+    assert fl.is_counting() is False
+
+
 # ----------------------------------------------------------------------------- dtypes, wrappers, lint
 
 

@@ -574,7 +574,65 @@ def count_step_flops(
     loss; by default the backward is seeded with ``ones_like`` of every differentiable output.
     ``backward=None`` runs it when grad mode is enabled. Call it from the training thread (it
     temporarily swaps fakes into the module). Raises ``FlopCountError`` when the replay fails.
+
+    The replay runs inside an autograd node on this thread (:func:`_in_autograd_node`), so that it
+    leaves no thread-local state behind that every later backward would pay for.
     """
+    return _in_autograd_node(
+        lambda: _count(module, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices, real=real)
+    )
+
+
+def _in_autograd_node(fn: Callable[[], Any]) -> Any:
+    """``fn()``, run on this thread inside a node of a one-node CPU backward, with this thread's
+    grad mode; what it raises is raised here.
+
+    Why: a fake-tensor replay creates functorch's thread-local state on the thread it runs on, and
+    from then on torch deep-copies that state at every node of every backward on that thread
+    (``ThreadLocalStateGuard`` in the engine's ``thread_main``): ~1000 instructions a node, counted
+    with callgrind, for the rest of the job. The engine runs a CPU graph on the calling thread and
+    restores the thread's whole ``ThreadLocalState`` after each node, so what ``fn`` created is
+    dropped when it returns, and everything else the thread had (autocast, modes, saved-tensor
+    hooks, the default device) is the caller's while it runs. In inference mode no graph can be
+    built: ``fn()`` runs as it is."""
+    import torch
+
+    if torch.is_inference_mode_enabled():
+        return fn()
+    from torch.autograd.graph import _engine_run_backward
+
+    grad = torch.is_grad_enabled()
+    out: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run(_grad: Any) -> None:
+        try:
+            with torch.set_grad_enabled(grad):  # a backward node runs with grad off
+                out.append(fn())
+        except BaseException as e:  # noqa: BLE001 - raised again below, outside the engine
+            failed.append(e)
+
+    with torch.enable_grad():
+        node = torch.zeros((), device="cpu", requires_grad=True).clone()  # CPU: the engine runs it on this thread
+    node.register_hook(run)
+    _engine_run_backward((node,), (torch.ones((), device="cpu"),), False, False, (), allow_unreachable=True, accumulate_grad=True)
+    if failed:
+        raise failed[0]
+    if not out:  # the hook did not run: no engine node here after all
+        return fn()
+    return out[0]
+
+
+def _count(
+    module: Any,
+    args: Any,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    loss_fn: Callable[[Any], Any] | None,
+    backward: bool | None,
+    lint_devices: tuple[str, ...],
+    real: bool,
+) -> FlopCount:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
