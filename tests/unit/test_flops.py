@@ -570,6 +570,40 @@ def test_throughput_collector_sums_micro_batches_and_ignores_loss_module_and_eva
     assert col.take() is None
 
 
+def test_torch_loss_modules_skip_the_signature_check_and_a_users_loss_does_not():
+    """torch's own losses count no FLOPs for any input: after the first call, a loss module's
+    calls (new shapes included) append that empty count without a signature check or a cache
+    lookup. A user's subclass of ``_Loss`` may do anything (here, a matmul): it is counted per
+    shape as any module."""
+    from stepwatch.metrics.tokens import ThroughputCollector
+
+    class ProjectedLoss(nn.modules.loss._Loss):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8, bias=False)
+
+        def forward(self, a, b):
+            return F.mse_loss(self.proj(a), b)
+
+    col = ThroughputCollector()
+    gets = []
+    real_get = col.cache.get
+    col.cache.get = lambda *a, **k: gets.append(type(a[0]).__name__) or real_get(*a, **k)
+    model, ce, mine = nn.Linear(8, 8, bias=False), nn.CrossEntropyLoss(), ProjectedLoss()
+    for n in (4, 4, 6, 7):
+        col.on_forward(model, (torch.randn(n, 8),), {})  # the model first: its calls give the tokens
+        logits, target = torch.randn(n, 8, requires_grad=True), torch.randint(0, 8, (n,))
+        col.on_forward(ce, (logits, target), {})
+        col.on_forward(mine, (torch.randn(n, 8), torch.randn(n, 8)), {})
+    # n=4 twice: the second call of each is a hit; after that only the CrossEntropyLoss is
+    assert gets == ["Linear", "CrossEntropyLoss", "ProjectedLoss"] + ["Linear", "ProjectedLoss"] * 2
+    items = col.take().items
+    assert [fc.total for fc, _ in items[1::3]] == [0, 0, 0, 0]
+    assert all(c is None for _, c in items[1::3])
+    assert [fc.total for fc, _ in items[2::3]] == [mm(n, 8, 8) * 2 for n in (4, 4, 6, 7)]
+    assert [c.samples for _, c in items[::3]] == [4, 4, 6, 7]
+
+
 def test_throughput_collector_override_number_and_callable():
     from stepwatch.metrics.tokens import ThroughputCollector
 

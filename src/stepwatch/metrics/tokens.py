@@ -194,6 +194,19 @@ class StepThroughput:
 
 _UNSET = object()
 _RECOUNT = object()  # a model call whose counts depend on values (a mask, a pad id): counted each call
+_ANY_CALL = object()  # a root whose count holds for any call (see ThroughputCollector._remember)
+# torch's losses are elementwise ops and reductions, which FlopCounterMode does not count, except
+# this one, whose distance function is the user's (it may hold a matmul).
+_LOSSES_MODULE = "torch.nn.modules.loss"
+_USER_DISTANCE_LOSSES = frozenset({"TripletMarginWithDistanceLoss"})
+
+
+def _counts_nothing(module: Any, fc: Any) -> bool:
+    """``fc`` (the module's count for one call) is empty, and would be for any call: ``module``
+    is one of torch's own loss classes (not a subclass of one, which may do anything)."""
+    t = type(module)
+    return (not (fc.forward or fc.backward or fc.recompute)
+            and t.__module__ == _LOSSES_MODULE and t.__name__ not in _USER_DISTANCE_LOSSES)
 
 
 class ThroughputCollector(Collector):
@@ -237,7 +250,7 @@ class ThroughputCollector(Collector):
         self._dtype_keys: dict[int, str] = {}
         # Per root module (by id), when its last call had a flat signature: that signature and
         # what the call appended.
-        self._hits: dict[int, tuple[CallSig, tuple[Any, Any]]] = {}
+        self._hits: dict[int, tuple[Any, tuple[Any, Any]]] = {}  # (CallSig or _ANY_CALL, what it appended)
         self._items: list[tuple[Any, BatchCounts | None]] = []
         import torch
 
@@ -247,7 +260,7 @@ class ThroughputCollector(Collector):
         if not self._grad_enabled() or REPLAY.active:
             return
         hit = self._hits.get(id(module))
-        if hit is not None and hit[0].matches(args, kwargs):
+        if hit is not None and (hit[0] is _ANY_CALL or hit[0].matches(args, kwargs)):
             item = hit[1]
             if item[1] is _RECOUNT:
                 item = (item[0], self._batch_counts(args, kwargs))
@@ -282,8 +295,15 @@ class ThroughputCollector(Collector):
         """The next call like this one takes the hot path: a known count (the cache's, or a fixed
         override's) with counts that follow from the shapes alone, else counted again each call.
         Not for a count that is None (not ready yet, or over the cache's budget: asked again)
-        nor a callable override (it reads the batch)."""
-        sig = CallSig.of(args, kwargs) if fc is not None and not callable(self.override) else None
+        nor a callable override (it reads the batch). A loss module of torch's own (CrossEntropyLoss,
+        MSELoss...) counts no FLOPs whatever its inputs: every later call takes this one's result
+        without comparing signatures."""
+        if fc is None or callable(self.override):
+            sig: Any = None
+        elif counts is None and _counts_nothing(module, fc):
+            sig = _ANY_CALL
+        else:
+            sig = CallSig.of(args, kwargs)
         if sig is None:
             self._hits.pop(id(module), None)
             return
