@@ -170,27 +170,31 @@ class RawStep:
         each logged value that is not a float already (most are: a CPU tensor is read at log()).
 
         Built positionally, the fields in StepRecord's order, and the empty dicts not walked: this
-        runs once per step on the background thread, and keyword passing was a third of its cost."""
-        s = 1e-9
+        runs once per step on the background thread, and keyword passing was a third of its cost.
+
+        Durations are ``ns / 1e9``, the float nearest the measured nanoseconds (whose shortest repr
+        is those digits: ``0.000897729``), not ``ns * 1e-9``, which is often one ulp off it
+        (``0.0008977290000000001``: a longer line, and a slower repr)."""
+        ns = 1e9  # per second
         step_ns, data_ns, fwd_ns = self.step_ns, self.data_ns, self.forward_ns
         bwd_ns, opt_ns = self.backward_ns, self.optimizer_ns
         other = step_ns - data_ns - fwd_ns - bwd_ns - opt_ns
         other = 0 if 0 > other else other  # max(other, 0) without its call (a sixth of this method)
-        ckpt_s = self.checkpoint_ns * s
+        ckpt_s = self.checkpoint_ns / ns
         phases, scalars = self.phases, self.scalars
         rec = StepRecord(
             self.step,
             rank,
-            wall_ref + (self.t_end_ns - perf_ref_ns) * s,
-            step_ns * s,
-            data_ns * s,
-            fwd_ns * s,
-            bwd_ns * s,
-            opt_ns * s,
-            other * s,
-            self.eval_ns * s,
+            wall_ref + (self.t_end_ns - perf_ref_ns) / ns,
+            step_ns / ns,
+            data_ns / ns,
+            fwd_ns / ns,
+            bwd_ns / ns,
+            opt_ns / ns,
+            other / ns,
+            self.eval_ns / ns,
             ckpt_s,
-            {k: v * s for k, v in phases.items()} if phases else {},
+            {k: v / ns for k, v in phases.items()} if phases else {},
             {k: v if type(v) is float else scalar(k, v) for k, v in scalars.items()} if scalars else {},
             self.skipped,
             self.mem_peak_bytes,
