@@ -235,7 +235,7 @@ class Session:
         backend = self._device_timing.backend if self._device_timing is not None else None
         return {
             "step_tracking": bool(tr is not None and tr.enabled) or self.steps_seen > 0,
-            # On only when the ranges really go out (the ``nvtx`` package imported).
+            # On only when the ranges really go out (the nvtx package imported, a tool that can listen).
             "nvtx": bool(self._nvtx is not None and self._nvtx.enabled),
             "records": self.config.records,
             "console": self.config.console,

@@ -231,8 +231,9 @@ class Config:
         default=True,
         metadata=_opt(
             "STEPWATCH_NVTX",
-            "Open NVTX ranges `step_N`, `forward`, `backward`, `optimizer` and user phases "
-            "(a cheap no-op unless a profiler such as nsys listens).",
+            "Open NVTX ranges `step_N`, `forward`, `backward`, `optimizer` and user phases when an "
+            "NVTX tool can listen (nsys sets `NVTX_INJECTION64_PATH` in the job it launches, or a "
+            "preloaded library); with none, stepwatch makes no NVTX call.",
             _bool_value,
         ),
     )

@@ -180,6 +180,38 @@ def test_torch_compile_gets_no_extra_graph_breaks_or_recompiles(mode, sw):
     assert all(r.forward_s > 0 for r in mem.records[1:]), "forward timed outside the compiled region"
 
 
+def test_nvtx_makes_no_call_when_no_tool_can_listen(sw, monkeypatch, caplog):
+    """No NVTX tool named in the environment (nsys sets NVTX_INJECTION64_PATH in the job it
+    launches) and nothing preloaded: every range would be a no-op, so none is opened, and run.json
+    says NVTX is off. Named or preloaded: on (the test below)."""
+    import nvtx
+
+    from stepwatch.hooks.nvtx import Nvtx, tool_injected
+
+    stepwatch, mem, start = sw
+    calls = []
+    monkeypatch.setattr(nvtx, "get_domain", lambda name: calls.append(name))
+    for name in ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH", "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.INFO, logger="stepwatch"):
+        s = start()
+    assert "NVTX ranges off: no NVTX tool in this process" in caplog.text
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for x in DataLoader(torch.randn(4, 4), batch_size=2):
+        with stepwatch.phase("work"):
+            m(x).sum().backward()
+        opt.step()
+    run_dir = s.ctx.run_dir
+    stepwatch.shutdown()
+    assert calls == [] and len(mem.records) == 2
+    with open(os.path.join(run_dir, "run.json")) as f:
+        assert json.load(f)["features"]["nvtx"] is False
+    assert Nvtx(True).enabled is False and calls == []
+    assert tool_injected({"LD_PRELOAD": "/usr/lib/libtool.so"}) and tool_injected({"NVTX_INJECTION32_PATH": "/t.so"})
+    assert not tool_injected({"NVTX_INJECTION64_PATH": " ", "PATH": "/usr/bin"})
+
+
 def test_nvtx_ranges_nest_per_step(sw, monkeypatch):
     """The real ``Nvtx`` over a recording domain (``nvtx.get_domain`` replaced: without a
     profiler the package's own domain is a no-op that shows nothing)."""
@@ -199,6 +231,7 @@ def test_nvtx_ranges_nest_per_step(sw, monkeypatch):
             events.append(("pop",))
 
     monkeypatch.setattr(nvtx, "get_domain", lambda name: Domain())
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/opt/nsys/libToolsInjection64.so")  # as under nsys
     start()
     m = nn.Linear(4, 1)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
