@@ -233,7 +233,7 @@ class Config:
             "STEPWATCH_NVTX",
             "Open NVTX ranges `step_N`, `forward`, `backward`, `optimizer` and user phases when an "
             "NVTX tool can listen (nsys sets `NVTX_INJECTION64_PATH` in the job it launches, or a "
-            "preloaded library); with none, stepwatch makes no NVTX call.",
+            "tool library is already loaded); with none, stepwatch makes no NVTX call.",
             _bool_value,
         ),
     )

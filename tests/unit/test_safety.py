@@ -3,6 +3,9 @@
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -182,8 +185,8 @@ def test_torch_compile_gets_no_extra_graph_breaks_or_recompiles(mode, sw):
 
 def test_nvtx_makes_no_call_when_no_tool_can_listen(sw, monkeypatch, caplog):
     """No NVTX tool named in the environment (nsys sets NVTX_INJECTION64_PATH in the job it
-    launches) and nothing preloaded: every range would be a no-op, so none is opened, and run.json
-    says NVTX is off. Named or preloaded: on (the test below)."""
+    launches) and none loaded: every range would be a no-op, so none is opened, and run.json
+    says NVTX is off. Named or loaded: on (the tests below)."""
     import nvtx
 
     from stepwatch.hooks.nvtx import Nvtx, tool_injected
@@ -191,7 +194,7 @@ def test_nvtx_makes_no_call_when_no_tool_can_listen(sw, monkeypatch, caplog):
     stepwatch, mem, start = sw
     calls = []
     monkeypatch.setattr(nvtx, "get_domain", lambda name: calls.append(name))
-    for name in ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH", "LD_PRELOAD"):
+    for name in ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH"):
         monkeypatch.delenv(name, raising=False)
     with caplog.at_level(logging.INFO, logger="stepwatch"):
         s = start()
@@ -208,8 +211,31 @@ def test_nvtx_makes_no_call_when_no_tool_can_listen(sw, monkeypatch, caplog):
     with open(os.path.join(run_dir, "run.json")) as f:
         assert json.load(f)["features"]["nvtx"] is False
     assert Nvtx(True).enabled is False and calls == []
-    assert tool_injected({"LD_PRELOAD": "/usr/lib/libtool.so"}) and tool_injected({"NVTX_INJECTION32_PATH": "/t.so"})
-    assert not tool_injected({"NVTX_INJECTION64_PATH": " ", "PATH": "/usr/bin"})
+    assert tool_injected({"NVTX_INJECTION32_PATH": "/t.so"})
+    assert not tool_injected({"NVTX_INJECTION64_PATH": " ", "LD_PRELOAD": "/usr/lib/libjemalloc.so.2"})
+
+
+def test_nvtx_sees_a_tool_already_loaded_in_the_process(tmp_path):
+    """NVTX's first lookup: an injection entry point in a library the process has loaded into its
+    global scope (a preloaded tool), no variable set. A library with that entry point is built
+    here and loaded in a fresh interpreter (the lookup is process-wide: not in pytest's)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in NVTX tool")
+    src, lib = tmp_path / "tool.c", tmp_path / "libtool.so"
+    src.write_text("int InitializeInjectionNvtx2(void *get_export_table) { (void)get_export_table; return 0; }\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+    code = (
+        "import ctypes, sys\n"
+        "from stepwatch.hooks.nvtx import tool_injected\n"
+        "before = tool_injected({})\n"
+        "ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)\n"
+        "print(before, tool_injected({}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH")}
+    out = subprocess.run([sys.executable, "-c", code, str(lib)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
 
 
 def test_nvtx_ranges_nest_per_step(sw, monkeypatch):

@@ -2,10 +2,11 @@
 
 ``torch.cuda.nvtx`` raises on CPU builds; the ``nvtx`` package is a no-op unless a tool such as
 nsys injects itself, but each call still costs (~12k instructions a step for stepwatch's ten,
-counted with callgrind). A tool can only inject itself when the process starts: NVTX loads it at
-its first call from ``NVTX_INJECTION64_PATH`` (what nsys sets in the job it launches), or finds it
-among the libraries preloaded into the process (``LD_PRELOAD``). With neither, no range can
-reach anything, and stepwatch makes no NVTX call at all.
+counted with callgrind). A tool can only join at NVTX's first call in the process, as NVTX
+finds it: an injection entry point already loaded into the process's global scope (a preloaded
+tool library), else the library ``NVTX_INJECTION64_PATH`` names (what nsys sets in the job it
+launches). At init, stepwatch looks the same way; with neither, no range can reach anything, and
+stepwatch makes no NVTX call at all.
 """
 
 from __future__ import annotations
@@ -16,14 +17,28 @@ from typing import Any, Mapping
 
 log = logging.getLogger(__name__)
 
-# Where an NVTX tool is named for the NVTX loader (64- and 32-bit), and the preload list.
-INJECTION_ENV = ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH", "LD_PRELOAD")
+# Where the NVTX loader finds a tool library by name (64- and 32-bit processes).
+INJECTION_ENV = ("NVTX_INJECTION64_PATH", "NVTX_INJECTION32_PATH")
+# The entry points NVTX looks up in the loaded libraries before it reads those (v2, then v1).
+INJECTION_SYMBOLS = ("InitializeInjectionNvtx2", "InitializeInjectionNvtx")
 
 
 def tool_injected(environ: Mapping[str, str] | None = None) -> bool:
     """Can an NVTX tool be listening in this process (see the module's docstring)?"""
     env = os.environ if environ is None else environ
-    return any(env.get(name, "").strip() for name in INJECTION_ENV)
+    return any(env.get(name, "").strip() for name in INJECTION_ENV) or _tool_loaded()
+
+
+def _tool_loaded() -> bool:
+    """An NVTX injection entry point among the libraries in the process's global scope
+    (``dlsym(RTLD_DEFAULT, ...)``, NVTX's own first lookup)."""
+    try:
+        import ctypes
+
+        scope = ctypes.CDLL(None)
+    except (OSError, ImportError):  # no dynamic loader to ask: only the variables above say
+        return False
+    return any(hasattr(scope, name) for name in INJECTION_SYMBOLS)
 
 
 class Nvtx:
