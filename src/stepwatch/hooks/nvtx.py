@@ -48,7 +48,7 @@ class Nvtx:
 
     __slots__ = ("_domain", "_attrs", "enabled", "push_range", "pop_range", "forward", "eval", "backward", "optimizer")
 
-    def __init__(self, enabled: bool, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, enabled: bool) -> None:
         self.enabled = False
         self._domain: Any = None
         self._attrs: dict[str, Any] = {}
@@ -59,7 +59,7 @@ class Nvtx:
         except Exception as e:  # the nvtx package is optional at run time
             log.warning("stepwatch: NVTX ranges off: the nvtx package cannot be imported (%s)", e)
             return
-        if not tool_injected(environ):
+        if not tool_injected():
             log.info("stepwatch: NVTX ranges off: no NVTX tool in this process (%s unset; nsys sets it)", INJECTION_ENV[0])
             return
         self._domain = nvtx.get_domain("stepwatch")
