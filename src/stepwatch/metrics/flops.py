@@ -69,6 +69,11 @@ class FlopCount:
     alignment: tuple[dict[str, Any], ...] = ()
 
     @property
+    def empty(self) -> bool:
+        """No FLOPs at all (a loss module's count, most often)."""
+        return not (self.forward or self.backward or self.recompute)
+
+    @property
     def by_dtype(self) -> dict[str, int]:
         return _add(self.forward, self.backward)
 

@@ -173,7 +173,7 @@ class StepThroughput:
                     break
                 if total is None:
                     total = fc
-                elif fc.forward or fc.backward or fc.recompute:  # a loss module's count is often empty
+                elif not fc.empty:  # a loss module's count is often empty
                     total = total + fc
             self._flops = total
         return self._flops
@@ -205,8 +205,7 @@ def _counts_nothing(module: Any, fc: Any) -> bool:
     """``fc`` (the module's count for one call) is empty, and would be for any call: ``module``
     is one of torch's own loss classes (not a subclass of one, which may do anything)."""
     t = type(module)
-    return (not (fc.forward or fc.backward or fc.recompute)
-            and t.__module__ == _LOSSES_MODULE and t.__name__ not in _USER_DISTANCE_LOSSES)
+    return fc.empty and t.__module__ == _LOSSES_MODULE and t.__name__ not in _USER_DISTANCE_LOSSES
 
 
 class ThroughputCollector(Collector):
