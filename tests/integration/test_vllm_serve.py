@@ -209,11 +209,25 @@ def test_serving_metrics_are_reexported(served):
 
 
 def test_burst_raises_queue_and_fires_the_queue_finding(served):
-    # Enough work that the queue outlives several 1 s scrapes (measured here: ~5 s of waiting > 5).
-    burst = Burst(served.url, MODEL, 64, max_tokens=256)
-    f = served.wait_finding("queue_depth", 90)
-    results = burst.wait(180)
-    assert f is not None, f"no queue_depth finding; findings: {served.findings()}\n{served.log_tail()}"
+    # 64 requests on 8 seats: ~56 wait until the engine has worked through them. One burst gave ~5 s
+    # of waiting > 5 here, but in one CI run of a busy machine the wrapper saw no scrape with
+    # waiting > 5 at all. So: up to three bursts, the next once the last is done, until the finding
+    # fires; a timeline of what the wrapper re-exported says what it saw if none does.
+    bursts = [Burst(served.url, MODEL, 64, max_tokens=256)]
+    timeline: list[tuple[float, float | None, int]] = []  # (s since the first burst, waiting, requests done)
+    t0 = time.monotonic()
+    f = None
+    while f is None and time.monotonic() - t0 < 150:
+        f = served.wait_finding("queue_depth", 1.0)
+        waiting = [x.value for x in _prom_samples(served).get(N.OUT_WAITING, [])]
+        done = sum(len(b.results) for b in bursts)
+        timeline.append((round(time.monotonic() - t0, 1), max(waiting) if waiting else None, done))
+        if f is None and done == 64 * len(bursts) and len(bursts) < 3:
+            bursts.append(Burst(served.url, MODEL, 64, max_tokens=256))
+    results = [r for b in bursts for r in b.wait(240)]
+    print(f"queue timeline (s, waiting, done): {timeline}")
+    assert f is not None, (f"no queue_depth finding; findings: {served.findings()}; timeline {timeline}; "
+                           f"statuses {sorted({r.status for r in results}, key=str)}\n{served.log_tail()}")
     assert f["data"]["waiting"] > 5 and f["data"]["threshold"] == 5
     assert f["diagnosis"] and f["action"]
     # B.6 "num_requests_running near max_num_seqs": the cap read from the launched command's
@@ -222,7 +236,8 @@ def test_burst_raises_queue_and_fires_the_queue_finding(served):
     assert full is not None, f"no max_num_seqs_saturated finding; findings: {served.findings()}"
     assert full["data"]["max_num_seqs"] == MAX_NUM_SEQS and full["data"]["running"] >= MAX_NUM_SEQS
     assert full["data"]["waiting"] > 0
-    assert len(results) == 64 and all(r.status == 200 for r in results)
+    assert len(results) == 64 * len(bursts) and all(r.status == 200 for r in results), \
+        [(r.status, r.error) for r in results if r.status != 200][:5]
 
 
 def test_sigstop_worker_gives_stall_finding_and_dumps(served):
