@@ -1,9 +1,11 @@
-"""Optional native build of stepwatch.cuda_ext._native; all other metadata lives in pyproject.toml.
+"""Optional native builds: stepwatch.cuda_ext._native (the timer) and stepwatch._speedups (the
+records file's step line); all other metadata lives in pyproject.toml.
 
-The extension needs only a C compiler and the Python headers: the CUDA/HIP runtime is loaded
-with dlopen at run time, so no toolkit (nvcc, hipcc) is needed here. When it cannot be built
-(no compiler, no headers, not POSIX), `pip install` still succeeds and stepwatch uses its
-pure-Python timer; `stepwatch doctor` then reports the timing backend as "python".
+They need only a C compiler and the Python headers: the CUDA/HIP runtime is loaded with dlopen
+at run time, so no toolkit (nvcc, hipcc) is needed here. When one cannot be built (no compiler,
+no headers, not POSIX), `pip install` still succeeds and stepwatch uses its pure-Python timer
+(`stepwatch doctor` then reports the timing backend as "python") or its Python step lines (the
+same bytes, slower).
 """
 
 import os
@@ -33,13 +35,14 @@ class OptionalBuildExt(build_ext):
     @staticmethod
     def _skip(exc):
         sys.stderr.write(
-            "WARNING: stepwatch's native timing extension was not built "
-            f"({type(exc).__name__}: {exc}); stepwatch will use its pure-Python timer.\n"
+            "WARNING: a stepwatch native extension was not built "
+            f"({type(exc).__name__}: {exc}); stepwatch will use its pure-Python code for it.\n"
         )
 
 
 def _extensions():
-    # dlopen/pthread_atfork/clock_gettime: POSIX only; Windows gets the pure-Python timer.
+    # dlopen/pthread_atfork/clock_gettime: POSIX only; Windows gets the pure-Python timer and
+    # step lines (the same bytes, slower).
     if os.name != "posix":
         return []
     return [
@@ -52,7 +55,10 @@ def _extensions():
             # glibc (and musl, where they are empty stubs) linking.
             libraries=["dl", "pthread"] if sys.platform.startswith("linux") else [],
             optional=True,
-        )
+        ),
+        # The records file's step line in C (exporters/records.py keeps the Python template).
+        Extension("stepwatch._speedups", sources=["src/stepwatch/_speedups.c"], extra_compile_args=["-O2"],
+                  optional=True),
     ]
 
 

@@ -122,6 +122,14 @@ def test_native_extension_missing_is_named_and_job_runs(tmp_path, baseline_losse
     assert "Traceback" not in stderr
 
 
+def test_step_line_extension_missing_writes_the_same_records(tmp_path, baseline_losses):
+    """stepwatch._speedups only fills step lines faster; without it the Python template writes the
+    same bytes, so nothing is said (tests/unit/test_records_lines.py checks the bytes both ways)."""
+    stderr, res, _ = _job("stepwatch._speedups", tmp_path)
+    assert res["losses"] == baseline_losses
+    assert "Traceback" not in stderr and "_speedups" not in stderr
+
+
 def test_report_without_rich_prints_plain_text(tmp_path):
     _, res, _ = _job("", tmp_path)
     p = _run(REPORT, "rich", tmp_path, "-", res["run_dir"])

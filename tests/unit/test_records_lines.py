@@ -1,6 +1,8 @@
-"""The records file's step lines (exporters/records.py ``step_line``): a %-template per shape of
+"""The records file's step lines (exporters/records.py ``step_line``): a template per shape of
 record, byte-identical to ``dumps(rec.to_dict())`` (and to json.dumps with the records file's
-settings) for every record: edge values, unusual types, and a few thousand random records."""
+settings) for every record: edge values, unusual types, and a few thousand random records. Every
+test runs twice: with the template filled in C (stepwatch._speedups, as installed) and with the
+pure-Python template alone (as where the extension could not be built)."""
 
 import enum
 import json
@@ -16,10 +18,17 @@ from stepwatch.record import STEP_FIELDS, RawStep, StepRecord
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.fixture(autouse=True)
-def fresh_shapes(monkeypatch):
-    """Each test starts with no templates (the cache is bounded: a full one sends lines to dumps)."""
+@pytest.fixture(autouse=True, params=["c", "python"])
+def fresh_shapes(request, monkeypatch):
+    """Each test starts with no templates (the cache is bounded: a full one sends lines to dumps),
+    with the C filler or without it."""
     monkeypatch.setattr(records_mod, "_SHAPES", {})
+    monkeypatch.setattr(records_mod, "_last", None)
+    if request.param == "python":
+        monkeypatch.setattr(records_mod, "_fill", None)
+    elif records_mod._fill is None:
+        pytest.skip("stepwatch._speedups is not built here (no C compiler at install)")
+    return request.param
 
 
 def reference(rec):
@@ -190,3 +199,57 @@ def test_realistic_records_take_the_template(monkeypatch):
     assert [step_line(r) for r in recs] == want
     assert [step_line(r) for r in recs] == want  # from the cached templates
     assert len(records_mod._SHAPES) == 3
+
+
+@pytest.mark.parametrize("fresh_shapes", ["c"], indirect=True)
+def test_a_line_of_the_last_shape_is_filled_in_c(fresh_shapes, monkeypatch):
+    """After the first line of a shape (the Python template, which makes it), the next records of
+    that shape are written by _speedups.fill alone; a record of another shape is declined by it
+    and written right by its own template."""
+    first, same, other = base(), base(step=8, scalars={"loss": 0.5, "lr": 1e-3}), base(grad_norm=2.0)
+    want = [reference(r)[1] for r in (first, same, other)]
+    python_lines = []
+    real_line = records_mod._StepTemplate.line
+
+    def counted(self, vals):
+        python_lines.append(vals[0])
+        return real_line(self, vals)
+
+    monkeypatch.setattr(records_mod._StepTemplate, "line", counted)
+    monkeypatch.setattr(records_mod, "dumps", lambda d: pytest.fail("dumps called"))
+    assert [step_line(r) for r in (first, same, same, other, other)] == [want[0], want[1], want[1], want[2], want[2]]
+    assert python_lines == [7, 7]  # the first of each shape; step 8 twice and the second "other" in C
+
+
+@pytest.mark.parametrize("fresh_shapes", ["c"], indirect=True)
+def test_fill_declines_what_it_cannot_write_and_raises_nothing(fresh_shapes):
+    fill = records_mod._fill
+    rec = base()
+    assert step_line(rec) == reference(rec)[1]
+    t = records_mod._last
+    vals = records_mod._VALUES(rec)
+    enc = records_mod._enc
+    assert fill(vals, t.spec, t.pieces, enc) == reference(rec)[1]
+    assert fill(vals, t.spec, t.pieces[:-1], enc) is None  # pieces must be one longer than vals
+    assert fill(vals[:-1], t.spec, t.pieces, enc) is None
+    assert fill(list(vals), t.spec, t.pieces, enc) is None
+    assert fill(vals, t.spec, t.pieces) is None
+
+    def boom(v):
+        raise RuntimeError("encoder failed")
+
+    assert fill(vals, t.spec, t.pieces, boom) is None  # scalars goes through enc: its error is swallowed
+    assert fill(vals, t.spec, t.pieces, lambda v: "é") is None  # not ASCII: not what json writes
+    assert fill(vals, t.spec, (*t.pieces[:-1], "}é"), enc) is None
+    nan = list(vals)
+    nan[STEP_FIELDS.index("step_s")] = NAN
+    assert fill(tuple(nan), t.spec, t.pieces, enc) is None  # json writes "nan": dumps does that
+    big = list(vals)
+    big[STEP_FIELDS.index("step")] = 2**70  # past long long: int's own repr
+    assert fill(tuple(big), t.spec, t.pieces, enc) == reference(base(step=2**70))[1]
+    huge = list(vals)
+    huge[STEP_FIELDS.index("step")] = 10**5000  # int's repr raises past the digits limit
+    assert fill(tuple(huge), t.spec, t.pieces, enc) is None
+    long_line = base(scalars={f"k{i}": float(i) for i in range(2000)})  # past the 4 KB stack buffer
+    assert step_line(long_line) == reference(long_line)[1]
+    assert step_line(long_line) == reference(long_line)[1]

@@ -111,6 +111,13 @@ _KEYED_VALUES = operator.itemgetter(*_KEYED)
 # and in combination); past this bound (~2 KB each), new shapes take dumps(rec.to_dict()).
 _MAX_SHAPES = 256
 _SHAPES: dict[tuple[Any, ...], "_StepTemplate"] = {}
+try:  # the same template filled in C (src/stepwatch/_speedups.c); optional, like the timer
+    from .._speedups import fill as _fill
+except ImportError:  # not built (no compiler at install): the Python template, the same bytes
+    _fill = None
+# The template of the last line: the next record most often has the same shape, and _fill checks
+# that (every field's type, the keyed values) for less than working out the shape's key.
+_last: "_StepTemplate | None" = None
 
 
 def _enc(v: Any) -> str:
@@ -135,13 +142,15 @@ class _StepTemplate:
     filled in (most often some 30 nulls) is kept apart, appended as it is: ``%`` reads its
     template a character at a time."""
 
-    __slots__ = ("template", "tail", "floats", "args", "dicts", "others")
+    __slots__ = ("template", "tail", "floats", "args", "dicts", "others", "spec", "pieces")
 
     def __init__(self, types: tuple[type, ...], keyed: tuple[Any, ...]) -> None:
         literal = dict(zip(_KEYED, keyed))
         parts: list[str] = []  # the template: literals with % doubled, and the placeholders
         tail: list[str] = []  # the literals since the last placeholder, as they are
         floats, args, self.dicts, self.others = [], [], [], []
+        spec: list[Any] = []  # _speedups.fill's: per field, the type (or the literal) it must hold
+        pieces: list[str] = []  # and the text before each field's value
         cut = 0
         for i, (name, t) in enumerate(zip(STEP_FIELDS, types)):
             text = ("{" if i == 0 else ",") + _enc(name) + ":"
@@ -149,7 +158,11 @@ class _StepTemplate:
                 text += _enc(None if t is type(None) else literal[i])
                 parts.append(text.replace("%", "%%"))
                 tail.append(text)
+                spec.append(None if t is type(None) else literal[i])
+                pieces.append(text)
                 continue
+            spec.append(t)
+            pieces.append(text)
             parts.append(text.replace("%", "%%"))
             if t is float or t is int:  # not a subclass: json writes float/int's own repr, %r the subclass's
                 parts.append("%r")
@@ -162,6 +175,7 @@ class _StepTemplate:
             cut, tail = len(parts), []
         self.template = "".join(parts[:cut])
         self.tail = "".join(tail) + "}"
+        self.spec, self.pieces = tuple(spec), (*pieces, "}")
         self.floats = _picker(floats) if floats else None
         self.args = _picker(args)
 
@@ -188,15 +202,23 @@ def step_line(rec: StepRecord) -> str:
     """``dumps(rec.to_dict())``, byte for byte, at a fraction of its cost: the line's template is
     made once per shape of record (json spent most of a line on the 45 keys and the nulls, the
     same in every line). Anything unusual (a non-finite float, a value json cannot write, a
-    subclass of StepRecord, too many shapes) takes ``dumps(rec.to_dict())`` itself."""
+    subclass of StepRecord, too many shapes) takes ``dumps(rec.to_dict())`` itself. Where the C
+    filler is built, a record of the last line's shape is filled by it; any other, or one it
+    declines (a NaN, an error), takes the Python template."""
+    global _last
     if type(rec) is StepRecord and _VALUE_ENCODER is not None:
         try:
             vals = _VALUES(rec)
+            if _fill is not None and _last is not None:
+                line = _fill(vals, _last.spec, _last.pieces, _enc)
+                if line is not None:
+                    return line
             key = (tuple(map(type, vals)), _KEYED_VALUES(vals))
             tmpl = _SHAPES.get(key)
             if tmpl is None and len(_SHAPES) < _MAX_SHAPES:
                 tmpl = _SHAPES[key] = _StepTemplate(*key)
             if tmpl is not None:
+                _last = tmpl
                 line = tmpl.line(vals)
                 if line is not None:
                     return line

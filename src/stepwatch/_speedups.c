@@ -1,0 +1,142 @@
+/* stepwatch._speedups: the records file's step line, filled in C.
+ *
+ * exporters/records.py writes one JSON line per step: ~45 keys in a fixed order, most of them
+ * null, a dozen numbers. Python's %-template for a shape of record costs ~4 us a line, mostly in
+ * float reprs and building the argument tuple; this fills the same template in well under one.
+ * It is an accelerator only: records.py keeps the pure-Python template, takes it wherever this
+ * module is missing, and takes it for any line this returns None for.
+ *
+ * fill(vals, spec, pieces, enc) -> str | None
+ *   vals    tuple of the record's field values, in STEP_FIELDS order (N of them)
+ *   spec    tuple of N: what field i must hold for this template to apply
+ *             None              the value is None (its "null" is already in pieces[i])
+ *             float / int       exactly that type: written as its repr (what json writes)
+ *             dict              exactly a dict: "{}" when empty, else enc(value)
+ *             any other type    exactly that type: enc(value)
+ *             a bool or str     exactly that value (a keyed field, already in pieces[i])
+ *   pieces  tuple of N + 1 ASCII str: pieces[i] goes before field i's value, pieces[N] last
+ *   enc     callable(value) -> ASCII str: json's encoder for one value (records.py _enc)
+ * None when the record does not fit spec, a float is not finite (json writes "nan" there), an
+ * enc result is not ASCII, or anything raised: the caller then takes its Python path, which
+ * writes the same bytes or raises what dumps raises. No exception ever leaves fill.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdio.h>
+#include <string.h>
+
+typedef struct {
+    char *buf;
+    Py_ssize_t len, cap;
+    char small[4096];
+} Buf;
+
+static int buf_put(Buf *b, const char *s, Py_ssize_t n) {
+    if (b->len + n > b->cap) {
+        Py_ssize_t cap = b->cap * 2;
+        while (cap < b->len + n) cap *= 2;
+        char *nb = b->buf == b->small ? PyMem_Malloc(cap) : PyMem_Realloc(b->buf, cap);
+        if (!nb) return -1;
+        if (b->buf == b->small) memcpy(nb, b->small, b->len);
+        b->buf = nb;
+        b->cap = cap;
+    }
+    memcpy(b->buf + b->len, s, n);
+    b->len += n;
+    return 0;
+}
+
+/* An ASCII str's bytes into b; -1 when it is not an ASCII str. */
+static int buf_put_ascii(Buf *b, PyObject *s) {
+    if (!PyUnicode_CheckExact(s) || !PyUnicode_IS_ASCII(s)) return -1;
+    return buf_put(b, (const char *)PyUnicode_1BYTE_DATA(s), PyUnicode_GET_LENGTH(s));
+}
+
+static int put_enc(Buf *b, PyObject *enc, PyObject *v) {
+    PyObject *s = PyObject_CallOneArg(enc, v);
+    if (!s) return -1;
+    int rc = buf_put_ascii(b, s);
+    Py_DECREF(s);
+    return rc;
+}
+
+/* One field's value as spec says; 1 when the record does not fit, -1 on error. */
+static int put_value(Buf *b, PyObject *v, PyObject *want, PyObject *enc) {
+    if (want == Py_None) return v == Py_None ? 0 : 1;
+    if (!PyType_Check(want)) { /* a keyed literal: bool or str, already written */
+        if (Py_TYPE(v) != Py_TYPE(want)) return 1;
+        if (v == want) return 0;
+        if (PyUnicode_CheckExact(v)) return PyUnicode_Compare(v, want) == 0 ? 0 : 1;
+        return 1;
+    }
+    if ((PyObject *)Py_TYPE(v) != want) return 1;
+    if (want == (PyObject *)&PyFloat_Type) {
+        double d = PyFloat_AS_DOUBLE(v);
+        if (!isfinite(d)) return 1;
+        char *s = PyOS_double_to_string(d, 'r', 0, Py_DTSF_ADD_DOT_0, NULL); /* float.__repr__ */
+        if (!s) return -1;
+        int rc = buf_put(b, s, (Py_ssize_t)strlen(s));
+        PyMem_Free(s);
+        return rc;
+    }
+    if (want == (PyObject *)&PyLong_Type) {
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (!overflow) {
+            if (x == -1 && PyErr_Occurred()) return -1;
+            char s[32];
+            int n = snprintf(s, sizeof s, "%lld", x);
+            return buf_put(b, s, n);
+        }
+        PyObject *r = PyObject_Repr(v); /* int.__repr__; may raise past the digits limit */
+        if (!r) return -1;
+        int rc = buf_put_ascii(b, r);
+        Py_DECREF(r);
+        return rc;
+    }
+    if (want == (PyObject *)&PyDict_Type && PyDict_GET_SIZE(v) == 0) return buf_put(b, "{}", 2);
+    return put_enc(b, enc, v);
+}
+
+static PyObject *fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) ||
+        !PyTuple_CheckExact(args[2])) {
+        Py_RETURN_NONE;
+    }
+    PyObject *vals = args[0], *spec = args[1], *pieces = args[2], *enc = args[3];
+    Py_ssize_t n = PyTuple_GET_SIZE(vals);
+    if (PyTuple_GET_SIZE(spec) != n || PyTuple_GET_SIZE(pieces) != n + 1) Py_RETURN_NONE;
+    Buf b;
+    b.buf = b.small;
+    b.len = 0;
+    b.cap = (Py_ssize_t)sizeof b.small;
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+        rc = buf_put_ascii(&b, PyTuple_GET_ITEM(pieces, i));
+        if (rc == 0) rc = put_value(&b, PyTuple_GET_ITEM(vals, i), PyTuple_GET_ITEM(spec, i), enc);
+    }
+    if (rc == 0) rc = buf_put_ascii(&b, PyTuple_GET_ITEM(pieces, n));
+    PyObject *out = NULL;
+    if (rc == 0) {
+        out = PyUnicode_New(b.len, 127);
+        if (out) memcpy(PyUnicode_1BYTE_DATA(out), b.buf, b.len);
+    }
+    if (b.buf != b.small) PyMem_Free(b.buf);
+    if (!out) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
+     "fill(vals, spec, pieces, enc) -> str | None: one step line (see the module's source)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "stepwatch._speedups",
+                                    "The records file's step line, filled in C.", -1, methods};
+
+PyMODINIT_FUNC PyInit__speedups(void) { return PyModule_Create(&module); }
