@@ -60,6 +60,54 @@ static int put_enc(Buf *b, PyObject *enc, PyObject *v) {
     return rc;
 }
 
+/* repr(d) for d = k / 1e9 with 0 < k < 10**15, k an integer: most of a line's floats are
+ * durations, ns / 1e9 (record.py). Such a d is the double nearest k * 10**-9 (IEEE division is
+ * correctly rounded, k and 1e9 are exact), and distinct decimals of at most 15 significant
+ * digits are distinct doubles (DBL_DIG), so the shortest decimal that reads back as d, which
+ * is what repr writes, has k's digits: only its layout is left to do, as float.__repr__ lays
+ * it out ('r' format: an exponent when the point is >= 4 places left of the first digit or
+ * > 16 right of it). 0 when d is not such a value; then dtoa writes it. */
+static int put_ns_float(Buf *b, double d) {
+    if (!(d > 0.0 && d < 1e6)) return 0;
+    double scaled = d * 1e9;
+    long long k = (long long)(scaled + 0.5);
+    if (k <= 0 || k >= 1000000000000000LL || (double)k / 1e9 != d) return 0;
+    char digits[24];
+    int nd = snprintf(digits, sizeof digits, "%lld", k);
+    int decpt = nd - 9; /* value = 0.<digits> * 10**decpt */
+    while (nd > 1 && digits[nd - 1] == '0') nd--;
+    char s[48];
+    int n = 0;
+    if (decpt <= -4) { /* d.ddde-XX */
+        s[n++] = digits[0];
+        if (nd > 1) {
+            s[n++] = '.';
+            memcpy(s + n, digits + 1, nd - 1);
+            n += nd - 1;
+        }
+        n += snprintf(s + n, sizeof s - n, "e-%02d", 1 - decpt);
+    } else if (decpt <= 0) { /* 0.000ddd */
+        s[n++] = '0';
+        s[n++] = '.';
+        for (int i = 0; i < -decpt; i++) s[n++] = '0';
+        memcpy(s + n, digits, nd);
+        n += nd;
+    } else if (decpt >= nd) { /* ddd000.0 */
+        memcpy(s + n, digits, nd);
+        n += nd;
+        for (int i = nd; i < decpt; i++) s[n++] = '0';
+        s[n++] = '.';
+        s[n++] = '0';
+    } else { /* ddd.ddd */
+        memcpy(s + n, digits, decpt);
+        n += decpt;
+        s[n++] = '.';
+        memcpy(s + n, digits + decpt, nd - decpt);
+        n += nd - decpt;
+    }
+    return buf_put(b, s, n) == 0 ? 1 : -1;
+}
+
 /* One field's value as spec says; 1 when the record does not fit, -1 on error. */
 static int put_value(Buf *b, PyObject *v, PyObject *want, PyObject *enc) {
     if (want == Py_None) return v == Py_None ? 0 : 1;
@@ -73,6 +121,8 @@ static int put_value(Buf *b, PyObject *v, PyObject *want, PyObject *enc) {
     if (want == (PyObject *)&PyFloat_Type) {
         double d = PyFloat_AS_DOUBLE(v);
         if (!isfinite(d)) return 1;
+        int ns = put_ns_float(b, d);
+        if (ns) return ns == 1 ? 0 : -1;
         char *s = PyOS_double_to_string(d, 'r', 0, Py_DTSF_ADD_DOT_0, NULL); /* float.__repr__ */
         if (!s) return -1;
         int rc = buf_put(b, s, (Py_ssize_t)strlen(s));
@@ -130,7 +180,25 @@ static PyObject *fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return out;
 }
 
+/* float_repr(d) -> str | None: what fill writes for a float that is k / 1e9 (tests), None for
+ * any other (fill hands those to dtoa, float.__repr__'s own). */
+static PyObject *ns_float_repr(PyObject *self, PyObject *arg) {
+    (void)self;
+    double d = PyFloat_AsDouble(arg);
+    if (d == -1.0 && PyErr_Occurred()) return NULL;
+    Buf b;
+    b.buf = b.small;
+    b.len = 0;
+    b.cap = (Py_ssize_t)sizeof b.small;
+    int rc = put_ns_float(&b, d);
+    if (rc == 0) Py_RETURN_NONE;
+    if (rc < 0) return PyErr_NoMemory();
+    return PyUnicode_FromStringAndSize(b.buf, b.len);
+}
+
 static PyMethodDef methods[] = {
+    {"ns_float_repr", ns_float_repr, METH_O,
+     "ns_float_repr(d) -> str | None: fill's repr of a float that is k / 1e9, else None (tests)."},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
      "fill(vals, spec, pieces, enc) -> str | None: one step line (see the module's source)."},
     {NULL, NULL, 0, NULL},

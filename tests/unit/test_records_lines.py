@@ -253,3 +253,29 @@ def test_fill_declines_what_it_cannot_write_and_raises_nothing(fresh_shapes):
     long_line = base(scalars={f"k{i}": float(i) for i in range(2000)})  # past the 4 KB stack buffer
     assert step_line(long_line) == reference(long_line)[1]
     assert step_line(long_line) == reference(long_line)[1]
+
+
+def test_durations_are_laid_out_as_repr_writes_them():
+    """fill writes a float that is k / 1e9 (a duration: record.py's ns / 1e9) from k's digits
+    instead of through dtoa; that must be repr's text for every such float, and any other float
+    must be left to dtoa (None)."""
+    speedups = pytest.importorskip("stepwatch._speedups", reason="stepwatch._speedups is not built here")
+    rng = random.Random(9)
+    ks = [1, 9, 10, 99, 100, 999, 1000, 12345, 10**5, 10**6, 897729, 10**8, 10**9, 10**9 + 1, 12 * 10**9,
+          10**14, 10**15 - 1, 2**53 // 10**3, 123456789012345]
+    ks += [rng.randint(1, 10**rng.randint(1, 15)) for _ in range(200_000)]
+    ks += [rng.randint(1, 999) * 10**rng.randint(0, 12) for _ in range(20_000)]  # trailing zeros
+    for k in ks:
+        if k >= 10**15:
+            continue
+        d = k / 1e9
+        assert speedups.ns_float_repr(d) == repr(d), (k, d)
+    for d in (0.0, -0.0, -1e-9, 1e6, 1e15, 1.5e-10, 0.1 + 0.2, 1 / 3, 1796212208.3311696, 2.5e-10, 5e-324,
+              float("nan"), float("inf")):
+        got = speedups.ns_float_repr(d)
+        assert got is None or got == repr(d), d
+    for _ in range(100_000):  # random doubles: repr's text or left to dtoa, never anything else
+        d = rng.uniform(0, 1e6) if rng.random() < 0.5 else rng.random() * 10**rng.randint(-9, 5)
+        got = speedups.ns_float_repr(d)
+        assert got is None or got == repr(d), d
+    assert speedups.ns_float_repr(0.1 + 0.2) is None and speedups.ns_float_repr(1 / 3) is None
