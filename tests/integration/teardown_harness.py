@@ -26,10 +26,20 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
                        "examples", "ddp_train.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: the sockets stay bound until all are chosen (a port closed at
+    once can be handed out again by the next bind: two jobs on one port hung a CI run, a rank
+    waiting for a store that the other job's rank 0 owned or failed to open)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _status(st: int) -> str:
@@ -54,8 +64,8 @@ def main() -> int:
     bad = 0
     for first in range(0, n, parallel):
         runs = []
-        for i in range(first, min(first + parallel, n)):  # jobs of their own, side by side
-            port = _free_port()
+        batch = range(first, min(first + parallel, n))
+        for i, port in zip(batch, _free_ports(len(batch))):  # jobs of their own, side by side
             pids = []
             for rank in (0, 1):
                 sys.stdout.flush()
@@ -66,8 +76,25 @@ def main() -> int:
                     raise SystemExit(0)
                 pids.append(pid)
             runs.append((i, pids))
+        # As each rank ends: a rank that failed leaves its partner waiting for it (at the
+        # rendezvous, in a collective) until gloo's 30-minute timeout, so the partner is killed
+        # and the run reported bad, instead of the test's own timeout saying nothing.
+        status: dict[int, str] = {}
+        partner = {a: b for _, (a, b) in runs} | {b: a for _, (a, b) in runs}
+        while len(status) < 2 * len(runs):
+            pid, st = os.wait()
+            if pid not in partner:
+                continue
+            status.setdefault(pid, _status(st))
+            other = partner[pid]
+            if status[pid] != "ok" and other not in status:
+                try:
+                    os.kill(other, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                status[other] = "killed: its partner failed"
         for i, pids in runs:
-            got = [_status(os.waitpid(pid, 0)[1]) for pid in pids]
+            got = [status[pid] for pid in pids]
             bad += any(s != "ok" for s in got)
             print(f"run {i}: rank0 {got[0]} rank1 {got[1]}", flush=True)
     return 1 if bad else 0
