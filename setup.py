@@ -1,11 +1,12 @@
-"""Optional native builds: stepwatch.cuda_ext._native (the timer) and stepwatch._speedups (the
-records file's step line); all other metadata lives in pyproject.toml.
+"""Optional native builds: stepwatch.cuda_ext._native (the timer), stepwatch._speedups (the
+records file's step line) and stepwatch.hooks._ctracker (the step tracker's hot methods); all
+other metadata lives in pyproject.toml.
 
 They need only a C compiler and the Python headers: the CUDA/HIP runtime is loaded with dlopen
 at run time, so no toolkit (nvcc, hipcc) is needed here. When one cannot be built (no compiler,
 no headers, not POSIX), `pip install` still succeeds and stepwatch uses its pure-Python timer
-(`stepwatch doctor` then reports the timing backend as "python") or its Python step lines (the
-same bytes, slower).
+(`stepwatch doctor` then reports the timing backend as "python") or its Python step lines and
+tracker (the same bytes and records, slower).
 """
 
 import os
@@ -59,6 +60,9 @@ def _extensions():
         # The records file's step line in C (exporters/records.py keeps the Python template).
         Extension("stepwatch._speedups", sources=["src/stepwatch/_speedups.c"], extra_compile_args=["-O2"],
                   optional=True),
+        # The step tracker's hot methods in C (hooks/phases.py keeps them in Python, _PyCore).
+        Extension("stepwatch.hooks._ctracker", sources=["src/stepwatch/hooks/_ctracker.c"],
+                  extra_compile_args=["-O2"], optional=True),
     ]
 
 

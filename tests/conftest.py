@@ -9,6 +9,22 @@ if SRC not in sys.path:
     sys.path.insert(0, SRC)
 
 
+@pytest.fixture(params=["c", "python"])
+def both_tracker_cores(request, monkeypatch):
+    """The test runs twice: sessions with the step tracker's and the root call's C cores
+    (hooks/_ctracker.c, as installed) and with their Python cores (as where the extension could
+    not be built)."""
+    from stepwatch import _session
+    from stepwatch.hooks import install, phases
+
+    if request.param == "python":
+        monkeypatch.setattr(_session, "StepTracker", phases.PyStepTracker)
+        monkeypatch.setattr(install, "_RootCall", install._PyRootCall)
+    elif phases._Core is phases._PyCore:
+        pytest.skip("the C tracker is not built here (no C compiler at install)")
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _fresh_warn_once():
     """Each test starts with stepwatch's warn-once memory empty (it is per process: a warning a

@@ -49,7 +49,9 @@ for i in range(12):
 rd = stepwatch.get_session().ctx.run_dir
 stepwatch.shutdown()
 from stepwatch.cuda_ext import native_status
-print("RESULT " + json.dumps({"run_dir": rd, "losses": losses, "native": native_status()}))
+from stepwatch.hooks import phases
+print("RESULT " + json.dumps({"run_dir": rd, "losses": losses, "native": native_status(),
+                              "tracker_core": phases._Core.__qualname__}))
 '''
 
 REPORT = PRELUDE + r'''
@@ -128,6 +130,16 @@ def test_step_line_extension_missing_writes_the_same_records(tmp_path, baseline_
     stderr, res, _ = _job("stepwatch._speedups", tmp_path)
     assert res["losses"] == baseline_losses
     assert "Traceback" not in stderr and "_speedups" not in stderr
+
+
+def test_tracker_extension_missing_writes_the_same_records(tmp_path, baseline_losses):
+    """stepwatch.hooks._ctracker only runs the tracker's hot methods faster; without it the Python
+    core hands over the same records (tests/unit/test_tracker_core.py compares the two), so
+    nothing is said."""
+    stderr, res, _ = _job("stepwatch.hooks._ctracker", tmp_path)
+    assert res["losses"] == baseline_losses
+    assert "Traceback" not in stderr and "_ctracker" not in stderr
+    assert res["tracker_core"] == "_PyCore"
 
 
 def test_report_without_rich_prints_plain_text(tmp_path):

@@ -6,8 +6,11 @@ import copy
 import pickle
 import time
 
+import pytest
 import torch
 import torch.nn as nn
+
+pytestmark = pytest.mark.usefixtures("both_tracker_cores")  # tests/conftest.py
 
 
 class Slow(nn.Module):

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
+pytestmark = pytest.mark.usefixtures("both_tracker_cores")  # tests/conftest.py
+
 
 def _identity_holds(r, tol=1e-6):
     parts = r.data_wait_s + r.forward_s + r.backward_s + r.optimizer_s + r.other_s

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
+pytestmark = pytest.mark.usefixtures("both_tracker_cores")  # tests/conftest.py
+
 
 def _train(steps, model=None):
     torch.manual_seed(0)

@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
+pytestmark = pytest.mark.usefixtures("both_tracker_cores")  # tests/conftest.py
+
 
 class SleepyData(Dataset):
     def __init__(self, n, sleep_s=0.0):

@@ -426,7 +426,7 @@ class Instrumentation:
     def _rewrap_compiled(self, m: Any) -> None:
         """``model.compile()`` on a root already hooked: time the new compiled callable."""
         now = m.__dict__.get("_compiled_call_impl")
-        if now is not None and not isinstance(now, _RootCall) and m in self._hooked:
+        if now is not None and not isinstance(now, _RootCallBase) and m in self._hooked:
             self._wrap_call(m)
 
     def _unwrap_calls(self) -> None:
@@ -446,34 +446,12 @@ def _no_call() -> None:
     return None
 
 
-class _RootCall:
-    """A root module's call: observers, then the forward phase around the module's own call.
-    Pickled or deep-copied (a module whose own ``__getstate__`` keeps its ``__dict__``), it
-    becomes None: a copy is never a second tracker of the original model."""
+class _PyRootCallCore:
+    """A root module's call: observers, then the forward phase around the module's own call. In
+    Python: the reference that hooks/_ctracker.c's ``RootCall`` translates, and the call itself
+    wherever that extension is missing."""
 
-    __slots__ = ("inst", "tr", "mod", "inner", "dynamo", "compiler", "replay", "grad_enabled", "__weakref__")
-
-    def __init__(self, inst: "Instrumentation", mod: Any, inner: Callable[..., Any]) -> None:
-        import torch
-
-        from .replay import REPLAY
-
-        self.inst = inst
-        self.tr = inst.tracker
-        self.mod = mod
-        self.inner = inner
-        # torch.compiler.is_compiling() without its two Python calls: dynamo constant-folds
-        # is_dynamo_compiling() to True while it traces; the flag is torch.export's (non-strict).
-        # A torch without either keeps is_compiling() itself.
-        c = torch.compiler
-        fast = hasattr(c, "is_dynamo_compiling") and type(getattr(c, "_is_compiling_flag", None)) is bool
-        self.dynamo = c.is_dynamo_compiling if fast else c.is_compiling
-        self.compiler = c if fast else _NO_FLAG
-        self.replay = REPLAY
-        self.grad_enabled = torch.is_grad_enabled
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return (_no_call, ())
+    __slots__ = ("inst", "tr", "mod", "inner", "dynamo", "compiler", "replay", "grad_enabled")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # One frame: the user's traceback shows their frames and torch's, as without stepwatch
@@ -507,6 +485,54 @@ class _RootCall:
             raise
 
 
+try:  # the same call in C (hooks/_ctracker.c): no frame of ours in a traceback, less time a call
+    from ._ctracker import RootCall as _RootCallCore
+except ImportError:
+    _RootCallCore = _PyRootCallCore
+
+
+class _RootCallBase:
+    """What a root's call holds, and how it pickles, over either core. Pickled or deep-copied (a
+    module whose own ``__getstate__`` keeps its ``__dict__``), it becomes None: a copy is never a
+    second tracker of the original model."""
+
+    __slots__ = ()
+
+    def __init__(self, inst: "Instrumentation", mod: Any, inner: Callable[..., Any]) -> None:
+        import torch
+
+        from .replay import REPLAY
+
+        self.inst = inst
+        self.tr = inst.tracker
+        self.mod = mod
+        self.inner = inner
+        # torch.compiler.is_compiling() without its two Python calls: dynamo constant-folds
+        # is_dynamo_compiling() to True while it traces; the flag is torch.export's (non-strict).
+        # A torch without either keeps is_compiling() itself.
+        c = torch.compiler
+        fast = hasattr(c, "is_dynamo_compiling") and type(getattr(c, "_is_compiling_flag", None)) is bool
+        self.dynamo = c.is_dynamo_compiling if fast else c.is_compiling
+        self.compiler = c if fast else _NO_FLAG
+        self.replay = REPLAY
+        self.grad_enabled = torch.is_grad_enabled
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_no_call, ())
+
+
+class _RootCall(_RootCallBase, _RootCallCore):  # type: ignore[misc,valid-type]
+    """A root's call: C where hooks/_ctracker.c was built, else :class:`_PyRootCallCore`."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _PyRootCall(_RootCallBase, _PyRootCallCore):
+    """A root's call in Python whatever was built (tests run both)."""
+
+    __slots__ = ("__weakref__",)
+
+
 class _NoFlag:
     _is_compiling_flag = False
 
@@ -517,7 +543,7 @@ _NO_FLAG = _NoFlag()
 def _drop_own_frames(e: BaseException) -> None:
     """Take ``_RootCall``'s frames off the head of ``e``'s traceback, unless the exception began
     in one of them (then they are where it happened, and stay)."""
-    own = _RootCall.__call__.__code__
+    own = _PyRootCallCore.__call__.__code__
     tb = e.__traceback__
     while tb is not None and tb.tb_frame.f_code is own and tb.tb_next is not None:
         tb = tb.tb_next
@@ -537,7 +563,7 @@ def _without_root_hooks(state: Any) -> Any:
     """``nn.Module.__getstate__``'s state (a copy of ``__dict__``) with stepwatch's root call
     left out (torch's own ``__getstate__`` drops ``_compiled_call_impl`` too; this stays true
     whatever torch does), the module itself untouched."""
-    if isinstance(state, dict) and isinstance(state.get("_compiled_call_impl"), _RootCall):
+    if isinstance(state, dict) and isinstance(state.get("_compiled_call_impl"), _RootCallBase):
         del state["_compiled_call_impl"]
     return state
 

@@ -58,69 +58,27 @@ class Collector:
         return None
 
 
-class StepTracker:
-    """Lives on the training thread. Every public method is cheap and never raises."""
+# The tracker's state: every attribute its hot methods read or write. ``_PyCore`` holds them as
+# slots; hooks/_ctracker.c's ``Core`` holds the same names in C (a test compares the two lists).
+_STATE = (
+    "enabled", "_emit", "_nvtx", "_mem_probe", "_on_error", "collectors", "listeners", "progress",
+    "device", "_dslot_fwd", "_dslot_bwd", "_dslot_opt", "step", "boundary", "in_data", "_t_start",
+    "_prev_end", "_pending_end", "_pending_skipped", "_step_open", "_fwd_depth", "_fwd_t0",
+    "_fwd_grad", "_bwd_depth", "_bwd_t0", "_opt_depth", "_opt_t0", "_opt_paused", "_fwd_paused_opt",
+    "_bwd_paused_opt", "_ckpt_depth", "_ckpt_t0", "_eval_open", "_eval_t0", "_eval_last",
+    "_last_fetch_t0", "_last_fetch_ns", "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
+    "_opt", "_eval", "_ckpt", "_own", "_ckpt_bytes", "_bwd_spans", "_phases", "_scalars",
+)
 
-    def __init__(
-        self,
-        emit: Callable[[RawStep], None],
-        *,
-        step_offset: int = 0,
-        nvtx: Nvtx | None = None,
-        mem_probe: Callable[[], int | None] | None = None,
-        on_error: Callable[[str, BaseException], None] | None = None,
-        progress: Any = None,
-    ) -> None:
-        self.enabled = True
-        self._emit = emit
-        # None unless NVTX is on: a disabled range is a method call per phase for nothing.
-        self._nvtx = nvtx if nvtx is not None and nvtx.enabled else None
-        self._mem_probe = mem_probe
-        self._on_error = on_error
-        # Extension points (training thread, cheap): collectors feed ``extras``; listeners run at
-        # every step end with the number of the step that ended (captures start/stop there).
-        self.collectors: list[Collector] = []
-        self.listeners: list[Callable[[int], None]] = []
-        # A progress board (``set_phase(code)``, ``set_step(n)``) read by the hang watchdog.
-        self.progress = progress
-        # Device-clock timing (hooks/device.py), attached once CUDA is in use; None on CPU.
-        self.device: Any = None
-        self._dslot_fwd = self._dslot_bwd = self._dslot_opt = -1
-        self.step = step_offset
-        self.boundary = "optimizer"
-        self.in_data = 0  # depth of DataLoader fetches in progress
-        self._t_start = _now()
-        self._reset_step()
-        self._prev_end: int | None = None  # end of the previous step (ns); None before any work
-        self._pending_end: int | None = None
-        self._pending_skipped = False
-        self._step_open = False  # NVTX step range pushed
-        # Nesting depths: only the outermost call of each kind is timed.
-        self._fwd_depth = 0
-        self._fwd_t0 = 0
-        self._fwd_grad = True
-        self._bwd_depth = 0
-        self._bwd_t0 = 0
-        self._opt_depth = 0
-        self._opt_t0 = 0
-        # Forward/backward run *inside* ``optimizer.step(closure)`` (Lightning, LBFGS): the
-        # optimizer phase is paused around them so their time is not counted twice.
-        self._opt_paused = 0
-        self._fwd_paused_opt = False
-        self._bwd_paused_opt = False
-        self._ckpt_depth = 0
-        self._ckpt_t0 = 0
-        self._phase_depth: dict[str, int] = {}
-        self._phase_t0: dict[str, int] = {}
-        # Eval span bookkeeping.
-        self._eval_open = False
-        self._eval_t0 = 0
-        self._eval_last = 0
-        self._last_fetch_t0: int | None = None
-        self._last_fetch_ns = 0
-        # GradScaler: did an optimizer step run inside scaler.step()?
-        self._in_scaler = 0
-        self._scaler_fired = False
+
+class _PyCore:
+    """The tracker's state and its hot methods (what the hooks call every step, and the step's
+    hand-over) in Python: the reference that hooks/_ctracker.c translates line for line, and the
+    tracker's core wherever that extension is missing (no C compiler at install). The methods
+    that call back into Python from C (``_pause_opt``, ``_resume_opt``, ``_fail``) and every
+    colder one live in :class:`_Methods`, over the same attributes, for both cores."""
+
+    __slots__ = _STATE
 
     def _reset_step(self) -> None:
         self._data = self._fwd = self._bwd = self._opt = self._eval = self._ckpt = 0
@@ -129,64 +87,6 @@ class StepTracker:
         self._bwd_spans: list[tuple[int, int]] = []  # outermost backward intervals (ns)
         self._phases: dict[str, int] = {}
         self._scalars: dict[str, Any] = {}
-
-    # -- internal ---------------------------------------------------------------------------
-
-    def _fail(self, where: str, exc: BaseException) -> None:
-        # State may be half-updated: stop tracking rather than emit wrong numbers.
-        self.enabled = False
-        if self._on_error is not None:
-            self._on_error(f"tracker.{where}", exc)
-
-    def _start_work(self, t: int) -> None:
-        """Training work begins at ``t``: finalize a pending step, open the next one."""
-        if self._pending_end is not None:
-            self._finalize(self._pending_end, self._pending_skipped)
-        if self._prev_end is None:
-            self._prev_end = t
-        if not self._step_open:
-            self._step_open = True
-            if self._nvtx is not None:
-                self._nvtx.push_step(self.step)
-
-    def _pause_opt(self, t: int) -> bool:
-        """A forward/backward starts inside the optimizer phase: close the optimizer's segment."""
-        if not self._opt_depth:
-            return False
-        self._opt_paused += 1
-        if self._opt_paused == 1:
-            self._opt += t - self._opt_t0
-            if self.device is not None:
-                self.device.end(self._dslot_opt)
-        return True
-
-    def _resume_opt(self, t: int) -> None:
-        self._opt_paused = max(self._opt_paused - 1, 0)
-        if self._opt_paused == 0 and self._opt_depth:
-            self._opt_t0 = t
-            if self.device is not None:
-                self._dslot_opt = self.device.begin(PHASE_OPTIMIZER)
-            if self.progress is not None:
-                self.progress.set_phase(PHASE_OPTIMIZER)
-
-    def pause_optimizer(self) -> bool:
-        """``optimizer.step(closure)`` enters its closure: the closure is not the optimizer's own
-        work. Returns whether the phase was paused (call :meth:`resume_optimizer` then)."""
-        if not self.enabled:
-            return False
-        try:
-            return self._pause_opt(_now())
-        except Exception as e:
-            self._fail("pause_optimizer", e)
-            return False
-
-    def resume_optimizer(self) -> None:
-        if not self.enabled:
-            return
-        try:
-            self._resume_opt(_now())
-        except Exception as e:
-            self._fail("resume_optimizer", e)
 
     def _close_eval(self) -> None:
         if self._eval_open:
@@ -236,6 +136,17 @@ class StepTracker:
             self.progress.set_step(self.step)
         for fn in self.listeners:
             fn(ended)
+
+    def _start_work(self, t: int) -> None:
+        """Training work begins at ``t``: finalize a pending step, open the next one."""
+        if self._pending_end is not None:
+            self._finalize(self._pending_end, self._pending_skipped)
+        if self._prev_end is None:
+            self._prev_end = t
+        if not self._step_open:
+            self._step_open = True
+            if self._nvtx is not None:
+                self._nvtx.push_step(self.step)
 
     # -- data loading -------------------------------------------------------------------------
 
@@ -441,6 +352,148 @@ class StepTracker:
         except Exception as e:
             self._fail("optimizer_end", e)
 
+    def log(self, scalars: dict[str, Any]) -> None:
+        """Attach scalars to the step in progress (or to the one that just ended)."""
+        if not self.enabled:
+            return
+        try:
+            self._scalars.update(scalars)
+        except Exception as e:
+            self._fail("log", e)
+
+    def work_begins(self) -> None:
+        """Training work is about to start and a hook wants to attribute something to its step
+        before timing it (FLOPs/tokens of a forward): a pending step end becomes final now."""
+        if not self.enabled or self._pending_end is None:
+            return
+        try:
+            self._start_work(_now())
+        except Exception as e:
+            self._fail("work_begins", e)
+
+
+try:  # the hot methods in C (hooks/_ctracker.c): the same behaviour, less time a step
+    from ._ctracker import Core as _Core
+    from ._ctracker import _bind
+
+    _bind(RawStep)
+except ImportError:
+    _Core = _PyCore
+
+
+class _Methods:
+    """The tracker's methods that are not hot, the same over either core."""
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        emit: Callable[[RawStep], None],
+        *,
+        step_offset: int = 0,
+        nvtx: Nvtx | None = None,
+        mem_probe: Callable[[], int | None] | None = None,
+        on_error: Callable[[str, BaseException], None] | None = None,
+        progress: Any = None,
+    ) -> None:
+        self.enabled = True
+        self._emit = emit
+        # None unless NVTX is on: a disabled range is a method call per phase for nothing.
+        self._nvtx = nvtx if nvtx is not None and nvtx.enabled else None
+        self._mem_probe = mem_probe
+        self._on_error = on_error
+        # Extension points (training thread, cheap): collectors feed ``extras``; listeners run at
+        # every step end with the number of the step that ended (captures start/stop there).
+        self.collectors: list[Collector] = []
+        self.listeners: list[Callable[[int], None]] = []
+        # A progress board (``set_phase(code)``, ``set_step(n)``) read by the hang watchdog.
+        self.progress = progress
+        # Device-clock timing (hooks/device.py), attached once CUDA is in use; None on CPU.
+        self.device: Any = None
+        self._dslot_fwd = self._dslot_bwd = self._dslot_opt = -1
+        self.step = step_offset
+        self.boundary = "optimizer"
+        self.in_data = 0  # depth of DataLoader fetches in progress
+        self._t_start = _now()
+        self._reset_step()
+        self._prev_end: int | None = None  # end of the previous step (ns); None before any work
+        self._pending_end: int | None = None
+        self._pending_skipped = False
+        self._step_open = False  # NVTX step range pushed
+        # Nesting depths: only the outermost call of each kind is timed.
+        self._fwd_depth = 0
+        self._fwd_t0 = 0
+        self._fwd_grad = True
+        self._bwd_depth = 0
+        self._bwd_t0 = 0
+        self._opt_depth = 0
+        self._opt_t0 = 0
+        # Forward/backward run *inside* ``optimizer.step(closure)`` (Lightning, LBFGS): the
+        # optimizer phase is paused around them so their time is not counted twice.
+        self._opt_paused = 0
+        self._fwd_paused_opt = False
+        self._bwd_paused_opt = False
+        self._ckpt_depth = 0
+        self._ckpt_t0 = 0
+        self._phase_depth: dict[str, int] = {}
+        self._phase_t0: dict[str, int] = {}
+        # Eval span bookkeeping.
+        self._eval_open = False
+        self._eval_t0 = 0
+        self._eval_last = 0
+        self._last_fetch_t0: int | None = None
+        self._last_fetch_ns = 0
+        # GradScaler: did an optimizer step run inside scaler.step()?
+        self._in_scaler = 0
+        self._scaler_fired = False
+
+    # -- internal ---------------------------------------------------------------------------
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        # State may be half-updated: stop tracking rather than emit wrong numbers.
+        self.enabled = False
+        if self._on_error is not None:
+            self._on_error(f"tracker.{where}", exc)
+
+    def _pause_opt(self, t: int) -> bool:
+        """A forward/backward starts inside the optimizer phase: close the optimizer's segment."""
+        if not self._opt_depth:
+            return False
+        self._opt_paused += 1
+        if self._opt_paused == 1:
+            self._opt += t - self._opt_t0
+            if self.device is not None:
+                self.device.end(self._dslot_opt)
+        return True
+
+    def _resume_opt(self, t: int) -> None:
+        self._opt_paused = max(self._opt_paused - 1, 0)
+        if self._opt_paused == 0 and self._opt_depth:
+            self._opt_t0 = t
+            if self.device is not None:
+                self._dslot_opt = self.device.begin(PHASE_OPTIMIZER)
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_OPTIMIZER)
+
+    def pause_optimizer(self) -> bool:
+        """``optimizer.step(closure)`` enters its closure: the closure is not the optimizer's own
+        work. Returns whether the phase was paused (call :meth:`resume_optimizer` then)."""
+        if not self.enabled:
+            return False
+        try:
+            return self._pause_opt(_now())
+        except Exception as e:
+            self._fail("pause_optimizer", e)
+            return False
+
+    def resume_optimizer(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._resume_opt(_now())
+        except Exception as e:
+            self._fail("resume_optimizer", e)
+
     def scaler_begin(self) -> int:
         if not self.enabled:
             return 0
@@ -541,25 +594,6 @@ class StepTracker:
         except Exception as e:
             self._fail("phase_end", e)
 
-    def log(self, scalars: dict[str, Any]) -> None:
-        """Attach scalars to the step in progress (or to the one that just ended)."""
-        if not self.enabled:
-            return
-        try:
-            self._scalars.update(scalars)
-        except Exception as e:
-            self._fail("log", e)
-
-    def work_begins(self) -> None:
-        """Training work is about to start and a hook wants to attribute something to its step
-        before timing it (FLOPs/tokens of a forward): a pending step end becomes final now."""
-        if not self.enabled or self._pending_end is None:
-            return
-        try:
-            self._start_work(_now())
-        except Exception as e:
-            self._fail("work_begins", e)
-
     def end_step(self) -> None:
         """Explicit boundary: finalize the pending step, or end one now."""
         if not self.enabled:
@@ -624,3 +658,14 @@ class StepTracker:
         if self._ckpt_depth:
             return "checkpoint"
         return "other"
+
+
+
+class StepTracker(_Methods, _Core):  # type: ignore[misc,valid-type]
+    """Lives on the training thread. Every public method is cheap and never raises. Its hot
+    methods are ``_Core``'s: C where hooks/_ctracker.c was built, else :class:`_PyCore`."""
+
+
+class PyStepTracker(_Methods, _PyCore):
+    """The tracker on the Python core whatever was built: what a job without the C extension
+    runs (tests run both and compare them)."""

@@ -1,0 +1,1211 @@
+/* stepwatch.hooks._ctracker: the step tracker's hot methods in C.
+ *
+ * hooks/phases.py's StepTracker is a handful of integer accumulators driven by the hooks: a
+ * forward's begin and end, a backward's, an optimizer step's, a data fetch's, log(), and the
+ * step's hand-over at its end. In Python those are ~700 bytecodes and a dozen frames a step, a
+ * third of everything stepwatch runs on the training thread. This module is that same code in C,
+ * line for line: `Core` is the tracker's state (the same attribute names, each a Python object,
+ * as phases.py's `_PyCore.__slots__` holds them) and its hot methods. The rest of the tracker
+ * (checkpoints, GradScaler, user phases, closures, flush) stays in Python, in phases.py, over the
+ * same attributes; so does every branch here that calls back into Python (`_pause_opt`,
+ * `_resume_opt`, `_fail`), which keeps the rare logic in one place.
+ *
+ * It is an accelerator only: phases.py keeps `_PyCore`, the reference these methods translate,
+ * and takes it wherever this module is missing; tests run the tracker with both and compare
+ * them record for record.
+ *
+ * Errors behave as in Python: an Exception inside a method goes to `self._fail(where, exc)` and
+ * the method returns its default (the tracker disables itself); a BaseException that is not an
+ * Exception (KeyboardInterrupt from a collector) passes through.
+ *
+ * The clock is time.perf_counter_ns's (_PyTime_GetPerfCounter / PyTime_PerfCounter), so the
+ * Python methods' timestamps and these compare. `_set_clock(fn)` (tests only) makes every C
+ * timestamp `fn()` instead.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+static PyObject *clock_override = NULL; /* tests: a callable returning int ns */
+static PyObject *raw_step_cls = NULL;   /* stepwatch.record.RawStep, from _bind() */
+
+/* Interned names. */
+static PyObject *s_pause_opt, *s_resume_opt, *s_fail, *s_push_step, *s_push_range, *s_pop_range,
+    *s_forward, *s_eval, *s_backward, *s_optimizer, *s_set_phase, *s_set_step, *s_begin, *s_end,
+    *s_name, *s_take, *s_update, *s_backward_spans, *s_checkpoint_bytes, *s_boundary_backward,
+    *s_boundary_optimizer;
+
+/* The phase codes of hooks/phases.py (PHASE_OTHER..PHASE_CHECKPOINT). */
+enum { PH_OTHER, PH_DATA, PH_FORWARD, PH_BACKWARD, PH_OPTIMIZER, PH_EVAL, PH_CHECKPOINT };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *enabled, *_emit, *_nvtx, *_mem_probe, *_on_error, *collectors, *listeners, *progress,
+        *device, *_dslot_fwd, *_dslot_bwd, *_dslot_opt, *step, *boundary, *in_data, *_t_start,
+        *_prev_end, *_pending_end, *_pending_skipped, *_step_open, *_fwd_depth, *_fwd_t0,
+        *_fwd_grad, *_bwd_depth, *_bwd_t0, *_opt_depth, *_opt_t0, *_opt_paused, *_fwd_paused_opt,
+        *_bwd_paused_opt, *_ckpt_depth, *_ckpt_t0, *_eval_open, *_eval_t0, *_eval_last,
+        *_last_fetch_t0, *_last_fetch_ns, *_in_scaler, *_scaler_fired, *_data, *_fwd, *_bwd, *_opt,
+        *_eval, *_ckpt, *_own, *_ckpt_bytes, *_bwd_spans, *_phases, *_scalars;
+} Core; /* no __dict__ or __weakref__ of its own: phases.py's StepTracker, a subclass, has both */
+
+/* The object fields in declaration order, for members, traverse and clear. */
+#define FIELDS(X)                                                                                      \
+    X(enabled) X(_emit) X(_nvtx) X(_mem_probe) X(_on_error) X(collectors) X(listeners) X(progress)     \
+    X(device) X(_dslot_fwd) X(_dslot_bwd) X(_dslot_opt) X(step) X(boundary) X(in_data) X(_t_start)     \
+    X(_prev_end) X(_pending_end) X(_pending_skipped) X(_step_open) X(_fwd_depth) X(_fwd_t0)            \
+    X(_fwd_grad) X(_bwd_depth) X(_bwd_t0) X(_opt_depth) X(_opt_t0) X(_opt_paused) X(_fwd_paused_opt)   \
+    X(_bwd_paused_opt) X(_ckpt_depth) X(_ckpt_t0) X(_eval_open) X(_eval_t0) X(_eval_last)              \
+    X(_last_fetch_t0) X(_last_fetch_ns) X(_in_scaler) X(_scaler_fired) X(_data) X(_fwd) X(_bwd)        \
+    X(_opt) X(_eval) X(_ckpt) X(_own) X(_ckpt_bytes) X(_bwd_spans) X(_phases) X(_scalars)
+
+/* A field read before Python's __init__ set it: the AttributeError Python would raise. */
+static PyObject *unset(const char *name) {
+    PyErr_Format(PyExc_AttributeError, "'StepTracker' object has no attribute '%s'", name);
+    return NULL;
+}
+
+#define GET(self, f) ((self)->f ? (self)->f : unset(#f))
+
+static inline void put(PyObject **slot, PyObject *v) { /* steals v */
+    PyObject *old = *slot;
+    *slot = v;
+    Py_XDECREF(old);
+}
+
+static inline void put_obj(PyObject **slot, PyObject *v) { /* borrows v */
+    Py_INCREF(v);
+    put(slot, v);
+}
+
+/* An int field as a C integer; -1 with an exception set when it is not one (check PyErr_Occurred). */
+static inline int get_ll(PyObject *v, const char *name, long long *out) {
+    if (v == NULL) {
+        unset(name);
+        return -1;
+    }
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    *out = x;
+    return 0;
+}
+
+#define LL(self, f, var)                                                                               \
+    long long var;                                                                                     \
+    if (get_ll((self)->f, #f, &var) < 0) goto error
+
+static inline int put_ll(PyObject **slot, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL) return -1;
+    put(slot, o);
+    return 0;
+}
+
+#define PUT_LL(self, f, v)                                                                             \
+    if (put_ll(&(self)->f, (v)) < 0) goto error
+
+/* Truthiness of a field; -1 on error. */
+static inline int truth(PyObject *v, const char *name) {
+    if (v == Py_True) return 1;
+    if (v == Py_False || v == Py_None) return 0;
+    if (v == NULL) {
+        unset(name);
+        return -1;
+    }
+    return PyObject_IsTrue(v);
+}
+
+#define TRUTH(self, f, var)                                                                            \
+    int var = truth((self)->f, #f);                                                                    \
+    if (var < 0) goto error
+
+static int now_ns(long long *out) {
+    if (clock_override != NULL) {
+        PyObject *r = PyObject_CallNoArgs(clock_override);
+        if (r == NULL) return -1;
+        long long x = PyLong_AsLongLong(r);
+        Py_DECREF(r);
+        if (x == -1 && PyErr_Occurred()) return -1;
+        *out = x;
+        return 0;
+    }
+#if PY_VERSION_HEX >= 0x030D0000
+    PyTime_t t;
+    if (PyTime_PerfCounter(&t) < 0) return -1;
+    *out = (long long)t;
+#else
+    *out = (long long)_PyTime_GetPerfCounter(); /* nanoseconds: what time.perf_counter_ns() returns */
+#endif
+    return 0;
+}
+
+#define NOW(var)                                                                                       \
+    long long var;                                                                                     \
+    if (now_ns(&var) < 0) goto error
+
+/* obj.name(arg) for a method of one optional argument (arg NULL: no argument); -1 on error. */
+static int call_method(PyObject *obj, PyObject *name, PyObject *arg) {
+    PyObject *r = arg ? PyObject_CallMethodOneArg(obj, name, arg) : PyObject_CallMethodNoArgs(obj, name);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int call_method_int(PyObject *obj, PyObject *name, long long v) {
+    PyObject *a = PyLong_FromLongLong(v);
+    if (a == NULL) return -1;
+    int rc = call_method(obj, name, a);
+    Py_DECREF(a);
+    return rc;
+}
+
+/* progress.set_phase(code) when a progress board is attached. */
+static int set_phase(Core *self, int code) {
+    PyObject *p = GET(self, progress);
+    if (p == NULL) return -1;
+    if (p == Py_None) return 0;
+    return call_method_int(p, s_set_phase, code);
+}
+
+/* An Exception went to self._fail(where, exc): 0, the caller returns its default. Anything that
+ * is not an Exception (KeyboardInterrupt, SystemExit): -1, it propagates. */
+static int fail(Core *self, const char *where) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyObject *w = PyUnicode_FromString(where);
+    PyObject *r = NULL;
+    if (w != NULL) {
+        PyObject *args[3] = {(PyObject *)self, w, value ? value : Py_None};
+        r = PyObject_VectorcallMethod(s_fail, args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(w);
+    }
+    Py_XDECREF(value);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* -- the methods (each the C of the same-named method of phases.py's _PyCore) ---------------- */
+
+static int reset_step(Core *self) {
+    PyObject *zero = PyLong_FromLong(0);
+    put_obj(&self->_data, zero);
+    put_obj(&self->_fwd, zero);
+    put_obj(&self->_bwd, zero);
+    put_obj(&self->_opt, zero);
+    put_obj(&self->_eval, zero);
+    put_obj(&self->_ckpt, zero);
+    put(&self->_own, zero);
+    put_obj(&self->_ckpt_bytes, Py_None);
+    PyObject *spans = PyList_New(0), *phases = PyDict_New(), *scalars = PyDict_New();
+    if (spans == NULL || phases == NULL || scalars == NULL) {
+        Py_XDECREF(spans);
+        Py_XDECREF(phases);
+        Py_XDECREF(scalars);
+        return -1;
+    }
+    put(&self->_bwd_spans, spans);
+    put(&self->_phases, phases);
+    put(&self->_scalars, scalars);
+    return 0;
+}
+
+static PyObject *Core_reset_step(Core *self, PyObject *unused) {
+    if (reset_step(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static int close_eval(Core *self) {
+    TRUTH(self, _eval_open, open);
+    if (open) {
+        LL(self, _eval, ev);
+        LL(self, _eval_last, last);
+        LL(self, _eval_t0, t0);
+        PUT_LL(self, _eval, ev + (last - t0));
+        put_obj(&self->_eval_open, Py_False);
+    }
+    return 0;
+error:
+    return -1;
+}
+
+static PyObject *Core_close_eval(Core *self, PyObject *unused) {
+    if (close_eval(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* RawStep(...) as phases.py builds it. */
+static PyObject *raw_step(Core *self, PyObject *t_end, long long step_ns, PyObject *skipped, PyObject *mem,
+                          PyObject *extras) {
+    if (raw_step_cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "stepwatch.hooks._ctracker: _bind(RawStep) was not called");
+        return NULL;
+    }
+    PyObject *sn = PyLong_FromLongLong(step_ns);
+    if (sn == NULL) return NULL;
+    PyObject *args[15] = {NULL,           self->step, t_end,        sn,           self->_data,
+                          self->_fwd,     self->_bwd, self->_opt,   self->_eval,  self->_ckpt,
+                          self->_phases,  self->_scalars, skipped,  mem,          extras};
+    static const char *const names[] = {"step", "_data", "_fwd", "_bwd", "_opt", "_eval", "_ckpt", "_phases",
+                                        "_scalars"};
+    PyObject *const check[] = {self->step, self->_data, self->_fwd, self->_bwd, self->_opt, self->_eval,
+                               self->_ckpt, self->_phases, self->_scalars};
+    for (int i = 0; i < 9; i++) {
+        if (check[i] == NULL) {
+            Py_DECREF(sn);
+            return unset(names[i]);
+        }
+    }
+    PyObject *r = PyObject_Vectorcall(raw_step_cls, args + 1, 14 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(sn);
+    return r;
+}
+
+static int finalize(Core *self, PyObject *t_end_obj, PyObject *skipped) {
+    PyObject *mem = NULL, *extras = NULL, *rec = NULL, *r = NULL, *cols = NULL, *lis = NULL, *ended = NULL;
+    Py_INCREF(t_end_obj);
+    Py_INCREF(skipped);
+    long long t_end;
+    if (get_ll(t_end_obj, "t_end", &t_end) < 0) goto error;
+    {
+        TRUTH(self, _eval_open, open);
+        if (open && close_eval(self) < 0) goto error;
+    }
+    put_obj(&self->_pending_end, Py_None);
+    put_obj(&self->_pending_skipped, Py_False);
+    long long prev = t_end;
+    if (self->_prev_end == NULL) {
+        unset("_prev_end");
+        goto error;
+    }
+    if (self->_prev_end != Py_None && get_ll(self->_prev_end, "_prev_end", &prev) < 0) goto error;
+    long long step_ns;
+    {
+        LL(self, _eval, ev);
+        LL(self, _ckpt, ck);
+        LL(self, _own, own);
+        step_ns = t_end - prev - ev - ck - own;
+        if (step_ns < 0) step_ns = 0;
+    }
+    PyObject *probe = GET(self, _mem_probe);
+    if (probe == NULL) goto error;
+    if (probe != Py_None) {
+        mem = PyObject_CallNoArgs(probe);
+        if (mem == NULL) goto error;
+    } else {
+        mem = Py_NewRef(Py_None);
+    }
+    {
+        TRUTH(self, _step_open, open);
+        if (open) {
+            PyObject *nv = GET(self, _nvtx);
+            if (nv == NULL) goto error;
+            if (nv != Py_None && call_method(nv, s_pop_range, NULL) < 0) goto error;
+            put_obj(&self->_step_open, Py_False);
+        }
+    }
+    extras = PyDict_New();
+    if (extras == NULL) goto error;
+    if (GET(self, _bwd_spans) == NULL || PyDict_SetItem(extras, s_backward_spans, self->_bwd_spans) < 0) goto error;
+    {
+        TRUTH(self, _ckpt, ck);
+        if (ck) {
+            if (GET(self, _ckpt_bytes) == NULL) goto error;
+            if (PyDict_SetItem(extras, s_checkpoint_bytes, self->_ckpt_bytes) < 0) goto error;
+        }
+    }
+    cols = GET(self, collectors);
+    if (cols == NULL) goto error;
+    Py_INCREF(cols);
+    if (PyList_CheckExact(cols)) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(cols); i++) {
+            PyObject *c = PyList_GET_ITEM(cols, i);
+            Py_INCREF(c);
+            PyObject *v = PyObject_CallMethodNoArgs(c, s_take); /* the value first, as Python's */
+            PyObject *name = v ? PyObject_GetAttr(c, s_name) : NULL; /* extras[c.name] = c.take() */
+            Py_DECREF(c);
+            int rc = name ? PyObject_SetItem(extras, name, v) : -1;
+            Py_XDECREF(name);
+            Py_XDECREF(v);
+            if (rc < 0) goto error;
+        }
+    } else {
+        PyObject *it = PyObject_GetIter(cols), *c;
+        if (it == NULL) goto error;
+        while ((c = PyIter_Next(it)) != NULL) {
+            PyObject *v = PyObject_CallMethodNoArgs(c, s_take); /* the value first, as Python's */
+            PyObject *name = v ? PyObject_GetAttr(c, s_name) : NULL; /* extras[c.name] = c.take() */
+            Py_DECREF(c);
+            int rc = name ? PyObject_SetItem(extras, name, v) : -1;
+            Py_XDECREF(name);
+            Py_XDECREF(v);
+            if (rc < 0) {
+                Py_DECREF(it);
+                goto error;
+            }
+        }
+        Py_DECREF(it);
+        if (PyErr_Occurred()) goto error;
+    }
+    Py_CLEAR(cols);
+    if (GET(self, _emit) == NULL) goto error;
+    rec = raw_step(self, t_end_obj, step_ns, skipped, mem, extras);
+    if (rec == NULL) goto error;
+    r = PyObject_CallOneArg(self->_emit, rec);
+    if (r == NULL) goto error;
+    Py_CLEAR(r);
+    ended = Py_NewRef(self->step);
+    {
+        PyObject *one = PyLong_FromLong(1);
+        PyObject *next = PyNumber_Add(ended, one);
+        Py_DECREF(one);
+        if (next == NULL) goto error;
+        put(&self->step, next);
+    }
+    put_obj(&self->_prev_end, t_end_obj);
+    if (reset_step(self) < 0) goto error;
+    {
+        PyObject *p = GET(self, progress);
+        if (p == NULL) goto error;
+        if (p != Py_None && call_method(p, s_set_step, self->step) < 0) goto error;
+    }
+    lis = GET(self, listeners);
+    if (lis == NULL) goto error;
+    Py_INCREF(lis);
+    {
+        PyObject *it = PyObject_GetIter(lis), *fn;
+        if (it == NULL) goto error;
+        while ((fn = PyIter_Next(it)) != NULL) {
+            PyObject *x = PyObject_CallOneArg(fn, ended);
+            Py_DECREF(fn);
+            if (x == NULL) {
+                Py_DECREF(it);
+                goto error;
+            }
+            Py_DECREF(x);
+        }
+        Py_DECREF(it);
+        if (PyErr_Occurred()) goto error;
+    }
+    Py_DECREF(lis);
+    Py_DECREF(ended);
+    Py_DECREF(rec);
+    Py_DECREF(extras);
+    Py_DECREF(mem);
+    Py_DECREF(t_end_obj);
+    Py_DECREF(skipped);
+    return 0;
+error:
+    Py_XDECREF(cols);
+    Py_XDECREF(lis);
+    Py_XDECREF(ended);
+    Py_XDECREF(rec);
+    Py_XDECREF(extras);
+    Py_XDECREF(mem);
+    Py_DECREF(t_end_obj);
+    Py_DECREF(skipped);
+    return -1;
+}
+
+static PyObject *Core_finalize(Core *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 2) {
+        PyErr_Format(PyExc_TypeError, "_finalize() takes 2 arguments (t_end, skipped), %zd given", n);
+        return NULL;
+    }
+    if (finalize(self, args[0], args[1]) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Training work begins at t: finalize a pending step, open the next one. */
+static int start_work(Core *self, long long t) {
+    if (GET(self, _pending_end) == NULL) return -1;
+    if (self->_pending_end != Py_None) {
+        PyObject *pe = Py_NewRef(self->_pending_end);
+        PyObject *sk = GET(self, _pending_skipped);
+        int rc = sk ? finalize(self, pe, sk) : -1;
+        Py_DECREF(pe);
+        if (rc < 0) return -1;
+    }
+    if (GET(self, _prev_end) == NULL) return -1;
+    if (self->_prev_end == Py_None) PUT_LL(self, _prev_end, t);
+    {
+        TRUTH(self, _step_open, open);
+        if (!open) {
+            put_obj(&self->_step_open, Py_True);
+            PyObject *nv = GET(self, _nvtx);
+            if (nv == NULL) goto error;
+            if (nv != Py_None && call_method(nv, s_push_step, self->step) < 0) goto error;
+        }
+    }
+    return 0;
+error:
+    return -1;
+}
+
+static PyObject *Core_start_work(Core *self, PyObject *arg) {
+    long long t = PyLong_AsLongLong(arg);
+    if (t == -1 && PyErr_Occurred()) return NULL;
+    if (start_work(self, t) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* _pending_end is not None or _prev_end is None: the test before each _start_work. */
+static int needs_start(Core *self) {
+    if (GET(self, _pending_end) == NULL || GET(self, _prev_end) == NULL) return -1;
+    return self->_pending_end != Py_None || self->_prev_end == Py_None;
+}
+
+#define ENABLED_OR_RETURN(self, ret)                                                                   \
+    do {                                                                                               \
+        int en_ = truth((self)->enabled, "enabled");                                                   \
+        if (en_ < 0) return NULL;                                                                      \
+        if (!en_) return ret;                                                                          \
+    } while (0)
+
+/* self.method(t) for _pause_opt/_resume_opt (Python); *out its truth for _pause_opt. */
+static int call_self_t(Core *self, PyObject *name, long long t, int *out) {
+    PyObject *a = PyLong_FromLongLong(t);
+    if (a == NULL) return -1;
+    PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, name, a);
+    Py_DECREF(a);
+    if (r == NULL) return -1;
+    int v = out ? PyObject_IsTrue(r) : 0;
+    Py_DECREF(r);
+    if (v < 0) return -1;
+    if (out) *out = v;
+    return 0;
+}
+
+static PyObject *Core_data_begin(Core *self, PyObject *unused) {
+    ENABLED_OR_RETURN(self, PyLong_FromLong(0));
+    {
+        NOW(t);
+        int ns = needs_start(self);
+        if (ns < 0 || (ns && start_work(self, t) < 0)) goto error;
+        LL(self, in_data, d);
+        PUT_LL(self, in_data, d + 1);
+        if (set_phase(self, PH_DATA) < 0) goto error;
+        return PyLong_FromLongLong(t);
+    }
+error:
+    return fail(self, "data_begin") < 0 ? NULL : PyLong_FromLong(0);
+}
+
+static PyObject *Core_data_end(Core *self, PyObject *t0_obj) {
+    ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
+    int t0_true = PyObject_IsTrue(t0_obj);
+    if (t0_true < 0) return NULL;
+    if (!t0_true) Py_RETURN_NONE;
+    {
+        LL(self, in_data, d);
+        PUT_LL(self, in_data, d > 1 ? d - 1 : 0);
+        long long t0 = PyLong_AsLongLong(t0_obj);
+        if (t0 == -1 && PyErr_Occurred()) goto error;
+        NOW(t);
+        long long dur = t - t0;
+        LL(self, _data, data);
+        PUT_LL(self, _data, data + dur);
+        if (set_phase(self, PH_OTHER) < 0) goto error;
+        put_obj(&self->_last_fetch_t0, t0_obj);
+        PUT_LL(self, _last_fetch_ns, dur);
+    }
+    Py_RETURN_NONE;
+error:
+    if (fail(self, "data_end") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
+    ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
+    {
+        LL(self, _fwd_depth, depth);
+        PUT_LL(self, _fwd_depth, depth + 1);
+        if (depth + 1 > 1) Py_RETURN_NONE;
+        NOW(t);
+        {
+            TRUTH(self, _opt_depth, od);
+            int paused = 0;
+            if (od && call_self_t(self, s_pause_opt, t, &paused) < 0) goto error;
+            put_obj(&self->_fwd_paused_opt, paused ? Py_True : Py_False);
+        }
+        put_obj(&self->_fwd_grad, grad);
+        PUT_LL(self, _fwd_t0, t);
+        int ns = needs_start(self);
+        if (ns < 0 || (ns && start_work(self, t) < 0)) goto error;
+        int g = PyObject_IsTrue(grad);
+        if (g < 0) goto error;
+        PyObject *nv = GET(self, _nvtx);
+        if (nv == NULL) goto error;
+        if (nv != Py_None) {
+            PyObject *name = PyObject_GetAttr(nv, g ? s_forward : s_eval);
+            if (name == NULL) goto error;
+            int rc = call_method(nv, s_push_range, name);
+            Py_DECREF(name);
+            if (rc < 0) goto error;
+        }
+        if (set_phase(self, g ? PH_FORWARD : PH_EVAL) < 0) goto error;
+        if (g) {
+            TRUTH(self, _eval_open, open);
+            if (open && close_eval(self) < 0) goto error;
+            put_obj(&self->_last_fetch_t0, Py_None);
+            PyObject *dev = GET(self, device);
+            if (dev == NULL) goto error;
+            if (dev != Py_None) {
+                PyObject *a = PyLong_FromLong(PH_FORWARD);
+                PyObject *slot = a ? PyObject_CallMethodOneArg(dev, s_begin, a) : NULL;
+                Py_XDECREF(a);
+                if (slot == NULL) goto error;
+                put(&self->_dslot_fwd, slot);
+            }
+            Py_RETURN_NONE;
+        }
+        /* Evaluation: the fetch right before this forward, and fetches inside the span, are eval. */
+        {
+            TRUTH(self, _eval_open, open);
+            if (!open) {
+                put_obj(&self->_eval_open, Py_True);
+                PUT_LL(self, _eval_t0, t);
+            }
+        }
+        if (GET(self, _last_fetch_t0) == NULL) goto error;
+        if (self->_last_fetch_t0 != Py_None) {
+            LL(self, _last_fetch_t0, lf);
+            LL(self, _eval_t0, e0);
+            if (lf < e0) put_obj(&self->_eval_t0, self->_last_fetch_t0);
+            LL(self, _data, data);
+            LL(self, _last_fetch_ns, lns);
+            PUT_LL(self, _data, data - lns);
+            put_obj(&self->_last_fetch_t0, Py_None);
+        }
+    }
+    Py_RETURN_NONE;
+error:
+    if (fail(self, "forward_begin") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_forward_end(Core *self, PyObject *unused) {
+    ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
+    {
+        int z = truth(self->_fwd_depth, "_fwd_depth");
+        if (z < 0) return NULL; /* Python reads it outside its try, too */
+        if (!z) Py_RETURN_NONE;
+    }
+    {
+        LL(self, _fwd_depth, depth);
+        PUT_LL(self, _fwd_depth, depth - 1);
+        if (depth - 1) Py_RETURN_NONE;
+        NOW(t);
+        PyObject *nv = GET(self, _nvtx);
+        if (nv == NULL) goto error;
+        if (nv != Py_None && call_method(nv, s_pop_range, NULL) < 0) goto error;
+        if (set_phase(self, PH_OTHER) < 0) goto error;
+        TRUTH(self, _fwd_grad, g);
+        if (g) {
+            PyObject *dev = GET(self, device);
+            if (dev == NULL) goto error;
+            if (dev != Py_None && call_method(dev, s_end, GET(self, _dslot_fwd)) < 0) goto error;
+            LL(self, _fwd, fwd);
+            LL(self, _fwd_t0, t0);
+            PUT_LL(self, _fwd, fwd + (t - t0));
+        } else {
+            PUT_LL(self, _eval_last, t);
+        }
+        TRUTH(self, _fwd_paused_opt, paused);
+        if (paused) {
+            put_obj(&self->_fwd_paused_opt, Py_False);
+            if (call_self_t(self, s_resume_opt, t, NULL) < 0) goto error;
+        }
+    }
+    Py_RETURN_NONE;
+error:
+    if (fail(self, "forward_end") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_backward_begin(Core *self, PyObject *unused) {
+    ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
+    {
+        LL(self, _bwd_depth, depth);
+        PUT_LL(self, _bwd_depth, depth + 1);
+        if (depth + 1 > 1) Py_RETURN_NONE;
+        NOW(t);
+        int ns = needs_start(self);
+        if (ns < 0 || (ns && start_work(self, t) < 0)) goto error;
+        {
+            TRUTH(self, _eval_open, open);
+            if (open && close_eval(self) < 0) goto error;
+        }
+        put_obj(&self->_last_fetch_t0, Py_None);
+        {
+            TRUTH(self, _opt_depth, od);
+            int paused = 0;
+            if (od && call_self_t(self, s_pause_opt, t, &paused) < 0) goto error;
+            put_obj(&self->_bwd_paused_opt, paused ? Py_True : Py_False);
+        }
+        PUT_LL(self, _bwd_t0, t);
+        PyObject *dev = GET(self, device);
+        if (dev == NULL) goto error;
+        if (dev != Py_None) {
+            PyObject *a = PyLong_FromLong(PH_BACKWARD);
+            PyObject *slot = a ? PyObject_CallMethodOneArg(dev, s_begin, a) : NULL;
+            Py_XDECREF(a);
+            if (slot == NULL) goto error;
+            put(&self->_dslot_bwd, slot);
+        }
+        PyObject *nv = GET(self, _nvtx);
+        if (nv == NULL) goto error;
+        if (nv != Py_None) {
+            PyObject *name = PyObject_GetAttr(nv, s_backward);
+            if (name == NULL) goto error;
+            int rc = call_method(nv, s_push_range, name);
+            Py_DECREF(name);
+            if (rc < 0) goto error;
+        }
+        if (set_phase(self, PH_BACKWARD) < 0) goto error;
+    }
+    Py_RETURN_NONE;
+error:
+    if (fail(self, "backward_begin") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_backward_end(Core *self, PyObject *unused) {
+    ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
+    {
+        int z = truth(self->_bwd_depth, "_bwd_depth");
+        if (z < 0) return NULL;
+        if (!z) Py_RETURN_NONE;
+    }
+    {
+        LL(self, _bwd_depth, depth);
+        PUT_LL(self, _bwd_depth, depth - 1);
+        if (depth - 1) Py_RETURN_NONE;
+        NOW(t);
+        PyObject *dev = GET(self, device);
+        if (dev == NULL) goto error;
+        if (dev != Py_None && call_method(dev, s_end, GET(self, _dslot_bwd)) < 0) goto error;
+        LL(self, _bwd, bwd);
+        LL(self, _bwd_t0, t0);
+        PUT_LL(self, _bwd, bwd + (t - t0));
+        {
+            PyObject *spans = GET(self, _bwd_spans);
+            if (spans == NULL) goto error;
+            PyObject *end = PyLong_FromLongLong(t);
+            if (end == NULL) goto error;
+            PyObject *span = PyTuple_Pack(2, self->_bwd_t0, end);
+            Py_DECREF(end);
+            if (span == NULL) goto error;
+            int rc = PyList_CheckExact(spans) ? PyList_Append(spans, span) : -2;
+            if (rc == -2) {
+                PyObject *r = PyObject_CallMethod(spans, "append", "O", span);
+                rc = r ? 0 : -1;
+                Py_XDECREF(r);
+            }
+            Py_DECREF(span);
+            if (rc < 0) goto error;
+        }
+        PyObject *nv = GET(self, _nvtx);
+        if (nv == NULL) goto error;
+        if (nv != Py_None && call_method(nv, s_pop_range, NULL) < 0) goto error;
+        if (set_phase(self, PH_OTHER) < 0) goto error;
+        TRUTH(self, _bwd_paused_opt, paused);
+        if (paused) {
+            put_obj(&self->_bwd_paused_opt, Py_False);
+            if (call_self_t(self, s_resume_opt, t, NULL) < 0) goto error;
+        } else {
+            PyObject *b = GET(self, boundary);
+            if (b == NULL) goto error;
+            int is_bwd = PyObject_RichCompareBool(b, s_boundary_backward, Py_EQ);
+            if (is_bwd < 0) goto error;
+            if (is_bwd) {
+                TRUTH(self, _opt_depth, od);
+                if (!od) {
+                    PUT_LL(self, _pending_end, t); /* no optimizer in this loop: the backward ends the step */
+                    put_obj(&self->_pending_skipped, Py_False);
+                }
+            }
+        }
+    }
+    Py_RETURN_NONE;
+error:
+    if (fail(self, "backward_end") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_optimizer_begin(Core *self, PyObject *unused) {
+    ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
+    {
+        LL(self, _opt_depth, depth);
+        PUT_LL(self, _opt_depth, depth + 1);
+        if (depth + 1 > 1) Py_RETURN_NONE;
+        NOW(t);
+        PyObject *b = GET(self, boundary);
+        if (b == NULL) goto error;
+        int is_bwd = PyObject_RichCompareBool(b, s_boundary_backward, Py_EQ);
+        if (is_bwd < 0) goto error;
+        if (is_bwd) put_obj(&self->boundary, s_boundary_optimizer); /* an optimizer after all */
+        if (GET(self, _prev_end) == NULL) goto error;
+        if (self->_prev_end == Py_None) {
+            if (start_work(self, t) < 0) goto error;
+        } else {
+            TRUTH(self, _step_open, open);
+            if (!open) {
+                put_obj(&self->_step_open, Py_True);
+                PyObject *nv = GET(self, _nvtx);
+                if (nv == NULL) goto error;
+                if (nv != Py_None && call_method(nv, s_push_step, self->step) < 0) goto error;
+            }
+        }
+        /* A pending end stays pending: a second optimizer in the same iteration extends it. */
+        put_obj(&self->_pending_end, Py_None);
+        {
+            TRUTH(self, _eval_open, open);
+            if (open && close_eval(self) < 0) goto error;
+        }
+        put_obj(&self->_last_fetch_t0, Py_None);
+        PUT_LL(self, _opt_t0, t);
+        PUT_LL(self, _opt_paused, 0);
+        PyObject *dev = GET(self, device);
+        if (dev == NULL) goto error;
+        if (dev != Py_None) {
+            PyObject *a = PyLong_FromLong(PH_OPTIMIZER);
+            PyObject *slot = a ? PyObject_CallMethodOneArg(dev, s_begin, a) : NULL;
+            Py_XDECREF(a);
+            if (slot == NULL) goto error;
+            put(&self->_dslot_opt, slot);
+        }
+        PyObject *nv = GET(self, _nvtx);
+        if (nv == NULL) goto error;
+        if (nv != Py_None) {
+            PyObject *name = PyObject_GetAttr(nv, s_optimizer);
+            if (name == NULL) goto error;
+            int rc = call_method(nv, s_push_range, name);
+            Py_DECREF(name);
+            if (rc < 0) goto error;
+        }
+        if (set_phase(self, PH_OPTIMIZER) < 0) goto error;
+    }
+    Py_RETURN_NONE;
+error:
+    if (fail(self, "optimizer_begin") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Also torch's global optimizer step post-hook as it is: (optimizer, args, kwargs) are ignored. */
+static PyObject *Core_optimizer_end(Core *self, PyObject *const *args, Py_ssize_t n, PyObject *kwnames) {
+    ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
+    {
+        int z = truth(self->_opt_depth, "_opt_depth");
+        if (z < 0) return NULL;
+        if (!z) Py_RETURN_NONE;
+    }
+    {
+        LL(self, _opt_depth, depth);
+        PUT_LL(self, _opt_depth, depth - 1);
+        if (depth - 1) Py_RETURN_NONE;
+        NOW(t);
+        TRUTH(self, _opt_paused, paused);
+        if (!paused) { /* paused: the closure's forward/backward never ended (it raised) */
+            PyObject *dev = GET(self, device);
+            if (dev == NULL) goto error;
+            if (dev != Py_None && call_method(dev, s_end, GET(self, _dslot_opt)) < 0) goto error;
+            LL(self, _opt, opt);
+            LL(self, _opt_t0, t0);
+            PUT_LL(self, _opt, opt + (t - t0));
+        }
+        PyObject *nv = GET(self, _nvtx);
+        if (nv == NULL) goto error;
+        if (nv != Py_None && call_method(nv, s_pop_range, NULL) < 0) goto error;
+        if (set_phase(self, PH_OTHER) < 0) goto error;
+        PUT_LL(self, _pending_end, t);
+        put_obj(&self->_pending_skipped, Py_False);
+        TRUTH(self, _in_scaler, sc);
+        if (sc) put_obj(&self->_scaler_fired, Py_True);
+    }
+    Py_RETURN_NONE;
+error:
+    if (fail(self, "optimizer_end") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Attach scalars to the step in progress (or to the one that just ended). */
+static PyObject *Core_log(Core *self, PyObject *scalars) {
+    ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
+    {
+        PyObject *d = GET(self, _scalars);
+        if (d == NULL) goto error;
+        if (PyDict_CheckExact(d) && PyDict_Check(scalars)) {
+            if (PyDict_Update(d, scalars) < 0) goto error;
+        } else if (call_method(d, s_update, scalars) < 0) {
+            goto error;
+        }
+    }
+    Py_RETURN_NONE;
+error:
+    if (fail(self, "log") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* A hook wants to attribute something to the step before timing it: a pending end becomes final. */
+static PyObject *Core_work_begins(Core *self, PyObject *unused) {
+    ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
+    if (GET(self, _pending_end) == NULL) return NULL;
+    if (self->_pending_end == Py_None) Py_RETURN_NONE;
+    {
+        NOW(t);
+        if (start_work(self, t) < 0) goto error;
+    }
+    Py_RETURN_NONE;
+error:
+    if (fail(self, "work_begins") < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* -- the type ------------------------------------------------------------------------------ */
+
+#define MEMBER(f) {#f, T_OBJECT_EX, offsetof(Core, f), 0, NULL},
+static PyMemberDef Core_members[] = {FIELDS(MEMBER){NULL}};
+
+static PyMethodDef Core_methods[] = {
+    {"_reset_step", (PyCFunction)Core_reset_step, METH_NOARGS, NULL},
+    {"_close_eval", (PyCFunction)Core_close_eval, METH_NOARGS, NULL},
+    {"_finalize", (PyCFunction)(void (*)(void))Core_finalize, METH_FASTCALL, NULL},
+    {"_start_work", (PyCFunction)Core_start_work, METH_O, NULL},
+    {"data_begin", (PyCFunction)Core_data_begin, METH_NOARGS, NULL},
+    {"data_end", (PyCFunction)Core_data_end, METH_O, NULL},
+    {"forward_begin", (PyCFunction)Core_forward_begin, METH_O, NULL},
+    {"forward_end", (PyCFunction)Core_forward_end, METH_NOARGS, NULL},
+    {"backward_begin", (PyCFunction)Core_backward_begin, METH_NOARGS, NULL},
+    {"backward_end", (PyCFunction)Core_backward_end, METH_NOARGS, NULL},
+    {"optimizer_begin", (PyCFunction)Core_optimizer_begin, METH_NOARGS, NULL},
+    {"optimizer_end", (PyCFunction)(void (*)(void))Core_optimizer_end, METH_FASTCALL | METH_KEYWORDS, NULL},
+    {"log", (PyCFunction)Core_log, METH_O, NULL},
+    {"work_begins", (PyCFunction)Core_work_begins, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static int Core_traverse(Core *self, visitproc visit, void *arg) {
+#define VISIT(f) Py_VISIT(self->f);
+    FIELDS(VISIT)
+#undef VISIT
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int Core_clear(Core *self) {
+#define CLEAR(f) Py_CLEAR(self->f);
+    FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void Core_dealloc(Core *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    Core_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot Core_slots[] = {
+    {Py_tp_doc, "The step tracker's state and hot methods (hooks/phases.py's _PyCore, in C)."},
+    {Py_tp_members, Core_members},
+    {Py_tp_methods, Core_methods},
+    {Py_tp_traverse, Core_traverse},
+    {Py_tp_clear, Core_clear},
+    {Py_tp_dealloc, Core_dealloc},
+    {Py_tp_new, PyType_GenericNew},
+    {0, NULL},
+};
+
+static PyType_Spec Core_spec = {
+    "stepwatch.hooks._ctracker.Core",
+    sizeof(Core),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    Core_slots,
+};
+
+
+/* -- a root module's call (hooks/install.py's _PyRootCall, in C) ------------------------------
+ *
+ * What nn.Module.__call__ runs as the instance's _compiled_call_impl: the observers, then the
+ * forward phase around the module's own call. In C it adds no frame to the user's traceback. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *inst, *tr, *mod, *inner, *dynamo, *compiler, *replay, *grad_enabled;
+} RootCall;
+
+#define ROOT_FIELDS(X) X(inst) X(tr) X(mod) X(inner) X(dynamo) X(compiler) X(replay) X(grad_enabled)
+
+static PyObject *s_is_compiling_flag, *s_active, *s_enabled, *s_in_data, *s_not_roots, *s_forward_observers,
+    *s_exception_observers, *s_fwd_depth, *s_pending_end, *s_work_begins, *s_observe_forward,
+    *s_forward_begin, *s_forward_end, *s_observe_exception, *s_phase_forward, *s_phase_eval;
+
+/* getattr(obj, name) truthiness; -1 on error. */
+static int attr_truth(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    int r = v == Py_None ? 0 : PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+static PyObject *call_inner(RootCall *self, PyObject *args, PyObject *kwargs) {
+    return PyObject_Call(self->inner, args, kwargs);
+}
+
+static int fwd_end(PyObject *tr) {
+    PyObject *r = PyObject_CallMethodNoArgs(tr, s_forward_end);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs) {
+#define ROOT_CHECK(f)                                                                                  \
+    if (self->f == NULL) return unset(#f);
+    ROOT_FIELDS(ROOT_CHECK)
+#undef ROOT_CHECK
+    /* Inside torch.compile's tracing, torch.export, or stepwatch's own FLOP-count replay: the call as it is. */
+    {
+        PyObject *d = PyObject_CallNoArgs(self->dynamo);
+        if (d == NULL) return NULL;
+        int c = PyObject_IsTrue(d);
+        Py_DECREF(d);
+        if (c < 0) return NULL;
+        if (!c && (c = attr_truth(self->compiler, s_is_compiling_flag)) < 0) return NULL;
+        if (!c && (c = attr_truth(self->replay, s_active)) < 0) return NULL;
+        if (c) return call_inner(self, args, kwargs);
+    }
+    PyObject *inst = self->inst, *tr = self->tr;
+    /* in_data: a module called inside a DataLoader fetch (a Dataset transform) */
+    {
+        int en = attr_truth(tr, s_enabled);
+        if (en < 0) return NULL;
+        if (!en) return call_inner(self, args, kwargs);
+        PyObject *nr = PyObject_GetAttr(inst, s_not_roots);
+        if (nr == NULL) return NULL;
+        int skip = 0;
+        if (PyAnySet_Check(nr) ? PySet_GET_SIZE(nr) > 0 : PyObject_IsTrue(nr)) {
+            PyObject *id = PyLong_FromVoidPtr(self->mod);
+            skip = id ? PySequence_Contains(nr, id) : -1;
+            Py_XDECREF(id);
+        }
+        Py_DECREF(nr);
+        if (skip < 0) return NULL;
+        if (!skip && (skip = attr_truth(tr, s_in_data)) < 0) return NULL;
+        if (skip) return call_inner(self, args, kwargs);
+    }
+    /* Only the outermost call is observed: a declared root nested in another is part of it. */
+    PyObject *kw = NULL;
+    {
+        int obs = attr_truth(inst, s_forward_observers);
+        if (obs < 0) return NULL;
+        if (obs) {
+            int depth = attr_truth(tr, s_fwd_depth);
+            if (depth < 0) return NULL;
+            if (!depth) {
+                PyObject *pe = PyObject_GetAttr(tr, s_pending_end);
+                if (pe == NULL) return NULL;
+                int pending = pe != Py_None;
+                Py_DECREF(pe);
+                /* what the observers count belongs to the step this forward opens */
+                if (pending) {
+                    PyObject *r = PyObject_CallMethodNoArgs(tr, s_work_begins);
+                    if (r == NULL) return NULL;
+                    Py_DECREF(r);
+                }
+                kw = kwargs ? Py_NewRef(kwargs) : PyDict_New();
+                if (kw == NULL) return NULL;
+                PyObject *oargs[4] = {inst, self->mod, args, kw};
+                PyObject *r = PyObject_VectorcallMethod(s_observe_forward, oargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                                        NULL);
+                Py_CLEAR(kw);
+                if (r == NULL) return NULL;
+                Py_DECREF(r);
+            }
+        }
+    }
+    PyObject *grad = PyObject_CallNoArgs(self->grad_enabled);
+    if (grad == NULL) return NULL;
+    {
+        PyObject *r = PyObject_CallMethodOneArg(tr, s_forward_begin, grad);
+        if (r == NULL) {
+            Py_DECREF(grad);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    PyObject *out = call_inner(self, args, kwargs);
+    if (out == NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        int eo = attr_truth(inst, s_exception_observers);
+        if (eo < 0) {
+            PyErr_Clear(); /* the user's exception goes on; what failed here is ours */
+            eo = 0;
+        }
+        if (eo) {
+            int g = PyObject_IsTrue(grad);
+            PyObject *oargs[3] = {inst, g > 0 || g < 0 ? s_phase_forward : s_phase_eval, value};
+            if (g < 0) PyErr_Clear();
+            PyObject *r = PyObject_VectorcallMethod(s_observe_exception, oargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                                    NULL);
+            if (r == NULL) PyErr_Clear();
+            Py_XDECREF(r);
+        }
+        if (fwd_end(tr) < 0) { /* as Python's finally: an exception there replaces the user's */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            Py_DECREF(grad);
+            return NULL;
+        }
+        PyErr_Restore(type, value, tb);
+        Py_DECREF(grad);
+        return NULL;
+    }
+    Py_DECREF(grad);
+    if (fwd_end(tr) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+#define ROOT_MEMBER(f) {#f, T_OBJECT_EX, offsetof(RootCall, f), 0, NULL},
+static PyMemberDef RootCall_members[] = {ROOT_FIELDS(ROOT_MEMBER){NULL}};
+
+static int RootCall_traverse(RootCall *self, visitproc visit, void *arg) {
+#define VISIT(f) Py_VISIT(self->f);
+    ROOT_FIELDS(VISIT)
+#undef VISIT
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int RootCall_clear(RootCall *self) {
+#define CLEAR(f) Py_CLEAR(self->f);
+    ROOT_FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void RootCall_dealloc(RootCall *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    RootCall_clear(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot RootCall_slots[] = {
+    {Py_tp_doc, "A root module's call (hooks/install.py's _PyRootCall, in C)."},
+    {Py_tp_members, RootCall_members},
+    {Py_tp_call, RootCall_call},
+    {Py_tp_traverse, RootCall_traverse},
+    {Py_tp_clear, RootCall_clear},
+    {Py_tp_dealloc, RootCall_dealloc},
+    {Py_tp_new, PyType_GenericNew},
+    {0, NULL},
+};
+
+static PyType_Spec RootCall_spec = {
+    "stepwatch.hooks._ctracker.RootCall",
+    sizeof(RootCall),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    RootCall_slots,
+};
+
+/* -- module ---------------------------------------------------------------------------------- */
+
+static PyObject *mod_bind(PyObject *m, PyObject *cls) {
+    Py_XSETREF(raw_step_cls, Py_NewRef(cls));
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_set_clock(PyObject *m, PyObject *fn) {
+    if (fn == Py_None) {
+        Py_CLEAR(clock_override);
+    } else {
+        Py_XSETREF(clock_override, Py_NewRef(fn));
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef mod_methods[] = {
+    {"_bind", mod_bind, METH_O, "_bind(RawStep): the record class _finalize builds."},
+    {"_set_clock", mod_set_clock, METH_O, "_set_clock(fn | None): tests only; every C timestamp is fn()."},
+    {NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "stepwatch.hooks._ctracker", NULL, -1, mod_methods};
+
+#define INTERN(var, text)                                                                              \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC PyInit__ctracker(void) {
+    INTERN(s_pause_opt, "_pause_opt");
+    INTERN(s_resume_opt, "_resume_opt");
+    INTERN(s_fail, "_fail");
+    INTERN(s_push_step, "push_step");
+    INTERN(s_push_range, "push_range");
+    INTERN(s_pop_range, "pop_range");
+    INTERN(s_forward, "forward");
+    INTERN(s_eval, "eval");
+    INTERN(s_backward, "backward");
+    INTERN(s_optimizer, "optimizer");
+    INTERN(s_set_phase, "set_phase");
+    INTERN(s_set_step, "set_step");
+    INTERN(s_begin, "begin");
+    INTERN(s_end, "end");
+    INTERN(s_name, "name");
+    INTERN(s_take, "take");
+    INTERN(s_update, "update");
+    INTERN(s_backward_spans, "backward_spans");
+    INTERN(s_checkpoint_bytes, "checkpoint_bytes");
+    INTERN(s_boundary_backward, "backward");
+    INTERN(s_boundary_optimizer, "optimizer");
+    INTERN(s_is_compiling_flag, "_is_compiling_flag");
+    INTERN(s_active, "active");
+    INTERN(s_enabled, "enabled");
+    INTERN(s_in_data, "in_data");
+    INTERN(s_not_roots, "_not_roots");
+    INTERN(s_forward_observers, "forward_observers");
+    INTERN(s_exception_observers, "exception_observers");
+    INTERN(s_fwd_depth, "_fwd_depth");
+    INTERN(s_pending_end, "_pending_end");
+    INTERN(s_work_begins, "work_begins");
+    INTERN(s_observe_forward, "_observe_forward");
+    INTERN(s_forward_begin, "forward_begin");
+    INTERN(s_forward_end, "forward_end");
+    INTERN(s_observe_exception, "_observe_exception");
+    INTERN(s_phase_forward, "forward");
+    INTERN(s_phase_eval, "eval");
+    PyObject *m = PyModule_Create(&moddef);
+    if (m == NULL) return NULL;
+    PyObject *core = PyType_FromSpec(&Core_spec);
+    if (core == NULL || PyModule_AddObject(m, "Core", core) < 0) {
+        Py_XDECREF(core);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *root = PyType_FromSpec(&RootCall_spec);
+    if (root == NULL || PyModule_AddObject(m, "RootCall", root) < 0) {
+        Py_XDECREF(root);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,307 @@
+"""The step tracker's two cores: hooks/_ctracker.c (C, as installed) and phases.py's ``_PyCore``
+(Python, where the extension could not be built) are the same tracker. Both run the same random
+sequences of hook calls (nesting, evaluation, checkpoints, closures, GradScaler skips, user phases,
+explicit steps, the backward boundary, failing collectors) on the same fake clock, and must hand
+over the same records, make the same calls on the progress board, NVTX, the device timer and the
+listeners, report the same failures, and end in the same state."""
+
+import random
+
+import pytest
+
+from stepwatch.hooks import phases
+from stepwatch.record import RawStep
+
+_ctracker = pytest.importorskip("stepwatch.hooks._ctracker", reason="the C tracker is not built here (no C compiler)")
+
+RAW_FIELDS = RawStep.__slots__
+
+
+class Log:
+    """Records every call made on it, by attribute name, with its arguments."""
+
+    def __init__(self, calls, name, returns=None):
+        self._calls, self._name, self._returns = calls, name, returns or {}
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+
+        def call(*args):
+            self._calls.append((self._name, attr, args))
+            r = self._returns.get(attr)
+            return r() if callable(r) else r
+
+        return call
+
+
+class FakeNvtx(Log):
+    enabled = True
+    forward, eval, backward, optimizer = "fwd-range", "eval-range", "bwd-range", "opt-range"
+
+
+class Collector(phases.Collector):
+    def __init__(self, calls, name, fail_at=None, exc=RuntimeError):
+        self.calls, self.name, self.n, self.fail_at, self.exc = calls, name, 0, fail_at, exc
+
+    def take(self):
+        self.n += 1
+        if self.n == self.fail_at:
+            raise self.exc(f"{self.name} broke")
+        self.calls.append(("take", self.name, self.n))
+        return {"n": self.n}
+
+
+def _clock(seed):
+    rng = random.Random(seed)
+    t = [10**12]
+
+    def now():
+        t[0] += rng.randint(1, 5000)
+        return t[0]
+
+    return now
+
+
+def _make(cls, calls, *, nvtx, device, progress, fail_at=None, exc=RuntimeError):
+    slots = iter(range(10**6))
+    mem = iter(range(0, 10**9, 4096))
+    tr = cls(
+        lambda rec: calls.append(("emit", tuple(getattr(rec, f) for f in RAW_FIELDS))),
+        step_offset=3,
+        nvtx=FakeNvtx(calls, "nvtx") if nvtx else None,
+        mem_probe=(lambda: next(mem)),
+        on_error=lambda where, e: calls.append(("error", where, type(e).__name__, str(e))),
+        progress=Log(calls, "progress") if progress else None,
+    )
+    if device:
+        tr.device = Log(calls, "device", {"begin": lambda: next(slots)})
+    tr.collectors.append(Collector(calls, "a"))
+    tr.collectors.append(Collector(calls, "b", fail_at, exc))
+    tr.listeners.append(lambda n: calls.append(("listener", n)))
+    return tr
+
+
+# What a sequence is made of: the hooks' calls (a few patterns that torch's own nesting makes).
+OPS = [
+    "fetch", "fetch", "forward", "forward", "forward", "eval", "nested_forward", "backward", "backward",
+    "nested_backward", "optimizer", "optimizer", "closure", "scaler_skip", "scaler_step", "checkpoint",
+    "phase", "log", "work_begins", "end_step", "exclude", "set_step", "boundary_backward", "half_forward",
+    "half_optimizer",
+]
+
+
+def _run_op(tr, op, rng):
+    if op == "fetch":
+        t0 = tr.data_begin()
+        if rng.random() < 0.3:  # a module called inside the fetch (a Dataset transform)
+            tr.forward_begin(True)
+            tr.forward_end()
+        tr.data_end(t0)
+    elif op in ("forward", "eval"):
+        tr.forward_begin(op == "forward")
+        tr.forward_end()
+    elif op == "nested_forward":
+        tr.forward_begin(True)
+        tr.forward_begin(True)
+        tr.forward_end()
+        tr.forward_end()
+    elif op == "backward":
+        tr.backward_begin()
+        tr.backward_end()
+    elif op == "nested_backward":
+        tr.backward_begin()
+        tr.backward_begin()
+        tr.backward_end()
+        tr.backward_end()
+    elif op == "optimizer":
+        tr.optimizer_begin()
+        tr.optimizer_end(object(), (), {})
+    elif op == "closure":  # optimizer.step(closure): forward and backward inside the step
+        tr.optimizer_begin()
+        paused = tr.pause_optimizer()
+        tr.forward_begin(True)
+        tr.forward_end()
+        tr.backward_begin()
+        tr.backward_end()
+        if paused:
+            tr.resume_optimizer()
+        tr.optimizer_end()
+    elif op == "scaler_skip":
+        tr.scaler_end(tr.scaler_begin())
+    elif op == "scaler_step":
+        t0 = tr.scaler_begin()
+        tr.optimizer_begin()
+        tr.optimizer_end()
+        tr.scaler_end(t0)
+    elif op == "checkpoint":
+        tr.checkpoint_end(tr.checkpoint_begin(), rng.choice([None, 100, 2**40]))
+    elif op == "phase":
+        name = rng.choice(["p", "q"])
+        tr.phase_begin(name)
+        if rng.random() < 0.5:
+            tr.forward_begin(True)
+            tr.forward_end()
+        tr.phase_end(name)
+    elif op == "log":
+        tr.log({rng.choice(["loss", "lr"]): rng.random()})
+    elif op == "work_begins":
+        tr.work_begins()
+    elif op == "end_step":
+        tr.end_step()
+    elif op == "exclude":
+        tr.exclude(rng.randint(0, 50))
+    elif op == "set_step":
+        tr.set_step(rng.randint(0, 100))
+    elif op == "boundary_backward":  # what the hooks set when no torch optimizer exists
+        tr.boundary = "backward"
+    elif op == "half_forward":  # a forward whose end never comes (it raised past the hook)
+        tr.forward_begin(rng.random() < 0.5)
+    elif op == "half_optimizer":
+        tr.optimizer_begin()
+
+
+STATE_OUT = [f for f in phases._STATE if f not in ("_emit", "_nvtx", "_mem_probe", "_on_error", "collectors",
+                                                   "listeners", "progress", "device")]
+
+
+def _play(cls, seed, ops, **kw):
+    """One sequence on a tracker of ``cls``: every call it made, and its state at the end."""
+    calls: list = []
+    phases._now = now = _clock(seed)
+    _ctracker._set_clock(now)
+    try:
+        tr = _make(cls, calls, **kw)
+        rng = random.Random(seed)
+        for op in ops:
+            _run_op(tr, op, rng)
+            calls.append(("phase_now", tr.phase_now()))
+        tr.flush()
+        return calls, {f: getattr(tr, f) for f in STATE_OUT}
+    finally:
+        _ctracker._set_clock(None)
+
+
+@pytest.fixture
+def restore_clock(monkeypatch):
+    monkeypatch.setattr(phases, "_now", phases._now)
+
+
+def test_the_c_core_is_the_one_installed_and_holds_the_python_cores_state():
+    assert phases.StepTracker.__mro__[2] is _ctracker.Core
+    members = {n for n, v in vars(_ctracker.Core).items() if type(v).__name__ == "member_descriptor"}
+    assert members == set(phases._STATE) == set(phases._PyCore.__slots__)
+    hot = {n for n, v in vars(phases._PyCore).items() if callable(v)}
+    assert hot == {n for n, v in vars(_ctracker.Core).items() if type(v).__name__ == "method_descriptor"}
+    assert not hot & set(vars(phases._Methods))  # no cold method shadows a hot one
+
+
+def test_the_c_root_call_is_the_one_installed_and_holds_the_python_ones_fields():
+    """hooks/install.py's root call (what a root module's ``_compiled_call_impl`` becomes) over
+    the same C module; sessions run with both in test_steps, test_real_patterns, test_safety and
+    test_pickle_hooks (tests/conftest.py ``both_tracker_cores``)."""
+    from stepwatch.hooks import install
+
+    assert install._RootCall.__mro__[2] is _ctracker.RootCall
+    members = {n for n, v in vars(_ctracker.RootCall).items() if type(v).__name__ == "member_descriptor"}
+    assert members == set(install._PyRootCallCore.__slots__)
+
+
+SEEDS = range(300)
+
+
+def _case(seed):
+    rng = random.Random(seed)
+    ops = [rng.choice(OPS) for _ in range(rng.randint(5, 80))]
+    kw = dict(nvtx=rng.random() < 0.5, device=rng.random() < 0.5, progress=rng.random() < 0.7,
+              fail_at=rng.choice([None, None, None, 1, 3]))
+    return ops, kw
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_both_cores_make_the_same_records_and_calls(seed, restore_clock):
+    ops, kw = _case(seed)
+    c_calls, c_state = _play(phases.StepTracker, seed, ops, **kw)
+    py_calls, py_state = _play(phases.PyStepTracker, seed, ops, **kw)
+    assert c_calls == py_calls
+    assert c_state == py_state
+
+
+def test_the_sequences_reach_every_kind_of_step(restore_clock):
+    """The comparison above is only as strong as what its sequences reach: over all of them, the
+    records include evaluation, checkpoints (sizes known and not), skipped steps, user phases,
+    closures' forwards, steps ended by a backward, failures; and most sequences hand over steps."""
+    seen = {"eval": 0, "ckpt": 0, "ckpt_bytes": 0, "skipped": 0, "phases": 0, "tail": 0, "errors": 0,
+            "emitting": 0, "by_backward": 0}
+    for seed in SEEDS:
+        ops, kw = _case(seed)
+        calls, _ = _play(phases.PyStepTracker, seed, ops, **kw)
+        recs = [dict(zip(RAW_FIELDS, c[1])) for c in calls if c[0] == "emit"]
+        seen["emitting"] += bool(recs)
+        seen["errors"] += any(c[0] == "error" for c in calls)
+        for r in recs:
+            seen["eval"] += r["eval_ns"] > 0
+            seen["ckpt"] += r["checkpoint_ns"] > 0
+            seen["ckpt_bytes"] += r["extras"].get("checkpoint_bytes") is not None
+            seen["skipped"] += bool(r["skipped"])
+            seen["phases"] += bool(r["phases"])
+            seen["tail"] += bool(r["tail"])
+            seen["by_backward"] += "boundary_backward" in ops and r["optimizer_ns"] == 0 and not r["tail"]
+    assert seen["emitting"] > 200, seen
+    assert all(v >= 10 for v in seen.values()), seen
+
+
+def test_a_sequence_without_failures_hands_over_every_step(restore_clock):
+    """The differential test above is only as good as what the sequences reach: here a plain
+    loop's records, checked by value, so that both cores cannot agree on nothing."""
+    ops = ["fetch", "forward", "forward", "backward", "optimizer", "log"] * 4
+    for cls in (phases.StepTracker, phases.PyStepTracker):
+        calls, state = _play(cls, 7, ops, nvtx=True, device=True, progress=True)
+        recs = [dict(zip(RAW_FIELDS, c[1])) for c in calls if c[0] == "emit"]
+        assert [r["step"] for r in recs] == [3, 4, 5, 6]
+        for r in recs:
+            assert r["step_ns"] > 0 and r["forward_ns"] > 0 and r["backward_ns"] > 0 and r["optimizer_ns"] > 0
+            assert r["data_ns"] > 0 and r["mem_peak_bytes"] is not None and not r["skipped"]
+            assert set(r["extras"]) == {"backward_spans", "a", "b"} and len(r["extras"]["backward_spans"]) == 1
+            assert set(r["scalars"]) == {"loss"}
+        assert ("listener", 6) in calls and ("progress", "set_step", (7,)) in calls
+        assert ("nvtx", "push_range", ("fwd-range",)) in calls
+        assert state["step"] == 7 and state["enabled"] is True
+
+
+def test_a_failing_collector_disables_both_the_same_way(restore_clock):
+    ops = ["forward", "backward", "optimizer"] * 3
+    for cls in (phases.StepTracker, phases.PyStepTracker):
+        calls, state = _play(cls, 1, ops, nvtx=False, device=False, progress=False, fail_at=2)
+        assert [c for c in calls if c[0] == "error"] == [("error", "tracker.forward_begin", "RuntimeError", "b broke")]
+        assert len([c for c in calls if c[0] == "emit"]) == 1
+        assert state["enabled"] is False
+
+
+def test_an_interrupt_from_a_collector_passes_through_both(restore_clock):
+    """KeyboardInterrupt is not an Exception: neither core swallows it (the user's Ctrl-C)."""
+    for cls in (phases.StepTracker, phases.PyStepTracker):
+        with pytest.raises(KeyboardInterrupt):
+            _play(cls, 1, ["forward", "backward", "optimizer", "forward"], nvtx=False, device=False,
+                  progress=False, fail_at=1, exc=KeyboardInterrupt)
+
+
+def test_bad_state_is_a_failure_not_a_crash():
+    """A field holding what no hook would put there (a user poking the tracker) makes the C core
+    report and disable itself, as the Python core does, instead of raising into the loop."""
+    for cls in (phases.StepTracker, phases.PyStepTracker):
+        errors = []
+        tr = cls(lambda rec: None, on_error=lambda where, e: errors.append((where, type(e))))
+        tr._fwd_depth = "one"
+        tr.forward_begin(True)
+        assert errors == [("tracker.forward_begin", TypeError)] and tr.enabled is False
+        tr.forward_end()  # disabled: nothing more
+        assert len(errors) == 1
+
+
+def test_state_before_init_raises_attribute_error_as_python_does():
+    core = _ctracker.Core()
+    with pytest.raises(AttributeError, match="enabled"):
+        core.forward_begin(True)
+    with pytest.raises(AttributeError):
+        core.step  # noqa: B018
