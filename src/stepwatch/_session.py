@@ -196,13 +196,10 @@ class Session:
 
     def log(self, scalars: dict[str, Any]) -> None:
         tr = self.tracker
-        if tr is None or not tr.enabled:
+        if tr is None:
             return
         try:
-            out = {}
-            for k, v in scalars.items():  # a plain number passes as it is, without a call
-                out[k] = v if type(v) is float or type(v) is int else loggable(v)
-            tr.log(out)
+            tr.log_values(scalars, loggable)
         except Exception as e:
             self.report_error("log", e)
 

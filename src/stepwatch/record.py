@@ -119,7 +119,9 @@ class RawStep:
     """One step as the training thread hands it over (``hooks/phases.py``): host-clock
     nanoseconds and what the collectors took, nothing converted. Built once per step on the hot
     path, so a slots class with a positional constructor (about what the tuple it replaced cost);
-    :meth:`to_record` decodes it on the background thread."""
+    :meth:`to_record` decodes it on the background thread. hooks/_ctracker.c fills these slots
+    itself, without calling ``__init__``, while every one is a plain slot: ``__init__`` must only
+    store its arguments (tests/unit/test_tracker_core.py compares the two ways field by field)."""
 
     __slots__ = (
         "step", "t_end_ns", "step_ns", "data_ns", "forward_ns", "backward_ns", "optimizer_ns",

@@ -18,6 +18,15 @@
  * the method returns its default (the tracker disables itself); a BaseException that is not an
  * Exception (KeyboardInterrupt from a collector) passes through.
  *
+ * The cyclic GC. A record waits in the pipeline's queue for up to a pass (0.25 s: thousands of
+ * steps at a fast step), so every container it holds outlives two young collections and lands in
+ * the oldest generation, whose growth (a quarter of it) triggers full collections, and those walk
+ * every tracked object of the process (torch's modules included). A step's own containers here
+ * (the record, its extras dict, the backward spans and their tuples) cannot be part of a cycle:
+ * nothing they hold can reach them. So they are not tracked: not walked by any collection and
+ * not counted toward a full one. What they hold stays tracked unless its maker untracks it too
+ * (`untracked(obj)`: the collectors' step payloads, which hold numbers and cached counts).
+ *
  * The clock is time.perf_counter_ns's (_PyTime_GetPerfCounter / PyTime_PerfCounter), so the
  * Python methods' timestamps and these compare. `_set_clock(fn)` (tests only) makes every C
  * timestamp `fn()` instead.
@@ -209,6 +218,7 @@ static int reset_step(Core *self) {
         Py_XDECREF(scalars);
         return -1;
     }
+    PyObject_GC_UnTrack(spans); /* the tracker's (ints) spans only (see "The cyclic GC" above) */
     put(&self->_bwd_spans, spans);
     put(&self->_phases, phases);
     put(&self->_scalars, scalars);
@@ -239,29 +249,45 @@ static PyObject *Core_close_eval(Core *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* RawStep(...) as phases.py builds it. */
+/* RawStep(...) as phases.py builds it. RawStep is a slots class whose __init__ only stores its 15
+ * arguments: when _bind found each of them a plain object slot, the record is allocated and its
+ * slots filled here (what __init__ does, without its frame); else RawStep is called. */
+static const char *const raw_names[] = {"step",    "t_end_ns",      "step_ns", "data_ns",        "forward_ns",
+                                        "backward_ns", "optimizer_ns", "eval_ns", "checkpoint_ns", "phases",
+                                        "scalars", "skipped",       "mem_peak_bytes", "extras", "tail"};
+#define RAW_N 15
+static Py_ssize_t raw_offsets[RAW_N];
+static int raw_direct = 0;
+
 static PyObject *raw_step(Core *self, PyObject *t_end, long long step_ns, PyObject *skipped, PyObject *mem,
                           PyObject *extras) {
     if (raw_step_cls == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "stepwatch.hooks._ctracker: _bind(RawStep) was not called");
         return NULL;
     }
-    PyObject *sn = PyLong_FromLongLong(step_ns);
-    if (sn == NULL) return NULL;
-    PyObject *args[15] = {NULL,           self->step, t_end,        sn,           self->_data,
-                          self->_fwd,     self->_bwd, self->_opt,   self->_eval,  self->_ckpt,
-                          self->_phases,  self->_scalars, skipped,  mem,          extras};
     static const char *const names[] = {"step", "_data", "_fwd", "_bwd", "_opt", "_eval", "_ckpt", "_phases",
                                         "_scalars"};
     PyObject *const check[] = {self->step, self->_data, self->_fwd, self->_bwd, self->_opt, self->_eval,
                                self->_ckpt, self->_phases, self->_scalars};
     for (int i = 0; i < 9; i++) {
-        if (check[i] == NULL) {
-            Py_DECREF(sn);
-            return unset(names[i]);
-        }
+        if (check[i] == NULL) return unset(names[i]);
     }
-    PyObject *r = PyObject_Vectorcall(raw_step_cls, args + 1, 14 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *sn = PyLong_FromLongLong(step_ns);
+    if (sn == NULL) return NULL;
+    PyObject *args[RAW_N + 1] = {NULL,         self->step, t_end,        sn,          self->_data,    self->_fwd,
+                                 self->_bwd,   self->_opt, self->_eval,  self->_ckpt, self->_phases,  self->_scalars,
+                                 skipped,      mem,        extras,       Py_False};
+    PyObject *r;
+    if (raw_direct) {
+        PyTypeObject *tp = (PyTypeObject *)raw_step_cls;
+        r = tp->tp_alloc(tp, 0);
+        if (r != NULL) {
+            for (int i = 0; i < RAW_N; i++) *(PyObject **)((char *)r + raw_offsets[i]) = Py_NewRef(args[i + 1]);
+            PyObject_GC_UnTrack(r); /* see "The cyclic GC" above */
+        }
+    } else {
+        r = PyObject_Vectorcall(raw_step_cls, args + 1, (RAW_N - 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
     Py_DECREF(sn);
     return r;
 }
@@ -353,6 +379,7 @@ static int finalize(Core *self, PyObject *t_end_obj, PyObject *skipped) {
         if (PyErr_Occurred()) goto error;
     }
     Py_CLEAR(cols);
+    PyObject_GC_UnTrack(extras); /* see "The cyclic GC" above */
     if (GET(self, _emit) == NULL) goto error;
     rec = raw_step(self, t_end_obj, step_ns, skipped, mem, extras);
     if (rec == NULL) goto error;
@@ -701,6 +728,7 @@ static PyObject *Core_backward_end(Core *self, PyObject *unused) {
             PyObject *span = PyTuple_Pack(2, self->_bwd_t0, end);
             Py_DECREF(end);
             if (span == NULL) goto error;
+            PyObject_GC_UnTrack(span); /* two ints (see "The cyclic GC" above) */
             int rc = PyList_CheckExact(spans) ? PyList_Append(spans, span) : -2;
             if (rc == -2) {
                 PyObject *r = PyObject_CallMethod(spans, "append", "O", span);
@@ -852,6 +880,60 @@ error:
     Py_RETURN_NONE;
 }
 
+/* stepwatch.log's values as the pipeline takes them: a float or int as it is, anything else
+ * through convert(value); an error from convert passes to the caller (the session reports it). */
+static PyObject *Core_log_values(Core *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 2) {
+        PyErr_Format(PyExc_TypeError, "log_values() takes 2 arguments (scalars, convert), %zd given", n);
+        return NULL;
+    }
+    ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
+    PyObject *scalars = args[0], *convert = args[1];
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    PyObject *items = PyDict_CheckExact(scalars) ? Py_NewRef(scalars) : PyDict_Copy(scalars);
+    if (items == NULL) goto error;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(items, &pos, &k, &v)) {
+        PyObject *x;
+        if (PyFloat_CheckExact(v) || PyLong_CheckExact(v)) {
+            x = Py_NewRef(v);
+        } else {
+            Py_INCREF(k);
+            Py_INCREF(v);
+            x = PyObject_CallOneArg(convert, v);
+            Py_DECREF(v);
+            if (x == NULL) {
+                Py_DECREF(k);
+                Py_DECREF(items);
+                goto error;
+            }
+            int rc = PyDict_SetItem(out, k, x);
+            Py_DECREF(k);
+            Py_DECREF(x);
+            if (rc < 0) {
+                Py_DECREF(items);
+                goto error;
+            }
+            continue;
+        }
+        int rc = PyDict_SetItem(out, k, x);
+        Py_DECREF(x);
+        if (rc < 0) {
+            Py_DECREF(items);
+            goto error;
+        }
+    }
+    Py_DECREF(items);
+    PyObject *r = Core_log(self, out);
+    Py_DECREF(out);
+    return r;
+error:
+    Py_DECREF(out);
+    return NULL;
+}
+
 /* A hook wants to attribute something to the step before timing it: a pending end becomes final. */
 static PyObject *Core_work_begins(Core *self, PyObject *unused) {
     ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
@@ -886,6 +968,7 @@ static PyMethodDef Core_methods[] = {
     {"optimizer_begin", (PyCFunction)Core_optimizer_begin, METH_NOARGS, NULL},
     {"optimizer_end", (PyCFunction)(void (*)(void))Core_optimizer_end, METH_FASTCALL | METH_KEYWORDS, NULL},
     {"log", (PyCFunction)Core_log, METH_O, NULL},
+    {"log_values", (PyCFunction)(void (*)(void))Core_log_values, METH_FASTCALL, NULL},
     {"work_begins", (PyCFunction)Core_work_begins, METH_NOARGS, NULL},
     {NULL},
 };
@@ -1132,8 +1215,21 @@ static PyType_Spec RootCall_spec = {
 
 static PyObject *mod_bind(PyObject *m, PyObject *cls) {
     Py_XSETREF(raw_step_cls, Py_NewRef(cls));
+    raw_direct = 0;
+    if (!PyType_Check(cls)) Py_RETURN_NONE;
+    PyTypeObject *tp = (PyTypeObject *)cls;
+    for (int i = 0; i < RAW_N; i++) {
+        PyObject *d = PyDict_GetItemString(tp->tp_dict, raw_names[i]); /* borrowed */
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) Py_RETURN_NONE;
+        PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
+        if (md->type != T_OBJECT_EX || (md->flags & READONLY)) Py_RETURN_NONE;
+        raw_offsets[i] = md->offset;
+    }
+    raw_direct = 1;
     Py_RETURN_NONE;
 }
+
+static PyObject *mod_bound_directly(PyObject *m, PyObject *unused) { return PyBool_FromLong(raw_direct); }
 
 static PyObject *mod_set_clock(PyObject *m, PyObject *fn) {
     if (fn == Py_None) {
@@ -1144,8 +1240,17 @@ static PyObject *mod_set_clock(PyObject *m, PyObject *fn) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_untracked(PyObject *m, PyObject *obj) {
+    if (PyObject_IS_GC(obj)) PyObject_GC_UnTrack(obj);
+    return Py_NewRef(obj);
+}
+
 static PyMethodDef mod_methods[] = {
+    {"untracked", mod_untracked, METH_O,
+     "untracked(obj) -> obj, no longer tracked by the cyclic GC: for a step's payload that cannot be part "
+     "of a reference cycle (see \"The cyclic GC\" in hooks/_ctracker.c)."},
     {"_bind", mod_bind, METH_O, "_bind(RawStep): the record class _finalize builds."},
+    {"_bound_directly", mod_bound_directly, METH_NOARGS, "Whether _finalize fills RawStep's slots itself."},
     {"_set_clock", mod_set_clock, METH_O, "_set_clock(fn | None): tests only; every C timestamp is fn()."},
     {NULL},
 };

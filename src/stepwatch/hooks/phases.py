@@ -361,6 +361,17 @@ class _PyCore:
         except Exception as e:
             self._fail("log", e)
 
+    def log_values(self, scalars: dict[str, Any], convert: Callable[[Any], Any]) -> None:
+        """``stepwatch.log``'s values as the pipeline takes them: a float or int as it is (no
+        call), anything else through ``convert``, then :meth:`log`. An error from ``convert``
+        passes to the caller."""
+        if not self.enabled:
+            return
+        out = {}
+        for k, v in scalars.items():
+            out[k] = v if type(v) is float or type(v) is int else convert(v)
+        self.log(out)
+
     def work_begins(self) -> None:
         """Training work is about to start and a hook wants to attribute something to its step
         before timing it (FLOPs/tokens of a forward): a pending step end becomes final now."""
@@ -372,13 +383,22 @@ class _PyCore:
             self._fail("work_begins", e)
 
 
+def _tracked(obj: Any) -> Any:
+    return obj
+
+
 try:  # the hot methods in C (hooks/_ctracker.c): the same behaviour, less time a step
     from ._ctracker import Core as _Core
     from ._ctracker import _bind
+    from ._ctracker import untracked
 
     _bind(RawStep)
 except ImportError:
     _Core = _PyCore
+    # A step's payload, kept out of the cyclic GC's view where the C module can (a collector's
+    # ``take()`` result: it waits in the queue with the record; see hooks/_ctracker.c). Only for
+    # objects that can never be part of a reference cycle.
+    untracked = _tracked  # noqa: F811
 
 
 class _Methods:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 from .._log import warn_once
 from ..cuda_ext import copy_to_host, event_done
-from ..hooks.phases import Collector
+from ..hooks.phases import Collector, untracked
 
 log = logging.getLogger(__name__)
 
@@ -456,7 +456,8 @@ class GradNormProbe:
             s = scale.to(device=values.device, dtype=torch.float32)
             values = values / s if values.dim() == 0 else values / torch.stack([s * s, s])
         host, event, device = copy_to_host(values) if values.is_cuda else (None, None, -1)
-        return PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer), device)
+        # Tensors and numbers: it cannot be part of a cycle, and it waits in the queue (see _ctracker.c).
+        return untracked(PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer), device))
 
     @staticmethod
     def _from_clip(total: Any) -> tuple[Any, bool]:
@@ -644,7 +645,7 @@ class GradNormCollector(Collector):
         if not self._buf:
             return None
         buf, self._buf = self._buf, []
-        return buf
+        return untracked(buf)  # of PendingGradNorm (untracked too): nothing in it refers back
 
     @staticmethod
     def resolve_step(pendings: Sequence[PendingGradNorm] | None) -> GradNormResult | None | bool:

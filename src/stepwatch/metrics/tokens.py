@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 from .flops import CallSig, FlopCache, resolve_override
 from ..cuda_ext import copy_to_host, event_done
 from .peaks import matmul_dtype_key
-from ..hooks.phases import Collector
+from ..hooks.phases import Collector, untracked
 from ..hooks.replay import REPLAY
 
 
@@ -337,7 +337,8 @@ class ThroughputCollector(Collector):
         if not items:
             return None
         self._items = []
-        return StepThroughput(items)
+        # Numbers and cached counts only: nothing in it can refer back to it (hooks/_ctracker.c).
+        return untracked(StepThroughput(untracked(items)))
 
 
 def _tensor_type() -> Any:
