@@ -176,6 +176,50 @@ static int set_phase(Core *self, int code) {
     return call_method_int(p, s_set_phase, code);
 }
 
+/* slot = device.begin(code) when a device timer is attached (hooks/device.py). */
+static int device_begin(Core *self, int code, PyObject **slot) {
+    PyObject *dev = GET(self, device);
+    if (dev == NULL) return -1;
+    if (dev == Py_None) return 0;
+    PyObject *a = PyLong_FromLong(code);
+    PyObject *r = a ? PyObject_CallMethodOneArg(dev, s_begin, a) : NULL;
+    Py_XDECREF(a);
+    if (r == NULL) return -1;
+    put(slot, r);
+    return 0;
+}
+
+/* device.end(slot) when a device timer is attached. */
+static int device_end(Core *self, PyObject *slot, const char *name) {
+    PyObject *dev = GET(self, device);
+    if (dev == NULL) return -1;
+    if (dev == Py_None) return 0;
+    if (slot == NULL) {
+        unset(name);
+        return -1;
+    }
+    return call_method(dev, s_end, slot);
+}
+
+/* nvtx.push_range(nvtx.<range>) when NVTX is on. */
+static int nvtx_push(Core *self, PyObject *range) {
+    PyObject *nv = GET(self, _nvtx);
+    if (nv == NULL) return -1;
+    if (nv == Py_None) return 0;
+    PyObject *name = PyObject_GetAttr(nv, range);
+    if (name == NULL) return -1;
+    int rc = call_method(nv, s_push_range, name);
+    Py_DECREF(name);
+    return rc;
+}
+
+/* nvtx.pop_range() when NVTX is on. */
+static int nvtx_pop(Core *self) {
+    PyObject *nv = GET(self, _nvtx);
+    if (nv == NULL) return -1;
+    return nv == Py_None ? 0 : call_method(nv, s_pop_range, NULL);
+}
+
 /* An Exception went to self._fail(where, exc): 0, the caller returns its default. Anything that
  * is not an Exception (KeyboardInterrupt, SystemExit): -1, it propagates. */
 static int fail(Core *self, const char *where) {
@@ -329,9 +373,7 @@ static int finalize(Core *self, PyObject *t_end_obj, PyObject *skipped) {
     {
         TRUTH(self, _step_open, open);
         if (open) {
-            PyObject *nv = GET(self, _nvtx);
-            if (nv == NULL) goto error;
-            if (nv != Py_None && call_method(nv, s_pop_range, NULL) < 0) goto error;
+            if (nvtx_pop(self) < 0) goto error;
             put_obj(&self->_step_open, Py_False);
         }
     }
@@ -566,29 +608,13 @@ static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
         if (ns < 0 || (ns && start_work(self, t) < 0)) goto error;
         int g = PyObject_IsTrue(grad);
         if (g < 0) goto error;
-        PyObject *nv = GET(self, _nvtx);
-        if (nv == NULL) goto error;
-        if (nv != Py_None) {
-            PyObject *name = PyObject_GetAttr(nv, g ? s_forward : s_eval);
-            if (name == NULL) goto error;
-            int rc = call_method(nv, s_push_range, name);
-            Py_DECREF(name);
-            if (rc < 0) goto error;
-        }
+        if (nvtx_push(self, g ? s_forward : s_eval) < 0) goto error;
         if (set_phase(self, g ? PH_FORWARD : PH_EVAL) < 0) goto error;
         if (g) {
             TRUTH(self, _eval_open, open);
             if (open && close_eval(self) < 0) goto error;
             put_obj(&self->_last_fetch_t0, Py_None);
-            PyObject *dev = GET(self, device);
-            if (dev == NULL) goto error;
-            if (dev != Py_None) {
-                PyObject *a = PyLong_FromLong(PH_FORWARD);
-                PyObject *slot = a ? PyObject_CallMethodOneArg(dev, s_begin, a) : NULL;
-                Py_XDECREF(a);
-                if (slot == NULL) goto error;
-                put(&self->_dslot_fwd, slot);
-            }
+            if (device_begin(self, PH_FORWARD, &self->_dslot_fwd) < 0) goto error;
             Py_RETURN_NONE;
         }
         /* Evaluation: the fetch right before this forward, and fetches inside the span, are eval. */
@@ -628,15 +654,11 @@ static PyObject *Core_forward_end(Core *self, PyObject *unused) {
         PUT_LL(self, _fwd_depth, depth - 1);
         if (depth - 1) Py_RETURN_NONE;
         NOW(t);
-        PyObject *nv = GET(self, _nvtx);
-        if (nv == NULL) goto error;
-        if (nv != Py_None && call_method(nv, s_pop_range, NULL) < 0) goto error;
+        if (nvtx_pop(self) < 0) goto error;
         if (set_phase(self, PH_OTHER) < 0) goto error;
         TRUTH(self, _fwd_grad, g);
         if (g) {
-            PyObject *dev = GET(self, device);
-            if (dev == NULL) goto error;
-            if (dev != Py_None && call_method(dev, s_end, GET(self, _dslot_fwd)) < 0) goto error;
+            if (device_end(self, self->_dslot_fwd, "_dslot_fwd") < 0) goto error;
             LL(self, _fwd, fwd);
             LL(self, _fwd_t0, t0);
             PUT_LL(self, _fwd, fwd + (t - t0));
@@ -676,24 +698,8 @@ static PyObject *Core_backward_begin(Core *self, PyObject *unused) {
             put_obj(&self->_bwd_paused_opt, paused ? Py_True : Py_False);
         }
         PUT_LL(self, _bwd_t0, t);
-        PyObject *dev = GET(self, device);
-        if (dev == NULL) goto error;
-        if (dev != Py_None) {
-            PyObject *a = PyLong_FromLong(PH_BACKWARD);
-            PyObject *slot = a ? PyObject_CallMethodOneArg(dev, s_begin, a) : NULL;
-            Py_XDECREF(a);
-            if (slot == NULL) goto error;
-            put(&self->_dslot_bwd, slot);
-        }
-        PyObject *nv = GET(self, _nvtx);
-        if (nv == NULL) goto error;
-        if (nv != Py_None) {
-            PyObject *name = PyObject_GetAttr(nv, s_backward);
-            if (name == NULL) goto error;
-            int rc = call_method(nv, s_push_range, name);
-            Py_DECREF(name);
-            if (rc < 0) goto error;
-        }
+        if (device_begin(self, PH_BACKWARD, &self->_dslot_bwd) < 0) goto error;
+        if (nvtx_push(self, s_backward) < 0) goto error;
         if (set_phase(self, PH_BACKWARD) < 0) goto error;
     }
     Py_RETURN_NONE;
@@ -714,9 +720,7 @@ static PyObject *Core_backward_end(Core *self, PyObject *unused) {
         PUT_LL(self, _bwd_depth, depth - 1);
         if (depth - 1) Py_RETURN_NONE;
         NOW(t);
-        PyObject *dev = GET(self, device);
-        if (dev == NULL) goto error;
-        if (dev != Py_None && call_method(dev, s_end, GET(self, _dslot_bwd)) < 0) goto error;
+        if (device_end(self, self->_dslot_bwd, "_dslot_bwd") < 0) goto error;
         LL(self, _bwd, bwd);
         LL(self, _bwd_t0, t0);
         PUT_LL(self, _bwd, bwd + (t - t0));
@@ -738,9 +742,7 @@ static PyObject *Core_backward_end(Core *self, PyObject *unused) {
             Py_DECREF(span);
             if (rc < 0) goto error;
         }
-        PyObject *nv = GET(self, _nvtx);
-        if (nv == NULL) goto error;
-        if (nv != Py_None && call_method(nv, s_pop_range, NULL) < 0) goto error;
+        if (nvtx_pop(self) < 0) goto error;
         if (set_phase(self, PH_OTHER) < 0) goto error;
         TRUTH(self, _bwd_paused_opt, paused);
         if (paused) {
@@ -799,24 +801,8 @@ static PyObject *Core_optimizer_begin(Core *self, PyObject *unused) {
         put_obj(&self->_last_fetch_t0, Py_None);
         PUT_LL(self, _opt_t0, t);
         PUT_LL(self, _opt_paused, 0);
-        PyObject *dev = GET(self, device);
-        if (dev == NULL) goto error;
-        if (dev != Py_None) {
-            PyObject *a = PyLong_FromLong(PH_OPTIMIZER);
-            PyObject *slot = a ? PyObject_CallMethodOneArg(dev, s_begin, a) : NULL;
-            Py_XDECREF(a);
-            if (slot == NULL) goto error;
-            put(&self->_dslot_opt, slot);
-        }
-        PyObject *nv = GET(self, _nvtx);
-        if (nv == NULL) goto error;
-        if (nv != Py_None) {
-            PyObject *name = PyObject_GetAttr(nv, s_optimizer);
-            if (name == NULL) goto error;
-            int rc = call_method(nv, s_push_range, name);
-            Py_DECREF(name);
-            if (rc < 0) goto error;
-        }
+        if (device_begin(self, PH_OPTIMIZER, &self->_dslot_opt) < 0) goto error;
+        if (nvtx_push(self, s_optimizer) < 0) goto error;
         if (set_phase(self, PH_OPTIMIZER) < 0) goto error;
     }
     Py_RETURN_NONE;
@@ -840,16 +826,12 @@ static PyObject *Core_optimizer_end(Core *self, PyObject *const *args, Py_ssize_
         NOW(t);
         TRUTH(self, _opt_paused, paused);
         if (!paused) { /* paused: the closure's forward/backward never ended (it raised) */
-            PyObject *dev = GET(self, device);
-            if (dev == NULL) goto error;
-            if (dev != Py_None && call_method(dev, s_end, GET(self, _dslot_opt)) < 0) goto error;
+            if (device_end(self, self->_dslot_opt, "_dslot_opt") < 0) goto error;
             LL(self, _opt, opt);
             LL(self, _opt_t0, t0);
             PUT_LL(self, _opt, opt + (t - t0));
         }
-        PyObject *nv = GET(self, _nvtx);
-        if (nv == NULL) goto error;
-        if (nv != Py_None && call_method(nv, s_pop_range, NULL) < 0) goto error;
+        if (nvtx_pop(self) < 0) goto error;
         if (set_phase(self, PH_OTHER) < 0) goto error;
         PUT_LL(self, _pending_end, t);
         put_obj(&self->_pending_skipped, Py_False);
@@ -973,28 +955,28 @@ static PyMethodDef Core_methods[] = {
     {NULL},
 };
 
-static int Core_traverse(Core *self, visitproc visit, void *arg) {
-#define VISIT(f) Py_VISIT(self->f);
-    FIELDS(VISIT)
-#undef VISIT
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
+/* traverse, clear and dealloc of a heap type whose fields are all objects (FIELDS_OF(X) lists them). */
+#define VISIT_FIELD(f) Py_VISIT(self->f);
+#define CLEAR_FIELD(f) Py_CLEAR(self->f);
+#define GC_FUNCTIONS(Type, FIELDS_OF)                                                                  \
+    static int Type##_traverse(Type *self, visitproc visit, void *arg) {                               \
+        FIELDS_OF(VISIT_FIELD)                                                                         \
+        Py_VISIT(Py_TYPE(self));                                                                       \
+        return 0;                                                                                      \
+    }                                                                                                  \
+    static int Type##_clear(Type *self) {                                                              \
+        FIELDS_OF(CLEAR_FIELD)                                                                         \
+        return 0;                                                                                      \
+    }                                                                                                  \
+    static void Type##_dealloc(Type *self) {                                                           \
+        PyTypeObject *tp = Py_TYPE(self);                                                              \
+        PyObject_GC_UnTrack(self);                                                                     \
+        Type##_clear(self);                                                                            \
+        tp->tp_free((PyObject *)self);                                                                 \
+        Py_DECREF(tp);                                                                                 \
+    }
 
-static int Core_clear(Core *self) {
-#define CLEAR(f) Py_CLEAR(self->f);
-    FIELDS(CLEAR)
-#undef CLEAR
-    return 0;
-}
-
-static void Core_dealloc(Core *self) {
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    Core_clear(self);
-    tp->tp_free((PyObject *)self);
-    Py_DECREF(tp);
-}
+GC_FUNCTIONS(Core, FIELDS)
 
 static PyType_Slot Core_slots[] = {
     {Py_tp_doc, "The step tracker's state and hot methods (hooks/phases.py's _PyCore, in C)."},
@@ -1169,28 +1151,7 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
 #define ROOT_MEMBER(f) {#f, T_OBJECT_EX, offsetof(RootCall, f), 0, NULL},
 static PyMemberDef RootCall_members[] = {ROOT_FIELDS(ROOT_MEMBER){NULL}};
 
-static int RootCall_traverse(RootCall *self, visitproc visit, void *arg) {
-#define VISIT(f) Py_VISIT(self->f);
-    ROOT_FIELDS(VISIT)
-#undef VISIT
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
-static int RootCall_clear(RootCall *self) {
-#define CLEAR(f) Py_CLEAR(self->f);
-    ROOT_FIELDS(CLEAR)
-#undef CLEAR
-    return 0;
-}
-
-static void RootCall_dealloc(RootCall *self) {
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    RootCall_clear(self);
-    tp->tp_free((PyObject *)self);
-    Py_DECREF(tp);
-}
+GC_FUNCTIONS(RootCall, ROOT_FIELDS)
 
 static PyType_Slot RootCall_slots[] = {
     {Py_tp_doc, "A root module's call (hooks/install.py's _PyRootCall, in C)."},
