@@ -12,7 +12,7 @@ import pynvml
 import pytest
 
 from stepwatch._os import ptrace as pyspy
-from stepwatch.doctor.checks import check_nccl_env, check_nvidia, check_torchrun_env
+from stepwatch.doctor.checks import check_nccl_env, check_nvidia, check_speedups, check_torchrun_env
 from stepwatch.doctor.storage import judge, measure
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the fake NVML lives beside this file
@@ -105,6 +105,17 @@ def test_storage_verdicts_follow_the_reference():
     assert judge(10.0) == "between"
     assert judge(1.9) == "degraded"
     assert judge(None) == "unknown"
+
+
+def test_speedups_check_says_which_c_parts_import(monkeypatch):
+    """Built here (setup.py, a C compiler on this machine): both C. One made unimportable (as a
+    broken install): that part is named as Python, with the module and the fix."""
+    c = check_speedups()
+    assert c.status == "ok" and c.details == {"step_tracker": True, "records_line": True}, c
+    monkeypatch.setitem(sys.modules, "stepwatch.hooks._ctracker", None)
+    c = check_speedups()
+    assert c.status == "info" and c.details == {"step_tracker": False, "records_line": True}
+    assert "step tracker: python (stepwatch.hooks._ctracker not importable" in c.summary and c.action
 
 
 def test_nccl_env_rules():

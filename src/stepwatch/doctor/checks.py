@@ -169,6 +169,29 @@ def check_timing() -> Check:
                  {"host": host, "device": device, "device_unavailable_because": why})
 
 
+# The optional C builds that only make stepwatch cheaper (the same records without them).
+SPEEDUPS = (("step tracker", "stepwatch.hooks._ctracker"), ("records line", "stepwatch._speedups"))
+
+
+def check_speedups() -> Check:
+    """Whether the C accelerators import here: without them a job runs the Python code for the
+    step tracker and the records line (the same records; more of the training thread's time)."""
+    import importlib
+
+    got: dict[str, str] = {}
+    for what, module in SPEEDUPS:
+        try:
+            importlib.import_module(module)
+            got[what] = "C"
+        except ImportError as e:
+            got[what] = f"python ({module} not importable: {e})"
+    built = all(v == "C" for v in got.values())
+    return Check("C accelerators", "ok" if built else "info", "; ".join(f"{k}: {v}" for k, v in got.items()),
+                 None if built else "Reinstall with a C compiler and the Python headers for the lower "
+                 "always-on cost (pip install --force-reinstall --no-binary stepwatch stepwatch).",
+                 {"step_tracker": got["step tracker"] == "C", "records_line": got["records line"] == "C"})
+
+
 def check_pyspy(attach: bool = True) -> Check:
     from .._os import ptrace
 

@@ -43,6 +43,7 @@ def collect(args: argparse.Namespace) -> list[Check]:
     out.extend(checks.check_nvidia())
     out.extend(checks.check_amd())
     out.append(checks.check_timing())
+    out.append(checks.check_speedups())
     out.append(checks.check_pyspy(attach=not args.no_attach))
     out.append(checks.check_nsys())
     out.extend(checks.check_nccl_env())

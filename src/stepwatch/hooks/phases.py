@@ -24,6 +24,11 @@ fetch right before it and every fetch inside the span belong to it. The span clo
 training work. Its length goes to ``eval_s``, never to ``step_s``. Checkpoint saves go to
 ``checkpoint_s`` likewise.
 
+Two cores. The hot methods (the hooks' begin/end calls, ``log``, the step's hand-over) are
+``_PyCore``'s here and, where it was built, hooks/_ctracker.c's ``Core``: the same code in C over
+the same attributes (``_STATE``). ``StepTracker`` takes the C one when it imports, ``PyStepTracker``
+is always the Python; every other method (``_Methods``) is shared. Change a hot method in both.
+
 Closures. ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS) runs forward and
 backward *inside* the optimizer phase. The optimizer phase is paused while the closure runs
 (``pause_optimizer``, from the hooks' closure wrapper) and while an outermost forward or backward
@@ -387,6 +392,10 @@ def _tracked(obj: Any) -> Any:
     return obj
 
 
+# ``untracked(obj) -> obj``: a step's payload (a collector's ``take()`` result, which waits in the
+# queue with its record) kept out of the cyclic GC's view where the C module is built, the object
+# itself otherwise; see "The cyclic GC" in hooks/_ctracker.c. Only for objects that can never be
+# part of a reference cycle.
 try:  # the hot methods in C (hooks/_ctracker.c): the same behaviour, less time a step
     from ._ctracker import Core as _Core
     from ._ctracker import _bind
@@ -395,10 +404,7 @@ try:  # the hot methods in C (hooks/_ctracker.c): the same behaviour, less time 
     _bind(RawStep)
 except ImportError:
     _Core = _PyCore
-    # A step's payload, kept out of the cyclic GC's view where the C module can (a collector's
-    # ``take()`` result: it waits in the queue with the record; see hooks/_ctracker.c). Only for
-    # objects that can never be part of a reference cycle.
-    untracked = _tracked  # noqa: F811
+    untracked = _tracked
 
 
 class _Methods:
