@@ -278,6 +278,44 @@ def test_hooks_see_is_counting():
     assert seen == [True, False]
 
 
+def test_a_replay_on_one_thread_leaves_another_threads_hooks_alone(sw):
+    """The replay flag is per thread (hooks/replay.py: a plain "some thread replays" flag, then
+    the thread's own): while one thread replays, a root forward on another is still timed, and
+    the replaying thread's own calls are left alone."""
+    import threading
+
+    from stepwatch.hooks import replay
+
+    stepwatch, mem, start = sw
+    start()
+    m = mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)  # the scan hooks m as a root
+    inside, go, done = [], threading.Event(), threading.Event()
+
+    def replayer():
+        replay.set_counting(True)
+        inside.append((replay.is_counting(), replay.REPLAY.active))
+        go.set()
+        done.wait(10)
+        replay.set_counting(False)
+
+    t = threading.Thread(target=replayer)
+    t.start()
+    assert go.wait(10)
+    try:
+        assert inside == [(True, True)] and replay.is_counting() is False  # the flag is that thread's
+        m(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        stepwatch.step()
+    finally:
+        done.set()
+        t.join(10)
+    assert replay.REPLAY.active is False and replay.is_counting() is False
+    stepwatch.shutdown()
+    assert len(mem.records) == 1 and mem.records[0].forward_s > 0 and mem.records[0].backward_s > 0
+
+
 def _on_a_fresh_thread(fn):
     """``fn()`` on a new thread (its thread-local state starts empty and dies with it)."""
     import threading

@@ -1010,7 +1010,7 @@ typedef struct {
 
 #define ROOT_FIELDS(X) X(inst) X(tr) X(mod) X(inner) X(dynamo) X(compiler) X(replay) X(grad_enabled)
 
-static PyObject *s_is_compiling_flag, *s_active, *s_enabled, *s_in_data, *s_not_roots, *s_forward_observers,
+static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data, *s_not_roots, *s_forward_observers,
     *s_exception_observers, *s_fwd_depth, *s_pending_end, *s_work_begins, *s_observe_forward,
     *s_forward_begin, *s_forward_end, *s_observe_exception, *s_phase_forward, *s_phase_eval;
 
@@ -1047,7 +1047,17 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
         Py_DECREF(d);
         if (c < 0) return NULL;
         if (!c && (c = attr_truth(self->compiler, s_is_compiling_flag)) < 0) return NULL;
-        if (!c && (c = attr_truth(self->replay, s_active)) < 0) return NULL;
+        if (!c) {
+            int some = attr_truth(self->replay, s_active);
+            if (some < 0) return NULL;
+            if (some) { /* some thread replays: is it this one? (hooks/replay.py) */
+                PyObject *mine = PyObject_CallMethodNoArgs(self->replay, s_mine);
+                if (mine == NULL) return NULL;
+                c = PyObject_IsTrue(mine);
+                Py_DECREF(mine);
+                if (c < 0) return NULL;
+            }
+        }
         if (c) return call_inner(self, args, kwargs);
     }
     PyObject *inst = self->inst, *tr = self->tr;
@@ -1245,6 +1255,7 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_boundary_optimizer, "optimizer");
     INTERN(s_is_compiling_flag, "_is_compiling_flag");
     INTERN(s_active, "active");
+    INTERN(s_mine, "mine");
     INTERN(s_enabled, "enabled");
     INTERN(s_in_data, "in_data");
     INTERN(s_not_roots, "_not_roots");

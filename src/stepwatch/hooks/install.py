@@ -97,7 +97,7 @@ class Instrumentation:
 
         @functools.wraps(orig_backward)
         def backward(*args: Any, **kwargs: Any) -> Any:
-            if REPLAY.active:  # stepwatch's own FLOP-count replay (reentrant checkpoint)
+            if REPLAY.active and REPLAY.mine():  # stepwatch's own FLOP-count replay (reentrant checkpoint)
                 return orig_backward(*args, **kwargs)
             if tr.enabled and not self._boundary_checked:
                 self._check_boundary()
@@ -457,7 +457,7 @@ class _PyRootCallCore:
         # One frame: the user's traceback shows their frames and torch's, as without stepwatch
         # (this one is taken out before a bare ``raise``, which adds none back).
         try:
-            if self.dynamo() or self.compiler._is_compiling_flag or self.replay.active:
+            if self.dynamo() or self.compiler._is_compiling_flag or (self.replay.active and self.replay.mine()):
                 return self.inner(*args, **kwargs)
             inst = self.inst
             tr = self.tr

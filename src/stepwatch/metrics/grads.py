@@ -89,6 +89,9 @@ class _Tap:
         self.originals: list[tuple[Any, str, Any, Any]] = []
         self.probes: "weakref.WeakSet[GradNormProbe]" = weakref.WeakSet()
         self.local = _TapLocal()
+        # Set, for good, the first time any thread clips or steps a GradScaler: until then
+        # take_clip has nothing to take and skips the thread-local reads (~540 instructions each).
+        self.used = False
         self.errors = 0
         self.fsdp1_patched = False
 
@@ -170,6 +173,7 @@ class _Tap:
             total = orig(parameters, max_norm, norm_type, *args, **kwargs)
             try:
                 if parameters and tap.refs:
+                    tap.used = True
                     tap.local.clip = (total, float(norm_type), len(parameters), id(parameters[0]), id(parameters[-1]))
             except Exception:
                 tap._fail("clip_grad_norm_")
@@ -187,6 +191,7 @@ class _Tap:
             try:
                 # -1: the module's parameters, whatever the optimizer's list looks like.
                 if tap.refs:
+                    tap.used = True
                     tap.local.clip = (total, float(norm_type), -1, 0, 0)
             except Exception:
                 tap._fail("FullyShardedDataParallel.clip_grad_norm_")
@@ -202,6 +207,7 @@ class _Tap:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             if not tap.refs:
                 return orig(scaler, optimizer, *args, **kwargs)
+            tap.used = True
             prev = getattr(tap.local, "scaler_opt", None)
             tap.local.scaler_opt = id(optimizer)
             tap.local.fired = False
@@ -226,6 +232,8 @@ class _Tap:
     def take_clip(self, optimizer: Any = None) -> Any:
         """This thread's last clip (once), and, given the ``optimizer`` now stepping, the mark
         that it stepped inside the ``GradScaler.step`` that wraps it (the step was not skipped)."""
+        if not self.used:  # no clip and no GradScaler step yet, on any thread
+            return None
         local = self.local  # _TapLocal: class defaults, plain attribute reads
         if optimizer is not None and local.scaler_opt == id(optimizer):
             local.fired = True

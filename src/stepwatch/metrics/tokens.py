@@ -256,7 +256,7 @@ class ThroughputCollector(Collector):
         self._grad_enabled = torch.is_grad_enabled
 
     def on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
-        if not self._grad_enabled() or REPLAY.active:
+        if not self._grad_enabled() or (REPLAY.active and REPLAY.mine()):
             return
         hit = self._hits.get(id(module))
         if hit is not None and (hit[0] is _ANY_CALL or hit[0].matches(args, kwargs)):
