@@ -41,8 +41,7 @@ static PyObject *raw_step_cls = NULL;   /* stepwatch.record.RawStep, from _bind(
 /* Interned names. */
 static PyObject *s_pause_opt, *s_resume_opt, *s_fail, *s_push_step, *s_push_range, *s_pop_range,
     *s_forward, *s_eval, *s_backward, *s_optimizer, *s_set_phase, *s_set_step, *s_begin, *s_end,
-    *s_name, *s_take, *s_update, *s_backward_spans, *s_checkpoint_bytes, *s_boundary_backward,
-    *s_boundary_optimizer;
+    *s_name, *s_take, *s_update, *s_backward_spans, *s_checkpoint_bytes;
 
 /* The phase codes of hooks/phases.py (PHASE_OTHER..PHASE_CHECKPOINT). */
 enum { PH_OTHER, PH_DATA, PH_FORWARD, PH_BACKWARD, PH_OPTIMIZER, PH_EVAL, PH_CHECKPOINT };
@@ -550,6 +549,28 @@ static int call_self_t(Core *self, PyObject *name, long long t, int *out) {
     return 0;
 }
 
+/* A begin method's depth: +1; 1 for the outermost call (the one timed), 0 for a nested one, -1 on error. */
+static int enter(PyObject **depth_slot, const char *name) {
+    long long d;
+    if (get_ll(*depth_slot, name, &d) < 0 || put_ll(depth_slot, d + 1) < 0) return -1;
+    return d + 1 <= 1; /* as Python's "if depth > 1: return" */
+}
+
+/* An end method's depth: -1; 1 when the outermost call ends, 0 when a nested one does, -1 on error. */
+static int leave(PyObject **depth_slot, const char *name) {
+    long long d;
+    if (get_ll(*depth_slot, name, &d) < 0 || put_ll(depth_slot, d - 1) < 0) return -1;
+    return d - 1 == 0;
+}
+
+/* The begin/end methods' shared first lines: the depth, and only the outermost call goes on. */
+#define OUTERMOST(self, fn, f)                                                                         \
+    {                                                                                                  \
+        int outer_ = fn(&(self)->f, #f);                                                               \
+        if (outer_ < 0) goto error;                                                                    \
+        if (!outer_) Py_RETURN_NONE;                                                                   \
+    }
+
 static PyObject *Core_data_begin(Core *self, PyObject *unused) {
     ENABLED_OR_RETURN(self, PyLong_FromLong(0));
     {
@@ -592,9 +613,7 @@ error:
 static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
     ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
     {
-        LL(self, _fwd_depth, depth);
-        PUT_LL(self, _fwd_depth, depth + 1);
-        if (depth + 1 > 1) Py_RETURN_NONE;
+        OUTERMOST(self, enter, _fwd_depth);
         NOW(t);
         {
             TRUTH(self, _opt_depth, od);
@@ -650,9 +669,7 @@ static PyObject *Core_forward_end(Core *self, PyObject *unused) {
         if (!z) Py_RETURN_NONE;
     }
     {
-        LL(self, _fwd_depth, depth);
-        PUT_LL(self, _fwd_depth, depth - 1);
-        if (depth - 1) Py_RETURN_NONE;
+        OUTERMOST(self, leave, _fwd_depth);
         NOW(t);
         if (nvtx_pop(self) < 0) goto error;
         if (set_phase(self, PH_OTHER) < 0) goto error;
@@ -680,9 +697,7 @@ error:
 static PyObject *Core_backward_begin(Core *self, PyObject *unused) {
     ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
     {
-        LL(self, _bwd_depth, depth);
-        PUT_LL(self, _bwd_depth, depth + 1);
-        if (depth + 1 > 1) Py_RETURN_NONE;
+        OUTERMOST(self, enter, _bwd_depth);
         NOW(t);
         int ns = needs_start(self);
         if (ns < 0 || (ns && start_work(self, t) < 0)) goto error;
@@ -716,9 +731,7 @@ static PyObject *Core_backward_end(Core *self, PyObject *unused) {
         if (!z) Py_RETURN_NONE;
     }
     {
-        LL(self, _bwd_depth, depth);
-        PUT_LL(self, _bwd_depth, depth - 1);
-        if (depth - 1) Py_RETURN_NONE;
+        OUTERMOST(self, leave, _bwd_depth);
         NOW(t);
         if (device_end(self, self->_dslot_bwd, "_dslot_bwd") < 0) goto error;
         LL(self, _bwd, bwd);
@@ -751,7 +764,7 @@ static PyObject *Core_backward_end(Core *self, PyObject *unused) {
         } else {
             PyObject *b = GET(self, boundary);
             if (b == NULL) goto error;
-            int is_bwd = PyObject_RichCompareBool(b, s_boundary_backward, Py_EQ);
+            int is_bwd = PyObject_RichCompareBool(b, s_backward, Py_EQ);
             if (is_bwd < 0) goto error;
             if (is_bwd) {
                 TRUTH(self, _opt_depth, od);
@@ -771,15 +784,13 @@ error:
 static PyObject *Core_optimizer_begin(Core *self, PyObject *unused) {
     ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
     {
-        LL(self, _opt_depth, depth);
-        PUT_LL(self, _opt_depth, depth + 1);
-        if (depth + 1 > 1) Py_RETURN_NONE;
+        OUTERMOST(self, enter, _opt_depth);
         NOW(t);
         PyObject *b = GET(self, boundary);
         if (b == NULL) goto error;
-        int is_bwd = PyObject_RichCompareBool(b, s_boundary_backward, Py_EQ);
+        int is_bwd = PyObject_RichCompareBool(b, s_backward, Py_EQ);
         if (is_bwd < 0) goto error;
-        if (is_bwd) put_obj(&self->boundary, s_boundary_optimizer); /* an optimizer after all */
+        if (is_bwd) put_obj(&self->boundary, s_optimizer); /* an optimizer after all */
         if (GET(self, _prev_end) == NULL) goto error;
         if (self->_prev_end == Py_None) {
             if (start_work(self, t) < 0) goto error;
@@ -820,9 +831,7 @@ static PyObject *Core_optimizer_end(Core *self, PyObject *const *args, Py_ssize_
         if (!z) Py_RETURN_NONE;
     }
     {
-        LL(self, _opt_depth, depth);
-        PUT_LL(self, _opt_depth, depth - 1);
-        if (depth - 1) Py_RETURN_NONE;
+        OUTERMOST(self, leave, _opt_depth);
         NOW(t);
         TRUTH(self, _opt_paused, paused);
         if (!paused) { /* paused: the closure's forward/backward never ended (it raised) */
@@ -1012,7 +1021,7 @@ typedef struct {
 
 static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data, *s_not_roots, *s_forward_observers,
     *s_exception_observers, *s_fwd_depth, *s_pending_end, *s_work_begins, *s_observe_forward,
-    *s_forward_begin, *s_forward_end, *s_observe_exception, *s_phase_forward, *s_phase_eval;
+    *s_forward_begin, *s_forward_end, *s_observe_exception;
 
 /* getattr(obj, name) truthiness; -1 on error. */
 static int attr_truth(PyObject *obj, PyObject *name) {
@@ -1132,7 +1141,7 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
         }
         if (eo) {
             int g = PyObject_IsTrue(grad);
-            PyObject *oargs[3] = {inst, g > 0 || g < 0 ? s_phase_forward : s_phase_eval, value};
+            PyObject *oargs[3] = {inst, g > 0 || g < 0 ? s_forward : s_eval, value};
             if (g < 0) PyErr_Clear();
             PyObject *r = PyObject_VectorcallMethod(s_observe_exception, oargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
                                                     NULL);
@@ -1240,7 +1249,7 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_pop_range, "pop_range");
     INTERN(s_forward, "forward");
     INTERN(s_eval, "eval");
-    INTERN(s_backward, "backward");
+    INTERN(s_backward, "backward"); /* also the backward boundary's value and the phase's name */
     INTERN(s_optimizer, "optimizer");
     INTERN(s_set_phase, "set_phase");
     INTERN(s_set_step, "set_step");
@@ -1251,8 +1260,6 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_update, "update");
     INTERN(s_backward_spans, "backward_spans");
     INTERN(s_checkpoint_bytes, "checkpoint_bytes");
-    INTERN(s_boundary_backward, "backward");
-    INTERN(s_boundary_optimizer, "optimizer");
     INTERN(s_is_compiling_flag, "_is_compiling_flag");
     INTERN(s_active, "active");
     INTERN(s_mine, "mine");
@@ -1268,8 +1275,6 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_forward_begin, "forward_begin");
     INTERN(s_forward_end, "forward_end");
     INTERN(s_observe_exception, "_observe_exception");
-    INTERN(s_phase_forward, "forward");
-    INTERN(s_phase_eval, "eval");
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
     PyObject *core = PyType_FromSpec(&Core_spec);
