@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import os
 import re
 import shutil
@@ -67,6 +68,21 @@ def config(variant: str) -> dict | None:
     return {**FOUNDATION, **ALONE[variant]}
 
 
+def _counted(model, lossf, opt, params, batches):
+    """A block of the loop over ``batches()`` (a fresh iterable of (x, y) each block): the count
+    runs from step ``WARM`` to the end, between two markers."""
+
+    def block(norm: bool = False, mark=os.getppid, at_start=lambda: None) -> None:
+        for i, (x, y) in enumerate(batches()):
+            if i == WARM:
+                at_start()
+                mark()  # the count starts
+            overhead.train_step(model, lossf, opt, params, x, y, norm)
+        mark()  # the count ends
+
+    return block
+
+
 def make_loop(steps: int):
     import torch
     import torch.nn as nn
@@ -80,39 +96,14 @@ def make_loop(steps: int):
     rows = BATCH * 4
     data = TensorDataset(torch.randn(rows, WIDTH), torch.randn(rows, WIDTH))
     order = [i % rows for i in range(BATCH * (steps + WARM))]
-
-    def block(norm: bool = False, mark=os.getppid, at_start=lambda: None) -> None:
-        for i, (x, y) in enumerate(DataLoader(data, batch_size=BATCH, sampler=order)):
-            if i == WARM:
-                at_start()
-                mark()  # the count starts
-            overhead.train_step(model, lossf, opt, params, x, y, norm)
-        mark()  # the count ends
-
-    return block
+    return _counted(model, lossf, opt, params, lambda: DataLoader(data, batch_size=BATCH, sampler=order))
 
 
 def make_tiny(steps: int):
     """``overhead.py``'s whole tiny step (a Linear, an MSELoss, SGD, ``stepwatch.log``; no
     DataLoader): the step its hot "all defaults" line times, counted instead."""
-    import torch
-    import torch.nn as nn
-
-    torch.manual_seed(0)
-    model, lossf = nn.Linear(8, 8), nn.MSELoss()
-    x, y = torch.randn(4, 8), torch.randn(4, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    params = list(model.parameters())
-
-    def block(norm: bool = False, mark=os.getppid, at_start=lambda: None) -> None:
-        for i in range(WARM + steps):
-            if i == WARM:
-                at_start()
-                mark()  # the count starts
-            overhead.train_step(model, lossf, opt, params, x, y, norm)
-        mark()  # the count ends
-
-    return block
+    model, lossf, opt, params, x, y = overhead.tiny_step_parts()
+    return _counted(model, lossf, opt, params, lambda: itertools.repeat((x, y), WARM + steps))
 
 
 def child(variants: list[str], steps: int, tiny: bool = False) -> None:

@@ -370,15 +370,21 @@ def hot(run_dir: str, n: int) -> dict[str, float]:
     return out
 
 
-def all_defaults_hot(run_dir: str, n: int) -> None:
-    """A whole tiny step (model and loss forward, backward, SGD step, log) timed hot, best of 5
-    blocks, with stepwatch off, off plus the loop's own grad-norm floor, and all defaults on:
-    all defaults' added cost against 20 us + that floor's."""
+def tiny_step_parts():
+    """The whole tiny step's model, loss module, optimizer, parameters and batch (a Linear, an
+    MSELoss, SGD; ``instructions.py --tiny`` counts the same step)."""
     torch.manual_seed(0)
     model, lossf = nn.Linear(8, 8), nn.MSELoss()
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    params = list(model.parameters())
+    return model, lossf, opt, list(model.parameters()), x, y
+
+
+def all_defaults_hot(run_dir: str, n: int) -> None:
+    """A whole tiny step (model and loss forward, backward, SGD step, log) timed hot, best of 5
+    blocks, with stepwatch off, off plus the loop's own grad-norm floor, and all defaults on:
+    all defaults' added cost against 20 us + that floor's."""
+    model, lossf, opt, params, x, y = tiny_step_parts()
     loss_box = [None]
 
     def step(norm: bool = False) -> None:
