@@ -1,6 +1,7 @@
 """Optional native builds: stepwatch.cuda_ext._native (the timer), stepwatch._speedups (the
-records file's step line) and stepwatch.hooks._ctracker (the step tracker's hot methods); all
-other metadata lives in pyproject.toml.
+records file's step line), stepwatch.hooks._ctracker (the step tracker's hot methods) and
+stepwatch.metrics._cmetrics (the FLOPs/tokens collector's per-forward fast path); all other
+metadata lives in pyproject.toml.
 
 They need only a C compiler and the Python headers: the CUDA/HIP runtime is loaded with dlopen
 at run time, so no toolkit (nvcc, hipcc) is needed here. When one cannot be built (no compiler,
@@ -62,7 +63,11 @@ def _extensions():
                   optional=True),
         # The step tracker's hot methods in C (hooks/phases.py keeps them in Python, _PyCore).
         Extension("stepwatch.hooks._ctracker", sources=["src/stepwatch/hooks/_ctracker.c"],
-                  extra_compile_args=["-O2"], optional=True),
+                  depends=["src/stepwatch/_cobjects.h"], extra_compile_args=["-O2"], optional=True),
+        # The FLOPs/tokens collector's per-forward fast path in C (metrics/flops.py and
+        # metrics/tokens.py keep it in Python).
+        Extension("stepwatch.metrics._cmetrics", sources=["src/stepwatch/metrics/_cmetrics.c"],
+                  depends=["src/stepwatch/_cobjects.h"], extra_compile_args=["-O2"], optional=True),
     ]
 
 

@@ -50,8 +50,10 @@ rd = stepwatch.get_session().ctx.run_dir
 stepwatch.shutdown()
 from stepwatch.cuda_ext import native_status
 from stepwatch.hooks import phases
+from stepwatch.metrics import tokens
 print("RESULT " + json.dumps({"run_dir": rd, "losses": losses, "native": native_status(),
-                              "tracker_core": phases._Core.__qualname__}))
+                              "tracker_core": phases._Core.__qualname__,
+                              "throughput_core": tokens._ThroughputCore.__qualname__}))
 '''
 
 REPORT = PRELUDE + r'''
@@ -83,15 +85,21 @@ def _job(block: str, tmp_path, mode: str = "", env: dict | None = None):
     with open(os.path.join(res["run_dir"], "steps.rank0.jsonl")) as f:
         records = [json.loads(l) for l in f]
     assert [r["step"] for r in records] == list(range(12))
+    res["records"] = records
     with open(os.path.join(res["run_dir"], "run.json")) as f:
         manifest = json.load(f)
     return p.stderr, res, manifest
 
 
 @pytest.fixture(scope="module")
-def baseline_losses(tmp_path_factory):
+def baseline(tmp_path_factory):
     _, res, _ = _job("", tmp_path_factory.mktemp("base"))
-    return res["losses"]
+    return res
+
+
+@pytest.fixture(scope="module")
+def baseline_losses(baseline):
+    return baseline["losses"]
 
 
 @pytest.mark.parametrize(
@@ -140,6 +148,21 @@ def test_tracker_extension_missing_writes_the_same_records(tmp_path, baseline_lo
     assert res["losses"] == baseline_losses
     assert "Traceback" not in stderr and "_ctracker" not in stderr
     assert res["tracker_core"] == "_PyCore"
+
+
+def test_flops_extension_missing_counts_the_same(tmp_path, baseline):
+    """stepwatch.metrics._cmetrics only runs the FLOPs/tokens collector's per-forward path faster;
+    without it the Python one counts the same FLOPs and samples each step
+    (tests/unit/test_metrics_core.py compares the two call for call), so nothing is said."""
+    stderr, res, _ = _job("stepwatch.metrics._cmetrics", tmp_path)
+    assert res["losses"] == baseline["losses"]
+    assert "Traceback" not in stderr and "_cmetrics" not in stderr
+    assert res["throughput_core"] == "_PyThroughputCore" and baseline["throughput_core"] == "ThroughputCore"
+    fields = ("flops", "samples", "tokens")
+    want = [{k: r.get(k) for k in fields} for r in baseline["records"]]
+    assert [{k: r.get(k) for k in fields} for r in res["records"]] == want
+    # Step 0's forward ran before the roots were found (the optimizer predates init): from step 1.
+    assert all(w["flops"] and w["samples"] == 4 for w in want[1:])
 
 
 def test_report_without_rich_prints_plain_text(tmp_path):

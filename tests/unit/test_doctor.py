@@ -111,11 +111,15 @@ def test_speedups_check_says_which_c_parts_import(monkeypatch):
     """Built here (setup.py, a C compiler on this machine): both C. One made unimportable (as a
     broken install): that part is named as Python, with the module and the fix."""
     c = check_speedups()
-    assert c.status == "ok" and c.details == {"step_tracker": True, "records_line": True}, c
+    assert c.status == "ok" and c.details == {"step_tracker": True, "flops_tokens": True, "records_line": True}, c
     monkeypatch.setitem(sys.modules, "stepwatch.hooks._ctracker", None)
     c = check_speedups()
-    assert c.status == "info" and c.details == {"step_tracker": False, "records_line": True}
+    assert c.status == "info" and c.details == {"step_tracker": False, "flops_tokens": True, "records_line": True}
     assert "step tracker: python (stepwatch.hooks._ctracker not importable" in c.summary and c.action
+    monkeypatch.setitem(sys.modules, "stepwatch.metrics._cmetrics", None)
+    c = check_speedups()
+    assert c.details == {"step_tracker": False, "flops_tokens": False, "records_line": True}
+    assert "FLOPs/tokens: python (stepwatch.metrics._cmetrics not importable" in c.summary
 
 
 def test_nccl_env_rules():

@@ -170,12 +170,14 @@ def check_timing() -> Check:
 
 
 # The optional C builds that only make stepwatch cheaper (the same records without them).
-SPEEDUPS = (("step tracker", "stepwatch.hooks._ctracker"), ("records line", "stepwatch._speedups"))
+SPEEDUPS = (("step tracker", "stepwatch.hooks._ctracker"), ("FLOPs/tokens", "stepwatch.metrics._cmetrics"),
+            ("records line", "stepwatch._speedups"))
 
 
 def check_speedups() -> Check:
     """Whether the C accelerators import here: without them a job runs the Python code for the
-    step tracker and the records line (the same records; more of the training thread's time)."""
+    step tracker, the FLOPs/tokens collector's per-forward path and the records line (the same
+    records; more of the training thread's time)."""
     import importlib
 
     got: dict[str, str] = {}
@@ -189,7 +191,8 @@ def check_speedups() -> Check:
     return Check("C accelerators", "ok" if built else "info", "; ".join(f"{k}: {v}" for k, v in got.items()),
                  None if built else "Reinstall with a C compiler and the Python headers for the lower "
                  "always-on cost (pip install --force-reinstall --no-binary stepwatch stepwatch).",
-                 {"step_tracker": got["step tracker"] == "C", "records_line": got["records line"] == "C"})
+                 {"step_tracker": got["step tracker"] == "C", "flops_tokens": got["FLOPs/tokens"] == "C",
+                  "records_line": got["records line"] == "C"})
 
 
 def check_pyspy(attach: bool = True) -> Check:

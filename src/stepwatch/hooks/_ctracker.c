@@ -35,6 +35,8 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include "../_cobjects.h"
+
 static PyObject *clock_override = NULL; /* tests: a callable returning int ns */
 static PyObject *raw_step_cls = NULL;   /* stepwatch.record.RawStep, from _bind() */
 
@@ -964,47 +966,9 @@ static PyMethodDef Core_methods[] = {
     {NULL},
 };
 
-/* traverse, clear and dealloc of a heap type whose fields are all objects (FIELDS_OF(X) lists them). */
-#define VISIT_FIELD(f) Py_VISIT(self->f);
-#define CLEAR_FIELD(f) Py_CLEAR(self->f);
-#define GC_FUNCTIONS(Type, FIELDS_OF)                                                                  \
-    static int Type##_traverse(Type *self, visitproc visit, void *arg) {                               \
-        FIELDS_OF(VISIT_FIELD)                                                                         \
-        Py_VISIT(Py_TYPE(self));                                                                       \
-        return 0;                                                                                      \
-    }                                                                                                  \
-    static int Type##_clear(Type *self) {                                                              \
-        FIELDS_OF(CLEAR_FIELD)                                                                         \
-        return 0;                                                                                      \
-    }                                                                                                  \
-    static void Type##_dealloc(Type *self) {                                                           \
-        PyTypeObject *tp = Py_TYPE(self);                                                              \
-        PyObject_GC_UnTrack(self);                                                                     \
-        Type##_clear(self);                                                                            \
-        tp->tp_free((PyObject *)self);                                                                 \
-        Py_DECREF(tp);                                                                                 \
-    }
-
-GC_FUNCTIONS(Core, FIELDS)
-
-static PyType_Slot Core_slots[] = {
-    {Py_tp_doc, "The step tracker's state and hot methods (hooks/phases.py's _PyCore, in C)."},
-    {Py_tp_members, Core_members},
-    {Py_tp_methods, Core_methods},
-    {Py_tp_traverse, Core_traverse},
-    {Py_tp_clear, Core_clear},
-    {Py_tp_dealloc, Core_dealloc},
-    {Py_tp_new, PyType_GenericNew},
-    {0, NULL},
-};
-
-static PyType_Spec Core_spec = {
-    "stepwatch.hooks._ctracker.Core",
-    sizeof(Core),
-    0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    Core_slots,
-};
+OBJECT_TYPE(Core, FIELDS, "stepwatch.hooks._ctracker.Core",
+            "The step tracker's state and hot methods (hooks/phases.py's _PyCore, in C).",
+            {Py_tp_methods, Core_methods},)
 
 
 /* -- a root module's call (hooks/install.py's _PyRootCall, in C) ------------------------------
@@ -1021,16 +985,7 @@ typedef struct {
 
 static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data, *s_not_roots, *s_forward_observers,
     *s_exception_observers, *s_fwd_depth, *s_pending_end, *s_work_begins, *s_observe_forward,
-    *s_forward_begin, *s_forward_end, *s_observe_exception;
-
-/* getattr(obj, name) truthiness; -1 on error. */
-static int attr_truth(PyObject *obj, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL) return -1;
-    int r = v == Py_None ? 0 : PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
-}
+    *s_forward_begin, *s_forward_end, *s_observe_exception, *s_drop_observer;
 
 static PyObject *call_inner(RootCall *self, PyObject *args, PyObject *kwargs) {
     return PyObject_Call(self->inner, args, kwargs);
@@ -1040,6 +995,55 @@ static int fwd_end(PyObject *tr) {
     PyObject *r = PyObject_CallMethodNoArgs(tr, s_forward_end);
     if (r == NULL) return -1;
     Py_DECREF(r);
+    return 0;
+}
+
+/* install.py's _observe_forward: each forward observer in turn; one that raises an Exception is
+ * dropped (inst._drop_observer) and the others still run. The list is read once, as Python's
+ * `for` does (remove_observer replaces it; an observer appended meanwhile is called too). A
+ * list of another type takes the Python method. */
+static int observe_forward(PyObject *inst, PyObject *mod, PyObject *args, PyObject *kw) {
+    PyObject *obs = PyObject_GetAttr(inst, s_forward_observers);
+    if (obs == NULL) return -1;
+    if (!PyList_CheckExact(obs)) {
+        Py_DECREF(obs);
+        PyObject *oargs[4] = {inst, mod, args, kw};
+        PyObject *r = PyObject_VectorcallMethod(s_observe_forward, oargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(obs); i++) {
+        PyObject *fn = Py_NewRef(PyList_GET_ITEM(obs, i));
+        PyObject *cargs[3] = {mod, args, kw};
+        PyObject *r = PyObject_Vectorcall(fn, cargs, 3, NULL);
+        if (r != NULL) {
+            Py_DECREF(r);
+            Py_DECREF(fn);
+            continue;
+        }
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* KeyboardInterrupt and the like pass through */
+            Py_DECREF(fn);
+            Py_DECREF(obs);
+            return -1;
+        }
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        PyObject *dargs[4] = {inst, s_forward, fn, value};
+        r = PyObject_VectorcallMethod(s_drop_observer, dargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        Py_DECREF(fn);
+        if (r == NULL) {
+            Py_DECREF(obs);
+            return -1;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(obs);
     return 0;
 }
 
@@ -1109,12 +1113,9 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
                 }
                 kw = kwargs ? Py_NewRef(kwargs) : PyDict_New();
                 if (kw == NULL) return NULL;
-                PyObject *oargs[4] = {inst, self->mod, args, kw};
-                PyObject *r = PyObject_VectorcallMethod(s_observe_forward, oargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                                        NULL);
+                int r = observe_forward(inst, self->mod, args, kw);
                 Py_CLEAR(kw);
-                if (r == NULL) return NULL;
-                Py_DECREF(r);
+                if (r < 0) return NULL;
             }
         }
     }
@@ -1170,26 +1171,9 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
 #define ROOT_MEMBER(f) {#f, T_OBJECT_EX, offsetof(RootCall, f), 0, NULL},
 static PyMemberDef RootCall_members[] = {ROOT_FIELDS(ROOT_MEMBER){NULL}};
 
-GC_FUNCTIONS(RootCall, ROOT_FIELDS)
-
-static PyType_Slot RootCall_slots[] = {
-    {Py_tp_doc, "A root module's call (hooks/install.py's _PyRootCall, in C)."},
-    {Py_tp_members, RootCall_members},
-    {Py_tp_call, RootCall_call},
-    {Py_tp_traverse, RootCall_traverse},
-    {Py_tp_clear, RootCall_clear},
-    {Py_tp_dealloc, RootCall_dealloc},
-    {Py_tp_new, PyType_GenericNew},
-    {0, NULL},
-};
-
-static PyType_Spec RootCall_spec = {
-    "stepwatch.hooks._ctracker.RootCall",
-    sizeof(RootCall),
-    0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    RootCall_slots,
-};
+OBJECT_TYPE(RootCall, ROOT_FIELDS, "stepwatch.hooks._ctracker.RootCall",
+            "A root module's call (hooks/install.py's _PyRootCall, in C).",
+            {Py_tp_call, RootCall_call},)
 
 /* -- module ---------------------------------------------------------------------------------- */
 
@@ -1275,6 +1259,7 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_forward_begin, "forward_begin");
     INTERN(s_forward_end, "forward_end");
     INTERN(s_observe_exception, "_observe_exception");
+    INTERN(s_drop_observer, "_drop_observer");
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
     PyObject *core = PyType_FromSpec(&Core_spec);

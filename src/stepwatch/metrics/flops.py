@@ -838,28 +838,12 @@ def _fast_kw(kwargs: Any) -> tuple[Any, ...] | None:
     return None if any(d is _NO for _, d in out) else out
 
 
-class CallSig:
-    """One call's signature for the last-call fast paths (``FlopCache``, the throughput
-    collector): the global state and a flat description of the arguments. ``of`` is None for a
-    call the description cannot hold (nested containers, other devices); ``matches`` says
-    whether another call has the same signature: its positional and keyword values compared in
-    one loop against the descriptors, a lone tensor (``model(x)``) without the loop, then the
-    global state without building it (a new state value only when autocast is on)."""
+class _PySigCore:
+    """``CallSig``'s descriptors and its comparison in Python: the reference that
+    metrics/_cmetrics.c's ``SigCore`` translates line for line, and the one used where that
+    extension was not built."""
 
     __slots__ = ("state", "args", "kwargs", "single", "flat", "keys")
-
-    def __init__(self, state: Any, args: tuple[Any, ...], kwargs: tuple[Any, ...]) -> None:
-        self.state = state
-        self.args = args
-        self.kwargs = kwargs
-        self.single = args[0] if len(args) == 1 and not kwargs and len(args[0]) == 5 else None
-        self.flat = args + tuple(d for _, d in kwargs)  # positional descriptors, then keyword ones
-        self.keys = tuple(k for k, _ in kwargs)
-
-    @staticmethod
-    def of(args: Any, kwargs: Any) -> "CallSig | None":
-        targs, tkw = _fast_sig(args), _fast_kw(kwargs)
-        return None if targs is None or tkw is None else CallSig(_state(), targs, tkw)
 
     def matches(self, args: Any, kwargs: Any) -> bool:
         d = self.single
@@ -891,11 +875,57 @@ class CallSig:
                 elif not (a.dtype is d[2] and a.shape == d[1] and (a.is_cuda if d[3] else a.is_cpu)
                           and a.requires_grad is d[4]):
                     return False
-        torch, any_autocast, grad, tf_a, tf_b = _GETTERS
+        torch, any_autocast, grad, tf_a, tf_b = _GETTERS or _getters()
         st = self.state
         if st[1] is not False or any_autocast():
             return st == _state()
         return grad() == st[0] and tf_a() == st[2] and tf_b() == st[3]
+
+
+try:  # the comparison in C (metrics/_cmetrics.c): the same answers, less time a forward
+    from . import _cmetrics
+
+    _SigCore: Any = _cmetrics.SigCore
+    _cmetrics._bind(globals())
+except ImportError:  # not built here (no compiler): the Python above
+    _SigCore = _PySigCore
+
+
+class _SigMethods:
+    """``CallSig``'s construction, shared by its two cores."""
+
+    __slots__ = ()
+
+    def __init__(self, state: Any, args: tuple[Any, ...], kwargs: tuple[Any, ...]) -> None:
+        self.state = state
+        self.args = args
+        self.kwargs = kwargs
+        self.single = args[0] if len(args) == 1 and not kwargs and len(args[0]) == 5 else None
+        self.flat = args + tuple(d for _, d in kwargs)  # positional descriptors, then keyword ones
+        self.keys = tuple(k for k, _ in kwargs)
+
+    @classmethod
+    def of(cls, args: Any, kwargs: Any) -> Any:
+        targs, tkw = _fast_sig(args), _fast_kw(kwargs)
+        return None if targs is None or tkw is None else cls(_state(), targs, tkw)
+
+
+class CallSig(_SigMethods, _SigCore):  # type: ignore[misc,valid-type]
+    """One call's signature for the last-call fast paths (``FlopCache``, the throughput
+    collector): the global state and a flat description of the arguments. ``of`` is None for a
+    call the description cannot hold (nested containers, other devices); ``matches`` says
+    whether another call has the same signature: its positional and keyword values compared in
+    one loop against the descriptors, a lone tensor (``model(x)``) without the loop, then the
+    global state without building it (a new state value only when autocast is on). The
+    comparison is C where metrics/_cmetrics.c was built, else :class:`_PySigCore`'s."""
+
+    __slots__ = ()
+
+
+class PyCallSig(_SigMethods, _PySigCore):
+    """``CallSig`` with the Python comparison always (tests compare the two)."""
+
+    __slots__ = ()
 
 
 class FlopCache:

@@ -208,7 +208,33 @@ def _counts_nothing(module: Any, fc: Any) -> bool:
     return fc.empty and t.__module__ == _LOSSES_MODULE and t.__name__ not in _USER_DISTANCE_LOSSES
 
 
-class ThroughputCollector(Collector):
+class _PyThroughputCore:
+    """The collector's hot path (one root forward like the module's last call) in Python: the
+    reference that metrics/_cmetrics.c's ``ThroughputCore`` translates line for line, and the
+    one used where that extension was not built. Its state is ``ThroughputCollector``'s."""
+
+    __slots__ = ("_grad_enabled", "_replay", "_hits", "_items", "_any_call", "_recount")
+
+    def on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        if not self._grad_enabled() or (self._replay.active and self._replay.mine()):
+            return
+        hit = self._hits.get(id(module))
+        if hit is not None and (hit[0] is self._any_call or hit[0].matches(args, kwargs)):
+            item = hit[1]
+            if item[1] is self._recount:
+                item = (item[0], self._batch_counts(args, kwargs))
+            self._items.append(item)
+            return
+        self._on_forward_full(module, args, kwargs)  # type: ignore[attr-defined]
+
+
+try:  # the hot path in C (metrics/_cmetrics.c): the same items, less time a forward
+    from ._cmetrics import ThroughputCore as _ThroughputCore
+except ImportError:  # not built here (no compiler): the Python above
+    _ThroughputCore = _PyThroughputCore
+
+
+class _ThroughputMethods(Collector):
     """FLOPs and tokens per micro-batch, summed per step (``extras["throughput"]``).
 
     Training thread: ``on_forward(module, args, kwargs)`` for each root module's call (model,
@@ -217,7 +243,8 @@ class ThroughputCollector(Collector):
     samples come from the first root that runs with grad enabled (the model, called before its
     loss module). Eval forwards (grad disabled) and replays (``hooks.replay``) are ignored.
 
-    The hot path is one lookup: a module called as last time (same argument shapes, dtypes and
+    The hot path (``on_forward``: metrics/_cmetrics.c's, or ``_PyThroughputCore``'s where that
+    was not built) is one lookup: a module called as last time (same argument shapes, dtypes and
     devices, the same autocast and TF32 state) appends what that call left, ``(FlopCount,
     BatchCounts)``, to the step's list; everything else (first calls, new shapes, overrides,
     counts that depend on values) takes the full path. ``exclude(ns)`` gets the time of a FLOP
@@ -254,18 +281,9 @@ class ThroughputCollector(Collector):
         import torch
 
         self._grad_enabled = torch.is_grad_enabled
-
-    def on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
-        if not self._grad_enabled() or (REPLAY.active and REPLAY.mine()):
-            return
-        hit = self._hits.get(id(module))
-        if hit is not None and (hit[0] is _ANY_CALL or hit[0].matches(args, kwargs)):
-            item = hit[1]
-            if item[1] is _RECOUNT:
-                item = (item[0], self._batch_counts(args, kwargs))
-            self._items.append(item)
-            return
-        self._on_forward_full(module, args, kwargs)
+        self._replay = REPLAY
+        self._any_call = _ANY_CALL
+        self._recount = _RECOUNT
 
     def _on_forward_full(self, module: Any, args: Any, kwargs: Any) -> None:
         if self._token_root is None:
@@ -339,6 +357,14 @@ class ThroughputCollector(Collector):
         self._items = []
         # Numbers and cached counts only: nothing in it can refer back to it (hooks/_ctracker.c).
         return untracked(StepThroughput(untracked(items)))
+
+
+class ThroughputCollector(_ThroughputMethods, _ThroughputCore):  # type: ignore[misc,valid-type]
+    __doc__ = _ThroughputMethods.__doc__  # its hot path: C where metrics/_cmetrics.c was built
+
+
+class PyThroughputCollector(_ThroughputMethods, _PyThroughputCore):
+    """``ThroughputCollector`` with the Python hot path always (tests compare the two)."""
 
 
 def _tensor_type() -> Any:

@@ -1,0 +1,55 @@
+/* What stepwatch's C accelerators (hooks/_ctracker.c, metrics/_cmetrics.c) share: the boilerplate
+ * of a heap type whose fields are all objects, and one attribute read. Included after
+ * <Python.h>; everything here is static, so each extension has its own copy. */
+#ifndef STEPWATCH_COBJECTS_H
+#define STEPWATCH_COBJECTS_H
+
+/* traverse, clear and dealloc of a heap type whose fields are all objects (FIELDS_OF(X) lists them). */
+#define VISIT_FIELD(f) Py_VISIT(self->f);
+#define CLEAR_FIELD(f) Py_CLEAR(self->f);
+#define GC_FUNCTIONS(Type, FIELDS_OF)                                                                  \
+    static int Type##_traverse(Type *self, visitproc visit, void *arg) {                               \
+        FIELDS_OF(VISIT_FIELD)                                                                         \
+        Py_VISIT(Py_TYPE(self));                                                                       \
+        return 0;                                                                                      \
+    }                                                                                                  \
+    static int Type##_clear(Type *self) {                                                              \
+        FIELDS_OF(CLEAR_FIELD)                                                                         \
+        return 0;                                                                                      \
+    }                                                                                                  \
+    static void Type##_dealloc(Type *self) {                                                           \
+        PyTypeObject *tp = Py_TYPE(self);                                                              \
+        PyObject_GC_UnTrack(self);                                                                     \
+        Type##_clear(self);                                                                            \
+        tp->tp_free((PyObject *)self);                                                                 \
+        Py_DECREF(tp);                                                                                 \
+    }
+
+/* A heap type whose fields are all objects: its GC functions, slots and spec. Type##_members must
+ * be defined; the variadic part holds its other slots (methods, call), each `{Py_tp_..., ...},`. */
+#define OBJECT_TYPE(Type, FIELDS_OF, QUALNAME, DOC, ...)                                               \
+    GC_FUNCTIONS(Type, FIELDS_OF)                                                                      \
+    static PyType_Slot Type##_slots[] = {                                                              \
+        {Py_tp_doc, DOC},                                                                              \
+        {Py_tp_members, Type##_members},                                                               \
+        __VA_ARGS__{Py_tp_traverse, Type##_traverse},                                                  \
+        {Py_tp_clear, Type##_clear},                                                                   \
+        {Py_tp_dealloc, Type##_dealloc},                                                               \
+        {Py_tp_new, PyType_GenericNew},                                                                \
+        {0, NULL},                                                                                     \
+    };                                                                                                 \
+    static PyType_Spec Type##_spec = {                                                                 \
+        QUALNAME, sizeof(Type), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,       \
+        Type##_slots,                                                                                  \
+    };
+
+/* Python's `bool(obj.name)`: 1, 0, or -1 with an exception. */
+static inline int attr_truth(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    int r = v == Py_None ? 0 : PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+#endif

@@ -1,0 +1,473 @@
+/* stepwatch.metrics._cmetrics: the FLOPs/tokens collector's per-forward fast path in C.
+ *
+ * Every root forward (the model's, the loss module's) runs metrics/tokens.py's
+ * ThroughputCollector.on_forward on the training thread: a call like the module's last one (the
+ * same argument shapes, dtypes, devices, grad flags and global state: metrics/flops.py's
+ * CallSig.matches) appends what that call left to the step's list. In Python that is ~100
+ * bytecodes and two frames a forward, the largest share of what the feature costs a step. This
+ * module is the same code in C, line for line:
+ *
+ *   SigCore         CallSig's descriptors and `matches` (flops.py's _PySigCore)
+ *   ThroughputCore  the collector's hot-path state and `on_forward` (tokens.py's _PyThroughputCore)
+ *
+ * Everything off the hot path (a first call, a new signature, an override, a count that depends
+ * on the values) calls back into the Python (`_on_forward_full`, `_batch_counts`), so the rare
+ * logic stays in one place. It is an accelerator only: both Python modules keep the reference
+ * these methods translate and take it wherever this module is missing; tests run the collector
+ * with both and compare them call for call. Exceptions pass through as they would in Python.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include "../_cobjects.h"
+
+static PyObject *s_dtype, *s_shape, *s_requires_grad, *s_is_cuda, *s_is_cpu, *s_active, *s_mine, *s_matches,
+    *s_on_forward_full, *s_batch_counts, *s_getters_var, *s_getters_fn, *s_state_fn;
+
+/* metrics/flops.py's globals, from _bind(): its _GETTERS (torch, any autocast, grad mode, the two
+ * TF32 switches; None until _getters() binds them) and _state, read at each comparison as the
+ * Python reads them. */
+static PyObject *flops_globals = NULL;
+
+static PyTypeObject *SigCore_type = NULL;
+
+#define MEMBER(T, f) {#f, T_OBJECT_EX, offsetof(T, f), 0, NULL},
+
+/* A field read before Python's __init__ set it: the AttributeError Python would raise. */
+static PyObject *unset(const char *cls, const char *name) {
+    PyErr_Format(PyExc_AttributeError, "'%s' object has no attribute '%s'", cls, name);
+    return NULL;
+}
+
+/* Python's `x is y` on an attribute: 1, 0, or -1 with an exception. */
+static int attr_is(PyObject *obj, PyObject *name, PyObject *want) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    int r = v == want;
+    Py_DECREF(v);
+    return r;
+}
+
+/* Python's `a == b` / `a != b` truthiness, without RichCompareBool's identity shortcut (a NaN
+ * is not equal to itself here, as in the Python). */
+static int cmp(PyObject *a, PyObject *b, int op) {
+    PyObject *r = PyObject_RichCompare(a, b, op);
+    if (r == NULL) return -1;
+    int t = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return t;
+}
+
+/* f() truthiness / f() == want. */
+static int call_truth(PyObject *f) {
+    PyObject *r = PyObject_CallNoArgs(f);
+    if (r == NULL) return -1;
+    int t = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return t;
+}
+
+static int call_eq(PyObject *f, PyObject *want) {
+    PyObject *r = PyObject_CallNoArgs(f);
+    if (r == NULL) return -1;
+    int t = cmp(r, want, Py_EQ);
+    Py_DECREF(r);
+    return t;
+}
+
+/* -- CallSig (metrics/flops.py's _PySigCore, in C) -------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *state, *args, *kwargs, *single, *flat, *keys;
+} SigCore;
+
+#define SIG_FIELDS(X) X(state) X(args) X(kwargs) X(single) X(flat) X(keys)
+
+/* One tensor against its descriptor (class, shape, dtype, on CUDA, requires grad): the
+ * comparisons of the Python's single path, in its order. */
+static int tensor_matches(PyObject *a, PyObject *d) {
+    if (!PyTuple_Check(d) || PyTuple_GET_SIZE(d) < 5) {
+        PyErr_SetString(PyExc_TypeError, "CallSig: a tensor descriptor must be a 5-tuple");
+        return -1;
+    }
+    if ((PyObject *)Py_TYPE(a) != PyTuple_GET_ITEM(d, 0)) return 0;
+    int r = attr_is(a, s_dtype, PyTuple_GET_ITEM(d, 2));
+    if (r <= 0) return r;
+    PyObject *shape = PyObject_GetAttr(a, s_shape);
+    if (shape == NULL) return -1;
+    r = cmp(shape, PyTuple_GET_ITEM(d, 1), Py_EQ);
+    Py_DECREF(shape);
+    if (r <= 0) return r;
+    if ((r = attr_is(a, s_requires_grad, PyTuple_GET_ITEM(d, 4))) <= 0) return r;
+    int cuda = PyObject_IsTrue(PyTuple_GET_ITEM(d, 3));
+    if (cuda < 0) return -1;
+    return attr_truth(a, cuda ? s_is_cuda : s_is_cpu);
+}
+
+/* One value of the general path against its descriptor: a scalar's (class, value) by `!=`, a
+ * tensor's as above but in that loop's order (dtype, shape, device, grad). */
+static int value_matches(PyObject *a, PyObject *d) {
+    if (!PyTuple_Check(d) || PyTuple_GET_SIZE(d) < 2) {
+        PyErr_SetString(PyExc_TypeError, "CallSig: a descriptor must be a tuple");
+        return -1;
+    }
+    if ((PyObject *)Py_TYPE(a) != PyTuple_GET_ITEM(d, 0)) return 0;
+    if (PyTuple_GET_SIZE(d) == 2) {
+        int ne = cmp(a, PyTuple_GET_ITEM(d, 1), Py_NE); /* same class, so 1 and True are told apart */
+        return ne < 0 ? -1 : !ne;
+    }
+    if (PyTuple_GET_SIZE(d) < 5) {
+        PyErr_SetString(PyExc_IndexError, "tuple index out of range");
+        return -1;
+    }
+    int r = attr_is(a, s_dtype, PyTuple_GET_ITEM(d, 2));
+    if (r <= 0) return r;
+    PyObject *shape = PyObject_GetAttr(a, s_shape);
+    if (shape == NULL) return -1;
+    r = cmp(shape, PyTuple_GET_ITEM(d, 1), Py_EQ);
+    Py_DECREF(shape);
+    if (r <= 0) return r;
+    int cuda = PyObject_IsTrue(PyTuple_GET_ITEM(d, 3));
+    if (cuda < 0) return -1;
+    if ((r = attr_truth(a, cuda ? s_is_cuda : s_is_cpu)) <= 0) return r;
+    return attr_is(a, s_requires_grad, PyTuple_GET_ITEM(d, 4));
+}
+
+static int args_vs(PyObject *keys, PyObject *flat, PyObject *args, PyObject *kwargs);
+
+static int args_match(SigCore *self, PyObject *args, PyObject *kwargs) {
+    if (!PyTuple_CheckExact(args)) return 0;
+    PyObject *keys = self->keys, *flat = self->flat;
+    if (keys == NULL) return unset("CallSig", "keys"), -1;
+    if (flat == NULL) return unset("CallSig", "flat"), -1;
+    Py_INCREF(keys); /* held: a comparison may run Python code */
+    Py_INCREF(flat);
+    int r = args_vs(keys, flat, args, kwargs);
+    Py_DECREF(keys);
+    Py_DECREF(flat);
+    return r;
+}
+
+static int args_vs(PyObject *keys, PyObject *flat, PyObject *args, PyObject *kwargs) {
+    if (!PyTuple_Check(keys) || !PyTuple_Check(flat)) {
+        PyErr_SetString(PyExc_TypeError, "CallSig: keys and flat must be tuples");
+        return -1;
+    }
+    int has_kw = kwargs == Py_None ? 0 : PyObject_IsTrue(kwargs);
+    if (has_kw < 0) return -1;
+    Py_ssize_t na = PyTuple_GET_SIZE(args), nk = 0;
+    if (has_kw) {
+        if (!PyDict_CheckExact(kwargs)) return 0;
+        /* tuple(kwargs) != self.keys */
+        nk = PyDict_GET_SIZE(kwargs);
+        if (nk != PyTuple_GET_SIZE(keys)) return 0;
+        Py_ssize_t pos = 0, i = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(kwargs, &pos, &k, &v)) {
+            int eq = PyObject_RichCompareBool(k, PyTuple_GET_ITEM(keys, i++), Py_EQ);
+            if (eq <= 0) return eq;
+        }
+    } else if (PyTuple_GET_SIZE(keys)) {
+        return 0;
+    }
+    if (na + nk != PyTuple_GET_SIZE(flat)) return 0;
+    for (Py_ssize_t i = 0; i < na; i++) {
+        int r = value_matches(PyTuple_GET_ITEM(args, i), PyTuple_GET_ITEM(flat, i));
+        if (r <= 0) return r;
+    }
+    if (nk) {
+        Py_ssize_t pos = 0, i = na;
+        PyObject *k, *v;
+        while (PyDict_Next(kwargs, &pos, &k, &v)) {
+            Py_INCREF(v); /* a descriptor's comparison may run Python code */
+            int r = value_matches(v, PyTuple_GET_ITEM(flat, i++));
+            Py_DECREF(v);
+            if (r <= 0) return r;
+        }
+    }
+    return 1;
+}
+
+/* The global state now against the one kept (``st``): the Python's comparison, in its order. */
+static int state_vs(PyObject *st, PyObject *getters) {
+    if (st == NULL) return unset("CallSig", "state"), -1;
+    if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) < 4) {
+        PyErr_SetString(PyExc_TypeError, "CallSig: the state must be a 4-tuple");
+        return -1;
+    }
+    int auto_on = PyTuple_GET_ITEM(st, 1) != Py_False;
+    if (!auto_on && (auto_on = call_truth(PyTuple_GET_ITEM(getters, 1))) < 0) return -1;
+    if (auto_on) { /* st == _state() */
+        PyObject *state_fn = PyDict_GetItemWithError(flops_globals, s_state_fn); /* borrowed */
+        if (state_fn == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_NameError, "name '_state' is not defined");
+            return -1;
+        }
+        PyObject *now = PyObject_CallNoArgs(state_fn);
+        if (now == NULL) return -1;
+        int r = PyObject_RichCompareBool(st, now, Py_EQ); /* a tuple's == (identity first, as Python's) */
+        Py_DECREF(now);
+        return r;
+    }
+    int r = call_eq(PyTuple_GET_ITEM(getters, 2), PyTuple_GET_ITEM(st, 0));
+    if (r <= 0) return r;
+    if ((r = call_eq(PyTuple_GET_ITEM(getters, 3), PyTuple_GET_ITEM(st, 2))) <= 0) return r;
+    return call_eq(PyTuple_GET_ITEM(getters, 4), PyTuple_GET_ITEM(st, 3));
+}
+
+static int state_matches(SigCore *self) {
+    if (flops_globals == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "stepwatch.metrics._cmetrics: _bind() was not called");
+        return -1;
+    }
+    PyObject *getters = PyDict_GetItemWithError(flops_globals, s_getters_var); /* borrowed */
+    if (getters == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_NameError, "name '_GETTERS' is not defined");
+        return -1;
+    }
+    if (getters == Py_None) { /* `_GETTERS or _getters()` */
+        PyObject *bind = PyDict_GetItemWithError(flops_globals, s_getters_fn); /* borrowed */
+        if (bind == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_NameError, "name '_getters' is not defined");
+            return -1;
+        }
+        getters = PyObject_CallNoArgs(bind);
+        if (getters == NULL) return -1;
+    } else {
+        Py_INCREF(getters);
+    }
+    if (!PyTuple_Check(getters) || PyTuple_GET_SIZE(getters) != 5) {
+        Py_DECREF(getters);
+        PyErr_SetString(PyExc_TypeError, "CallSig: flops._GETTERS must be a 5-tuple");
+        return -1;
+    }
+    PyObject *st = self->state;
+    Py_XINCREF(st);
+    int r = state_vs(st, getters);
+    Py_XDECREF(st);
+    Py_DECREF(getters);
+    return r;
+}
+
+/* CallSig.matches: 1, 0, or -1 with an exception. */
+static int sig_matches(SigCore *self, PyObject *args, PyObject *kwargs) {
+    PyObject *d = self->single;
+    if (d == NULL) return unset("CallSig", "single"), -1;
+    int r;
+    if (d != Py_None) {
+        PyObject *a = Py_None;
+        if (PyTuple_CheckExact(args) && PyTuple_GET_SIZE(args) == 1) {
+            int has_kw = kwargs == Py_None ? 0 : PyObject_IsTrue(kwargs);
+            if (has_kw < 0) return -1;
+            if (!has_kw) a = PyTuple_GET_ITEM(args, 0);
+        }
+        Py_INCREF(d); /* a tensor subclass's attributes may run Python code */
+        r = tensor_matches(a, d);
+        Py_DECREF(d);
+    } else {
+        r = args_match(self, args, kwargs);
+    }
+    if (r <= 0) return r;
+    return state_matches(self);
+}
+
+static PyObject *SigCore_matches(SigCore *self, PyObject *const *argv, Py_ssize_t n) {
+    if (n != 2) {
+        PyErr_Format(PyExc_TypeError, "matches() takes 2 arguments (%zd given)", n);
+        return NULL;
+    }
+    int r = sig_matches(self, argv[0], argv[1]);
+    if (r < 0) return NULL;
+    return PyBool_FromLong(r);
+}
+
+static PyMethodDef SigCore_methods[] = {
+    {"matches", (PyCFunction)(void (*)(void))SigCore_matches, METH_FASTCALL,
+     "matches(args, kwargs) -> bool: another call with this call's signature."},
+    {NULL},
+};
+
+#define SIG_MEMBER(f) MEMBER(SigCore, f)
+static PyMemberDef SigCore_members[] = {SIG_FIELDS(SIG_MEMBER){NULL}};
+
+OBJECT_TYPE(SigCore, SIG_FIELDS, "stepwatch.metrics._cmetrics.SigCore",
+            "One call's signature and its comparison (metrics/flops.py's _PySigCore, in C).",
+            {Py_tp_methods, SigCore_methods},)
+
+/* -- ThroughputCollector's hot path (metrics/tokens.py's _PyThroughputCore, in C) -------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *_grad_enabled, *_replay, *_hits, *_items, *_any_call, *_recount;
+} ThroughputCore; /* no __dict__ of its own: tokens.py's ThroughputCollector, a subclass, has one */
+
+#define TP_FIELDS(X) X(_grad_enabled) X(_replay) X(_hits) X(_items) X(_any_call) X(_recount)
+
+#define TP_GET(self, f) ((self)->f ? (self)->f : unset("ThroughputCollector", #f))
+
+static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *argv, Py_ssize_t n) {
+    if (n != 3) {
+        PyErr_Format(PyExc_TypeError, "on_forward() takes 3 arguments (%zd given)", n);
+        return NULL;
+    }
+    PyObject *module = argv[0], *args = argv[1], *kwargs = argv[2];
+    PyObject *grad_enabled = TP_GET(self, _grad_enabled), *replay = TP_GET(self, _replay);
+    if (grad_enabled == NULL || replay == NULL) return NULL;
+    int t = call_truth(grad_enabled);
+    if (t < 0) return NULL;
+    if (!t) Py_RETURN_NONE;
+    if ((t = attr_truth(replay, s_active)) < 0) return NULL;
+    if (t) { /* some thread replays a FLOP count: is it this one? (hooks/replay.py) */
+        PyObject *mine = PyObject_CallMethodNoArgs(replay, s_mine);
+        if (mine == NULL) return NULL;
+        t = PyObject_IsTrue(mine);
+        Py_DECREF(mine);
+        if (t < 0) return NULL;
+        if (t) Py_RETURN_NONE;
+    }
+    PyObject *hits = TP_GET(self, _hits), *any_call = TP_GET(self, _any_call), *recount = TP_GET(self, _recount);
+    if (hits == NULL || any_call == NULL || recount == NULL) return NULL;
+    PyObject *key = PyLong_FromVoidPtr(module);
+    if (key == NULL) return NULL;
+    PyObject *hit;
+    if (PyDict_CheckExact(hits)) {
+        hit = PyDict_GetItemWithError(hits, key);
+        Py_XINCREF(hit);
+    } else {
+        hit = PyObject_CallMethod(hits, "get", "O", key);
+        if (hit == Py_None) Py_CLEAR(hit);
+    }
+    Py_DECREF(key);
+    if (hit == NULL && PyErr_Occurred()) return NULL;
+    if (hit != NULL) {
+        if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) < 2) {
+            Py_DECREF(hit);
+            PyErr_SetString(PyExc_TypeError, "ThroughputCollector: a hit must be a (signature, item) pair");
+            return NULL;
+        }
+        PyObject *sig = PyTuple_GET_ITEM(hit, 0);
+        int m;
+        if (sig == any_call) {
+            m = 1;
+        } else if (PyObject_TypeCheck(sig, SigCore_type)) {
+            m = sig_matches((SigCore *)sig, args, kwargs);
+        } else {
+            PyObject *r = PyObject_CallMethodObjArgs(sig, s_matches, args, kwargs, NULL);
+            m = r == NULL ? -1 : PyObject_IsTrue(r);
+            Py_XDECREF(r);
+        }
+        if (m < 0) {
+            Py_DECREF(hit);
+            return NULL;
+        }
+        if (m) {
+            PyObject *item = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+            Py_DECREF(hit);
+            if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 2) {
+                Py_DECREF(item);
+                PyErr_SetString(PyExc_TypeError, "ThroughputCollector: an item must be a (flops, counts) pair");
+                return NULL;
+            }
+            if (PyTuple_GET_ITEM(item, 1) == recount) {
+                PyObject *counts = PyObject_CallMethodObjArgs((PyObject *)self, s_batch_counts, args, kwargs, NULL);
+                if (counts == NULL) {
+                    Py_DECREF(item);
+                    return NULL;
+                }
+                PyObject *fresh = PyTuple_Pack(2, PyTuple_GET_ITEM(item, 0), counts);
+                Py_DECREF(counts);
+                Py_DECREF(item);
+                if (fresh == NULL) return NULL;
+                item = fresh;
+            }
+            PyObject *items = TP_GET(self, _items);
+            int rc;
+            if (items == NULL) {
+                rc = -1;
+            } else if (PyList_CheckExact(items)) {
+                rc = PyList_Append(items, item);
+            } else {
+                PyObject *r = PyObject_CallMethod(items, "append", "O", item);
+                rc = r == NULL ? -1 : 0;
+                Py_XDECREF(r);
+            }
+            Py_DECREF(item);
+            if (rc < 0) return NULL;
+            Py_RETURN_NONE;
+        }
+        Py_DECREF(hit);
+    }
+    PyObject *full[4] = {(PyObject *)self, module, args, kwargs};
+    return PyObject_VectorcallMethod(s_on_forward_full, full, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+}
+
+static PyMethodDef ThroughputCore_methods[] = {
+    {"on_forward", (PyCFunction)(void (*)(void))Throughput_on_forward, METH_FASTCALL,
+     "on_forward(module, args, kwargs): a root module's call, before its forward."},
+    {NULL},
+};
+
+#define TP_MEMBER(f) MEMBER(ThroughputCore, f)
+static PyMemberDef ThroughputCore_members[] = {TP_FIELDS(TP_MEMBER){NULL}};
+
+OBJECT_TYPE(ThroughputCore, TP_FIELDS, "stepwatch.metrics._cmetrics.ThroughputCore",
+            "The FLOPs/tokens collector's hot path (metrics/tokens.py's _PyThroughputCore, in C).",
+            {Py_tp_methods, ThroughputCore_methods},)
+
+/* -- module ---------------------------------------------------------------------------------- */
+
+static PyObject *mod_bind(PyObject *m, PyObject *globals) {
+    if (!PyDict_Check(globals)) {
+        PyErr_SetString(PyExc_TypeError, "_bind(globals): metrics/flops.py's globals() dict");
+        return NULL;
+    }
+    Py_XSETREF(flops_globals, Py_NewRef(globals));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef mod_methods[] = {
+    {"_bind", mod_bind, METH_O, "_bind(globals): metrics/flops.py's globals (its _GETTERS and _state)."},
+    {NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "stepwatch.metrics._cmetrics", NULL, -1, mod_methods};
+
+#define INTERN(var, text)                                                                              \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+static int add_type(PyObject *m, PyType_Spec *spec, const char *name, PyTypeObject **out) {
+    PyObject *t = PyType_FromSpec(spec);
+    if (t == NULL) return -1;
+    if (out != NULL) *out = (PyTypeObject *)Py_NewRef(t);
+    if (PyModule_AddObject(m, name, t) < 0) {
+        Py_DECREF(t);
+        return -1;
+    }
+    return 0;
+}
+
+PyMODINIT_FUNC PyInit__cmetrics(void) {
+    INTERN(s_dtype, "dtype");
+    INTERN(s_shape, "shape");
+    INTERN(s_requires_grad, "requires_grad");
+    INTERN(s_is_cuda, "is_cuda");
+    INTERN(s_is_cpu, "is_cpu");
+    INTERN(s_active, "active");
+    INTERN(s_mine, "mine");
+    INTERN(s_matches, "matches");
+    INTERN(s_on_forward_full, "_on_forward_full");
+    INTERN(s_batch_counts, "_batch_counts");
+    INTERN(s_getters_var, "_GETTERS");
+    INTERN(s_getters_fn, "_getters");
+    INTERN(s_state_fn, "_state");
+    PyObject *m = PyModule_Create(&moddef);
+    if (m == NULL) return NULL;
+    if (add_type(m, &SigCore_spec, "SigCore", &SigCore_type) < 0 ||
+        add_type(m, &ThroughputCore_spec, "ThroughputCore", NULL) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,258 @@
+"""The FLOPs/tokens collector's two hot paths: metrics/_cmetrics.c (C, as installed) and the Python
+of metrics/flops.py (``_PySigCore``) and metrics/tokens.py (``_PyThroughputCore``), used where the
+extension could not be built, are the same code. Seeded random calls (tensors of other shapes,
+dtypes, grad flags and classes, scalars of the same value in another class, NaN, keyword arguments
+in another order, nested containers, grad mode, autocast, a replay on this thread and on another)
+must get the same answers, the same appended items and the same exceptions from both; and the root
+call's observer loop (hooks/_ctracker.c) drops a failing observer as the Python one does."""
+
+import math
+import random
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import stepwatch
+from stepwatch.hooks import replay
+from stepwatch.metrics import flops, tokens
+from stepwatch.metrics.flops import FlopCache, FlopCount
+
+_cmetrics = pytest.importorskip("stepwatch.metrics._cmetrics", reason="the C fast path is not built here (no C compiler)")
+
+SEEDS = range(300)
+
+
+class SubTensor(torch.Tensor):
+    """A tensor subclass: not the class the descriptor holds."""
+
+
+def _values(rng):
+    """A pool of argument values: tensors that differ in one property each, and scalars."""
+    base = torch.randn(2, 3)
+    pool = [
+        base, torch.randn(2, 3), torch.randn(3, 2), torch.randn(2, 3, dtype=torch.float64),
+        torch.randn(2, 3, requires_grad=True), torch.randint(0, 9, (2, 3)), base.as_subclass(SubTensor),
+        torch.randn(()), 1, True, 1.0, 2, "a", "b", None, math.nan, 0.5,
+    ]
+    return pool
+
+
+def _call(rng, pool):
+    """Positional and keyword arguments drawn from the pool (sometimes a nested container or a
+    non-tuple, which the fast path refuses)."""
+    n = rng.choice([0, 1, 1, 1, 2, 3])
+    args = tuple(rng.choice(pool) for _ in range(n))
+    kwargs = {}
+    for k in rng.sample(["mask", "labels", "x"], rng.choice([0, 0, 1, 2])):
+        kwargs[k] = rng.choice(pool)
+    r = rng.random()
+    if r < 0.05:
+        args = list(args)  # not a tuple
+    elif r < 0.1:
+        args = args + ([rng.choice(pool)],)  # nested: no signature
+    elif r < 0.15 and kwargs:
+        kwargs = dict(reversed(list(kwargs.items())))  # the same keys, another order
+    return args, kwargs
+
+
+def _outcome(fn):
+    try:
+        return ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - the exception itself is what is compared
+        return ("raised", type(e).__name__)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_c_and_python_signatures_give_the_same_answer_for_every_call(seed):
+    rng = random.Random(seed)
+    pool = _values(rng)
+    first = _call(rng, pool)
+    c_sig = flops.CallSig.of(*first)
+    py_sig = flops.PyCallSig.of(*first)
+    assert (c_sig is None) == (py_sig is None)
+    if c_sig is None:
+        return
+    assert type(c_sig).matches is _cmetrics.SigCore.matches
+    for _ in range(20):
+        args, kwargs = first if rng.random() < 0.3 else _call(rng, pool)
+        grad = rng.random() < 0.8
+        autocast = rng.random() < 0.2
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            got = _outcome(lambda: c_sig.matches(args, kwargs))
+            want = _outcome(lambda: py_sig.matches(args, kwargs))
+        assert got == want, (args, kwargs, grad, autocast)
+
+
+def test_a_signature_matches_the_same_call_and_tells_apart_what_the_key_does():
+    x = torch.randn(4, 8)
+    for cls in (flops.CallSig, flops.PyCallSig):
+        sig = cls.of((x,), {})
+        assert sig.matches((torch.randn(4, 8),), {}) is True
+        assert sig.matches((torch.randn(4, 9),), {}) is False
+        assert sig.matches((x.double(),), {}) is False
+        assert sig.matches((x.as_subclass(SubTensor),), {}) is False
+        with torch.no_grad():
+            assert sig.matches((x,), {}) is False
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert sig.matches((x,), {}) is False
+        kw = cls.of((x, 1), {"mask": x, "n": 2})
+        assert kw.matches((x, 1), {"mask": x, "n": 2}) is True
+        assert kw.matches((x, True), {"mask": x, "n": 2}) is False  # 1 and True told apart
+        assert kw.matches((x, 1), {"n": 2, "mask": x}) is False  # the keys in another order
+        nan = cls.of((x, math.nan), {})
+        assert nan.matches((x, math.nan), {}) is False  # NaN != NaN, even the same object
+
+
+def test_a_broken_descriptor_raises_the_same_in_both():
+    for cls in (flops.CallSig, flops.PyCallSig):
+        sig = cls.of((torch.randn(2), 3), {})
+        sig.flat = (5, (int, 3))  # the tensor's descriptor is not a tuple
+        with pytest.raises(TypeError):
+            sig.matches((torch.randn(2), 3), {})
+        del sig.keys
+        with pytest.raises(AttributeError):
+            sig.matches((torch.randn(2), 3), {})
+
+
+def _items(col):
+    step = col.take()
+    if step is None:
+        return None
+    out = []
+    for fc, counts in step.items:
+        out.append((None if fc is None else fc.total, None if counts is None else (counts.samples, counts.tokens)))
+    return out
+
+
+def _counter(module, args, kwargs, **kw):
+    tensors = [t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)]
+    return FlopCount(forward={"fp32": sum(t.numel() for t in tensors) + 7 * torch.is_grad_enabled()})
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_c_and_python_collectors_append_the_same_items(seed):
+    """Both collectors see the same random forwards (model calls with token ids, masks, other
+    shapes; a loss module; grad off; a replay on this thread): the same items a step."""
+    rng = random.Random(seed)
+    model, loss_mod = nn.Linear(6, 6), nn.MSELoss()
+    pad = 0 if rng.random() < 0.3 else None
+    cols = [cls(cache=FlopCache(counter=_counter), pad_token_id=pad)
+            for cls in (tokens.ThroughputCollector, tokens.PyThroughputCollector)]
+    assert type(cols[0]).on_forward is _cmetrics.ThroughputCore.on_forward
+    ids = [torch.randint(0, 5, (2, 6)), torch.randint(0, 5, (3, 6)), torch.randn(2, 6)]
+    for _ in range(30):
+        r = rng.random()
+        if r < 0.5:
+            call = (model, (rng.choice(ids),), {})
+        elif r < 0.7:
+            mask = torch.randint(0, 2, (2, 6))
+            call = (model, (), {"input_ids": ids[0], "attention_mask": mask})
+        else:
+            call = (loss_mod, (torch.randn(2, 6), torch.randn(2, 6)), {})
+        grad = rng.random() < 0.85
+        replaying = rng.random() < 0.1
+        got = []
+        for col in cols:
+            with torch.set_grad_enabled(grad):
+                if replaying:
+                    replay.set_counting(True)
+                try:
+                    col.on_forward(*call)
+                finally:
+                    if replaying:
+                        replay.set_counting(False)
+            got.append(_items(col) if rng.random() < 2 else None)
+        assert got[0] == got[1], call
+    assert cols[0]._hits.keys() == cols[1]._hits.keys()
+
+
+def test_another_threads_replay_does_not_hide_this_threads_forward():
+    col = tokens.ThroughputCollector(cache=FlopCache(counter=_counter))
+    m, x = nn.Linear(4, 4), torch.randn(2, 4)
+    col.on_forward(m, (x,), {})
+    col.take()
+    started, done = threading.Event(), threading.Event()
+
+    def replaying():
+        replay.set_counting(True)
+        started.set()
+        done.wait(10)
+        replay.set_counting(False)
+
+    t = threading.Thread(target=replaying)
+    t.start()
+    started.wait(10)
+    try:
+        col.on_forward(m, (x,), {})  # the hot path, with some thread replaying
+        replay.set_counting(True)
+        col.on_forward(m, (x,), {})  # this thread replays: ignored
+        replay.set_counting(False)
+    finally:
+        done.set()
+        t.join(10)
+    assert _items(col) == [(8 + 7, (2, None))]
+
+
+def test_the_c_cores_hold_the_python_cores_state():
+    members = {n for n, v in vars(_cmetrics.SigCore).items() if type(v).__name__ == "member_descriptor"}
+    assert members == set(flops._PySigCore.__slots__)
+    members = {n for n, v in vars(_cmetrics.ThroughputCore).items() if type(v).__name__ == "member_descriptor"}
+    assert members == set(tokens._PyThroughputCore.__slots__)
+    assert flops.CallSig.__mro__[2] is _cmetrics.SigCore
+    assert tokens.ThroughputCollector.__mro__[-2] is _cmetrics.ThroughputCore
+
+
+@pytest.mark.parametrize("cores", ["c", "python"])
+def test_a_failing_forward_observer_is_dropped_and_the_others_still_run(tmp_path, monkeypatch, cores):
+    """Through a real root call (C, as installed, and the Python one): an observer raising an
+    Exception is taken off and reported once; the next observer runs on that call and after; one
+    added by an observer during the loop runs on that call; a KeyboardInterrupt reaches the user."""
+    from stepwatch.hooks import install
+
+    if cores == "python":
+        monkeypatch.setattr(install, "_RootCall", install._PyRootCall)
+    s = stepwatch.init(dir=str(tmp_path), console="off", training_metrics=False, comm=False,
+                       gpu_telemetry=False, nvtx=False, memory=False, watchdog="off", capture="off", otel=False)
+    try:
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        calls = []
+
+        def broken(module, args, kwargs):
+            calls.append("broken")
+            raise ValueError("observer broke")
+
+        def late(module, args, kwargs):
+            calls.append("late")
+
+        def adds(module, args, kwargs):
+            calls.append("adds")
+            if late not in s.hub._inst.forward_observers:
+                s.hub.add_forward_observer(late)
+
+        s.hub.add_forward_observer(adds)
+        s.hub.add_forward_observer(broken)
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        # First call: `adds` appends `late` to the list being walked, `broken` raises and is taken
+        # off (the list is replaced; the walk goes on over the old one), `late` still runs.
+        assert calls == ["adds", "broken", "late", "adds", "late", "adds", "late"]
+        assert broken not in s.hub._inst.forward_observers
+        assert s.pipeline.failures.counts.get("observer.test_a_failing_forward_observer_is_dropped_and_the_others_still_run.<locals>.broken") == 1
+
+        def interrupt(module, args, kwargs):
+            raise KeyboardInterrupt
+
+        s.hub.add_forward_observer(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.randn(2, 4))
+        assert interrupt in s.hub._inst.forward_observers  # not an Exception: not ours to swallow
+        s.hub.remove_forward_observer(interrupt)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    finally:
+        stepwatch.shutdown()
