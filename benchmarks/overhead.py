@@ -1,8 +1,8 @@
 """stepwatch's cost on the training thread, per feature, measured side by side in one run.
 
-    python benchmarks/overhead.py [--blocks 10] [--steps 120] [--sizes 0.5,2,20]
+    python benchmarks/overhead.py [--blocks 10] [--steps 120] [--sizes 0.5,2,20] [--crossings 40]
 
-Three tables, all from one process:
+Three tables, all from one process (four with ``--crossings``):
 
 1. In the loop (the figure a user sees). The same CPU training loop (DataLoader -> model -> loss
    module -> backward -> AdamW) runs in >= 10 interleaved blocks: stepwatch off, then each
@@ -23,6 +23,10 @@ Three tables, all from one process:
    a whole tiny step with all defaults against 20 us + the floor in that step.
 3. The background thread's cost per record, with a realistic queue (the default size, drained as
    in a job, not tens of thousands of records held for the cyclic GC to walk).
+4. ``--crossings BLOCKS``: what multiplies the hot cost in the loop. The ~0.5 ms loop with the
+   foundation on, and with each of its hook crossings taken out of the running session (the
+   DataLoader fetch, the backward, the root calls, the loop's ``stepwatch.log``; all four),
+   interleaved: each crossing's in-loop cost is the difference.
 
 The budget (issue 16): hot foundation <= 10 us; all defaults <= 20 us + the grad-norm floor; the
 probe within 1.2x of its floor; FLOPs/tokens <= 2 us per root forward; background <= 10 us per
@@ -215,6 +219,74 @@ def in_the_loop(blocks: int, steps: int, sizes: list[str], run_dir: str) -> dict
     for s in sizes:
         LOOP_IQR[s] = table[f"+ {FEATURES[-1][0]}"][s][1]
     return {name: {s: table[name][s][0] for s in sizes} for name in table}
+
+
+# The foundation's hook crossings in the loop that can be taken out one at a time without
+# changing where a step ends (the optimizer's hooks stay): each as the code that takes it out of
+# a running session (its wrapper's original put back, the root calls unwrapped, the loop's
+# stepwatch.log skipped). The session's shutdown still restores everything it patched.
+def _without_data(session, model) -> None:
+    it = torch.utils.data.dataloader._BaseDataLoaderIter
+    it.__next__ = it.__next__.__wrapped__
+
+
+def _without_backward(session, model) -> None:
+    torch.autograd.backward = torch.autograd.backward.__wrapped__
+
+
+def _without_roots(session, model) -> None:
+    for m in session.hub._inst._hooked:
+        m.__dict__.pop("_compiled_call_impl", None)
+
+
+class _NoLog:
+    @staticmethod
+    def log(**scalars) -> None:
+        return None
+
+
+CROSSINGS = [("DataLoader fetch", (_without_data,)), ("backward", (_without_backward,)),
+             ("root calls (model, loss)", (_without_roots,)), ("stepwatch.log", ("nolog",)),
+             ("all four", (_without_data, _without_backward, _without_roots, "nolog"))]
+
+
+def crossings(blocks: int, steps: int, run_dir: str) -> None:
+    """Table 4 (``--crossings``): what multiplies the hot cost in the loop. The ~0.5 ms loop with
+    the foundation on, and with each of its hook crossings taken out, interleaved: a crossing's
+    in-loop cost is the difference. Hot, the whole hook sequence of a step is a few us (table 2);
+    in the loop each crossing costs about that on its own, whatever little it does: the loop's
+    own work (torch, the DataLoader) has evicted stepwatch's code and data from the caches by the
+    time the next hook runs."""
+    global stepwatch
+    print(f"\n4. The foundation's hook crossings in the ~0.5 ms loop ({blocks} interleaved blocks of {steps} steps):"
+          " training-thread us a step each costs, as the foundation less the loop without it")
+    _, width, batch = SIZES["0.5"]
+    run_block, model = make_loop(width, batch, steps)
+    run_block()
+    names = ["foundation"] + [n for n, _ in CROSSINGS]
+    added: dict[str, list[float]] = {n: [] for n in names}
+    real = stepwatch
+    for i in range(blocks):
+        off = run_block()
+        for name in names:
+            s = real.init(dir=os.path.join(run_dir, f"x-{i}-{names.index(name)}"), console="off", **FOUNDATION)
+            run_block()  # roots found, FLOP-free warm-up: every wrapper in place
+            for cut in dict(CROSSINGS).get(name, ()):
+                if cut == "nolog":
+                    stepwatch = _NoLog  # train_step's global
+                else:
+                    cut(s, model)
+            try:
+                on = run_block()
+            finally:
+                stepwatch = real
+                real.shutdown()
+            added[name].append(on - off)
+    found, found_iqr = _q([x * 1e6 for x in added["foundation"]])
+    print(f"  {'foundation, all crossings':>28} {found:7.1f} us [IQR {found_iqr:5.1f}]")
+    for name, _ in CROSSINGS:
+        without, iqr = _q([x * 1e6 for x in added[name]])
+        print(f"  {'less ' + name:>28} {without:7.1f} us [IQR {iqr:5.1f}]   = {found - without:5.1f} us in the loop")
 
 
 def _timed(fn, n: int, reps: int = 5) -> float:
@@ -467,6 +539,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--sizes", default="0.5,2,20", help="comma-separated: 0.5, 2, 20 (ms per step)")
     p.add_argument("--hot-n", type=int, default=20000)
+    p.add_argument("--crossings", type=int, default=0, metavar="BLOCKS",
+                   help="also table 4: the foundation's hook crossings in the ~0.5 ms loop, over BLOCKS blocks (40 is readable)")
     args = p.parse_args()
     sizes = [s for s in args.sizes.split(",") if s]
     bad = [s for s in sizes if s not in SIZES]
@@ -477,6 +551,8 @@ def main() -> None:
         loop = in_the_loop(args.blocks, args.steps, sizes, d)
         h = hot(d, args.hot_n)
         background(d)
+        if args.crossings:
+            crossings(args.crossings, max(args.steps, 240), d)
     for s in sizes:
         all_defaults = loop[f"+ {FEATURES[-1][0]}"][s]
         floor = loop[FLOOR][s]
