@@ -5,6 +5,8 @@ explicit steps, the backward boundary, failing collectors) on the same fake cloc
 over the same records, make the same calls on the progress board, NVTX, the device timer and the
 listeners, report the same failures, and end in the same state."""
 
+import json
+import os
 import random
 
 import pytest
@@ -414,3 +416,47 @@ def test_untracked_records_are_still_freed(sw):
     gc.collect()
     assert alive == 0 and all(r() is None for r in refs), alive
     assert len(mem.records) >= 199
+
+
+def test_the_root_call_runs_a_tracker_subclass_override(tmp_path):
+    """The C root call reads the tracker's fields and calls its hot methods directly only while
+    the tracker's type is the C core's for them (checked once per type): a tracker whose class
+    overrides ``forward_begin`` (a subclass, swapped in mid-run) gets its override called, and the
+    step is still recorded; the plain class afterwards takes the direct path again."""
+    import torch
+    from torch import nn
+
+    import stepwatch
+
+    s = stepwatch.init(dir=str(tmp_path), console="off", training_metrics=False, comm=False, gpu_telemetry=False,
+                       nvtx=False, memory=False, watchdog="off", capture="off", otel=False)
+    try:
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        seen = []
+
+        class Watching(phases.StepTracker):
+            def forward_begin(self, grad):
+                seen.append(grad)
+                return super().forward_begin(grad)
+
+        def step():
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        step()
+        plain = type(s.tracker)
+        s.tracker.__class__ = Watching
+        step()
+        step()
+        s.tracker.__class__ = plain
+        step()
+        assert seen == [True, True]
+        run_dir = s.ctx.run_dir
+    finally:
+        stepwatch.shutdown()
+    with open(os.path.join(run_dir, "steps.rank0.jsonl")) as f:
+        records = [json.loads(l) for l in f]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(r["forward_s"] > 0 for r in records[1:])

@@ -991,8 +991,40 @@ static PyObject *call_inner(RootCall *self, PyObject *args, PyObject *kwargs) {
     return PyObject_Call(self->inner, args, kwargs);
 }
 
+/* The tracker as this module's Core, when its type reads the hot fields and runs the hot methods
+ * the root call uses as Core does (phases.py's StepTracker over this Core; none of them replaced
+ * in a subclass): its fields are read and its methods called directly, without the attribute
+ * lookups on the type (each a few cache lines, cold in a real loop: ~1.5 us a root call on this
+ * project's machine, overhead.py --crossings). NULL for another tracker (the Python core, a
+ * subclass that overrides one): the attribute path, as Python does it. A type is checked once. */
+static PyObject *core_type = NULL;           /* Core, set at module init */
+static PyTypeObject *core_like_type = NULL;  /* the last type that passed the check (borrowed: compared only) */
+
+static Core *as_core(PyObject *tr) {
+    PyTypeObject *tp = Py_TYPE(tr);
+    if (tp == core_like_type) return (Core *)tr;
+    if (core_type == NULL || !PyObject_TypeCheck(tr, (PyTypeObject *)core_type)) return NULL;
+    PyObject *names[] = {s_enabled, s_in_data, s_fwd_depth, s_pending_end, s_forward_begin, s_forward_end,
+                         s_work_begins};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        PyObject *mine = _PyType_Lookup(tp, names[i]);                         /* borrowed */
+        PyObject *core = _PyType_Lookup((PyTypeObject *)core_type, names[i]); /* borrowed */
+        if (mine == NULL || mine != core) return NULL;
+    }
+    core_like_type = tp;
+    return (Core *)tr;
+}
+
+static PyObject *Core_forward_begin(Core *self, PyObject *grad);
+static PyObject *Core_forward_end(Core *self, PyObject *unused);
+static PyObject *Core_work_begins(Core *self, PyObject *unused);
+
+/* bool(tr.<field>) for the root call: the Core's field, or the attribute. */
+#define TR_TRUTH(core, tr, f, name) ((core) ? truth((core)->f, #f) : attr_truth((tr), (name)))
+
 static int fwd_end(PyObject *tr) {
-    PyObject *r = PyObject_CallMethodNoArgs(tr, s_forward_end);
+    Core *core = as_core(tr);
+    PyObject *r = core ? Core_forward_end(core, NULL) : PyObject_CallMethodNoArgs(tr, s_forward_end);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
@@ -1074,9 +1106,10 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
         if (c) return call_inner(self, args, kwargs);
     }
     PyObject *inst = self->inst, *tr = self->tr;
+    Core *core = as_core(tr);
     /* in_data: a module called inside a DataLoader fetch (a Dataset transform) */
     {
-        int en = attr_truth(tr, s_enabled);
+        int en = TR_TRUTH(core, tr, enabled, s_enabled);
         if (en < 0) return NULL;
         if (!en) return call_inner(self, args, kwargs);
         PyObject *nr = PyObject_GetAttr(inst, s_not_roots);
@@ -1089,7 +1122,7 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
         }
         Py_DECREF(nr);
         if (skip < 0) return NULL;
-        if (!skip && (skip = attr_truth(tr, s_in_data)) < 0) return NULL;
+        if (!skip && (skip = TR_TRUTH(core, tr, in_data, s_in_data)) < 0) return NULL;
         if (skip) return call_inner(self, args, kwargs);
     }
     /* Only the outermost call is observed: a declared root nested in another is part of it. */
@@ -1098,16 +1131,16 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
         int obs = attr_truth(inst, s_forward_observers);
         if (obs < 0) return NULL;
         if (obs) {
-            int depth = attr_truth(tr, s_fwd_depth);
+            int depth = TR_TRUTH(core, tr, _fwd_depth, s_fwd_depth);
             if (depth < 0) return NULL;
             if (!depth) {
-                PyObject *pe = PyObject_GetAttr(tr, s_pending_end);
-                if (pe == NULL) return NULL;
+                PyObject *pe = core ? Py_XNewRef(core->_pending_end) : PyObject_GetAttr(tr, s_pending_end);
+                if (pe == NULL) return core ? unset("_pending_end") : NULL;
                 int pending = pe != Py_None;
                 Py_DECREF(pe);
                 /* what the observers count belongs to the step this forward opens */
                 if (pending) {
-                    PyObject *r = PyObject_CallMethodNoArgs(tr, s_work_begins);
+                    PyObject *r = core ? Core_work_begins(core, NULL) : PyObject_CallMethodNoArgs(tr, s_work_begins);
                     if (r == NULL) return NULL;
                     Py_DECREF(r);
                 }
@@ -1122,7 +1155,7 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
     PyObject *grad = PyObject_CallNoArgs(self->grad_enabled);
     if (grad == NULL) return NULL;
     {
-        PyObject *r = PyObject_CallMethodOneArg(tr, s_forward_begin, grad);
+        PyObject *r = core ? Core_forward_begin(core, grad) : PyObject_CallMethodOneArg(tr, s_forward_begin, grad);
         if (r == NULL) {
             Py_DECREF(grad);
             return NULL;
@@ -1263,6 +1296,7 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
     PyObject *core = PyType_FromSpec(&Core_spec);
+    Py_XSETREF(core_type, Py_XNewRef(core));
     if (core == NULL || PyModule_AddObject(m, "Core", core) < 0) {
         Py_XDECREF(core);
         Py_DECREF(m);
