@@ -61,6 +61,12 @@ class Burst:
         with self._lock:
             self.results.append(r)
 
+    @property
+    def in_flight(self) -> int:
+        """Requests sent (or being sent) that have not returned yet."""
+        with self._lock:
+            return len(self._threads) - len(self.results)
+
     def wait(self, timeout_s: float = 300.0) -> list[Result]:
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
