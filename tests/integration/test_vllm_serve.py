@@ -277,8 +277,8 @@ def test_sigstop_worker_gives_stall_finding_and_dumps(served):
         note("load", now_load)
         if now_load is not None and now_load > MAX_NUM_SEQS:
             break
-        if now_load is None and client_in_flight() > MAX_NUM_SEQS:
-            note("client in flight", float(client_in_flight()))
+        if now_load is None and (held := client_in_flight()) > MAX_NUM_SEQS:
+            note("client in flight", float(held))
             break
         if time.monotonic() >= deadline:
             statuses = sorted({(r.status, r.error) for b in bursts for r in b.results}, key=str)[:5]
