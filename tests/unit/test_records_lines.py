@@ -238,8 +238,12 @@ def test_fill_declines_what_it_cannot_write_and_raises_nothing(fresh_shapes):
     def boom(v):
         raise RuntimeError("encoder failed")
 
-    assert fill(vals, t.spec, t.pieces, boom) is None  # scalars goes through enc: its error is swallowed
-    assert fill(vals, t.spec, t.pieces, lambda v: "é") is None  # not ASCII: not what json writes
+    odd = list(vals)
+    odd[STEP_FIELDS.index("scalars")] = {"é": 0.25}  # a key json escapes: this dict goes through enc
+    odd = tuple(odd)
+    assert fill(odd, t.spec, t.pieces, enc) == reference(base(scalars={"é": 0.25}))[1]
+    assert fill(odd, t.spec, t.pieces, boom) is None  # enc's error is swallowed
+    assert fill(odd, t.spec, t.pieces, lambda v: "é") is None  # not ASCII: not what json writes
     assert fill(vals, t.spec, (*t.pieces[:-1], "}é"), enc) is None
     nan = list(vals)
     nan[STEP_FIELDS.index("step_s")] = NAN
@@ -280,3 +284,49 @@ def test_durations_are_laid_out_as_repr_writes_them(fresh_shapes):
         got = speedups.ns_float_repr(d)
         assert got is None or got == repr(d), d
     assert speedups.ns_float_repr(0.1 + 0.2) is None and speedups.ns_float_repr(1 / 3) is None
+
+
+@pytest.mark.parametrize("fresh_shapes", ["c"], indirect=True)
+def test_plain_dicts_are_written_in_c_as_json_writes_them(fresh_shapes):
+    """fill writes a scalars/phases/gpu dict itself when its keys are strs json writes as they are
+    and its values exact finite floats, ints, bools or None (the common scalars dict); any other
+    dict goes to json's encoder whole. Both must give json's bytes. The first test below fails
+    when the encoder is called for a plain dict (the C path not taken)."""
+    step_line(base(gpu={"util": 97.0}))  # the template of this shape: later lines of it are filled in C
+    t = records_mod._last
+    calls = []
+
+    def enc(v):
+        calls.append(v)
+        return records_mod._enc(v)
+
+    plain = [
+        {"loss": 0.25}, {"lr": 1e-3, "loss": 2.5, "step": 7, "neg": -(2**62), "ok": True, "no": False, "none": None},
+        {" ~!#$%&'()*+,-./09:;<=>?@AZ[]^_`az{|}": 0.0, "": -0.0, "tiny": 5e-324, "big": 1.7976931348623157e308},
+        {"ns": 897729 / 1e9, "ms": 0.000123, "k": 1e-9, "x": 12.0, "y": 1e22, "z": -1.5e-7},
+    ]
+    for d in plain:
+        for field in ("scalars", "phases", "gpu"):
+            rec = base(**{"gpu": {"util": 97.0}, field: d})
+            want = reference(rec)[1]
+            vals = records_mod._VALUES(rec)
+            assert fill_or_none(t, vals, enc) == want, d
+    assert calls == []
+    odd = [
+        {"x": NAN}, {"x": INF}, {"q\"": 1.0}, {"b\\": 1.0}, {"nl\n": 1.0}, {"del\x7f": 1.0}, {"é": 1.0},
+        {"x": 2**64 + 1}, {"x": MyFloat(1.5)}, {"x": MyInt(3)}, {"x": Color.RED}, {"x": [1.0]}, {"x": {"y": 1.0}},
+        {1: 1.0}, {"ok": 1.0, "later odd": "str"},
+    ]
+    for d in odd:
+        rec = base(scalars=d, gpu={"util": 97.0})
+        calls.clear()
+        vals = records_mod._VALUES(rec)
+        got = fill_or_none(t, vals, enc)
+        assert calls == [d], d  # the whole dict, once, to json's encoder
+        ref = reference(rec)
+        assert got is None or ("ok", got) == ref, d  # None: step_line takes its other path
+        check(rec)
+
+
+def fill_or_none(t, vals, enc):
+    return records_mod._fill(vals, t.spec, t.pieces, enc)
