@@ -30,7 +30,7 @@ from .cuda_ext import copy_to_host, event_done
 from .exporters.base import Batch, Exporter
 from .exporters.builtin import ExporterSpec
 from .exporters.worker import ExporterWorker
-from .record import Finding, RawStep, StepRecord
+from .record import Finding, RawStep, StepRecord, c_to_record
 
 # How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
 _MAX_HOLD_S = 30.0
@@ -381,10 +381,13 @@ class Pipeline:
         GC's young collection (a walk over the whole young generation) three times per 500 records."""
         now = time.monotonic()
         rank = self.ctx.rank
+        wall_ref, perf_ref, scalar, c_build = self.wall_ref, self.perf_ref_ns, self._scalar, c_to_record
         for i, raw in enumerate(raws):
             raws[i] = None  # type: ignore[call-overload]  # see above
             try:
-                rec = raw.to_record(rank, self.wall_ref, self.perf_ref_ns, self._scalar)
+                rec = None if c_build is None else c_build(raw, rank, wall_ref, perf_ref, scalar)
+                if rec is None:
+                    rec = raw.to_record(rank, wall_ref, perf_ref, scalar)
             except Exception as e:  # one bad record never costs the others of the pass
                 self.dropped += 1
                 self.report_error("pipeline.build", e)

@@ -10,7 +10,9 @@
  * module is missing, and takes it for any line this returns None for.
  *
  * fill(vals, spec, pieces, enc) -> str | None
- *   vals    tuple of the record's field values, in STEP_FIELDS order (N of them)
+ *   vals    tuple of the record's field values, in STEP_FIELDS order (N of them), or the
+ *           StepRecord itself once bind_records (below) has bound its class: its slots are read
+ *           in place
  *   spec    tuple of N: what field i must hold for this template to apply
  *             None              the value is None (its "null" is already in pieces[i])
  *             float / int       exactly that type: written as its repr (what json writes)
@@ -27,6 +29,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <string.h>
 
 typedef struct {
@@ -241,21 +244,232 @@ static int put_value(Buf *b, PyObject *v, PyObject *want, PyObject *enc) {
     return put_enc(b, enc, v);
 }
 
-static PyObject *fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* -- the record: RawStep.to_record in C ------------------------------------------------------ */
+
+/* record.py's RawStep.to_record, for the background thread (one call a step): the StepRecord is
+ * allocated and its slots filled here, as its dataclass __init__ would fill them, without the
+ * ~46 stores of that __init__'s frame. bind_records(RawStep, StepRecord, defaults) checks once
+ * that every field of both is a plain object slot and that StepRecord's fields past the 15
+ * to_record gives have plain defaults (``defaults``: the tuple of those); until it has,
+ * or when it declined, to_record returns None. to_record returns None too, before it has called
+ * ``scalar`` (which counts), for anything it leaves to the Python method: another class, an
+ * unset slot, a duration that is not an int of at most 63 bits, a checkpoint in the step (its
+ * bytes and GB/s). Else the record, or the error ``scalar`` raised. */
+static const char *const raw_names[] = {"step",    "t_end_ns",      "step_ns", "data_ns",        "forward_ns",
+                                        "backward_ns", "optimizer_ns", "eval_ns", "checkpoint_ns", "phases",
+                                        "scalars", "skipped",       "mem_peak_bytes", "extras", "tail"};
+enum { R_STEP, R_T_END, R_STEP_NS, R_DATA, R_FWD, R_BWD, R_OPT, R_EVAL, R_CKPT, R_PHASES, R_SCALARS, R_SKIPPED,
+       R_MEM, R_EXTRAS, R_TAIL, RAW_N };
+/* StepRecord's first fields, in its order: what to_record gives positionally. */
+static const char *const rec_names[] = {"step",   "rank",    "time",      "step_s",   "data_wait_s",
+                                        "forward_s", "backward_s", "optimizer_s", "other_s", "eval_s",
+                                        "checkpoint_s", "phases", "scalars", "skipped", "mem_peak_bytes"};
+#define REC_GIVEN 15
+#define REC_MAX 128
+static PyTypeObject *raw_type = NULL, *rec_type = NULL;
+static Py_ssize_t raw_off[RAW_N], rec_off[REC_MAX], rec_n = 0, rec_tail = -1;
+static PyObject *rec_defaults = NULL; /* tuple: the default of each field past REC_GIVEN */
+
+/* The offset of a plain, writable object slot named ``name`` on ``tp``; -1 when it is not one. */
+static Py_ssize_t slot_offset(PyTypeObject *tp, const char *name) {
+    PyObject *d = PyDict_GetItemString(tp->tp_dict, name); /* borrowed */
+    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return -1;
+    PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
+    if (md->type != T_OBJECT_EX || (md->flags & READONLY)) return -1;
+    return md->offset;
+}
+
+/* bind_records(RawStep, StepRecord, names, defaults) -> bool: whether to_record builds records
+ * itself. ``names``: every StepRecord field in order; ``defaults``: the default of each past the
+ * first 15 (a plain value, shared by every record: None, a float, a str, a bool). */
+static PyObject *bind_records(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 4 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1]) ||
-        !PyTuple_CheckExact(args[2])) {
+    Py_CLEAR(raw_type);
+    Py_CLEAR(rec_type);
+    Py_CLEAR(rec_defaults);
+    rec_n = 0;
+    rec_tail = -1;
+    if (nargs != 4 || !PyType_Check(args[0]) || !PyType_Check(args[1]) || !PyTuple_CheckExact(args[2]) ||
+        !PyTuple_CheckExact(args[3])) {
+        Py_RETURN_FALSE;
+    }
+    PyTypeObject *rt = (PyTypeObject *)args[0], *st = (PyTypeObject *)args[1];
+    PyObject *names = args[2], *defaults = args[3];
+    Py_ssize_t n = PyTuple_GET_SIZE(names);
+    if (n <= REC_GIVEN || n > REC_MAX || PyTuple_GET_SIZE(defaults) != n - REC_GIVEN) Py_RETURN_FALSE;
+    for (int i = 0; i < RAW_N; i++) {
+        if ((raw_off[i] = slot_offset(rt, raw_names[i])) < 0) Py_RETURN_FALSE;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        const char *s = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+        if (s == NULL) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        if (i < REC_GIVEN && strcmp(s, rec_names[i]) != 0) Py_RETURN_FALSE;
+        if ((rec_off[i] = slot_offset(st, s)) < 0) Py_RETURN_FALSE;
+        if (strcmp(s, "tail") == 0) rec_tail = i;
+    }
+    if (rec_tail < 0) Py_RETURN_FALSE;
+    raw_type = (PyTypeObject *)Py_NewRef(rt);
+    rec_type = (PyTypeObject *)Py_NewRef(st);
+    rec_defaults = Py_NewRef(defaults);
+    rec_n = n;
+    Py_RETURN_TRUE;
+}
+
+/* An exact int of at most 63 bits; 0 when ``v`` is not one. */
+static int get_ns(PyObject *v, long long *out) {
+    if (v == NULL || !PyLong_CheckExact(v)) return 0;
+    int overflow = 0;
+    *out = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || (*out == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+#define RAW(r, i) (*(PyObject **)((char *)(r) + raw_off[i]))
+
+/* {k: v / 1e9}, every v an int of at most 63 bits; NULL with no error set when one is not. */
+static PyObject *phases_s(PyObject *phases) {
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(phases, &pos, &k, &v)) {
+        long long ns;
+        PyObject *f = NULL;
+        if (!get_ns(v, &ns) || (f = PyFloat_FromDouble((double)ns / 1e9)) == NULL ||
+            PyDict_SetItem(out, k, f) < 0) {
+            Py_XDECREF(f);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(f);
+    }
+    return out;
+}
+
+/* Steals ``value``; the slot is empty (tp_alloc zeroes) or holds what an earlier SET put there. */
+static void set_slot(PyObject *obj, Py_ssize_t off, PyObject *value) {
+    PyObject **slot = (PyObject **)((char *)obj + off);
+    Py_XSETREF(*slot, value);
+}
+
+static PyObject *to_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (rec_type == NULL || nargs != 5 || !Py_IS_TYPE(args[0], raw_type) || !PyFloat_CheckExact(args[2])) {
         Py_RETURN_NONE;
     }
+    PyObject *raw = args[0], *rank = args[1], *scalar = args[4];
+    double wall_ref = PyFloat_AS_DOUBLE(args[2]);
+    long long perf_ref, t_end, step_ns, data, fwd, bwd, opt, eval, ckpt, other;
+    if (!get_ns(args[3], &perf_ref) || !get_ns(RAW(raw, R_T_END), &t_end) || !get_ns(RAW(raw, R_STEP_NS), &step_ns) ||
+        !get_ns(RAW(raw, R_DATA), &data) || !get_ns(RAW(raw, R_FWD), &fwd) || !get_ns(RAW(raw, R_BWD), &bwd) ||
+        !get_ns(RAW(raw, R_OPT), &opt) || !get_ns(RAW(raw, R_EVAL), &eval) || !get_ns(RAW(raw, R_CKPT), &ckpt) ||
+        ckpt != 0) {
+        Py_RETURN_NONE;
+    }
+    long long since;
+    if (__builtin_sub_overflow(step_ns, data, &other) || __builtin_sub_overflow(other, fwd, &other) ||
+        __builtin_sub_overflow(other, bwd, &other) || __builtin_sub_overflow(other, opt, &other) ||
+        __builtin_sub_overflow(t_end, perf_ref, &since)) {
+        Py_RETURN_NONE;
+    }
+    if (other < 0) other = 0;
+    PyObject *step = RAW(raw, R_STEP), *phases = RAW(raw, R_PHASES), *scalars = RAW(raw, R_SCALARS);
+    PyObject *skipped = RAW(raw, R_SKIPPED), *mem = RAW(raw, R_MEM), *tail = RAW(raw, R_TAIL);
+    if (step == NULL || skipped == NULL || mem == NULL || tail == NULL || RAW(raw, R_EXTRAS) == NULL ||
+        phases == NULL || !PyDict_CheckExact(phases) || scalars == NULL || !PyDict_CheckExact(scalars)) {
+        Py_RETURN_NONE;
+    }
+    int is_tail = PyObject_IsTrue(tail);
+    if (is_tail < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *ph = PyDict_GET_SIZE(phases) ? phases_s(phases) : PyDict_New();
+    if (ph == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE; /* a phase that is not an int: the Python method's division */
+    }
+    /* From here on nothing is left to the Python method: ``scalar`` counts what it converts. */
+    PyObject *sc = PyDict_New();
+    if (sc == NULL) goto error;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(scalars, &pos, &k, &v)) {
+        PyObject *f;
+        if (PyFloat_CheckExact(v)) {
+            f = Py_NewRef(v);
+        } else {
+            PyObject *a[2] = {k, v};
+            Py_INCREF(k);
+            Py_INCREF(v); /* the dict may change under the call */
+            f = PyObject_Vectorcall(scalar, a, 2, NULL);
+            Py_DECREF(k);
+            Py_DECREF(v);
+            if (f == NULL) goto error;
+        }
+        int rc = PyDict_SetItem(sc, k, f);
+        Py_DECREF(f);
+        if (rc < 0) goto error;
+    }
+    double d[9] = {wall_ref + (double)since / 1e9, (double)step_ns / 1e9, (double)data / 1e9, (double)fwd / 1e9,
+                   (double)bwd / 1e9, (double)opt / 1e9, (double)other / 1e9, (double)eval / 1e9, 0.0};
+    PyObject *rec = rec_type->tp_alloc(rec_type, 0);
+    if (rec == NULL) goto error;
+#define SET(i, value) set_slot(rec, rec_off[i], (value))
+    SET(0, Py_NewRef(step));
+    SET(1, Py_NewRef(rank));
+    for (int i = 0; i < 9; i++) {
+        PyObject *f = PyFloat_FromDouble(d[i]);
+        if (f == NULL) {
+            Py_DECREF(rec);
+            goto error;
+        }
+        SET(2 + i, f);
+    }
+    SET(11, ph);
+    SET(12, sc);
+    SET(13, Py_NewRef(skipped));
+    SET(14, Py_NewRef(mem));
+    for (Py_ssize_t i = REC_GIVEN; i < rec_n; i++) SET(i, Py_NewRef(PyTuple_GET_ITEM(rec_defaults, i - REC_GIVEN)));
+    if (is_tail) SET(rec_tail, Py_NewRef(Py_True));
+#undef SET
+    return rec;
+error:
+    Py_DECREF(ph);
+    Py_XDECREF(sc);
+    return NULL;
+}
+
+static PyObject *fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4 || !PyTuple_CheckExact(args[1]) || !PyTuple_CheckExact(args[2])) Py_RETURN_NONE;
     PyObject *vals = args[0], *spec = args[1], *pieces = args[2], *enc = args[3];
-    Py_ssize_t n = PyTuple_GET_SIZE(vals);
+    /* The record itself, its slots read in place (no tuple of its 46 values), or that tuple. */
+    int direct = rec_type != NULL && Py_IS_TYPE(vals, rec_type);
+    if (!direct && !PyTuple_CheckExact(vals)) Py_RETURN_NONE;
+    Py_ssize_t n = direct ? rec_n : PyTuple_GET_SIZE(vals);
     if (PyTuple_GET_SIZE(spec) != n || PyTuple_GET_SIZE(pieces) != n + 1) Py_RETURN_NONE;
     Buf b;
     buf_init(&b);
     int rc = 0;
     for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
         rc = buf_put_ascii(&b, PyTuple_GET_ITEM(pieces, i));
-        if (rc == 0) rc = put_value(&b, PyTuple_GET_ITEM(vals, i), PyTuple_GET_ITEM(spec, i), enc);
+        if (rc != 0) break;
+        PyObject *v = direct ? *(PyObject **)((char *)vals + rec_off[i]) : PyTuple_GET_ITEM(vals, i);
+        if (v == NULL) { /* an unset slot: the Python path says what is wrong */
+            rc = 1;
+            break;
+        }
+        Py_INCREF(v); /* enc runs Python code: the slot may change meanwhile */
+        rc = put_value(&b, v, PyTuple_GET_ITEM(spec, i), enc);
+        Py_DECREF(v);
     }
     if (rc == 0) rc = buf_put_ascii(&b, PyTuple_GET_ITEM(pieces, n));
     PyObject *out = NULL;
@@ -290,6 +504,11 @@ static PyMethodDef methods[] = {
      "ns_float_repr(d) -> str | None: fill's repr of a float that is k / 1e9, else None (tests)."},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
      "fill(vals, spec, pieces, enc) -> str | None: one step line (see the module's source)."},
+    {"bind_records", (PyCFunction)(void (*)(void))bind_records, METH_FASTCALL,
+     "bind_records(RawStep, StepRecord, names, defaults) -> bool: whether to_record builds records itself."},
+    {"to_record", (PyCFunction)(void (*)(void))to_record, METH_FASTCALL,
+     "to_record(raw, rank, wall_ref, perf_ref_ns, scalar) -> StepRecord | None: RawStep.to_record in C "
+     "(None: take the Python method)."},
     {NULL, NULL, 0, NULL},
 };
 

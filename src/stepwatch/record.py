@@ -212,3 +212,30 @@ class RawStep:
 
 STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
 FINDING_FIELDS = tuple(f.name for f in dataclasses.fields(Finding))
+
+
+def _plain_defaults() -> tuple[Any, ...] | None:
+    """StepRecord's defaults past the fields to_record gives, when every one is a plain value a
+    record may share (None, a number, a str, a bool); None when one is not (a default_factory)."""
+    out = []
+    for f in dataclasses.fields(StepRecord)[15:]:
+        if type(f.default) not in (type(None), float, int, str, bool):
+            return None
+        out.append(f.default)
+    return tuple(out)
+
+
+# RawStep.to_record in C (src/stepwatch/_speedups.c), for the background thread: the record's
+# slots filled without its dataclass __init__'s frame. Optional, like the step line's filler:
+# None where it is not built or declined to bind; it returns None for any step it leaves to the
+# method (a checkpoint in the step, an unusual value), and tests/unit/test_record_build.py compares
+# the two field by field.
+c_to_record: Callable[..., StepRecord | None] | None = None
+try:
+    from ._speedups import bind_records, to_record
+
+    _defaults = _plain_defaults()
+    if _defaults is not None and bind_records(RawStep, StepRecord, STEP_FIELDS, _defaults):
+        c_to_record = to_record
+except ImportError:  # not built (no compiler at install): the method, the same records
+    pass

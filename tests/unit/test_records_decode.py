@@ -1,10 +1,23 @@
 """RawStep.to_record and StepRecord.to_dict, built for speed (positionally, with attrgetter),
-give what the plain keyword/getattr versions give, field for field and type for type."""
+give what the plain keyword/getattr versions give, field for field and type for type; so does
+record.py's ``c_to_record`` (RawStep.to_record in C, stepwatch._speedups, what the pipeline
+calls first) wherever it does not leave the step to the method."""
 
 import math
 import random
 
+import pytest
+
+from stepwatch import record as record_mod
 from stepwatch.record import FINDING_FIELDS, STEP_FIELDS, Finding, RawStep, StepRecord
+
+needs_c = pytest.mark.skipif(record_mod.c_to_record is None, reason="stepwatch._speedups is not built here")
+
+
+def c_or_method(raw, *args):
+    """What the pipeline does: C first, the method for what C leaves to it."""
+    rec = record_mod.c_to_record(raw, *args)
+    return ("c", rec) if rec is not None else ("method", raw.to_record(*args))
 
 
 def keyword_to_record(raw, rank, wall_ref, perf_ref_ns, scalar):
@@ -68,6 +81,78 @@ def test_to_record_matches_the_keyword_version_on_random_steps():
         for f in STEP_FIELDS:
             assert same(getattr(got, f), getattr(want, f)), (f, getattr(got, f), getattr(want, f))
         assert got.phases is not raw.phases and got.scalars is not raw.scalars  # the record's own dicts
+
+
+@needs_c
+def test_the_c_build_matches_the_keyword_version_on_random_steps():
+    """Every step C builds is the keyword version's record, field for field and type for type;
+    C leaves to the method only the steps with a checkpoint (and, here, a float phase); ``scalar``
+    is called once per value that is not a float, in order, by whichever builds the record."""
+    rng = random.Random(5)
+    ns = lambda: rng.choice([0, 1, rng.randint(0, 10**9), rng.randint(0, 10**13)])  # noqa: E731
+    by = {"c": 0, "method": 0}
+    for _ in range(4000):
+        phases = {f"p{i}": ns() for i in range(rng.choice([0, 0, 1, 3]))}
+        if phases and rng.random() < 0.05:
+            phases["f"] = 2.5  # not an int: the method's division
+        scalars = {k: rng.choice([rng.random(), 1.0, float("nan"), 2, True, None, "x", 10**400, -0.0])
+                   for k in rng.sample(["loss", "lr", "é", "acc"], rng.choice([0, 1, 2, 4]))}
+        ckpt = rng.choice([0, 0, 0, ns()])
+        extras = {"checkpoint_bytes": rng.choice([None, 0, 2_000_000_000])} if rng.random() < 0.5 else {}
+        raw = RawStep(rng.randint(0, 10**6), ns(), ns(), ns(), ns(), ns(), ns(), ns(), ckpt, phases, scalars,
+                      rng.random() < 0.1, rng.choice([None, 123]), extras, rng.choice([False, True, 0, 1, None]))
+        calls = []
+
+        def counted(name, v):
+            calls.append(name)
+            return scalar(name, v)
+
+        args = (rng.randint(0, 7), 1.7e9 + rng.random(), rng.randint(0, 10**13))
+        path, got = c_or_method(raw, *args, counted)
+        want = keyword_to_record(raw, *args, scalar)
+        by[path] += 1
+        assert type(got) is StepRecord
+        for f in STEP_FIELDS:
+            assert same(getattr(got, f), getattr(want, f)), (path, f, getattr(got, f), getattr(want, f))
+        assert got.phases is not raw.phases and got.scalars is not raw.scalars
+        assert calls == [k for k, v in scalars.items() if type(v) is not float]
+        assert path == "method" if (ckpt or "f" in phases) else path == "c"
+    assert by["c"] > 2500 and by["method"] > 300
+
+
+@needs_c
+def test_the_c_build_leaves_the_unusual_to_the_method_and_raises_what_scalar_raises():
+    c = record_mod.c_to_record
+
+    def raw(**kw):
+        fields = dict(step=1, t_end_ns=10**12, step_ns=5000, data_ns=1000, forward_ns=1000, backward_ns=1000,
+                      optimizer_ns=1000, eval_ns=0, checkpoint_ns=0, phases={}, scalars={"loss": 0.5}, skipped=False,
+                      mem_peak_bytes=None, extras={})
+        fields.update(kw)
+        return RawStep(**fields)
+
+    args = (0, 1.7e9, 10**12, scalar)
+    assert c(raw(), *args) is not None
+    for odd in (dict(step_ns=5000.0), dict(t_end_ns=2**70), dict(data_ns=True), dict(phases=None),
+                dict(scalars=[]), dict(checkpoint_ns=5)):
+        assert c(raw(**odd), *args) is None, odd  # the method then builds it (or raises as it always did)
+
+    class Sub(RawStep):
+        __slots__ = ()
+
+    sub = Sub(*[getattr(raw(), n) for n in RawStep.__slots__])
+    assert c(sub, *args) is None
+    assert c(raw(), 0, 17, 10**12, scalar) is None  # wall_ref not a float
+    unset = RawStep.__new__(RawStep)
+    assert c(unset, *args) is None
+
+    def boom(name, v):
+        raise ValueError(f"cannot convert {name}")
+
+    with pytest.raises(ValueError, match="cannot convert lr"):
+        c(raw(scalars={"loss": 0.5, "lr": 3}), 0, 1.7e9, 10**12, boom)
+    rec = c(raw(tail=1, step_ns=10, data_ns=100), *args)
+    assert rec.tail is True and rec.other_s == 0.0 and rec.clock == "host" and rec.gpu is None
 
 
 def test_to_dict_is_every_field_in_order():

@@ -234,6 +234,14 @@ def test_fill_declines_what_it_cannot_write_and_raises_nothing(fresh_shapes):
     assert fill(vals[:-1], t.spec, t.pieces, enc) is None
     assert fill(list(vals), t.spec, t.pieces, enc) is None
     assert fill(vals, t.spec, t.pieces) is None
+    if records_mod._FILL_READS_RECORD:  # the record itself, its slots read in place
+        assert fill(rec, t.spec, t.pieces, enc) == reference(rec)[1]
+        assert fill(StepRecord.__new__(StepRecord), t.spec, t.pieces, enc) is None  # unset slots
+
+        class Sub(StepRecord):
+            __slots__ = ()
+
+        assert fill(Sub(**rec.to_dict()), t.spec, t.pieces, enc) is None  # only StepRecord itself
 
     def boom(v):
         raise RuntimeError("encoder failed")

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._files import make_private_dir, open_private
 from ..context import RunContext
-from ..record import STEP_FIELDS, StepRecord
+from ..record import STEP_FIELDS, StepRecord, c_to_record
 from .base import Batch, Exporter
 
 # Share of a rank's budget per file kind; each keeps one rotated segment beside the live one.
@@ -115,6 +115,8 @@ try:  # the same template filled in C (src/stepwatch/_speedups.c); optional, lik
     from .._speedups import fill as _fill
 except ImportError:  # not built (no compiler at install): the Python template, the same bytes
     _fill = None
+# _speedups bound StepRecord's slots (record.py): fill then takes the record, not a tuple of its values.
+_FILL_READS_RECORD = _fill is not None and c_to_record is not None
 # The template of the last line: the next record most often has the same shape, and _fill checks
 # that (every field's type, the keyed values) for less than working out the shape's key.
 _last: "_StepTemplate | None" = None
@@ -208,11 +210,13 @@ def step_line(rec: StepRecord) -> str:
     global _last
     if type(rec) is StepRecord and _VALUE_ENCODER is not None:
         try:
-            vals = _VALUES(rec)
             if _fill is not None and _last is not None:
-                line = _fill(vals, _last.spec, _last.pieces, _enc)
+                # the record itself where _speedups has bound StepRecord (it reads the slots in
+                # place), else the tuple of its values
+                line = _fill(rec if _FILL_READS_RECORD else _VALUES(rec), _last.spec, _last.pieces, _enc)
                 if line is not None:
                     return line
+            vals = _VALUES(rec)
             key = (tuple(map(type, vals)), _KEYED_VALUES(vals))
             tmpl = _SHAPES.get(key)
             if tmpl is None and len(_SHAPES) < _MAX_SHAPES:
