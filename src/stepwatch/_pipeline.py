@@ -47,11 +47,14 @@ class Pending:
     read by the background thread once its event says the copy is done."""
 
     __slots__ = ("host", "event", "device")
+    # Set by the first one made: until then no record can hold one, and the pass does not look.
+    made = False
 
     def __init__(self, host: Any, event: Any, device: int) -> None:
         self.host = host
         self.event = event
         self.device = device
+        Pending.made = True
 
 
 def to_float(v: Any) -> float | None:
@@ -323,7 +326,9 @@ class Pipeline:
             for rec in records:
                 for d in self.detectors:
                     try:
-                        findings.extend(d.observe(rec))
+                        got = d.observe(rec)
+                        if got:  # nearly always empty
+                            findings.extend(got)
                     except Exception as e:
                         self.report_error(f"detector.{type(d).__name__}", e)
             samples: list[dict[str, Any]] = []
@@ -394,14 +399,15 @@ class Pipeline:
                 continue
             self._held.append([now, rec, raw.extras, None])
         out: list[StepRecord] = []
+        held = self._held
         # Records leave in order: the first one still waiting on the device holds the rest.
-        while self._held:
-            entry = self._held[0]
+        while held:
+            entry = held[0]
             since, rec, extras, _ = entry
             force = final or now - since > _MAX_HOLD_S
-            if not self._ready(rec, force=force) or not self._enrich(entry, force=force):
+            if (Pending.made and not self._ready(rec, force=force)) or not self._enrich(entry, force=force):
                 break
-            self._held.popleft()
+            held.popleft()
             out.append(rec)
         return out
 
