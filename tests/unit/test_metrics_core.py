@@ -141,6 +141,7 @@ def test_c_and_python_collectors_append_the_same_items(seed):
     cols = [cls(cache=FlopCache(counter=_counter), pad_token_id=pad)
             for cls in (tokens.ThroughputCollector, tokens.PyThroughputCollector)]
     assert type(cols[0]).on_forward is _cmetrics.ThroughputCore.on_forward
+    assert type(cols[0]).take is _cmetrics.ThroughputCore.take and type(cols[1]).take is tokens._PyThroughputCore.take
     ids = [torch.randint(0, 5, (2, 6)), torch.randint(0, 5, (3, 6)), torch.randn(2, 6)]
     for _ in range(30):
         r = rng.random()
@@ -256,3 +257,26 @@ def test_a_failing_forward_observer_is_dropped_and_the_others_still_run(tmp_path
         opt.step()
     finally:
         stepwatch.shutdown()
+
+
+def test_both_takes_hand_over_the_same_step_untracked_and_start_a_fresh_list():
+    """take() at a step's end: None with nothing appended; else a StepThroughput of the step's
+    items (its FLOPs summed lazily, as __init__ leaves it), it and its list untracked by the cyclic
+    GC, and a new empty list for the next step, in C as in Python."""
+    import gc
+
+    m, x = nn.Linear(4, 4), torch.randn(2, 4)
+    got = []
+    for cls in (tokens.ThroughputCollector, tokens.PyThroughputCollector):
+        col = cls(cache=FlopCache(counter=_counter))
+        assert col.take() is None
+        col.on_forward(m, (x,), {})
+        col.on_forward(m, (x,), {})
+        before = col._items
+        step = col.take()
+        assert type(step) is tokens.StepThroughput and step.items is before
+        assert col._items == [] and col._items is not before and col.take() is None
+        assert not gc.is_tracked(step) and not gc.is_tracked(step.items)
+        assert step._flops is tokens._UNSET
+        got.append((len(step.items), step.flops.total, step.micro_batches))
+    assert got[0] == got[1] == (2, 2 * (8 + 7), 2)

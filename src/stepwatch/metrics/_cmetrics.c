@@ -8,7 +8,8 @@
  * module is the same code in C, line for line:
  *
  *   SigCore         CallSig's descriptors and `matches` (flops.py's _PySigCore)
- *   ThroughputCore  the collector's hot-path state and `on_forward` (tokens.py's _PyThroughputCore)
+ *   ThroughputCore  the collector's hot-path state, `on_forward` and the step's `take`
+ *                   (tokens.py's _PyThroughputCore)
  *
  * Everything off the hot path (a first call, a new signature, an override, a count that depends
  * on the values) calls back into the Python (`_on_forward_full`, `_batch_counts`), so the rare
@@ -40,14 +41,64 @@ static PyObject *unset(const char *cls, const char *name) {
     return NULL;
 }
 
-/* Python's `x is y` on an attribute: 1, 0, or -1 with an exception. */
-static int attr_is(PyObject *obj, PyObject *name, PyObject *want) {
+/* A tensor's attribute (dtype, shape, requires_grad, is_cpu, is_cuda) read through its getter.
+ * PyObject_GetAttr finds the same getset descriptor every call (torch's TensorBase's) through
+ * the type's attribute machinery; here the getter found last time for the tensor's exact type is
+ * called directly while that type is unchanged (its version tag, which CPython replaces whenever
+ * the type or a base is modified) and reads attributes the generic way (no __getattr__ of its
+ * own). The getter is torch's own, so a tensor subclass's or a mode's __torch_function__ still
+ * runs in it. Anything else takes PyObject_GetAttr, which then fills the cache. */
+typedef struct {
+    PyTypeObject *type; /* not owned: compared only, and the tag below never repeats */
+    unsigned int tag;
+    getter get;
+    void *closure;
+} AttrCache;
+
+enum { A_DTYPE, A_SHAPE, A_REQUIRES_GRAD, A_IS_CUDA, A_IS_CPU, A_N };
+static AttrCache attr_cache[A_N];
+static PyObject **attr_names[A_N] = {&s_dtype, &s_shape, &s_requires_grad, &s_is_cuda, &s_is_cpu};
+
+static PyObject *tensor_attr(PyObject *obj, int which) {
+    AttrCache *c = &attr_cache[which];
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (c->type == tp && c->tag != 0 && tp->tp_version_tag == c->tag &&
+        PyType_HasFeature(tp, Py_TPFLAGS_VALID_VERSION_TAG)) {
+        return c->get(obj, c->closure);
+    }
+    PyObject *name = *attr_names[which];
     PyObject *v = PyObject_GetAttr(obj, name);
+    if (v != NULL && tp->tp_getattro == PyObject_GenericGetAttr) {
+        PyObject *d = _PyType_Lookup(tp, name); /* borrowed; gives the type a version tag */
+        if (d != NULL && Py_IS_TYPE(d, &PyGetSetDescr_Type) && ((PyGetSetDescrObject *)d)->d_getset->get != NULL &&
+            PyType_HasFeature(tp, Py_TPFLAGS_VALID_VERSION_TAG)) {
+            PyGetSetDef *gs = ((PyGetSetDescrObject *)d)->d_getset;
+            c->type = tp;
+            c->tag = tp->tp_version_tag;
+            c->get = gs->get;
+            c->closure = gs->closure;
+        }
+    }
+    return v;
+}
+
+/* tensor_attr(obj) is want / its truth: 1, 0, or -1 with an exception. */
+static int tensor_attr_is(PyObject *obj, int which, PyObject *want) {
+    PyObject *v = tensor_attr(obj, which);
     if (v == NULL) return -1;
     int r = v == want;
     Py_DECREF(v);
     return r;
 }
+
+static int tensor_attr_truth(PyObject *obj, int which) {
+    PyObject *v = tensor_attr(obj, which);
+    if (v == NULL) return -1;
+    int r = v == Py_None ? 0 : PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
 
 /* Python's `a == b` / `a != b` truthiness, without RichCompareBool's identity shortcut (a NaN
  * is not equal to itself here, as in the Python). */
@@ -93,17 +144,17 @@ static int tensor_matches(PyObject *a, PyObject *d) {
         return -1;
     }
     if ((PyObject *)Py_TYPE(a) != PyTuple_GET_ITEM(d, 0)) return 0;
-    int r = attr_is(a, s_dtype, PyTuple_GET_ITEM(d, 2));
+    int r = tensor_attr_is(a, A_DTYPE, PyTuple_GET_ITEM(d, 2));
     if (r <= 0) return r;
-    PyObject *shape = PyObject_GetAttr(a, s_shape);
+    PyObject *shape = tensor_attr(a, A_SHAPE);
     if (shape == NULL) return -1;
     r = cmp(shape, PyTuple_GET_ITEM(d, 1), Py_EQ);
     Py_DECREF(shape);
     if (r <= 0) return r;
-    if ((r = attr_is(a, s_requires_grad, PyTuple_GET_ITEM(d, 4))) <= 0) return r;
+    if ((r = tensor_attr_is(a, A_REQUIRES_GRAD, PyTuple_GET_ITEM(d, 4))) <= 0) return r;
     int cuda = PyObject_IsTrue(PyTuple_GET_ITEM(d, 3));
     if (cuda < 0) return -1;
-    return attr_truth(a, cuda ? s_is_cuda : s_is_cpu);
+    return tensor_attr_truth(a, cuda ? A_IS_CUDA : A_IS_CPU);
 }
 
 /* One value of the general path against its descriptor: a scalar's (class, value) by `!=`, a
@@ -122,17 +173,17 @@ static int value_matches(PyObject *a, PyObject *d) {
         PyErr_SetString(PyExc_IndexError, "tuple index out of range");
         return -1;
     }
-    int r = attr_is(a, s_dtype, PyTuple_GET_ITEM(d, 2));
+    int r = tensor_attr_is(a, A_DTYPE, PyTuple_GET_ITEM(d, 2));
     if (r <= 0) return r;
-    PyObject *shape = PyObject_GetAttr(a, s_shape);
+    PyObject *shape = tensor_attr(a, A_SHAPE);
     if (shape == NULL) return -1;
     r = cmp(shape, PyTuple_GET_ITEM(d, 1), Py_EQ);
     Py_DECREF(shape);
     if (r <= 0) return r;
     int cuda = PyObject_IsTrue(PyTuple_GET_ITEM(d, 3));
     if (cuda < 0) return -1;
-    if ((r = attr_truth(a, cuda ? s_is_cuda : s_is_cpu)) <= 0) return r;
-    return attr_is(a, s_requires_grad, PyTuple_GET_ITEM(d, 4));
+    if ((r = tensor_attr_truth(a, cuda ? A_IS_CUDA : A_IS_CPU)) <= 0) return r;
+    return tensor_attr_is(a, A_REQUIRES_GRAD, PyTuple_GET_ITEM(d, 4));
 }
 
 static int args_vs(PyObject *keys, PyObject *flat, PyObject *args, PyObject *kwargs);
@@ -403,9 +454,69 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
     return PyObject_VectorcallMethod(s_on_forward_full, full, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
 
+/* tokens.py's StepThroughput and its _UNSET, from _bind_take(): take() allocates the step's
+ * StepThroughput and fills its two slots itself, as its __init__ would (the Python take's call of
+ * that __init__ was a frame a step). Unbound (or a class whose slots are not plain), it calls the
+ * class. */
+static PyObject *step_cls = NULL, *unset_marker = NULL;
+static Py_ssize_t st_items_off = -1, st_flops_off = -1;
+
+static Py_ssize_t plain_slot(PyTypeObject *tp, const char *name) {
+    PyObject *d = PyDict_GetItemString(tp->tp_dict, name); /* borrowed */
+    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return -1;
+    PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
+    if (md->type != T_OBJECT_EX || (md->flags & READONLY)) return -1;
+    return md->offset;
+}
+
+static PyObject *untrack(PyObject *o) {
+    if (PyObject_IS_GC(o)) PyObject_GC_UnTrack(o);
+    return o;
+}
+
+/* _PyThroughputCore.take: the step's items as a StepThroughput (None when there are none), a
+ * fresh list for the next step; both untracked by the cyclic GC (numbers and cached counts only:
+ * nothing in them can refer back to them). */
+static PyObject *Throughput_take(ThroughputCore *self, PyObject *unused) {
+    PyObject *items = TP_GET(self, _items);
+    if (items == NULL) return NULL;
+    int t = PyList_CheckExact(items) ? PyList_GET_SIZE(items) != 0 : PyObject_IsTrue(items);
+    if (t <= 0) {
+        if (t < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    if (step_cls == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "stepwatch.metrics._cmetrics: _bind_take() was not called");
+        return NULL;
+    }
+    PyObject *fresh = PyList_New(0);
+    if (fresh == NULL) return NULL;
+    Py_INCREF(items);
+    Py_SETREF(self->_items, fresh);
+    untrack(items);
+    PyObject *st;
+    if (st_items_off >= 0) {
+        PyTypeObject *tp = (PyTypeObject *)step_cls;
+        st = tp->tp_alloc(tp, 0);
+        if (st == NULL) {
+            Py_DECREF(items);
+            return NULL;
+        }
+        *(PyObject **)((char *)st + st_items_off) = items; /* tp_alloc zeroed both slots */
+        *(PyObject **)((char *)st + st_flops_off) = Py_NewRef(unset_marker);
+    } else {
+        st = PyObject_CallOneArg(step_cls, items);
+        Py_DECREF(items);
+        if (st == NULL) return NULL;
+    }
+    return untrack(st);
+}
+
 static PyMethodDef ThroughputCore_methods[] = {
     {"on_forward", (PyCFunction)(void (*)(void))Throughput_on_forward, METH_FASTCALL,
      "on_forward(module, args, kwargs): a root module's call, before its forward."},
+    {"take", (PyCFunction)Throughput_take, METH_NOARGS,
+     "take() -> StepThroughput | None: the step's items, at its end."},
     {NULL},
 };
 
@@ -427,8 +538,25 @@ static PyObject *mod_bind(PyObject *m, PyObject *globals) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_bind_take(PyObject *m, PyObject *const *args, Py_ssize_t n) {
+    if (n != 2 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "_bind_take(StepThroughput, unset)");
+        return NULL;
+    }
+    PyTypeObject *tp = (PyTypeObject *)args[0];
+    Py_XSETREF(step_cls, Py_NewRef(args[0]));
+    Py_XSETREF(unset_marker, Py_NewRef(args[1]));
+    st_items_off = plain_slot(tp, "items");
+    st_flops_off = plain_slot(tp, "_flops");
+    /* allocated here only while __init__ is the one that stores (items, _UNSET) in those slots */
+    if (st_flops_off < 0) st_items_off = -1;
+    return PyBool_FromLong(st_items_off >= 0);
+}
+
 static PyMethodDef mod_methods[] = {
     {"_bind", mod_bind, METH_O, "_bind(globals): metrics/flops.py's globals (its _GETTERS and _state)."},
+    {"_bind_take", (PyCFunction)(void (*)(void))mod_bind_take, METH_FASTCALL,
+     "_bind_take(StepThroughput, unset) -> bool: the class take() builds; whether it fills its slots itself."},
     {NULL},
 };
 

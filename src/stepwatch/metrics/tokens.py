@@ -227,9 +227,19 @@ class _PyThroughputCore:
             return
         self._on_forward_full(module, args, kwargs)  # type: ignore[attr-defined]
 
+    def take(self) -> StepThroughput | None:
+        items = self._items
+        if not items:
+            return None
+        self._items = []
+        # Numbers and cached counts only: nothing in it can refer back to it (hooks/_ctracker.c).
+        return untracked(StepThroughput(untracked(items)))
+
 
 try:  # the hot path in C (metrics/_cmetrics.c): the same items, less time a forward
-    from ._cmetrics import ThroughputCore as _ThroughputCore
+    from ._cmetrics import ThroughputCore as _ThroughputCore, _bind_take
+
+    _bind_take(StepThroughput, _UNSET)  # the class its take() builds
 except ImportError:  # not built here (no compiler): the Python above
     _ThroughputCore = _PyThroughputCore
 
@@ -350,21 +360,15 @@ class _ThroughputMethods(Collector):
     def _batch_counts(self, args: Any, kwargs: Any) -> BatchCounts:
         return infer_batch_counts(args, kwargs, pad_token_id=self.pad_token_id, seq_first=self._seq_first)
 
-    def take(self) -> StepThroughput | None:
-        items = self._items
-        if not items:
-            return None
-        self._items = []
-        # Numbers and cached counts only: nothing in it can refer back to it (hooks/_ctracker.c).
-        return untracked(StepThroughput(untracked(items)))
-
-
 class ThroughputCollector(_ThroughputMethods, _ThroughputCore):  # type: ignore[misc,valid-type]
     __doc__ = _ThroughputMethods.__doc__  # its hot path: C where metrics/_cmetrics.c was built
+    take = _ThroughputCore.take  # the core's, not Collector's (before it in the MRO)
 
 
 class PyThroughputCollector(_ThroughputMethods, _PyThroughputCore):
     """``ThroughputCollector`` with the Python hot path always (tests compare the two)."""
+
+    take = _PyThroughputCore.take
 
 
 def _tensor_type() -> Any:
