@@ -105,6 +105,29 @@ def test_a_signature_matches_the_same_call_and_tells_apart_what_the_key_does():
         assert nan.matches((x, math.nan), {}) is False  # NaN != NaN, even the same object
 
 
+def test_a_tensor_class_changed_after_a_match_is_read_anew():
+    """The C comparison calls a tensor attribute's getter directly while the tensor's class is
+    unchanged; a class given its own attribute (or __getattr__) afterwards is read as Python reads it."""
+
+    class Changing(torch.Tensor):
+        pass
+
+    x = torch.randn(4, 8).as_subclass(Changing)
+    sigs = [cls.of((x,), {}) for cls in (flops.CallSig, flops.PyCallSig)]
+    assert [s.matches((x,), {}) for s in sigs] == [True, True]  # the C reads are cached for Changing now
+    Changing.shape = property(lambda self: torch.Size([1]))
+    try:
+        assert [s.matches((x,), {}) for s in sigs] == [False, False]
+    finally:
+        del Changing.shape
+    assert [s.matches((x,), {}) for s in sigs] == [True, True]
+    Changing.dtype = property(lambda self: torch.float16)
+    try:
+        assert [s.matches((x,), {}) for s in sigs] == [False, False]
+    finally:
+        del Changing.dtype
+
+
 def test_a_broken_descriptor_raises_the_same_in_both():
     for cls in (flops.CallSig, flops.PyCallSig):
         sig = cls.of((torch.randn(2), 3), {})
