@@ -1,5 +1,5 @@
 """Optional native builds: stepwatch.cuda_ext._native (the timer), stepwatch._speedups (the
-records file's step line), stepwatch.hooks._ctracker (the step tracker's hot methods) and
+records file's step line and the background thread's record build), stepwatch.hooks._ctracker (the step tracker's hot methods) and
 stepwatch.metrics._cmetrics (the FLOPs/tokens collector's per-forward fast path); all other
 metadata lives in pyproject.toml.
 

@@ -176,8 +176,8 @@ SPEEDUPS = (("step tracker", "stepwatch.hooks._ctracker"), ("FLOPs/tokens", "ste
 
 def check_speedups() -> Check:
     """Whether the C accelerators import here: without them a job runs the Python code for the
-    step tracker, the FLOPs/tokens collector's per-forward path and the records line (the same
-    records; more of the training thread's time)."""
+    step tracker, the FLOPs/tokens collector's per-forward path, and the records line with the
+    background thread's record build (the same records; more of either thread's time)."""
     import importlib
 
     got: dict[str, str] = {}
