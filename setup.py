@@ -58,9 +58,10 @@ def _extensions():
             libraries=["dl", "pthread"] if sys.platform.startswith("linux") else [],
             optional=True,
         ),
-        # The records file's step line in C (exporters/records.py keeps the Python template).
-        Extension("stepwatch._speedups", sources=["src/stepwatch/_speedups.c"], extra_compile_args=["-O2"],
-                  optional=True),
+        # The records file's step line and the background thread's record build in C
+        # (exporters/records.py and record.py keep the Python ones).
+        Extension("stepwatch._speedups", sources=["src/stepwatch/_speedups.c"],
+                  depends=["src/stepwatch/_cobjects.h"], extra_compile_args=["-O2"], optional=True),
         # The step tracker's hot methods in C (hooks/phases.py keeps them in Python, _PyCore).
         Extension("stepwatch.hooks._ctracker", sources=["src/stepwatch/hooks/_ctracker.c"],
                   depends=["src/stepwatch/_cobjects.h"], extra_compile_args=["-O2"], optional=True),

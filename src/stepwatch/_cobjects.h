@@ -1,6 +1,7 @@
-/* What stepwatch's C accelerators (hooks/_ctracker.c, metrics/_cmetrics.c) share: the boilerplate
- * of a heap type whose fields are all objects, and one attribute read. Included after
- * <Python.h>; everything here is static, so each extension has its own copy. */
+/* What stepwatch's C accelerators (hooks/_ctracker.c, metrics/_cmetrics.c, _speedups.c) share: the
+ * boilerplate of a heap type whose fields are all objects, one attribute read, and where a
+ * Python class keeps a slot. Included after <Python.h> and <structmember.h>; everything here is
+ * static, so each extension has its own copy. */
 #ifndef STEPWATCH_COBJECTS_H
 #define STEPWATCH_COBJECTS_H
 
@@ -50,6 +51,16 @@ static inline int attr_truth(PyObject *obj, PyObject *name) {
     int r = v == Py_None ? 0 : PyObject_IsTrue(v);
     Py_DECREF(v);
     return r;
+}
+
+/* The offset of ``name`` in ``tp``'s instances when it is a plain, writable object slot (a
+ * ``__slots__`` entry), so C may fill it as the class's __init__ would; -1 when it is not one. */
+static inline Py_ssize_t plain_slot_offset(PyTypeObject *tp, const char *name) {
+    PyObject *d = PyDict_GetItemString(tp->tp_dict, name); /* borrowed */
+    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return -1;
+    PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
+    if (md->type != T_OBJECT_EX || (md->flags & READONLY)) return -1;
+    return md->offset;
 }
 
 #endif

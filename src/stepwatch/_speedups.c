@@ -32,6 +32,8 @@
 #include <structmember.h>
 #include <string.h>
 
+#include "_cobjects.h"
+
 typedef struct {
     char *buf;
     Py_ssize_t len, cap;
@@ -270,15 +272,6 @@ static PyTypeObject *raw_type = NULL, *rec_type = NULL;
 static Py_ssize_t raw_off[RAW_N], rec_off[REC_MAX], rec_n = 0, rec_tail = -1;
 static PyObject *rec_defaults = NULL; /* tuple: the default of each field past REC_GIVEN */
 
-/* The offset of a plain, writable object slot named ``name`` on ``tp``; -1 when it is not one. */
-static Py_ssize_t slot_offset(PyTypeObject *tp, const char *name) {
-    PyObject *d = PyDict_GetItemString(tp->tp_dict, name); /* borrowed */
-    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return -1;
-    PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
-    if (md->type != T_OBJECT_EX || (md->flags & READONLY)) return -1;
-    return md->offset;
-}
-
 /* bind_records(RawStep, StepRecord, names, defaults) -> bool: whether to_record builds records
  * itself. ``names``: every StepRecord field in order; ``defaults``: the default of each past the
  * first 15 (a plain value, shared by every record: None, a float, a str, a bool). */
@@ -298,7 +291,7 @@ static PyObject *bind_records(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_ssize_t n = PyTuple_GET_SIZE(names);
     if (n <= REC_GIVEN || n > REC_MAX || PyTuple_GET_SIZE(defaults) != n - REC_GIVEN) Py_RETURN_FALSE;
     for (int i = 0; i < RAW_N; i++) {
-        if ((raw_off[i] = slot_offset(rt, raw_names[i])) < 0) Py_RETURN_FALSE;
+        if ((raw_off[i] = plain_slot_offset(rt, raw_names[i])) < 0) Py_RETURN_FALSE;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name = PyTuple_GET_ITEM(names, i);
@@ -308,7 +301,7 @@ static PyObject *bind_records(PyObject *self, PyObject *const *args, Py_ssize_t 
             Py_RETURN_FALSE;
         }
         if (i < REC_GIVEN && strcmp(s, rec_names[i]) != 0) Py_RETURN_FALSE;
-        if ((rec_off[i] = slot_offset(st, s)) < 0) Py_RETURN_FALSE;
+        if ((rec_off[i] = plain_slot_offset(st, s)) < 0) Py_RETURN_FALSE;
         if (strcmp(s, "tail") == 0) rec_tail = i;
     }
     if (rec_tail < 0) Py_RETURN_FALSE;

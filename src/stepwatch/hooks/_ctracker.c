@@ -1216,11 +1216,7 @@ static PyObject *mod_bind(PyObject *m, PyObject *cls) {
     if (!PyType_Check(cls)) Py_RETURN_NONE;
     PyTypeObject *tp = (PyTypeObject *)cls;
     for (int i = 0; i < RAW_N; i++) {
-        PyObject *d = PyDict_GetItemString(tp->tp_dict, raw_names[i]); /* borrowed */
-        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) Py_RETURN_NONE;
-        PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
-        if (md->type != T_OBJECT_EX || (md->flags & READONLY)) Py_RETURN_NONE;
-        raw_offsets[i] = md->offset;
+        if ((raw_offsets[i] = plain_slot_offset(tp, raw_names[i])) < 0) Py_RETURN_NONE;
     }
     raw_direct = 1;
     Py_RETURN_NONE;

@@ -461,14 +461,6 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
 static PyObject *step_cls = NULL, *unset_marker = NULL;
 static Py_ssize_t st_items_off = -1, st_flops_off = -1;
 
-static Py_ssize_t plain_slot(PyTypeObject *tp, const char *name) {
-    PyObject *d = PyDict_GetItemString(tp->tp_dict, name); /* borrowed */
-    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type)) return -1;
-    PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
-    if (md->type != T_OBJECT_EX || (md->flags & READONLY)) return -1;
-    return md->offset;
-}
-
 static PyObject *untrack(PyObject *o) {
     if (PyObject_IS_GC(o)) PyObject_GC_UnTrack(o);
     return o;
@@ -546,8 +538,8 @@ static PyObject *mod_bind_take(PyObject *m, PyObject *const *args, Py_ssize_t n)
     PyTypeObject *tp = (PyTypeObject *)args[0];
     Py_XSETREF(step_cls, Py_NewRef(args[0]));
     Py_XSETREF(unset_marker, Py_NewRef(args[1]));
-    st_items_off = plain_slot(tp, "items");
-    st_flops_off = plain_slot(tp, "_flops");
+    st_items_off = plain_slot_offset(tp, "items");
+    st_flops_off = plain_slot_offset(tp, "_flops");
     /* allocated here only while __init__ is the one that stores (items, _UNSET) in those slots */
     if (st_flops_off < 0) st_items_off = -1;
     return PyBool_FromLong(st_items_off >= 0);
