@@ -250,7 +250,7 @@ static int put_value(Buf *b, PyObject *v, PyObject *want, PyObject *enc) {
 
 /* record.py's RawStep.to_record, for the background thread (one call a step): the StepRecord is
  * allocated and its slots filled here, as its dataclass __init__ would fill them, without the
- * ~46 stores of that __init__'s frame. bind_records(RawStep, StepRecord, defaults) checks once
+ * ~46 stores of that __init__'s frame. bind_records(RawStep, StepRecord, names, defaults) checks once
  * that every field of both is a plain object slot and that StepRecord's fields past the 15
  * to_record gives have plain defaults (``defaults``: the tuple of those); until it has,
  * or when it declined, to_record returns None. to_record returns None too, before it has called

@@ -228,7 +228,7 @@ def _plain_defaults() -> tuple[Any, ...] | None:
 # RawStep.to_record in C (src/stepwatch/_speedups.c), for the background thread: the record's
 # slots filled without its dataclass __init__'s frame. Optional, like the step line's filler:
 # None where it is not built or declined to bind; it returns None for any step it leaves to the
-# method (a checkpoint in the step, an unusual value), and tests/unit/test_record_build.py compares
+# method (a checkpoint in the step, an unusual value), and tests/unit/test_records_decode.py compares
 # the two field by field.
 c_to_record: Callable[..., StepRecord | None] | None = None
 try:
