@@ -1,7 +1,7 @@
 """Optional native builds: stepwatch.cuda_ext._native (the timer), stepwatch._speedups (the
-records file's step line and the background thread's record build), stepwatch.hooks._ctracker (the step tracker's hot methods) and
-stepwatch.metrics._cmetrics (the FLOPs/tokens collector's per-forward fast path); all other
-metadata lives in pyproject.toml.
+records file's step line and the background thread's record build), stepwatch.hooks._ctracker
+(the step tracker's hot methods) and stepwatch.metrics._cmetrics (the FLOPs/tokens collector's
+per-forward fast path); all other metadata lives in pyproject.toml.
 
 They need only a C compiler and the Python headers: the CUDA/HIP runtime is loaded with dlopen
 at run time, so no toolkit (nvcc, hipcc) is needed here. When one cannot be built (no compiler,

@@ -1,6 +1,6 @@
 /* What stepwatch's C accelerators (hooks/_ctracker.c, metrics/_cmetrics.c, _speedups.c) share: the
- * boilerplate of a heap type whose fields are all objects, one attribute read, and where a
- * Python class keeps a slot. Included after <Python.h> and <structmember.h>; everything here is
+ * boilerplate of a heap type whose fields are all objects, one attribute read, where a Python
+ * class keeps a slot, untracking from the cyclic GC, and record.py's RawStep slots. Included after <Python.h> and <structmember.h>; everything here is
  * static, so each extension has its own copy. */
 #ifndef STEPWATCH_COBJECTS_H
 #define STEPWATCH_COBJECTS_H
@@ -62,5 +62,19 @@ static inline Py_ssize_t plain_slot_offset(PyTypeObject *tp, const char *name) {
     if (md->type != T_OBJECT_EX || (md->flags & READONLY)) return -1;
     return md->offset;
 }
+
+/* ``o``, no longer tracked by the cyclic GC when it was (a step's payload that cannot be part of
+ * a reference cycle; see "The cyclic GC" in hooks/_ctracker.c). */
+static inline PyObject *untrack(PyObject *o) {
+    if (PyObject_IS_GC(o)) PyObject_GC_UnTrack(o);
+    return o;
+}
+
+/* record.py's RawStep.__slots__, in its order: the record hooks/_ctracker.c builds and
+ * _speedups.c decodes (a macro, so a file that does not use it has no unused array). */
+#define RAWSTEP_SLOTS                                                                                  \
+    "step", "t_end_ns", "step_ns", "data_ns", "forward_ns", "backward_ns", "optimizer_ns", "eval_ns",  \
+        "checkpoint_ns", "phases", "scalars", "skipped", "mem_peak_bytes", "extras", "tail"
+#define RAWSTEP_N 15
 
 #endif

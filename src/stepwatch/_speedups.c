@@ -257,11 +257,11 @@ static int put_value(Buf *b, PyObject *v, PyObject *want, PyObject *enc) {
  * ``scalar`` (which counts), for anything it leaves to the Python method: another class, an
  * unset slot, a duration that is not an int of at most 63 bits, a checkpoint in the step (its
  * bytes and GB/s). Else the record, or the error ``scalar`` raised. */
-static const char *const raw_names[] = {"step",    "t_end_ns",      "step_ns", "data_ns",        "forward_ns",
-                                        "backward_ns", "optimizer_ns", "eval_ns", "checkpoint_ns", "phases",
-                                        "scalars", "skipped",       "mem_peak_bytes", "extras", "tail"};
+static const char *const raw_names[] = {RAWSTEP_SLOTS};
+/* Their indices (the same order). */
 enum { R_STEP, R_T_END, R_STEP_NS, R_DATA, R_FWD, R_BWD, R_OPT, R_EVAL, R_CKPT, R_PHASES, R_SCALARS, R_SKIPPED,
        R_MEM, R_EXTRAS, R_TAIL, RAW_N };
+_Static_assert(RAW_N == RAWSTEP_N, "one index per RawStep slot");
 /* StepRecord's first fields, in its order: what to_record gives positionally. */
 static const char *const rec_names[] = {"step",   "rank",    "time",      "step_s",   "data_wait_s",
                                         "forward_s", "backward_s", "optimizer_s", "other_s", "eval_s",

@@ -11,7 +11,18 @@ import pytest
 from stepwatch import record as record_mod
 from stepwatch.record import FINDING_FIELDS, STEP_FIELDS, Finding, RawStep, StepRecord
 
-needs_c = pytest.mark.skipif(record_mod.c_to_record is None, reason="stepwatch._speedups is not built here")
+try:
+    from stepwatch import _speedups  # noqa: F401
+except ImportError:
+    _speedups = None
+needs_c = pytest.mark.skipif(_speedups is None, reason="stepwatch._speedups is not built here")
+
+
+@needs_c
+def test_the_c_build_is_bound_where_the_extension_is_built():
+    """bind_records found every RawStep and StepRecord field a plain slot (the names in
+    _cobjects.h's RAWSTEP_SLOTS among them): a renamed slot would leave every record to the method."""
+    assert record_mod.c_to_record is not None
 
 
 def c_or_method(raw, *args):

@@ -297,10 +297,8 @@ static PyObject *Core_close_eval(Core *self, PyObject *unused) {
 /* RawStep(...) as phases.py builds it. RawStep is a slots class whose __init__ only stores its 15
  * arguments: when _bind found each of them a plain object slot, the record is allocated and its
  * slots filled here (what __init__ does, without its frame); else RawStep is called. */
-static const char *const raw_names[] = {"step",    "t_end_ns",      "step_ns", "data_ns",        "forward_ns",
-                                        "backward_ns", "optimizer_ns", "eval_ns", "checkpoint_ns", "phases",
-                                        "scalars", "skipped",       "mem_peak_bytes", "extras", "tail"};
-#define RAW_N 15
+static const char *const raw_names[] = {RAWSTEP_SLOTS};
+#define RAW_N RAWSTEP_N
 static Py_ssize_t raw_offsets[RAW_N];
 static int raw_direct = 0;
 
@@ -1233,10 +1231,7 @@ static PyObject *mod_set_clock(PyObject *m, PyObject *fn) {
     Py_RETURN_NONE;
 }
 
-static PyObject *mod_untracked(PyObject *m, PyObject *obj) {
-    if (PyObject_IS_GC(obj)) PyObject_GC_UnTrack(obj);
-    return Py_NewRef(obj);
-}
+static PyObject *mod_untracked(PyObject *m, PyObject *obj) { return Py_NewRef(untrack(obj)); }
 
 static PyMethodDef mod_methods[] = {
     {"untracked", mod_untracked, METH_O,

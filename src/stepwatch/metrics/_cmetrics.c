@@ -461,11 +461,6 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
 static PyObject *step_cls = NULL, *unset_marker = NULL;
 static Py_ssize_t st_items_off = -1, st_flops_off = -1;
 
-static PyObject *untrack(PyObject *o) {
-    if (PyObject_IS_GC(o)) PyObject_GC_UnTrack(o);
-    return o;
-}
-
 /* _PyThroughputCore.take: the step's items as a StepThroughput (None when there are none), a
  * fresh list for the next step; both untracked by the cyclic GC (numbers and cached counts only:
  * nothing in them can refer back to them). */
