@@ -231,9 +231,29 @@ def test_burst_raises_queue_and_fires_the_queue_finding(served):
     assert f["data"]["waiting"] > 5 and f["data"]["threshold"] == 5
     assert f["diagnosis"] and f["action"]
     # B.6 "num_requests_running near max_num_seqs": the cap read from the launched command's
-    # --max-num-seqs; 64 requests on 8 seats keep the batch full while others wait.
-    full = served.wait_finding("max_num_seqs_saturated", 30)
-    assert full is not None, f"no max_num_seqs_saturated finding; findings: {served.findings()}"
+    # --max-num-seqs; 64 requests on 8 seats keep the batch full while others wait. One CI run
+    # saw the queue finding 1 s in, at a scrape with 4 running (the engine still filling its
+    # batch), and no scrape with the batch full before the burst drained: so the load is kept
+    # up (a new burst once the last is done, at most three more) until the finding fires, and
+    # what the wrapper re-exported is kept to say what it saw if it does not.
+    seen: list[tuple[float, float | None, float | None, int]] = []  # (s, running, waiting, done)
+    full = None
+    t1 = time.monotonic()
+    more = 0
+    while full is None and time.monotonic() - t1 < 120:
+        full = served.wait_finding("max_num_seqs_saturated", 1.0)
+        got = _prom_samples(served)
+        running = [x.value for x in got.get(N.OUT_RUNNING, [])]
+        waiting = [x.value for x in got.get(N.OUT_WAITING, [])]
+        done = sum(len(b.results) for b in bursts)
+        seen.append((round(time.monotonic() - t1, 1), max(running) if running else None,
+                     max(waiting) if waiting else None, done))
+        if full is None and done == 64 * len(bursts) and more < 3:
+            bursts.append(Burst(served.url, MODEL, 64, max_tokens=256))
+            more += 1
+    results = [r for b in bursts for r in b.wait(240)]
+    assert full is not None, (f"no max_num_seqs_saturated finding; findings: {served.findings()}; "
+                              f"(s, running, waiting, done): {seen[-60:]}")
     assert full["data"]["max_num_seqs"] == MAX_NUM_SEQS and full["data"]["running"] >= MAX_NUM_SEQS
     assert full["data"]["waiting"] > 0
     assert len(results) == 64 * len(bursts) and all(r.status == 200 for r in results), \
