@@ -4,7 +4,8 @@ with a tiny local model (scripts/setup_vllm.sh: cached venv and model; shared/vl
 ONE server start for the module (45-60 s on 2 cores, more when the machine is busy); the tests run
 in order against it and the last one stops it:
 1. the stepwatch_serving_* metrics come out of the wrapper's Prometheus endpoint;
-2. a burst drives num_requests_waiting up and the queue finding fires at a lowered threshold;
+2. a burst drives num_requests_waiting up and the queue finding fires at a lowered threshold (and the
+   full-batch finding); the worker is held for a few seconds while the burst arrives (_held_burst);
 3. the model worker frozen with SIGSTOP under load gives a stall finding and stack dumps of >= 3
    processes within S + 30 s, naming the worker;
 4. SIGTERM to the wrapper leaves no process of the tree behind.
@@ -21,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -208,78 +210,103 @@ def test_serving_metrics_are_reexported(served):
     assert not any(name.startswith("vllm:") for name in got)  # our names only
 
 
+def _worker(served: Served) -> int:
+    tree = served.remember_tree()
+    workers = [p.pid for p in tree if "VLLM::Worker" in procs.cmdline(p.pid)]
+    assert workers, f"no VLLM::Worker in the tree: {[(p.pid, procs.cmdline(p.pid)[:60]) for p in tree]}"
+    return workers[0]
+
+
+def _load(served: Served, timeout: float = 5.0) -> float | None:
+    """Requests in flight at the API server; None when /load did not answer within ``timeout``."""
+    r = get(served.url + "/load", timeout)
+    return json.loads(r[1]).get("server_load", 0) if r else None
+
+
+HOLD_S = 6.0  # well under STALL_S: a held worker must not read as a stall
+
+
+def _held_burst(served: Served, worker: int, n: int) -> tuple[Burst, float | None]:
+    """``n`` requests that arrive while the model worker is held (SIGSTOP), released once the API
+    server counts them all in flight or after HOLD_S; returns the burst and the count at release.
+
+    Why hold: on this machine the engine finishes the tiny model's requests faster than the API
+    server admits them. A plain burst of 64 drained in 4 s with at most 2 waiting (a run here) and
+    no scrape in a CI run saw more than 5 waiting. Held, the requests queue the way they do behind
+    a slow engine step, and once released the scheduler runs max-num-seqs of them while the rest
+    wait, which is the state both findings describe."""
+    go = threading.Event()  # the threads start first (seconds on a busy machine), then all send
+    burst = Burst(served.url, MODEL, n, max_tokens=256, gate=go)
+    os.kill(worker, signal.SIGSTOP)
+    deadline = time.monotonic() + HOLD_S
+    held = None
+    try:
+        go.set()
+        while (held is None or held < n) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            held = _load(served, max(0.1, deadline - time.monotonic()))
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    return burst, held
+
+
 def test_burst_raises_queue_and_fires_the_queue_finding(served):
-    # 64 requests on 8 seats: ~56 wait until the engine has worked through them. One burst gave ~5 s
-    # of waiting > 5 here, but in one CI run of a busy machine the wrapper saw no scrape with
-    # waiting > 5 at all. So: up to three bursts, the next once the last is done, until the finding
-    # fires; a timeline of what the wrapper re-exported says what it saw if none does.
-    bursts = [Burst(served.url, MODEL, 64, max_tokens=256)]
-    timeline: list[tuple[float, float | None, int]] = []  # (s since the first burst, waiting, requests done)
+    # 64 requests on 8 seats, held until they have arrived (_held_burst): ~56 wait until the engine
+    # has worked through them. Up to three bursts, the next once the last is done, until both the
+    # queue finding and the full-batch finding have fired; a timeline of what the wrapper
+    # re-exported says what it saw if they do not.
+    worker = _worker(served)
+    bursts: list[Burst] = []
+    held: list[float | None] = []  # in flight at the API server when each burst was released
+    timeline: list[tuple[float, float | None, float | None, int]] = []  # (s, running, waiting, done)
     t0 = time.monotonic()
-    f = None
-    while f is None and time.monotonic() - t0 < 150:
-        f = served.wait_finding("queue_depth", 1.0)
-        waiting = [x.value for x in _prom_samples(served).get(N.OUT_WAITING, [])]
+    f = full = None
+    while (f is None or full is None) and time.monotonic() - t0 < 150:
         done = sum(len(b.results) for b in bursts)
-        timeline.append((round(time.monotonic() - t0, 1), max(waiting) if waiting else None, done))
-        if f is None and done == 64 * len(bursts) and len(bursts) < 3:
-            bursts.append(Burst(served.url, MODEL, 64, max_tokens=256))
-    results = [r for b in bursts for r in b.wait(240)]
-    print(f"queue timeline (s, waiting, done): {timeline}")
-    assert f is not None, (f"no queue_depth finding; findings: {served.findings()}; timeline {timeline}; "
-                           f"statuses {sorted({r.status for r in results}, key=str)}\n{served.log_tail()}")
-    assert f["data"]["waiting"] > 5 and f["data"]["threshold"] == 5
-    assert f["diagnosis"] and f["action"]
-    # B.6 "num_requests_running near max_num_seqs": the cap read from the launched command's
-    # --max-num-seqs; 64 requests on 8 seats keep the batch full while others wait. One CI run
-    # saw the queue finding 1 s in, at a scrape with 4 running (the engine still filling its
-    # batch), and no scrape with the batch full before the burst drained: so the load is kept
-    # up (a new burst once the last is done, at most three more) until the finding fires, and
-    # what the wrapper re-exported is kept to say what it saw if it does not.
-    seen: list[tuple[float, float | None, float | None, int]] = []  # (s, running, waiting, done)
-    full = None
-    t1 = time.monotonic()
-    more = 0
-    while full is None and time.monotonic() - t1 < 120:
-        full = served.wait_finding("max_num_seqs_saturated", 1.0)
+        if done == 64 * len(bursts) and len(bursts) < 3:
+            burst, n = _held_burst(served, worker, 64)
+            bursts.append(burst)
+            held.append(n)
+        f = f or served.wait_finding("queue_depth", 1.0)
+        full = full or served.wait_finding("max_num_seqs_saturated", 0.1)
         got = _prom_samples(served)
         running = [x.value for x in got.get(N.OUT_RUNNING, [])]
         waiting = [x.value for x in got.get(N.OUT_WAITING, [])]
-        done = sum(len(b.results) for b in bursts)
-        seen.append((round(time.monotonic() - t1, 1), max(running) if running else None,
-                     max(waiting) if waiting else None, done))
-        if full is None and done == 64 * len(bursts) and more < 3:
-            bursts.append(Burst(served.url, MODEL, 64, max_tokens=256))
-            more += 1
+        timeline.append((round(time.monotonic() - t0, 1), max(running) if running else None,
+                         max(waiting) if waiting else None, done))
     results = [r for b in bursts for r in b.wait(240)]
-    assert full is not None, (f"no max_num_seqs_saturated finding; findings: {served.findings()}; "
-                              f"(s, running, waiting, done): {seen[-60:]}")
+    print(f"queue: in flight at release {held}; timeline (s, running, waiting, done): {timeline}")
+    why = (f"findings: {served.findings()}; in flight at release {held}; (s, running, waiting, done) "
+           f"{timeline[-60:]}; statuses {sorted({r.status for r in results}, key=str)}")
+    assert f is not None, f"no queue_depth finding; {why}\n{served.log_tail()}"
+    assert f["data"]["waiting"] > 5 and f["data"]["threshold"] == 5
+    assert f["diagnosis"] and f["action"]
+    # B.6 "num_requests_running near max_num_seqs": the cap read from the launched command's
+    # --max-num-seqs; 64 requests on 8 seats keep the batch full while others wait.
+    assert full is not None, f"no max_num_seqs_saturated finding; {why}"
     assert full["data"]["max_num_seqs"] == MAX_NUM_SEQS and full["data"]["running"] >= MAX_NUM_SEQS
     assert full["data"]["waiting"] > 0
     assert len(results) == 64 * len(bursts) and all(r.status == 200 for r in results), \
         [(r.status, r.error) for r in results if r.status != 200][:5]
+    assert not [x for x in served.findings() if x["kind"] == "stall"], "a held burst read as a stall"
 
 
 def test_sigstop_worker_gives_stall_finding_and_dumps(served):
-    tree = served.remember_tree()
-    workers = [p.pid for p in tree if "VLLM::Worker" in procs.cmdline(p.pid)]
-    assert workers, f"no VLLM::Worker in the tree: {[(p.pid, procs.cmdline(p.pid)[:60]) for p in tree]}"
-    worker = workers[0]
+    worker = _worker(served)
 
     def load() -> float | None:
-        """Requests in flight at the API server; None when /load did not answer within 5 s."""
-        r = get(served.url + "/load")
-        return json.loads(r[1]).get("server_load", 0) if r else None
+        return _load(served)
 
     def client_in_flight() -> int:
         return sum(b.in_flight for b in bursts)
 
     # Under load when the worker stops: more requests in flight than --max-num-seqs, some waiting.
-    # Mostly the API server's /load says so at once. In one CI run on a busy machine it never did
-    # within 120 s (what it answered was lost with the truncated log), so: the timeline records
-    # only changes, a /load that does not answer is None (a server too busy to answer /load while
-    # this client holds more than max-num-seqs requests open is under load too), and a failure
-    # says what the requests returned and what the wrapper logged.
+    # The load before the stop is best effort: in two CI runs on a busy machine the client could
+    # not outpace the engine (starting a burst's 24 threads took 10.7 s in one, and the API server
+    # never counted more than 3 in flight in 120 s). Requests that arrive after the stop wait on
+    # the frozen worker for certain, so a burst follows the stop and the test asserts what the API
+    # server counted while the worker was stopped. The timeline records only changes; a /load that
+    # does not answer is None (then what this client holds open is the count).
     bursts: list[Burst] = []
     timeline: list[tuple[float, str, float | None]] = []  # (seconds since the first burst, what, value)
 
@@ -288,8 +315,7 @@ def test_sigstop_worker_gives_stall_finding_and_dumps(served):
             timeline.append((round(time.monotonic() - t_start, 1), what, value))
 
     t_start = time.monotonic()
-    deadline = t_start + 120
-    while True:
+    while time.monotonic() - t_start < 15:
         if not bursts or (len(bursts) < 3 and len(bursts[-1].results) >= 12):
             bursts.append(Burst(served.url, MODEL, 24, max_tokens=400))
             note("burst", 24.0)
@@ -297,37 +323,32 @@ def test_sigstop_worker_gives_stall_finding_and_dumps(served):
         note("load", now_load)
         if now_load is not None and now_load > MAX_NUM_SEQS:
             break
-        if now_load is None and (held := client_in_flight()) > MAX_NUM_SEQS:
-            note("client in flight", float(held))
-            break
-        if time.monotonic() >= deadline:
-            statuses = sorted({(r.status, r.error) for b in bursts for r in b.results}, key=str)[:5]
-            # the facts last: CI shows the tail of a failure
-            pytest.fail(f"wrapper log:\n{served.log_tail(2000)}\nnever more than {MAX_NUM_SEQS} requests in "
-                        f"flight in 120 s: client in flight {client_in_flight()}; wrapper alive "
-                        f"{served.wrapper.poll() is None}; results {statuses}; timeline {timeline[-60:]}")
         time.sleep(0.1)
     os.kill(worker, signal.SIGSTOP)
     t0 = time.monotonic()
     note("SIGSTOP", float(worker))
     # The API server's count lags the engine on a busy machine: a run here read 22 in flight at the
     # stop while the engine held 8, and in CI the engine had finished everything the API server
-    # still counted, so nothing was left to stall. Requests that arrive after the stop wait on the
-    # frozen worker for certain.
+    # still counted, so nothing was left to stall.
     bursts.append(Burst(served.url, MODEL, 24, max_tokens=400))
     note("burst", 24.0)
+    stopped_load: list[float] = []  # what the API server counted in flight while the worker was stopped
     try:
         f = None
         while f is None and time.monotonic() - t0 < STALL_S + 30:
             f = served.wait_finding("stall", 1.0)
             st = procs.read_stat(worker)
-            note(f"load (worker {st.state if st else 'gone'})", load())
+            now_load = load()
+            note(f"load (worker {st.state if st else 'gone'})", now_load)
+            stopped_load.append(now_load if now_load is not None else float(client_in_flight()))
         took = time.monotonic() - t0
     finally:
         os.kill(worker, signal.SIGCONT)
     assert f is not None, (f"no stall finding within {STALL_S + 30} s; timeline {timeline}; "
                            f"findings: {served.findings()}\n{served.log_tail()}")
     print(f"stall finding {took:.1f} s after SIGSTOP (S = {STALL_S}); before it: {timeline[:8]}")
+    # under load: more requests in flight than seats, so some of them waiting, while it was frozen
+    assert max(stopped_load) > MAX_NUM_SEQS, f"in flight while stopped {stopped_load}; timeline {timeline}"
     assert took <= STALL_S + 30
     d = f["data"]["dir"]
     stacks = [n for n in os.listdir(d) if n.startswith("stacks.")]

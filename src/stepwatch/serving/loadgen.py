@@ -40,13 +40,19 @@ def complete(url: str, model: str, prompt: str, *, max_tokens: int = 32, timeout
 
 
 class Burst:
-    """``n`` concurrent completions, started at once in the background; ``wait()`` collects them."""
+    """``n`` concurrent completions, started at once in the background; ``wait()`` collects them.
+
+    ``gate``: the threads start but send nothing until it is set, so the requests leave together
+    however long starting ``n`` threads takes (seconds on a busy machine); a gate never set sends
+    nothing, and ``wait()`` returns what has come back by its timeout."""
 
     def __init__(self, url: str, model: str, n: int, *, max_tokens: int = 32, timeout_s: float = 120.0,
-                 prompt: str = "the quick brown fox jumps over the lazy dog") -> None:
+                 prompt: str = "the quick brown fox jumps over the lazy dog",
+                 gate: threading.Event | None = None) -> None:
         if not 1 <= n <= 1000:
             raise ValueError(f"n must be within 1..1000, got {n}")
         self.results: list[Result] = []
+        self._gate = gate
         self._lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._one, args=(url, model, f"{prompt} {i}", max_tokens, timeout_s),
@@ -57,6 +63,8 @@ class Burst:
             t.start()
 
     def _one(self, url: str, model: str, prompt: str, max_tokens: int, timeout_s: float) -> None:
+        if self._gate is not None:
+            self._gate.wait()
         r = complete(url, model, prompt, max_tokens=max_tokens, timeout_s=timeout_s)
         with self._lock:
             self.results.append(r)
