@@ -10,6 +10,10 @@
  *   SigCore         CallSig's descriptors and `matches` (flops.py's _PySigCore)
  *   ThroughputCore  the collector's hot-path state, `on_forward` and the step's `take`
  *                   (tokens.py's _PyThroughputCore)
+ *   GradNormCore    the grad-norm collector's optimizer step pre-hook, its common case: no clip
+ *                   or GradScaler seen, the optimizer stepped last time too, one parameter group
+ *                   as last time, plain dense parameters, no grad_scale (grads.py's
+ *                   GradNormProbe.on_optimizer_step -> _probe -> _compute_plain, composed)
  *
  * Everything off the hot path (a first call, a new signature, an override, a count that depends
  * on the values) calls back into the Python (`_on_forward_full`, `_batch_counts`), so the rare
@@ -24,7 +28,8 @@
 #include "../_cobjects.h"
 
 static PyObject *s_dtype, *s_shape, *s_requires_grad, *s_is_cuda, *s_is_cpu, *s_active, *s_mine, *s_matches,
-    *s_on_forward_full, *s_batch_counts, *s_getters_var, *s_getters_fn, *s_state_fn;
+    *s_on_forward_full, *s_batch_counts, *s_getters_var, *s_getters_fn, *s_state_fn, *s_grad, *s_used, *s_last,
+    *s_every, *s_param_groups, *s_params, *s_dict, *s_grad_scale, *s_probe_fn;
 
 /* metrics/flops.py's globals, from _bind(): its _GETTERS (torch, any autocast, grad mode, the two
  * TF32 switches; None until _getters() binds them) and _state, read at each comparison as the
@@ -55,9 +60,9 @@ typedef struct {
     void *closure;
 } AttrCache;
 
-enum { A_DTYPE, A_SHAPE, A_REQUIRES_GRAD, A_IS_CUDA, A_IS_CPU, A_N };
+enum { A_DTYPE, A_SHAPE, A_REQUIRES_GRAD, A_IS_CUDA, A_IS_CPU, A_GRAD, A_N };
 static AttrCache attr_cache[A_N];
-static PyObject **attr_names[A_N] = {&s_dtype, &s_shape, &s_requires_grad, &s_is_cuda, &s_is_cpu};
+static PyObject **attr_names[A_N] = {&s_dtype, &s_shape, &s_requires_grad, &s_is_cuda, &s_is_cpu, &s_grad};
 
 static PyObject *tensor_attr(PyObject *obj, int which) {
     AttrCache *c = &attr_cache[which];
@@ -514,6 +519,292 @@ OBJECT_TYPE(ThroughputCore, TP_FIELDS, "stepwatch.metrics._cmetrics.ThroughputCo
             "The FLOPs/tokens collector's hot path (metrics/tokens.py's _PyThroughputCore, in C).",
             {Py_tp_methods, ThroughputCore_methods},)
 
+/* -- GradNormCollector's optimizer step (metrics/grads.py, its common case in C) ---------------
+ *
+ * The pre-hook's Python path is GradNormProbe.on_optimizer_step -> _probe -> _compute_plain:
+ * about 60 bytecodes over four frames a step, whose code and data the loop's torch work has
+ * evicted from the caches by the next step. This is that path, composed, for the case nearly
+ * every step takes; every condition below that does not hold sends the step, untouched, to the
+ * Python (grads.py's _PyGradNormCore.on_optimizer_step, bound as gn_full). Past the step count's
+ * increment, a case the common path does not take goes to GradNormProbe._probe, which counts
+ * nothing. tests/unit/test_grads_core.py runs both collectors side by side and compares them. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *_buf, *probe;
+} GradNormCore; /* no __dict__ of its own: grads.py's GradNormCollector, a subclass, has one */
+
+#define GN_FIELDS(X) X(_buf) X(probe)
+
+/* From _bind_grads(): the Python path, the tap (_TAP), the classes read here, torch's functions. */
+static PyObject *gn_full = NULL, *gn_tap = NULL, *gn_probe_cls = NULL, *gn_state_cls = NULL, *gn_pending_cls = NULL;
+static PyObject *gn_tensor_cls = NULL, *gn_foreach_norm = NULL, *gn_stack = NULL, *gn_vector_norm = NULL,
+                *gn_float32 = NULL, *gn_capturing = NULL, *gn_copy_to_host = NULL, *gn_kw_dtype = NULL, *gn_two = NULL;
+enum { OS_CALLS, OS_PARAMS, OS_SHAPE, OS_PLAIN, OS_FSDP1, OS_SCALE_IN_DICT, OS_N };
+static const char *os_names[OS_N] = {"calls", "params", "shape", "plain", "fsdp1", "scale_in_dict"};
+static Py_ssize_t os_off[OS_N];
+enum { PG_VALUES, PG_HOST, PG_EVENT, PG_SHARDED, PG_FROM_CLIP, PG_SKIPPED, PG_OPTIMIZER_ID, PG_DEVICE, PG_N };
+static const char *pg_names[PG_N] = {"values", "host", "event", "sharded", "from_clip", "skipped", "optimizer_id",
+                                     "device"};
+static Py_ssize_t pg_off[PG_N];
+static int gn_bound = 0; /* 1: everything above is bound and every offset is a plain slot */
+
+#define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
+
+static PyObject *gn_fallback(GradNormCore *self, PyObject *optimizer) {
+    if (gn_full == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "stepwatch.metrics._cmetrics: _bind_grads() was not called");
+        return NULL;
+    }
+    return PyObject_CallFunctionObjArgs(gn_full, (PyObject *)self, optimizer, NULL);
+}
+
+/* The referent of weak reference ``r`` when it is one and alive: a new reference, or NULL (no
+ * exception) otherwise. */
+static PyObject *deref(PyObject *r) {
+    if (!PyWeakref_Check(r)) return NULL;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *o = NULL;
+    if (PyWeakref_GetRef(r, &o) < 0) PyErr_Clear();
+    return o;
+#else
+    PyObject *o = PyWeakref_GET_OBJECT(r);
+    return o == Py_None ? NULL : Py_NewRef(o);
+#endif
+}
+
+/* GradNormProbe._probe(optimizer, None, st): the Python for a probed step the common path does
+ * not take; its result appended as _PyGradNormCore.on_optimizer_step appends it. */
+static PyObject *gn_probe_py(GradNormCore *self, PyObject *probe, PyObject *optimizer, PyObject *st) {
+    PyObject *args[4] = {probe, optimizer, Py_None, st};
+    PyObject *pending = PyObject_VectorcallMethod(s_probe_fn, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (pending == NULL) return NULL;
+    int rc = 0;
+    if (pending != Py_None) {
+        PyObject *r = PyObject_CallMethod(self->_buf, "append", "O", pending);
+        rc = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(pending);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* 1: st's recorded parameter list is optimizer's (one group, the same list object and length:
+ * _OptState.parameters would return it unchanged); 0: not, or not known here; -1: an error. */
+static int same_params(PyObject *optimizer, PyObject *st) {
+    PyObject *groups = PyObject_GetAttr(optimizer, s_param_groups);
+    if (groups == NULL) return -1;
+    int same = 0;
+    if (PyList_CheckExact(groups) && PyList_GET_SIZE(groups) == 1 && PyDict_CheckExact(PyList_GET_ITEM(groups, 0))) {
+        PyObject *ps = PyDict_GetItemWithError(PyList_GET_ITEM(groups, 0), s_params); /* borrowed */
+        PyObject *shape = SLOT(st, os_off[OS_SHAPE]);
+        if (ps == NULL) {
+            same = PyErr_Occurred() ? -1 : 0;
+        } else if (PyList_CheckExact(ps) && shape != NULL && PyTuple_CheckExact(shape) && PyTuple_GET_SIZE(shape) == 2 &&
+                   PyLong_CheckExact(PyTuple_GET_ITEM(shape, 0)) && PyLong_CheckExact(PyTuple_GET_ITEM(shape, 1))) {
+            void *id = PyLong_AsVoidPtr(PyTuple_GET_ITEM(shape, 0));
+            Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, 1));
+            if (PyErr_Occurred()) {
+                PyErr_Clear();
+            } else {
+                same = id == (void *)ps && n == PyList_GET_SIZE(ps);
+            }
+        }
+    }
+    Py_DECREF(groups);
+    return same;
+}
+
+/* optimizer.__dict__.get("grad_scale") is None: 1, 0 (a scale, or no plain __dict__), -1. */
+static int no_scale(PyObject *optimizer) {
+    PyObject *d = PyObject_GetAttr(optimizer, s_dict);
+    if (d == NULL) return -1;
+    int r = 0;
+    if (PyDict_CheckExact(d)) {
+        PyObject *v = PyDict_GetItemWithError(d, s_grad_scale);
+        r = v == NULL ? (PyErr_Occurred() ? -1 : 1) : v == Py_None;
+    }
+    Py_DECREF(d);
+    return r;
+}
+
+static int is_torch_error(void) {
+    return PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_NotImplementedError) ||
+           PyErr_ExceptionMatches(PyExc_TypeError);
+}
+
+static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimizer) {
+    if (!gn_bound || self->_buf == NULL || self->probe == NULL || !PyList_CheckExact(self->_buf) ||
+        Py_TYPE(self->probe) != (PyTypeObject *)gn_probe_cls)
+        return gn_fallback(self, optimizer);
+    /* _TAP.take_clip(optimizer) is None without a look at the thread's state until any thread has
+     * clipped or stepped a GradScaler; from then on, the Python */
+    int t = attr_truth(gn_tap, s_used);
+    if (t != 0) return t < 0 ? NULL : gn_fallback(self, optimizer);
+    PyObject *probe = self->probe;
+    /* probe._opt_state(optimizer): its shortcut, the last optimizer's state */
+    PyObject *last = PyObject_GetAttr(probe, s_last);
+    if (last == NULL) return NULL;
+    PyObject *st = NULL;
+    if (PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 2) {
+        PyObject *opt = deref(PyTuple_GET_ITEM(last, 0));
+        if (opt == optimizer) st = deref(PyTuple_GET_ITEM(last, 1));
+        Py_XDECREF(opt);
+    }
+    Py_DECREF(last);
+    if (st == NULL || Py_TYPE(st) != (PyTypeObject *)gn_state_cls) {
+        Py_XDECREF(st);
+        return gn_fallback(self, optimizer);
+    }
+    /* The attribute reads first (they could run Python); st's slots are read after them. */
+    int same = same_params(optimizer, st);
+    if (same < 0) goto error;
+    int unscaled = SLOT(st, os_off[OS_SCALE_IN_DICT]) == Py_True ? no_scale(optimizer) : 0;
+    if (unscaled < 0) goto error;
+    PyObject *every = PyObject_GetAttr(probe, s_every);
+    if (every == NULL) goto error;
+    Py_ssize_t each = PyLong_CheckExact(every) ? PyLong_AsSsize_t(every) : -1;
+    Py_DECREF(every);
+    PyObject *calls = SLOT(st, os_off[OS_CALLS]), *params = SLOT(st, os_off[OS_PARAMS]);
+    Py_ssize_t n = calls != NULL && PyLong_CheckExact(calls) ? PyLong_AsSsize_t(calls) : -1;
+    if ((n == -1 || each == -1) && PyErr_Occurred()) PyErr_Clear();
+    int plain = SLOT(st, os_off[OS_PLAIN]) == Py_True && SLOT(st, os_off[OS_FSDP1]) == Py_False;
+    if (!same || !unscaled || !plain || params == NULL || !PyList_CheckExact(params) || PyList_GET_SIZE(params) == 0 ||
+        n < 0 || n == PY_SSIZE_T_MAX || each < 1) {
+        Py_DECREF(st);
+        return gn_fallback(self, optimizer);
+    }
+    /* every: probe one optimizer step in N (counted here, as on_optimizer_step counts) */
+    PyObject *next = PyLong_FromSsize_t(n + 1);
+    if (next == NULL) goto error;
+    Py_SETREF(SLOT(st, os_off[OS_CALLS]), next);
+    if (n % each) {
+        Py_DECREF(st);
+        Py_RETURN_NONE;
+    }
+    /* _probe: a step being captured into a CUDA graph is not probed */
+    Py_INCREF(params); /* st's list may be replaced by a callback below */
+    int cuda = tensor_attr_truth(PyList_GET_ITEM(params, 0), A_IS_CUDA);
+    if (cuda < 0) goto error_params;
+    if (cuda && (t = call_truth(gn_capturing)) != 0) {
+        Py_DECREF(params);
+        Py_DECREF(st);
+        if (t < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    /* _compute_plain: [g for p in params if (g := p.grad) is not None] */
+    Py_ssize_t np = PyList_GET_SIZE(params);
+    PyObject *grads = PyList_New(0);
+    if (grads == NULL) goto error_params;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params) && i < np; i++) {
+        PyObject *g = tensor_attr(PyList_GET_ITEM(params, i), A_GRAD);
+        if (g == NULL) goto error_grads;
+        int rc = g == Py_None ? 0 : PyList_Append(grads, g);
+        Py_DECREF(g);
+        if (rc < 0) goto error_grads;
+    }
+    Py_DECREF(params);
+    params = NULL;
+    if (PyList_GET_SIZE(grads) == 0) { /* no grad: no probe */
+        Py_DECREF(grads);
+        Py_DECREF(st);
+        Py_RETURN_NONE;
+    }
+    if (Py_TYPE(PyList_GET_ITEM(grads, 0)) != (PyTypeObject *)gn_tensor_cls) { /* a DTensor, or any subclass */
+        Py_DECREF(grads);
+        PyObject *r = gn_probe_py(self, probe, optimizer, st);
+        Py_DECREF(st);
+        return r;
+    }
+    /* vector_norm(stack(_foreach_norm(grads, 2.0, dtype=float32)), 2.0) */
+    PyObject *fargs[3] = {grads, gn_two, gn_float32};
+    PyObject *norms = PyObject_Vectorcall(gn_foreach_norm, fargs, 2, gn_kw_dtype);
+    Py_DECREF(grads);
+    PyObject *values = NULL;
+    if (norms != NULL) {
+        PyObject *stacked = PyObject_CallOneArg(gn_stack, norms);
+        Py_DECREF(norms);
+        if (stacked != NULL) {
+            PyObject *vargs[2] = {stacked, gn_two};
+            values = PyObject_Vectorcall(gn_vector_norm, vargs, 2, NULL);
+            Py_DECREF(stacked);
+        }
+    }
+    if (values == NULL) {
+        if (!is_torch_error()) goto error;
+        /* a sparse grad, grads on several devices: _probe's own try marks the optimizer not
+         * plain and takes the general path */
+        PyErr_Clear();
+        PyObject *r = gn_probe_py(self, probe, optimizer, st);
+        Py_DECREF(st);
+        return r;
+    }
+    Py_DECREF(st);
+    /* PendingGradNorm(values, host, event, False, False, False, id(optimizer), device), filled as
+     * its __init__ fills it */
+    PyObject *host = Py_None, *event = Py_None, *device = NULL, *hed = NULL;
+    if (cuda) {
+        hed = PyObject_CallOneArg(gn_copy_to_host, values);
+        if (hed == NULL || !PyTuple_Check(hed) || PyTuple_GET_SIZE(hed) != 3) {
+            if (hed != NULL) PyErr_SetString(PyExc_TypeError, "copy_to_host must return (host, event, device)");
+            Py_XDECREF(hed);
+            Py_DECREF(values);
+            return NULL;
+        }
+        host = PyTuple_GET_ITEM(hed, 0);
+        event = PyTuple_GET_ITEM(hed, 1);
+        device = Py_NewRef(PyTuple_GET_ITEM(hed, 2));
+    } else {
+        device = PyLong_FromLong(-1);
+    }
+    PyObject *oid = PyLong_FromVoidPtr(optimizer);
+    PyTypeObject *tp = (PyTypeObject *)gn_pending_cls;
+    PyObject *pending = oid == NULL || device == NULL ? NULL : tp->tp_alloc(tp, 0);
+    if (pending == NULL) {
+        Py_XDECREF(oid);
+        Py_XDECREF(device);
+        Py_XDECREF(hed);
+        Py_DECREF(values);
+        return NULL;
+    }
+    SLOT(pending, pg_off[PG_VALUES]) = values;
+    SLOT(pending, pg_off[PG_HOST]) = Py_NewRef(host);
+    SLOT(pending, pg_off[PG_EVENT]) = Py_NewRef(event);
+    SLOT(pending, pg_off[PG_SHARDED]) = Py_NewRef(Py_False);
+    SLOT(pending, pg_off[PG_FROM_CLIP]) = Py_NewRef(Py_False);
+    SLOT(pending, pg_off[PG_SKIPPED]) = Py_NewRef(Py_False);
+    SLOT(pending, pg_off[PG_OPTIMIZER_ID]) = oid;
+    SLOT(pending, pg_off[PG_DEVICE]) = device;
+    Py_XDECREF(hed);
+    /* tensors and numbers: it cannot be part of a cycle, and it waits in the queue */
+    int rc = PyList_Append(self->_buf, untrack(pending));
+    Py_DECREF(pending);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+
+error_grads:
+    Py_DECREF(grads);
+error_params:
+    Py_XDECREF(params);
+error:
+    Py_DECREF(st);
+    return NULL;
+}
+
+static PyMethodDef GradNormCore_methods[] = {
+    {"on_optimizer_step", (PyCFunction)GradNorm_on_optimizer_step, METH_O,
+     "on_optimizer_step(optimizer): from the optimizer step pre-hook; queues the step's grad-norm probe."},
+    {NULL},
+};
+
+#define GN_MEMBER(f) MEMBER(GradNormCore, f)
+static PyMemberDef GradNormCore_members[] = {GN_FIELDS(GN_MEMBER){NULL}};
+
+OBJECT_TYPE(GradNormCore, GN_FIELDS, "stepwatch.metrics._cmetrics.GradNormCore",
+            "The grad-norm collector's optimizer step, its common case (metrics/grads.py, in C).",
+            {Py_tp_methods, GradNormCore_methods},)
+
 /* -- module ---------------------------------------------------------------------------------- */
 
 static PyObject *mod_bind(PyObject *m, PyObject *globals) {
@@ -540,7 +831,56 @@ static PyObject *mod_bind_take(PyObject *m, PyObject *const *args, Py_ssize_t n)
     return PyBool_FromLong(st_items_off >= 0);
 }
 
+static int gn_py_bound = 0, gn_torch_bound = 0;
+
+/* _bind_grads(full, tap, GradNormProbe, _OptState, PendingGradNorm): at grads.py's import. True when
+ * both classes keep their fields in plain slots (otherwise every step takes the Python). */
+static PyObject *mod_bind_grads(PyObject *m, PyObject *const *args, Py_ssize_t n) {
+    if (n != 5 || !PyCallable_Check(args[0]) || !PyType_Check(args[2]) || !PyType_Check(args[3]) ||
+        !PyType_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "_bind_grads(full, tap, GradNormProbe, _OptState, PendingGradNorm)");
+        return NULL;
+    }
+    Py_XSETREF(gn_full, Py_NewRef(args[0]));
+    Py_XSETREF(gn_tap, Py_NewRef(args[1]));
+    Py_XSETREF(gn_probe_cls, Py_NewRef(args[2]));
+    Py_XSETREF(gn_state_cls, Py_NewRef(args[3]));
+    Py_XSETREF(gn_pending_cls, Py_NewRef(args[4]));
+    int ok = 1;
+    for (int i = 0; i < OS_N; i++) ok &= (os_off[i] = plain_slot_offset((PyTypeObject *)args[3], os_names[i])) >= 0;
+    for (int i = 0; i < PG_N; i++) ok &= (pg_off[i] = plain_slot_offset((PyTypeObject *)args[4], pg_names[i])) >= 0;
+    gn_py_bound = ok;
+    gn_bound = gn_py_bound && gn_torch_bound;
+    return PyBool_FromLong(ok);
+}
+
+/* _bind_grads_torch(torch.Tensor, torch._foreach_norm, torch.stack, torch.linalg.vector_norm,
+ * torch.float32, torch.cuda.is_current_stream_capturing, copy_to_host): once torch is imported. */
+static PyObject *mod_bind_grads_torch(PyObject *m, PyObject *const *args, Py_ssize_t n) {
+    if (n != 7 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "_bind_grads_torch(Tensor, _foreach_norm, stack, vector_norm, float32, "
+                                         "is_current_stream_capturing, copy_to_host)");
+        return NULL;
+    }
+    if (gn_kw_dtype == NULL && (gn_kw_dtype = Py_BuildValue("(s)", "dtype")) == NULL) return NULL;
+    if (gn_two == NULL && (gn_two = PyFloat_FromDouble(2.0)) == NULL) return NULL;
+    Py_XSETREF(gn_tensor_cls, Py_NewRef(args[0]));
+    Py_XSETREF(gn_foreach_norm, Py_NewRef(args[1]));
+    Py_XSETREF(gn_stack, Py_NewRef(args[2]));
+    Py_XSETREF(gn_vector_norm, Py_NewRef(args[3]));
+    Py_XSETREF(gn_float32, Py_NewRef(args[4]));
+    Py_XSETREF(gn_capturing, Py_NewRef(args[5]));
+    Py_XSETREF(gn_copy_to_host, Py_NewRef(args[6]));
+    gn_torch_bound = 1;
+    gn_bound = gn_py_bound && gn_torch_bound;
+    return PyBool_FromLong(gn_bound);
+}
+
 static PyMethodDef mod_methods[] = {
+    {"_bind_grads", (PyCFunction)(void (*)(void))mod_bind_grads, METH_FASTCALL,
+     "_bind_grads(full, tap, GradNormProbe, _OptState, PendingGradNorm) -> bool: whether the slots are plain."},
+    {"_bind_grads_torch", (PyCFunction)(void (*)(void))mod_bind_grads_torch, METH_FASTCALL,
+     "_bind_grads_torch(Tensor, _foreach_norm, stack, vector_norm, float32, capturing, copy_to_host) -> bool."},
     {"_bind", mod_bind, METH_O, "_bind(globals): metrics/flops.py's globals (its _GETTERS and _state)."},
     {"_bind_take", (PyCFunction)(void (*)(void))mod_bind_take, METH_FASTCALL,
      "_bind_take(StepThroughput, unset) -> bool: the class take() builds; whether it fills its slots itself."},
@@ -577,10 +917,20 @@ PyMODINIT_FUNC PyInit__cmetrics(void) {
     INTERN(s_getters_var, "_GETTERS");
     INTERN(s_getters_fn, "_getters");
     INTERN(s_state_fn, "_state");
+    INTERN(s_grad, "grad");
+    INTERN(s_used, "used");
+    INTERN(s_last, "_last");
+    INTERN(s_every, "every");
+    INTERN(s_param_groups, "param_groups");
+    INTERN(s_params, "params");
+    INTERN(s_dict, "__dict__");
+    INTERN(s_grad_scale, "grad_scale");
+    INTERN(s_probe_fn, "_probe");
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
     if (add_type(m, &SigCore_spec, "SigCore", &SigCore_type) < 0 ||
-        add_type(m, &ThroughputCore_spec, "ThroughputCore", NULL) < 0) {
+        add_type(m, &ThroughputCore_spec, "ThroughputCore", NULL) < 0 ||
+        add_type(m, &GradNormCore_spec, "GradNormCore", NULL) < 0) {
         Py_DECREF(m);
         return NULL;
     }

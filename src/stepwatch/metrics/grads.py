@@ -620,12 +620,41 @@ def merge_results(results: Sequence[GradNormResult]) -> GradNormResult:
     )
 
 
-class GradNormCollector(Collector):
+class _PyGradNormCore:
+    """The collector's optimizer step in Python: the path metrics/_cmetrics.c's ``GradNormCore``
+    runs in C for its common case (and calls for every other), and the one used where that
+    extension was not built. Its state is ``GradNormCollector``'s."""
+
+    __slots__ = ("_buf", "probe")
+
+    def on_optimizer_step(self, optimizer: Any) -> None:
+        p = self.probe.on_optimizer_step(optimizer)
+        if p is not None:
+            self._buf.append(p)
+
+
+try:  # the common step in C (metrics/_cmetrics.c): the same probe, less time a step
+    from ._cmetrics import GradNormCore as _GradNormCore, _bind_grads, _bind_grads_torch
+except ImportError:  # not built here (no compiler): the Python above
+    _GradNormCore = _PyGradNormCore
+    _bind_grads = _bind_grads_torch = None
+
+
+def _bind_torch() -> None:
+    """What the C core calls of torch, once torch is imported (importing stepwatch does not)."""
+    if _bind_grads_torch is not None:
+        torch = _torch()
+        _bind_grads_torch(torch.Tensor, torch._foreach_norm, torch.stack, torch.linalg.vector_norm, torch.float32,
+                          torch.cuda.is_current_stream_capturing, copy_to_host)
+
+
+class _GradNormMethods(Collector):
     """The step tracker's collector for grad norms (``extras["grad_norm"]``).
 
-    Training thread: ``on_optimizer_step(optimizer)`` from the optimizer step pre-hook; the
-    probes of GradScaler-skipped steps arrive by themselves. ``take()`` at step end hands over the
-    step's pending probes (a list, or None). Background thread: ``resolve_step(pendings)``.
+    Training thread: ``on_optimizer_step(optimizer)`` from the optimizer step pre-hook (in C where
+    metrics/_cmetrics.c was built: ``_PyGradNormCore`` is its Python); the probes of
+    GradScaler-skipped steps arrive by themselves. ``take()`` at step end hands over the step's
+    pending probes (a list, or None). Background thread: ``resolve_step(pendings)``.
     """
 
     name = "grad_norm"
@@ -634,8 +663,9 @@ class GradNormCollector(Collector):
         self._buf: list[PendingGradNorm] = []
         self.probe = GradNormProbe(every, on_skipped=self._add)
 
-    def install(self) -> "GradNormCollector":
+    def install(self) -> "_GradNormMethods":
         self.probe.install()
+        _bind_torch()
         return self
 
     def uninstall(self) -> None:
@@ -643,11 +673,6 @@ class GradNormCollector(Collector):
 
     def _add(self, pending: PendingGradNorm) -> None:
         self._buf.append(pending)
-
-    def on_optimizer_step(self, optimizer: Any) -> None:
-        p = self.probe.on_optimizer_step(optimizer)
-        if p is not None:
-            self._buf.append(p)
 
     def take(self) -> list[PendingGradNorm] | None:
         if not self._buf:
@@ -668,6 +693,19 @@ class GradNormCollector(Collector):
                 return False
             results.append(r)
         return merge_results(results)
+
+
+class GradNormCollector(_GradNormMethods, _GradNormCore):  # type: ignore[misc,valid-type]
+    __doc__ = _GradNormMethods.__doc__
+
+
+class PyGradNormCollector(_GradNormMethods, _PyGradNormCore):
+    """``GradNormCollector`` with the Python optimizer step always (tests compare the two)."""
+
+
+if _bind_grads is not None:
+    # What the C core reads and builds; False (slots not plain) leaves every step to the Python.
+    _bind_grads(_PyGradNormCore.on_optimizer_step, _TAP, GradNormProbe, _OptState, PendingGradNorm)
 
 
 # ----------------------------------------------------------------------------- cross-rank
