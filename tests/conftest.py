@@ -11,15 +11,16 @@ if SRC not in sys.path:
 
 @pytest.fixture(params=["c", "python"])
 def both_tracker_cores(request, monkeypatch):
-    """The test runs twice: sessions with the step tracker's and the root call's C cores
-    (hooks/_ctracker.c, as installed) and with their Python cores (as where the extension could
-    not be built)."""
+    """The test runs twice: sessions with the step tracker's, the root call's and the optimizer
+    pre-hook's C cores (hooks/_ctracker.c, as installed) and with their Python cores (as where
+    the extension could not be built)."""
     from stepwatch import _session
     from stepwatch.hooks import install, phases
 
     if request.param == "python":
         monkeypatch.setattr(_session, "StepTracker", phases.PyStepTracker)
         monkeypatch.setattr(install, "_RootCall", install._PyRootCall)
+        monkeypatch.setattr(install, "_OptPre", install._PyOptPre)
     elif phases._Core is phases._PyCore:
         pytest.skip("the C tracker is not built here (no C compiler at install)")
     return request.param

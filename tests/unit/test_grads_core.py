@@ -136,8 +136,9 @@ def test_frozen_parameters_and_a_step_with_no_grad_at_all(fresh_tap, full):
 
 
 def test_two_parameter_groups_take_the_python(fresh_tap, full):
-    steps, _, _ = _lockstep(
-        lambda m: torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 0.1}], lr=1e-2), 4)
+    def make(m):
+        return torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 0.1}], lr=1e-2)
+    steps, _, _ = _lockstep(make, 4)
     assert all(s is not None for s in steps)
     assert full.n == 4  # every step: the C path keeps to one group
 

@@ -419,10 +419,11 @@ def test_untracked_records_are_still_freed(sw):
 
 
 def test_the_root_call_runs_a_tracker_subclass_override(tmp_path):
-    """The C root call reads the tracker's fields and calls its hot methods directly only while
-    the tracker's type is the C core's for them (checked once per type): a tracker whose class
-    overrides ``forward_begin`` (a subclass, swapped in mid-run) gets its override called, and the
-    step is still recorded; the plain class afterwards takes the direct path again."""
+    """The C root call and optimizer pre-hook read the tracker's fields and call its hot methods
+    directly only while the tracker's type is the C core's for them (checked once per type): a
+    tracker whose class overrides ``forward_begin`` and ``optimizer_begin`` (a subclass, swapped
+    in mid-run) gets its overrides called, and the step is still recorded; the plain class
+    afterwards takes the direct path again."""
     import torch
     from torch import nn
 
@@ -440,6 +441,10 @@ def test_the_root_call_runs_a_tracker_subclass_override(tmp_path):
                 seen.append(grad)
                 return super().forward_begin(grad)
 
+            def optimizer_begin(self):  # what the C optimizer pre-hook calls directly on the plain class
+                seen.append("optimizer")
+                return super().optimizer_begin()
+
         def step():
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
@@ -452,7 +457,7 @@ def test_the_root_call_runs_a_tracker_subclass_override(tmp_path):
         step()
         s.tracker.__class__ = plain
         step()
-        assert seen == [True, True]
+        assert seen == [True, "optimizer", True, "optimizer"]
         run_dir = s.ctx.run_dir
     finally:
         stepwatch.shutdown()

@@ -983,14 +983,15 @@ typedef struct {
 
 static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data, *s_not_roots, *s_forward_observers,
     *s_exception_observers, *s_fwd_depth, *s_pending_end, *s_work_begins, *s_observe_forward,
-    *s_forward_begin, *s_forward_end, *s_observe_exception, *s_drop_observer;
+    *s_forward_begin, *s_forward_end, *s_observe_exception, *s_drop_observer, *s_last_optimizer, *s_new_optimizer,
+    *s_opt_pre_args, *s_optimizer_observers, *s_observe_optimizer, *s_optimizer_begin;
 
 static PyObject *call_inner(RootCall *self, PyObject *args, PyObject *kwargs) {
     return PyObject_Call(self->inner, args, kwargs);
 }
 
 /* The tracker as this module's Core, when its type reads the hot fields and runs the hot methods
- * the root call uses as Core does (phases.py's StepTracker over this Core; none of them replaced
+ * the root call and the optimizer pre-hook use as Core does (phases.py's StepTracker over this Core; none of them replaced
  * in a subclass): its fields are read and its methods called directly, without the attribute
  * lookups on the type (each a few cache lines, cold in a real loop: ~1.5 us a root call on this
  * project's machine, overhead.py --crossings). NULL for another tracker (the Python core, a
@@ -1003,7 +1004,7 @@ static Core *as_core(PyObject *tr) {
     if (tp == core_like_type) return (Core *)tr;
     if (core_type == NULL || !PyObject_TypeCheck(tr, (PyTypeObject *)core_type)) return NULL;
     PyObject *names[] = {s_enabled, s_in_data, s_fwd_depth, s_pending_end, s_forward_begin, s_forward_end,
-                         s_work_begins};
+                         s_work_begins, s_optimizer_begin};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         PyObject *mine = _PyType_Lookup(tp, names[i]);                         /* borrowed */
         PyObject *core = _PyType_Lookup((PyTypeObject *)core_type, names[i]); /* borrowed */
@@ -1028,25 +1029,26 @@ static int fwd_end(PyObject *tr) {
     return 0;
 }
 
-/* install.py's _observe_forward: each forward observer in turn; one that raises an Exception is
- * dropped (inst._drop_observer) and the others still run. The list is read once, as Python's
+/* install.py's _observe_forward / _observe_optimizer: each observer of inst.<list_name> in turn
+ * (called with cargs); one that raises an Exception is dropped (inst._drop_observer(kind, ...))
+ * and the others still run. The list is read once, as Python's
  * `for` does (remove_observer replaces it; an observer appended meanwhile is called too). A
  * list of another type takes the Python method. */
-static int observe_forward(PyObject *inst, PyObject *mod, PyObject *args, PyObject *kw) {
-    PyObject *obs = PyObject_GetAttr(inst, s_forward_observers);
+static int observe(PyObject *inst, PyObject *list_name, PyObject *method, PyObject *kind, PyObject *const *cargs,
+                   size_t n) {
+    PyObject *obs = PyObject_GetAttr(inst, list_name);
     if (obs == NULL) return -1;
     if (!PyList_CheckExact(obs)) {
         Py_DECREF(obs);
-        PyObject *oargs[4] = {inst, mod, args, kw};
-        PyObject *r = PyObject_VectorcallMethod(s_observe_forward, oargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *oargs[4] = {inst, n > 0 ? cargs[0] : NULL, n > 1 ? cargs[1] : NULL, n > 2 ? cargs[2] : NULL};
+        PyObject *r = PyObject_VectorcallMethod(method, oargs, (n + 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         if (r == NULL) return -1;
         Py_DECREF(r);
         return 0;
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(obs); i++) {
         PyObject *fn = Py_NewRef(PyList_GET_ITEM(obs, i));
-        PyObject *cargs[3] = {mod, args, kw};
-        PyObject *r = PyObject_Vectorcall(fn, cargs, 3, NULL);
+        PyObject *r = PyObject_Vectorcall(fn, cargs, n, NULL);
         if (r != NULL) {
             Py_DECREF(r);
             Py_DECREF(fn);
@@ -1061,7 +1063,7 @@ static int observe_forward(PyObject *inst, PyObject *mod, PyObject *args, PyObje
         PyErr_Fetch(&type, &value, &tb);
         PyErr_NormalizeException(&type, &value, &tb);
         if (tb != NULL) PyException_SetTraceback(value, tb);
-        PyObject *dargs[4] = {inst, s_forward, fn, value};
+        PyObject *dargs[4] = {inst, kind, fn, value};
         r = PyObject_VectorcallMethod(s_drop_observer, dargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         Py_XDECREF(type);
         Py_XDECREF(value);
@@ -1075,6 +1077,11 @@ static int observe_forward(PyObject *inst, PyObject *mod, PyObject *args, PyObje
     }
     Py_DECREF(obs);
     return 0;
+}
+
+static int observe_forward(PyObject *inst, PyObject *mod, PyObject *args, PyObject *kw) {
+    PyObject *cargs[3] = {mod, args, kw};
+    return observe(inst, s_forward_observers, s_observe_forward, s_forward, cargs, 3);
 }
 
 static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs) {
@@ -1206,6 +1213,96 @@ OBJECT_TYPE(RootCall, ROOT_FIELDS, "stepwatch.hooks._ctracker.RootCall",
             "A root module's call (hooks/install.py's _PyRootCall, in C).",
             {Py_tp_call, RootCall_call},)
 
+/* -- the optimizer step pre-hook (hooks/install.py's _PyOptPreCore, in C) ----------------------
+ *
+ * torch's global optimizer step pre-hook, called (optimizer, args, kwargs) by every
+ * optimizer.step: the observers (the grad-norm probe), then the optimizer phase opens. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *inst, *tr;
+} OptPre;
+
+#define OPT_FIELDS(X) X(inst) X(tr)
+
+static Py_ssize_t closure_at = 1; /* install.py's _CLOSURE_AT */
+
+static PyObject *OptPre_call(OptPre *self, PyObject *targs, PyObject *tkwargs) {
+    PyObject *optimizer, *args, *kwargs;
+    if (tkwargs != NULL && PyDict_GET_SIZE(tkwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "the optimizer step pre-hook takes (optimizer, args, kwargs)");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(targs, "OptPre", 3, 3, &optimizer, &args, &kwargs)) return NULL;
+#define OPT_CHECK(f)                                                                                   \
+    if (self->f == NULL) return unset(#f);
+    OPT_FIELDS(OPT_CHECK)
+#undef OPT_CHECK
+    PyObject *inst = self->inst, *tr = self->tr;
+    Core *core = as_core(tr);
+    int en = TR_TRUTH(core, tr, enabled, s_enabled);
+    if (en <= 0) return en < 0 ? NULL : Py_NewRef(Py_None);
+    /* the common case, one optimizer: the last one again (no WeakSet lookup) */
+    PyObject *last = PyObject_GetAttr(inst, s_last_optimizer);
+    if (last == NULL) return NULL;
+    int same = 0;
+    if (last != Py_None && PyWeakref_Check(last)) {
+#if PY_VERSION_HEX >= 0x030D0000
+        PyObject *o = NULL;
+        if (PyWeakref_GetRef(last, &o) < 0) {
+            Py_DECREF(last);
+            return NULL;
+        }
+        same = o == optimizer;
+        Py_XDECREF(o);
+#else
+        same = PyWeakref_GET_OBJECT(last) == optimizer;
+#endif
+    } else if (last != Py_None) { /* not a weak reference: call it, as Python does */
+        PyObject *o = PyObject_CallNoArgs(last);
+        if (o == NULL) {
+            Py_DECREF(last);
+            return NULL;
+        }
+        same = o == optimizer;
+        Py_DECREF(o);
+    }
+    Py_DECREF(last);
+    if (!same) {
+        PyObject *r = PyObject_CallMethodOneArg(inst, s_new_optimizer, optimizer);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+    }
+    /* more than the optimizer given to step(): maybe a closure */
+    int more;
+    if (kwargs != Py_None && (more = PyObject_IsTrue(kwargs)) != 0) {
+        if (more < 0) return NULL;
+    } else {
+        Py_ssize_t na = PyObject_Size(args);
+        if (na < 0) return NULL;
+        more = na > closure_at;
+    }
+    if (more) {
+        PyObject *cargs[4] = {inst, optimizer, args, kwargs};
+        return PyObject_VectorcallMethod(s_opt_pre_args, cargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    int obs = attr_truth(inst, s_optimizer_observers);
+    if (obs < 0) return NULL;
+    if (obs && observe(inst, s_optimizer_observers, s_observe_optimizer, s_optimizer, &optimizer, 1) < 0)
+        return NULL;
+    PyObject *r = core ? Core_optimizer_begin(core, NULL) : PyObject_CallMethodNoArgs(tr, s_optimizer_begin);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+#define OPT_MEMBER(f) {#f, T_OBJECT_EX, offsetof(OptPre, f), 0, NULL},
+static PyMemberDef OptPre_members[] = {OPT_FIELDS(OPT_MEMBER){NULL}};
+
+OBJECT_TYPE(OptPre, OPT_FIELDS, "stepwatch.hooks._ctracker.OptPre",
+            "The optimizer step pre-hook (hooks/install.py's _PyOptPreCore, in C).",
+            {Py_tp_call, OptPre_call},)
+
 /* -- module ---------------------------------------------------------------------------------- */
 
 static PyObject *mod_bind(PyObject *m, PyObject *cls) {
@@ -1284,6 +1381,12 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_forward_end, "forward_end");
     INTERN(s_observe_exception, "_observe_exception");
     INTERN(s_drop_observer, "_drop_observer");
+    INTERN(s_last_optimizer, "_last_optimizer");
+    INTERN(s_new_optimizer, "_new_optimizer");
+    INTERN(s_opt_pre_args, "_opt_pre_args");
+    INTERN(s_optimizer_observers, "optimizer_observers");
+    INTERN(s_observe_optimizer, "_observe_optimizer");
+    INTERN(s_optimizer_begin, "optimizer_begin");
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
     PyObject *core = PyType_FromSpec(&Core_spec);
@@ -1296,6 +1399,12 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     PyObject *root = PyType_FromSpec(&RootCall_spec);
     if (root == NULL || PyModule_AddObject(m, "RootCall", root) < 0) {
         Py_XDECREF(root);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *opt = PyType_FromSpec(&OptPre_spec);
+    if (opt == NULL || PyModule_AddObject(m, "OptPre", opt) < 0) {
+        Py_XDECREF(opt);
         Py_DECREF(m);
         return NULL;
     }

@@ -88,7 +88,7 @@ class Instrumentation:
         from .replay import REPLAY
 
         tr = self.tracker
-        self._handles.append(optim_mod.register_optimizer_step_pre_hook(self._opt_pre))
+        self._handles.append(optim_mod.register_optimizer_step_pre_hook(_OptPre(self)))
         # The tracker's own method, no frame of ours between (it takes and ignores the hook's
         # (optimizer, args, kwargs)).
         self._handles.append(optim_mod.register_optimizer_step_post_hook(tr.optimizer_end))
@@ -264,15 +264,12 @@ class Instrumentation:
 
     # -- optimizer hooks --------------------------------------------------------------------------
 
-    def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+    def _opt_pre_args(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        """The pre-hook's path when ``optimizer.step`` got more than ``self`` (it may hold a
+        closure), from the last optimizer check on (``_PyOptPreCore``)."""
         tr = self.tracker
-        if not tr.enabled:
-            return
-        last = self._last_optimizer  # the common case, one optimizer: no WeakSet lookup (~1 us)
-        if last is None or last() is not optimizer:
-            self._new_optimizer(optimizer)
         result = None
-        closure = _closure_arg(args, kwargs) if kwargs or len(args) > _CLOSURE_AT else None
+        closure = _closure_arg(args, kwargs)
         if closure is None:
             if self.optimizer_observers:
                 self._observe_optimizer(optimizer)
@@ -444,6 +441,56 @@ class Instrumentation:
 def _no_call() -> None:
     """What a copied or unpickled ``_RootCall`` becomes: None (the copy's call is torch's own)."""
     return None
+
+
+class _PyOptPreCore:
+    """torch's global optimizer step pre-hook: the observers (the grad-norm probe), then the
+    optimizer phase opens. In Python: the reference that hooks/_ctracker.c's ``OptPre``
+    translates, and the hook itself wherever that extension is missing. A step given more than
+    the optimizer (a closure, maybe) takes ``Instrumentation._opt_pre_args``."""
+
+    __slots__ = ("inst", "tr")
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        tr = self.tr
+        if not tr.enabled:
+            return None
+        inst = self.inst
+        last = inst._last_optimizer  # the common case, one optimizer: no WeakSet lookup (~1 us)
+        if last is None or last() is not optimizer:
+            inst._new_optimizer(optimizer)
+        if kwargs or len(args) > _CLOSURE_AT:
+            return inst._opt_pre_args(optimizer, args, kwargs)
+        if inst.optimizer_observers:
+            inst._observe_optimizer(optimizer)
+        tr.optimizer_begin()
+        return None
+
+
+class _OptPreBase:
+    __slots__ = ()
+
+    def __init__(self, inst: "Instrumentation") -> None:
+        self.inst = inst
+        self.tr = inst.tracker
+
+
+try:  # the same hook in C (hooks/_ctracker.c): less time a step
+    from ._ctracker import OptPre as _OptPreCore
+except ImportError:
+    _OptPreCore = _PyOptPreCore
+
+
+class _OptPre(_OptPreBase, _OptPreCore):  # type: ignore[misc,valid-type]
+    """The optimizer step pre-hook: C where hooks/_ctracker.c was built, else :class:`_PyOptPreCore`."""
+
+    __slots__ = ()
+
+
+class _PyOptPre(_OptPreBase, _PyOptPreCore):
+    """The optimizer step pre-hook in Python whatever was built (tests run both)."""
+
+    __slots__ = ()
 
 
 class _PyRootCallCore:
