@@ -27,7 +27,7 @@ from .exporters.base import Exporter
 from .exporters.builtin import ExporterSpec, exporter_specs, otel_wanted, preload
 from .exporters.worker import describe_drops
 from .hooks.nvtx import Nvtx
-from .hooks.phases import StepTracker
+from .hooks.phases import StepTracker, cpu_items
 from ._pipeline import SHUTDOWN_TIMEOUT_S, Pipeline, loggable
 
 __all__ = ["SHUTDOWN_TIMEOUT_S", "Session"]
@@ -62,6 +62,7 @@ class Session:
                 logger.warning("cannot use the run directory %s (%s): going on without files", self.ctx.run_dir, e)
         self.pid = os.getpid()
         self.tracker: StepTracker | None = None
+        self._loggable = loggable  # stepwatch.log's converter (cpu_items' once hooks are in)
         self.instrumentation: Any = None
         self.hub: Hub | None = None
         # Features that started with the session (see _feature.py): stop() at shutdown, status()
@@ -105,6 +106,7 @@ class Session:
         self.instrumentation = Instrumentation(self.tracker, self.report_error)
         try:
             self.instrumentation.install()
+            self._loggable = cpu_items(loggable)
         except Exception as e:  # e.g. an unexpected torch version: go on without hooks
             self.report_error("hooks.install", e)
             self.tracker.enabled = False
@@ -199,7 +201,7 @@ class Session:
         if tr is None:
             return
         try:
-            tr.log_values(scalars, loggable)
+            tr.log_values(scalars, self._loggable)
         except Exception as e:
             self.report_error("log", e)
 

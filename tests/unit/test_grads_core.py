@@ -247,3 +247,24 @@ def test_a_probe_subclass_is_left_to_the_python(fresh_tap, full):
         assert Mine.seen == 3 and len(c.take()) == 3
     finally:
         c.uninstall()
+
+
+def test_take_is_the_cores_and_hands_over_an_untracked_list(fresh_tap, full):
+    import gc
+
+    assert G.GradNormCollector.take is G._GradNormCore.take and G.PyGradNormCollector.take is G._PyGradNormCore.take
+    for cls in (G.GradNormCollector, G.PyGradNormCollector):
+        m = _model()
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        c = cls().install()
+        try:
+            assert c.take() is None
+            _loss(m, 0).backward()
+            c.on_optimizer_step(o)
+            c.on_optimizer_step(o)
+            got = c.take()
+            assert type(got) is list and len(got) == 2 and not gc.is_tracked(got)
+            assert not any(gc.is_tracked(p) for p in got)
+            assert c.take() is None and c._buf == []
+        finally:
+            c.uninstall()

@@ -1303,6 +1303,58 @@ OBJECT_TYPE(OptPre, OPT_FIELDS, "stepwatch.hooks._ctracker.OptPre",
             "The optimizer step pre-hook (hooks/install.py's _PyOptPreCore, in C).",
             {Py_tp_call, OptPre_call},)
 
+/* -- stepwatch.log's values: a CPU tensor read in C (phases.py's cpu_items) ---------------------
+ *
+ * _pipeline.py's loggable reads a CPU torch.Tensor at once (v.item()): the value of nearly every
+ * stepwatch.log(loss=loss) on a CPU job. CpuItem(Tensor, loggable) is that first branch of
+ * loggable in C (no Python frame a logged value); anything else, and a value item() does not make
+ * a float of, goes to loggable itself. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *tensor, *full;
+} CpuItem;
+
+#define ITEM_FIELDS(X) X(tensor) X(full)
+
+static PyObject *s_is_cpu, *s_item;
+
+static PyObject *CpuItem_call(CpuItem *self, PyObject *args, PyObject *kwargs) {
+    PyObject *v;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "CpuItem takes one value");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "CpuItem", 1, 1, &v)) return NULL;
+    if (self->tensor == NULL || self->full == NULL) return unset(self->tensor == NULL ? "tensor" : "full");
+    if ((PyObject *)Py_TYPE(v) == self->tensor) {
+        int cpu = attr_truth(v, s_is_cpu);
+        if (cpu < 0) return NULL;
+        if (cpu) {
+            PyObject *x = PyObject_CallMethodNoArgs(v, s_item);
+            if (x == NULL) {
+                /* several values: not one number (loggable's except) */
+                if (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_ValueError) ||
+                    PyErr_ExceptionMatches(PyExc_TypeError)) {
+                    PyErr_Clear();
+                    Py_RETURN_NONE;
+                }
+                return NULL;
+            }
+            if (PyFloat_CheckExact(x)) return x;
+            Py_DECREF(x);
+        }
+    }
+    return PyObject_CallOneArg(self->full, v);
+}
+
+#define ITEM_MEMBER(f) {#f, T_OBJECT_EX, offsetof(CpuItem, f), 0, NULL},
+static PyMemberDef CpuItem_members[] = {ITEM_FIELDS(ITEM_MEMBER){NULL}};
+
+OBJECT_TYPE(CpuItem, ITEM_FIELDS, "stepwatch.hooks._ctracker.CpuItem",
+            "stepwatch.log's converter with a CPU tensor's item() read in C (phases.py's cpu_items).",
+            {Py_tp_call, CpuItem_call},)
+
 /* -- module ---------------------------------------------------------------------------------- */
 
 static PyObject *mod_bind(PyObject *m, PyObject *cls) {
@@ -1387,6 +1439,8 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_optimizer_observers, "optimizer_observers");
     INTERN(s_observe_optimizer, "_observe_optimizer");
     INTERN(s_optimizer_begin, "optimizer_begin");
+    INTERN(s_is_cpu, "is_cpu");
+    INTERN(s_item, "item");
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
     PyObject *core = PyType_FromSpec(&Core_spec);
@@ -1405,6 +1459,12 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     PyObject *opt = PyType_FromSpec(&OptPre_spec);
     if (opt == NULL || PyModule_AddObject(m, "OptPre", opt) < 0) {
         Py_XDECREF(opt);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *item = PyType_FromSpec(&CpuItem_spec);
+    if (item == NULL || PyModule_AddObject(m, "CpuItem", item) < 0) {
+        Py_XDECREF(item);
         Py_DECREF(m);
         return NULL;
     }

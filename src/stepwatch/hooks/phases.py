@@ -407,6 +407,22 @@ except ImportError:
     untracked = _tracked
 
 
+def cpu_items(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``convert`` (``_pipeline.loggable``) for :meth:`StepTracker.log_values`, with its first
+    branch (a CPU ``torch.Tensor``: ``item()`` when that is a float) in C where hooks/_ctracker.c
+    was built: no Python frame a logged value. ``convert`` itself otherwise, and for every other
+    value. Imports torch."""
+    try:
+        from ._ctracker import CpuItem
+    except ImportError:
+        return convert
+    import torch
+
+    c = CpuItem()
+    c.tensor, c.full = torch.Tensor, convert
+    return c
+
+
 class _Methods:
     """The tracker's methods that are not hot, the same over either core."""
 

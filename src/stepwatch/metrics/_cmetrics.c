@@ -792,9 +792,26 @@ error:
     return NULL;
 }
 
+/* _PyGradNormCore.take: the step's pending probes (None when there are none), a fresh list for
+ * the next step; the list is untracked by the cyclic GC (its PendingGradNorms are too). */
+static PyObject *GradNorm_take(GradNormCore *self, PyObject *unused) {
+    PyObject *buf = self->_buf;
+    if (buf == NULL) return unset("GradNormCollector", "_buf");
+    int t = PyList_CheckExact(buf) ? PyList_GET_SIZE(buf) != 0 : PyObject_IsTrue(buf);
+    if (t <= 0) {
+        if (t < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *fresh = PyList_New(0);
+    if (fresh == NULL) return NULL;
+    self->_buf = fresh; /* the old list's reference passes to the caller */
+    return untrack(buf);
+}
+
 static PyMethodDef GradNormCore_methods[] = {
     {"on_optimizer_step", (PyCFunction)GradNorm_on_optimizer_step, METH_O,
      "on_optimizer_step(optimizer): from the optimizer step pre-hook; queues the step's grad-norm probe."},
+    {"take", (PyCFunction)GradNorm_take, METH_NOARGS, "take() -> list | None: the step's pending probes, at its end."},
     {NULL},
 };
 

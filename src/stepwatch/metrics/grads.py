@@ -622,8 +622,8 @@ def merge_results(results: Sequence[GradNormResult]) -> GradNormResult:
 
 class _PyGradNormCore:
     """The collector's optimizer step in Python: the path metrics/_cmetrics.c's ``GradNormCore``
-    runs in C for its common case (and calls for every other), and the one used where that
-    extension was not built. Its state is ``GradNormCollector``'s."""
+    runs in C for its common case (and calls for every other), and the step's ``take``; the one
+    used where that extension was not built. Its state is ``GradNormCollector``'s."""
 
     __slots__ = ("_buf", "probe")
 
@@ -631,6 +631,13 @@ class _PyGradNormCore:
         p = self.probe.on_optimizer_step(optimizer)
         if p is not None:
             self._buf.append(p)
+
+    def take(self) -> list[PendingGradNorm] | None:
+        buf = self._buf
+        if not buf:
+            return None
+        self._buf = []
+        return untracked(buf)  # of PendingGradNorm (untracked too): nothing in it refers back
 
 
 try:  # the common step in C (metrics/_cmetrics.c): the same probe, less time a step
@@ -674,12 +681,6 @@ class _GradNormMethods(Collector):
     def _add(self, pending: PendingGradNorm) -> None:
         self._buf.append(pending)
 
-    def take(self) -> list[PendingGradNorm] | None:
-        if not self._buf:
-            return None
-        buf, self._buf = self._buf, []
-        return untracked(buf)  # of PendingGradNorm (untracked too): nothing in it refers back
-
     @staticmethod
     def resolve_step(pendings: Sequence[PendingGradNorm] | None) -> GradNormResult | None | bool:
         """The step's merged result; ``False`` while a value is still on its way from the device
@@ -697,10 +698,13 @@ class _GradNormMethods(Collector):
 
 class GradNormCollector(_GradNormMethods, _GradNormCore):  # type: ignore[misc,valid-type]
     __doc__ = _GradNormMethods.__doc__
+    take = _GradNormCore.take  # the core's, not Collector's (before it in the MRO)
 
 
 class PyGradNormCollector(_GradNormMethods, _PyGradNormCore):
     """``GradNormCollector`` with the Python optimizer step always (tests compare the two)."""
+
+    take = _PyGradNormCore.take
 
 
 if _bind_grads is not None:
