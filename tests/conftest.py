@@ -11,8 +11,8 @@ if SRC not in sys.path:
 
 @pytest.fixture(params=["c", "python"])
 def both_tracker_cores(request, monkeypatch):
-    """The test runs twice: sessions with the step tracker's, the root call's and the optimizer
-    pre-hook's C cores (hooks/_ctracker.c, as installed) and with their Python cores (as where
+    """The test runs twice: sessions with the step tracker's, the root call's, the backward's and
+    the optimizer pre-hook's C cores (hooks/_ctracker.c, as installed) and with their Python cores (as where
     the extension could not be built)."""
     from stepwatch import _session
     from stepwatch.hooks import install, phases
@@ -21,6 +21,7 @@ def both_tracker_cores(request, monkeypatch):
         monkeypatch.setattr(_session, "StepTracker", phases.PyStepTracker)
         monkeypatch.setattr(install, "_RootCall", install._PyRootCall)
         monkeypatch.setattr(install, "_OptPre", install._PyOptPre)
+        monkeypatch.setattr(install, "_Backward", install._PyBackward)
     elif phases._Core is phases._PyCore:
         pytest.skip("the C tracker is not built here (no C compiler at install)")
     return request.param

@@ -984,14 +984,15 @@ typedef struct {
 static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data, *s_not_roots, *s_forward_observers,
     *s_exception_observers, *s_fwd_depth, *s_pending_end, *s_work_begins, *s_observe_forward,
     *s_forward_begin, *s_forward_end, *s_observe_exception, *s_drop_observer, *s_last_optimizer, *s_new_optimizer,
-    *s_opt_pre_args, *s_optimizer_observers, *s_observe_optimizer, *s_optimizer_begin;
+    *s_opt_pre_args, *s_optimizer_observers, *s_observe_optimizer, *s_optimizer_begin, *s_backward_begin,
+    *s_backward_end, *s_boundary_checked, *s_check_boundary;
 
 static PyObject *call_inner(RootCall *self, PyObject *args, PyObject *kwargs) {
     return PyObject_Call(self->inner, args, kwargs);
 }
 
 /* The tracker as this module's Core, when its type reads the hot fields and runs the hot methods
- * the root call and the optimizer pre-hook use as Core does (phases.py's StepTracker over this Core; none of them replaced
+ * the root call, the backward and the optimizer pre-hook use as Core does (phases.py's StepTracker over this Core; none of them replaced
  * in a subclass): its fields are read and its methods called directly, without the attribute
  * lookups on the type (each a few cache lines, cold in a real loop: ~1.5 us a root call on this
  * project's machine, overhead.py --crossings). NULL for another tracker (the Python core, a
@@ -1004,7 +1005,7 @@ static Core *as_core(PyObject *tr) {
     if (tp == core_like_type) return (Core *)tr;
     if (core_type == NULL || !PyObject_TypeCheck(tr, (PyTypeObject *)core_type)) return NULL;
     PyObject *names[] = {s_enabled, s_in_data, s_fwd_depth, s_pending_end, s_forward_begin, s_forward_end,
-                         s_work_begins, s_optimizer_begin};
+                         s_work_begins, s_optimizer_begin, s_backward_begin, s_backward_end};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         PyObject *mine = _PyType_Lookup(tp, names[i]);                         /* borrowed */
         PyObject *core = _PyType_Lookup((PyTypeObject *)core_type, names[i]); /* borrowed */
@@ -1212,6 +1213,93 @@ static PyMemberDef RootCall_members[] = {ROOT_FIELDS(ROOT_MEMBER){NULL}};
 OBJECT_TYPE(RootCall, ROOT_FIELDS, "stepwatch.hooks._ctracker.RootCall",
             "A root module's call (hooks/install.py's _PyRootCall, in C).",
             {Py_tp_call, RootCall_call},)
+
+/* -- torch.autograd.backward, wrapped (hooks/install.py's _PyBackwardCore, in C) --------------
+ *
+ * The backward phase around torch's own backward (what Tensor.backward calls). */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *inst, *tr, *inner, *replay;
+} BackwardCall;
+
+#define BWD_FIELDS(X) X(inst) X(tr) X(inner) X(replay)
+
+static PyObject *BackwardCall_call(BackwardCall *self, PyObject *args, PyObject *kwargs) {
+#define BWD_CHECK(f)                                                                                   \
+    if (self->f == NULL) return unset(#f);
+    BWD_FIELDS(BWD_CHECK)
+#undef BWD_CHECK
+    /* stepwatch's own FLOP-count replay (a reentrant checkpoint's backward): the call as it is */
+    int some = attr_truth(self->replay, s_active);
+    if (some < 0) return NULL;
+    if (some) {
+        PyObject *mine = PyObject_CallMethodNoArgs(self->replay, s_mine);
+        if (mine == NULL) return NULL;
+        int c = PyObject_IsTrue(mine);
+        Py_DECREF(mine);
+        if (c < 0) return NULL;
+        if (c) return PyObject_Call(self->inner, args, kwargs);
+    }
+    PyObject *inst = self->inst, *tr = self->tr;
+    Core *core = as_core(tr);
+    int en = TR_TRUTH(core, tr, enabled, s_enabled);
+    if (en < 0) return NULL;
+    if (en) { /* the first backward: the roots, and whether the loop has an optimizer */
+        int checked = attr_truth(inst, s_boundary_checked);
+        if (checked < 0) return NULL;
+        if (!checked) {
+            PyObject *r = PyObject_CallMethodNoArgs(inst, s_check_boundary);
+            if (r == NULL) return NULL;
+            Py_DECREF(r);
+        }
+    }
+    PyObject *r = core ? Core_backward_begin(core, NULL) : PyObject_CallMethodNoArgs(tr, s_backward_begin);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    PyObject *out = PyObject_Call(self->inner, args, kwargs);
+    if (out == NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL) PyException_SetTraceback(value, tb);
+        int eo = attr_truth(inst, s_exception_observers);
+        if (eo < 0) {
+            PyErr_Clear(); /* the user's exception goes on; what failed here is ours */
+            eo = 0;
+        }
+        if (eo) {
+            PyObject *oargs[3] = {inst, s_backward, value};
+            PyObject *o = PyObject_VectorcallMethod(s_observe_exception, oargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+            if (o == NULL) PyErr_Clear();
+            Py_XDECREF(o);
+        }
+        r = core ? Core_backward_end(core, NULL) : PyObject_CallMethodNoArgs(tr, s_backward_end);
+        if (r == NULL) { /* as Python's finally: an exception there replaces the user's */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            return NULL;
+        }
+        Py_DECREF(r);
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    r = core ? Core_backward_end(core, NULL) : PyObject_CallMethodNoArgs(tr, s_backward_end);
+    if (r == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return out;
+}
+
+#define BWD_MEMBER(f) {#f, T_OBJECT_EX, offsetof(BackwardCall, f), 0, NULL},
+static PyMemberDef BackwardCall_members[] = {BWD_FIELDS(BWD_MEMBER){NULL}};
+
+OBJECT_TYPE(BackwardCall, BWD_FIELDS, "stepwatch.hooks._ctracker.BackwardCall",
+            "torch.autograd.backward, wrapped (hooks/install.py's _PyBackwardCore, in C).",
+            {Py_tp_call, BackwardCall_call},)
 
 /* -- the optimizer step pre-hook (hooks/install.py's _PyOptPreCore, in C) ----------------------
  *
@@ -1440,6 +1528,10 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_observe_optimizer, "_observe_optimizer");
     INTERN(s_optimizer_begin, "optimizer_begin");
     INTERN(s_is_cpu, "is_cpu");
+    INTERN(s_backward_begin, "backward_begin");
+    INTERN(s_backward_end, "backward_end");
+    INTERN(s_boundary_checked, "_boundary_checked");
+    INTERN(s_check_boundary, "_check_boundary");
     INTERN(s_item, "item");
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
@@ -1459,6 +1551,12 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     PyObject *opt = PyType_FromSpec(&OptPre_spec);
     if (opt == NULL || PyModule_AddObject(m, "OptPre", opt) < 0) {
         Py_XDECREF(opt);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *bwd = PyType_FromSpec(&BackwardCall_spec);
+    if (bwd == NULL || PyModule_AddObject(m, "BackwardCall", bwd) < 0) {
+        Py_XDECREF(bwd);
         Py_DECREF(m);
         return NULL;
     }

@@ -85,33 +85,13 @@ class Instrumentation:
         import torch.optim.optimizer as optim_mod
         from torch.utils.data import dataloader
 
-        from .replay import REPLAY
-
         tr = self.tracker
         self._handles.append(optim_mod.register_optimizer_step_pre_hook(_OptPre(self)))
         # The tracker's own method, no frame of ours between (it takes and ignores the hook's
         # (optimizer, args, kwargs)).
         self._handles.append(optim_mod.register_optimizer_step_post_hook(tr.optimizer_end))
 
-        orig_backward = torch.autograd.backward
-
-        @functools.wraps(orig_backward)
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            if REPLAY.active and REPLAY.mine():  # stepwatch's own FLOP-count replay (reentrant checkpoint)
-                return orig_backward(*args, **kwargs)
-            if tr.enabled and not self._boundary_checked:
-                self._check_boundary()
-            tr.backward_begin()
-            try:
-                return orig_backward(*args, **kwargs)
-            except BaseException as e:
-                if self.exception_observers:
-                    self._observe_exception("backward", e)
-                raise
-            finally:
-                tr.backward_end()
-
-        self._patch(torch.autograd, "backward", backward)
+        self._patch(torch.autograd, "backward", _Backward(self, torch.autograd.backward))
 
         it_cls = dataloader._BaseDataLoaderIter
         orig_next = it_cls.__next__
@@ -441,6 +421,59 @@ class Instrumentation:
 def _no_call() -> None:
     """What a copied or unpickled ``_RootCall`` becomes: None (the copy's call is torch's own)."""
     return None
+
+
+class _PyBackwardCore:
+    """``torch.autograd.backward`` (what ``Tensor.backward`` calls), wrapped: the backward phase
+    around torch's own. In Python: the reference that hooks/_ctracker.c's ``BackwardCall``
+    translates, and the wrapper itself wherever that extension is missing."""
+
+    __slots__ = ("inst", "tr", "inner", "replay")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        replay = self.replay
+        if replay.active and replay.mine():  # stepwatch's own FLOP-count replay (reentrant checkpoint)
+            return self.inner(*args, **kwargs)
+        inst = self.inst
+        tr = self.tr
+        if tr.enabled and not inst._boundary_checked:
+            inst._check_boundary()
+        tr.backward_begin()
+        try:
+            return self.inner(*args, **kwargs)
+        except BaseException as e:
+            if inst.exception_observers:
+                inst._observe_exception("backward", e)
+            raise
+        finally:
+            tr.backward_end()
+
+
+class _BackwardBase:
+    """What the wrapped backward holds; it passes for torch's function (``functools.wraps``)."""
+
+    def __init__(self, inst: "Instrumentation", inner: Callable[..., Any]) -> None:
+        from .replay import REPLAY
+
+        self.inst = inst
+        self.tr = inst.tracker
+        self.inner = inner
+        self.replay = REPLAY
+        functools.update_wrapper(self, inner)
+
+
+try:  # the same wrapper in C (hooks/_ctracker.c): less time a step, no frame of ours in a traceback
+    from ._ctracker import BackwardCall as _BackwardCore
+except ImportError:
+    _BackwardCore = _PyBackwardCore
+
+
+class _Backward(_BackwardBase, _BackwardCore):  # type: ignore[misc,valid-type]
+    """``torch.autograd.backward`` wrapped: C where hooks/_ctracker.c was built, else :class:`_PyBackwardCore`."""
+
+
+class _PyBackward(_BackwardBase, _PyBackwardCore):
+    """The wrapped backward in Python whatever was built (tests run both)."""
 
 
 class _PyOptPreCore:
