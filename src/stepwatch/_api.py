@@ -96,8 +96,11 @@ def log(**scalars: Any) -> None:
     """Attach scalars (loss, lr, ...) to the current step. Tensors are read later, off the
     training thread; nothing here waits for the device."""
     s = _session
-    if s is not None:
-        s.log(scalars)
+    if s is not None and (tr := s.tracker) is not None:  # one frame: this is every step's call
+        try:
+            tr.log_values(scalars, s.log_convert)
+        except Exception as e:
+            s.report_error("log", e)
 
 
 class phase:

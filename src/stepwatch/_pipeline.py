@@ -32,6 +32,11 @@ from .exporters.builtin import ExporterSpec
 from .exporters.worker import ExporterWorker
 from .record import Finding, RawStep, StepRecord, c_to_record
 
+try:  # enqueue in C for the training thread (src/stepwatch/_speedups.c); optional
+    from ._speedups import Enqueue as _CEnqueue
+except ImportError:
+    _CEnqueue = None
+
 # How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
 _MAX_HOLD_S = 30.0
 # Shutdown's time for the final pass and every exporter's flush (in parallel): a collector that is
@@ -196,6 +201,15 @@ class Pipeline:
                 self._wake.set()
         else:
             self.dropped += 1
+
+    def hot_enqueue(self) -> Callable[[RawStep], None]:
+        """What the training thread calls with each step: :meth:`enqueue`, in C where
+        ``_speedups`` was built (the same steps, no Python frame a step)."""
+        if _CEnqueue is None:
+            return self.enqueue
+        e = _CEnqueue()
+        e.pipeline, e.queue, e.cap = self, self._queue, self._cap
+        return e
 
     # -- lifecycle ------------------------------------------------------------------------------
 

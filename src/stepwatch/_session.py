@@ -62,7 +62,7 @@ class Session:
                 logger.warning("cannot use the run directory %s (%s): going on without files", self.ctx.run_dir, e)
         self.pid = os.getpid()
         self.tracker: StepTracker | None = None
-        self._loggable = loggable  # stepwatch.log's converter (cpu_items' once hooks are in)
+        self.log_convert = loggable  # stepwatch.log's converter (cpu_items' once the hooks are in)
         self.instrumentation: Any = None
         self.hub: Hub | None = None
         # Features that started with the session (see _feature.py): stop() at shutdown, status()
@@ -101,12 +101,12 @@ class Session:
 
         self._nvtx = Nvtx(self.config.nvtx)
         self.tracker = StepTracker(
-            self.pipeline.enqueue, step_offset=self.config.step_offset, nvtx=self._nvtx, on_error=self.report_error
+            self.pipeline.hot_enqueue(), step_offset=self.config.step_offset, nvtx=self._nvtx, on_error=self.report_error
         )
         self.instrumentation = Instrumentation(self.tracker, self.report_error)
         try:
             self.instrumentation.install()
-            self._loggable = cpu_items(loggable)
+            self.log_convert = cpu_items(loggable)
         except Exception as e:  # e.g. an unexpected torch version: go on without hooks
             self.report_error("hooks.install", e)
             self.tracker.enabled = False
@@ -195,15 +195,6 @@ class Session:
     def set_step(self, n: int) -> None:
         if self.tracker is not None:
             self.tracker.set_step(n)
-
-    def log(self, scalars: dict[str, Any]) -> None:
-        tr = self.tracker
-        if tr is None:
-            return
-        try:
-            tr.log_values(scalars, self._loggable)
-        except Exception as e:
-            self.report_error("log", e)
 
     def report_error(self, where: str, exc: BaseException) -> None:
         """An internal failure (any thread): counted in run.json, logged once, an

@@ -1,4 +1,5 @@
-/* stepwatch._speedups: the records file's step line, filled in C.
+/* stepwatch._speedups: the records file's step line, filled in C (and, at the end, the
+ * pipeline's enqueue for the training thread).
  *
  * exporters/records.py writes one JSON line per step: ~45 keys in a fixed order, most of them
  * null, a dozen numbers. Python's %-template for a shape of record costs ~3.8 us a line, mostly
@@ -492,6 +493,79 @@ static PyObject *ns_float_repr(PyObject *self, PyObject *arg) {
     return PyUnicode_FromStringAndSize(b.buf, b.len);
 }
 
+/* -- the pipeline's queue, from the training thread (_pipeline.py's Pipeline.enqueue, in C) ----
+ *
+ * Enqueue() with pipeline, queue (its _queue, a deque) and cap (its _cap) set: called with each
+ * step's RawStep by the tracker at the step's end. The same steps as Pipeline.enqueue, without
+ * its Python frame a step: append while the queue holds fewer than cap, wake the pipeline's
+ * thread while it has not opened its exporters, count a drop otherwise. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *pipeline, *queue, *cap;
+} Enqueue;
+
+#define ENQ_FIELDS(X) X(pipeline) X(queue) X(cap)
+
+static PyObject *s_append, *s_opened, *s_wake, *s_set, *s_dropped;
+
+static PyObject *Enqueue_call(Enqueue *self, PyObject *args, PyObject *kwargs) {
+    PyObject *raw;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "Enqueue takes one RawStep");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "Enqueue", 1, 1, &raw)) return NULL;
+    if (self->pipeline == NULL || self->queue == NULL || self->cap == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "Enqueue: pipeline, queue and cap must be set");
+        return NULL;
+    }
+    Py_ssize_t n = PyObject_Size(self->queue);
+    if (n < 0) return NULL;
+    PyObject *more = PyLong_FromSsize_t(n);
+    if (more == NULL) return NULL;
+    int room = PyObject_RichCompareBool(more, self->cap, Py_LT);
+    Py_DECREF(more);
+    if (room < 0) return NULL;
+    if (room) {
+        PyObject *r = PyObject_CallMethodOneArg(self->queue, s_append, raw);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+        PyObject *opened = PyObject_GetAttr(self->pipeline, s_opened);
+        if (opened == NULL) return NULL;
+        int t = PyObject_IsTrue(opened);
+        Py_DECREF(opened);
+        if (t < 0) return NULL;
+        if (!t) {
+            PyObject *wake = PyObject_GetAttr(self->pipeline, s_wake);
+            if (wake == NULL) return NULL;
+            r = PyObject_CallMethodNoArgs(wake, s_set);
+            Py_DECREF(wake);
+            if (r == NULL) return NULL;
+            Py_DECREF(r);
+        }
+        Py_RETURN_NONE;
+    }
+    PyObject *d = PyObject_GetAttr(self->pipeline, s_dropped);
+    if (d == NULL) return NULL;
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *d1 = one == NULL ? NULL : PyNumber_InPlaceAdd(d, one);
+    Py_XDECREF(one);
+    Py_DECREF(d);
+    if (d1 == NULL) return NULL;
+    int rc = PyObject_SetAttr(self->pipeline, s_dropped, d1);
+    Py_DECREF(d1);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+#define ENQ_MEMBER(f) {#f, T_OBJECT_EX, offsetof(Enqueue, f), 0, NULL},
+static PyMemberDef Enqueue_members[] = {ENQ_FIELDS(ENQ_MEMBER){NULL}};
+
+OBJECT_TYPE(Enqueue, ENQ_FIELDS, "stepwatch._speedups.Enqueue",
+            "Pipeline.enqueue in C, for the training thread (see the module's source).",
+            {Py_tp_call, Enqueue_call},)
+
 static PyMethodDef methods[] = {
     {"ns_float_repr", ns_float_repr, METH_O,
      "ns_float_repr(d) -> str | None: fill's repr of a float that is k / 1e9, else None (tests)."},
@@ -508,4 +582,22 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "stepwatch._speedups",
                                     "The records file's step line, filled in C.", -1, methods};
 
-PyMODINIT_FUNC PyInit__speedups(void) { return PyModule_Create(&module); }
+#define INTERN(var, text)                                                                              \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC PyInit__speedups(void) {
+    INTERN(s_append, "append");
+    INTERN(s_opened, "_opened");
+    INTERN(s_wake, "_wake");
+    INTERN(s_set, "set");
+    INTERN(s_dropped, "dropped");
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    PyObject *enq = PyType_FromSpec(&Enqueue_spec);
+    if (enq == NULL || PyModule_AddObject(m, "Enqueue", enq) < 0) {
+        Py_XDECREF(enq);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -245,12 +245,20 @@ def test_features_collect_and_act_on_the_rate_limited_findings():
     assert p.failures.counts == {"feature.Broken": 1}
 
 
-def test_the_bounded_queue_counts_what_it_drops_and_the_batch_carries_the_count():
+@pytest.mark.parametrize("hot", [False, True], ids=["enqueue", "hot_enqueue"])
+def test_the_bounded_queue_counts_what_it_drops_and_the_batch_carries_the_count(hot):
+    """``hot_enqueue()`` (the training thread's: _speedups.c's Enqueue where built) does what
+    ``enqueue`` does: the same queue, the same drop count, the pipeline woken at the first record."""
     out = Recording()
     p = make(inline=out, queue_size=3)
+    put = p.hot_enqueue() if hot else p.enqueue
+    if hot and pipeline_mod._CEnqueue is not None:
+        assert type(put) is pipeline_mod._CEnqueue
+    assert not p._wake.is_set()
     for i in range(5):
-        p.enqueue(raw(i))
-    assert p.dropped == 2
+        put(raw(i))
+    assert p._wake.is_set()
+    assert p.dropped == 2 and [r.step for r in p._queue] == [0, 1, 2]
     p.run_pass()
     assert [r.step for r in out.records] == [0, 1, 2]
     assert out.batches[-1].dropped == 2 and p.total_dropped() == 2

@@ -1030,6 +1030,45 @@ static int fwd_end(PyObject *tr) {
     return 0;
 }
 
+static PyObject *Core_backward_end(Core *self, PyObject *unused);
+
+static int bwd_end(PyObject *tr) {
+    Core *core = as_core(tr);
+    PyObject *r = core ? Core_backward_end(core, NULL) : PyObject_CallMethodNoArgs(tr, s_backward_end);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The user's call under a wrapper raised (the exception is set): the exception observers are told
+ * (inst._observe_exception(phase, exc)), the phase ends (end(tr); as Python's finally, an
+ * exception there replaces the user's), and the user's exception goes on. Returns NULL. */
+static PyObject *call_failed(PyObject *inst, PyObject *phase, int (*end)(PyObject *), PyObject *tr) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL) PyException_SetTraceback(value, tb);
+    int eo = attr_truth(inst, s_exception_observers);
+    if (eo < 0) {
+        PyErr_Clear(); /* the user's exception goes on; what failed here is ours */
+        eo = 0;
+    }
+    if (eo) {
+        PyObject *oargs[3] = {inst, phase, value};
+        PyObject *r = PyObject_VectorcallMethod(s_observe_exception, oargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (r == NULL) PyErr_Clear();
+        Py_XDECREF(r);
+    }
+    if (end(tr) < 0) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    PyErr_Restore(type, value, tb);
+    return NULL;
+}
+
 /* install.py's _observe_forward / _observe_optimizer: each observer of inst.<list_name> in turn
  * (called with cargs); one that raises an Exception is dropped (inst._drop_observer(kind, ...))
  * and the others still run. The list is read once, as Python's
@@ -1170,34 +1209,9 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
     }
     PyObject *out = call_inner(self, args, kwargs);
     if (out == NULL) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        if (tb != NULL) PyException_SetTraceback(value, tb);
-        int eo = attr_truth(inst, s_exception_observers);
-        if (eo < 0) {
-            PyErr_Clear(); /* the user's exception goes on; what failed here is ours */
-            eo = 0;
-        }
-        if (eo) {
-            int g = PyObject_IsTrue(grad);
-            PyObject *oargs[3] = {inst, g > 0 || g < 0 ? s_forward : s_eval, value};
-            if (g < 0) PyErr_Clear();
-            PyObject *r = PyObject_VectorcallMethod(s_observe_exception, oargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                                    NULL);
-            if (r == NULL) PyErr_Clear();
-            Py_XDECREF(r);
-        }
-        if (fwd_end(tr) < 0) { /* as Python's finally: an exception there replaces the user's */
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            Py_DECREF(grad);
-            return NULL;
-        }
-        PyErr_Restore(type, value, tb);
+        PyObject *phase = grad == Py_False ? s_eval : s_forward; /* torch.is_grad_enabled(): a bool */
         Py_DECREF(grad);
-        return NULL;
+        return call_failed(inst, phase, fwd_end, tr);
     }
     Py_DECREF(grad);
     if (fwd_end(tr) < 0) {
@@ -1258,39 +1272,11 @@ static PyObject *BackwardCall_call(BackwardCall *self, PyObject *args, PyObject 
     if (r == NULL) return NULL;
     Py_DECREF(r);
     PyObject *out = PyObject_Call(self->inner, args, kwargs);
-    if (out == NULL) {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyErr_NormalizeException(&type, &value, &tb);
-        if (tb != NULL) PyException_SetTraceback(value, tb);
-        int eo = attr_truth(inst, s_exception_observers);
-        if (eo < 0) {
-            PyErr_Clear(); /* the user's exception goes on; what failed here is ours */
-            eo = 0;
-        }
-        if (eo) {
-            PyObject *oargs[3] = {inst, s_backward, value};
-            PyObject *o = PyObject_VectorcallMethod(s_observe_exception, oargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-            if (o == NULL) PyErr_Clear();
-            Py_XDECREF(o);
-        }
-        r = core ? Core_backward_end(core, NULL) : PyObject_CallMethodNoArgs(tr, s_backward_end);
-        if (r == NULL) { /* as Python's finally: an exception there replaces the user's */
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            return NULL;
-        }
-        Py_DECREF(r);
-        PyErr_Restore(type, value, tb);
-        return NULL;
-    }
-    r = core ? Core_backward_end(core, NULL) : PyObject_CallMethodNoArgs(tr, s_backward_end);
-    if (r == NULL) {
+    if (out == NULL) return call_failed(inst, s_backward, bwd_end, tr);
+    if (bwd_end(tr) < 0) {
         Py_DECREF(out);
         return NULL;
     }
-    Py_DECREF(r);
     return out;
 }
 
