@@ -742,9 +742,15 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
     }
     Py_DECREF(st);
     /* PendingGradNorm(values, host, event, False, False, False, id(optimizer), device), filled as
-     * its __init__ fills it */
+     * its __init__ fills it; a value on the GPU is copied to the host without blocking (the
+     * values' device, as _probe asks it: the first parameter's may differ) */
     PyObject *host = Py_None, *event = Py_None, *device = NULL, *hed = NULL;
-    if (cuda) {
+    int on_gpu = tensor_attr_truth(values, A_IS_CUDA);
+    if (on_gpu < 0) {
+        Py_DECREF(values);
+        return NULL;
+    }
+    if (on_gpu) {
         hed = PyObject_CallOneArg(gn_copy_to_host, values);
         if (hed == NULL || !PyTuple_Check(hed) || PyTuple_GET_SIZE(hed) != 3) {
             if (hed != NULL) PyErr_SetString(PyExc_TypeError, "copy_to_host must return (host, event, device)");
