@@ -783,8 +783,17 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
     SLOT(pending, pg_off[PG_OPTIMIZER_ID]) = oid;
     SLOT(pending, pg_off[PG_DEVICE]) = device;
     Py_XDECREF(hed);
-    /* tensors and numbers: it cannot be part of a cycle, and it waits in the queue */
-    int rc = PyList_Append(self->_buf, untrack(pending));
+    /* tensors and numbers: it cannot be part of a cycle, and it waits in the queue (the buffer
+     * read again: the torch calls above could have run Python that replaced it) */
+    int rc;
+    if (self->_buf != NULL && PyList_CheckExact(self->_buf)) {
+        rc = PyList_Append(self->_buf, untrack(pending));
+    } else {
+        PyObject *r = self->_buf == NULL ? unset("GradNormCollector", "_buf")
+                                         : PyObject_CallMethod(self->_buf, "append", "O", untrack(pending));
+        rc = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+    }
     Py_DECREF(pending);
     if (rc < 0) return NULL;
     Py_RETURN_NONE;
