@@ -590,3 +590,16 @@ def test_session_surfaces_nccl_warnings_and_never_sets_the_variable(sw, monkeypa
     assert os.environ["NCCL_DEBUG_FILE"] == str(tmp_path / "nccl.%h.%p.log")
     got = [f for f in mem.findings if f.kind == "nccl_warning"]
     assert len(got) == 1 and "Got completion with error" in got[0].summary and got[0].data["file"] == str(log)
+
+
+def test_take_of_a_step_without_collectives_allocates_nothing():
+    """A step with no collective (a single-process job, or the steps between them) hands over None
+    and keeps the same list: take() runs every step, and a fresh list each time was an object a
+    step for the cyclic GC to count."""
+    c = CommCollector()
+    buf = c._buf
+    assert c.take() is None and c.take() is None and c._buf is buf
+    span = c.begin(ALLREDUCE, 64, 2, "test")
+    got = c.take()
+    assert got == {"spans": [span], "fwd_end_ev": None} and c._buf is not buf and c._buf == []
+    assert c.take() is None

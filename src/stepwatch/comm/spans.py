@@ -90,10 +90,11 @@ class CommCollector(Collector):
         self._fwd_end_ev: Any = None
 
     def take(self) -> Any:
-        buf, self._buf = self._buf, []
+        buf = self._buf
+        if not buf and self._fwd_end_ev is None:
+            return None  # a step without collectives keeps its list: no allocation a step
+        self._buf = []  # a span issued meanwhile from another thread goes to the next step
         ev, self._fwd_end_ev = self._fwd_end_ev, None
-        if not buf and ev is None:
-            return None
         return {"spans": buf, "fwd_end_ev": ev}
 
     def set_forward_end_event(self, ev: Any) -> None:
