@@ -1,5 +1,6 @@
 /* What stepwatch's C accelerators (hooks/_ctracker.c, metrics/_cmetrics.c, _speedups.c) share: the
- * boilerplate of a heap type whose fields are all objects, one attribute read, where a Python
+ * boilerplate of a heap type whose fields are all objects and of a module's init (names, types),
+ * one attribute read, a weak reference's referent, a call's positional arguments, where a Python
  * class keeps a slot, untracking from the cyclic GC, and record.py's RawStep slots. Included after <Python.h> and <structmember.h>; everything here is
  * static, so each extension has its own copy. */
 #ifndef STEPWATCH_COBJECTS_H
@@ -68,6 +69,53 @@ static inline Py_ssize_t plain_slot_offset(PyTypeObject *tp, const char *name) {
 static inline PyObject *untrack(PyObject *o) {
     if (PyObject_IS_GC(o)) PyObject_GC_UnTrack(o);
     return o;
+}
+
+/* One interned name for the module's lookups; inside PyInit_*, which fails with NULL. */
+#define INTERN(var, text)                                                                              \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+/* The type of ``spec`` made and added to module ``m`` as ``name`` (and kept in *out when out is
+ * not NULL): 0, or -1 with an exception. */
+static inline int add_type(PyObject *m, PyType_Spec *spec, const char *name, PyTypeObject **out) {
+    PyObject *t = PyType_FromSpec(spec);
+    if (t == NULL) return -1;
+    if (out != NULL) *out = (PyTypeObject *)Py_NewRef(t);
+    if (PyModule_AddObject(m, name, t) < 0) {
+        Py_DECREF(t);
+        return -1;
+    }
+    return 0;
+}
+
+/* The referent of weak reference ``r`` when it is one and alive: a new reference, or NULL (no
+ * exception) otherwise. */
+static inline PyObject *deref(PyObject *r) {
+    if (!PyWeakref_Check(r)) return NULL;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *o = NULL;
+    if (PyWeakref_GetRef(r, &o) < 0) PyErr_Clear();
+    return o;
+#else
+    PyObject *o = PyWeakref_GET_OBJECT(r);
+    return o == Py_None ? NULL : Py_NewRef(o);
+#endif
+}
+
+/* A tp_call's arguments as exactly ``n`` positional ones into out[0..n-1] (borrowed): 0, or -1
+ * with the TypeError a Python function of n parameters would raise. */
+static inline int positional(const char *name, PyObject *args, PyObject *kwargs, Py_ssize_t n, PyObject **out) {
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_Format(PyExc_TypeError, "%s() takes no keyword arguments", name);
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(args) != n) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments (%zd given)", name, n,
+                     PyTuple_GET_SIZE(args));
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = PyTuple_GET_ITEM(args, i);
+    return 0;
 }
 
 /* record.py's RawStep.__slots__, in its order: the record hooks/_ctracker.c builds and

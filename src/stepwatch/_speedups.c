@@ -511,11 +511,7 @@ static PyObject *s_append, *s_opened, *s_wake, *s_set, *s_dropped;
 
 static PyObject *Enqueue_call(Enqueue *self, PyObject *args, PyObject *kwargs) {
     PyObject *raw;
-    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
-        PyErr_SetString(PyExc_TypeError, "Enqueue takes one RawStep");
-        return NULL;
-    }
-    if (!PyArg_UnpackTuple(args, "Enqueue", 1, 1, &raw)) return NULL;
+    if (positional("Enqueue", args, kwargs, 1, &raw) < 0) return NULL;
     if (self->pipeline == NULL || self->queue == NULL || self->cap == NULL) {
         PyErr_SetString(PyExc_AttributeError, "Enqueue: pipeline, queue and cap must be set");
         return NULL;
@@ -582,9 +578,6 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "stepwatch._speedups",
                                     "The records file's step line, filled in C.", -1, methods};
 
-#define INTERN(var, text)                                                                              \
-    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
-
 PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(s_append, "append");
     INTERN(s_opened, "_opened");
@@ -593,9 +586,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(s_dropped, "dropped");
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    PyObject *enq = PyType_FromSpec(&Enqueue_spec);
-    if (enq == NULL || PyModule_AddObject(m, "Enqueue", enq) < 0) {
-        Py_XDECREF(enq);
+    if (add_type(m, &Enqueue_spec, "Enqueue", NULL) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -294,9 +294,6 @@ def test_burst_raises_queue_and_fires_the_queue_finding(served):
 def test_sigstop_worker_gives_stall_finding_and_dumps(served):
     worker = _worker(served)
 
-    def load() -> float | None:
-        return _load(served)
-
     def client_in_flight() -> int:
         return sum(b.in_flight for b in bursts)
 
@@ -319,7 +316,7 @@ def test_sigstop_worker_gives_stall_finding_and_dumps(served):
         if not bursts or (len(bursts) < 3 and len(bursts[-1].results) >= 12):
             bursts.append(Burst(served.url, MODEL, 24, max_tokens=400))
             note("burst", 24.0)
-        now_load = load()
+        now_load = _load(served)
         note("load", now_load)
         if now_load is not None and now_load > MAX_NUM_SEQS:
             break
@@ -338,7 +335,7 @@ def test_sigstop_worker_gives_stall_finding_and_dumps(served):
         while f is None and time.monotonic() - t0 < STALL_S + 30:
             f = served.wait_finding("stall", 1.0)
             st = procs.read_stat(worker)
-            now_load = load()
+            now_load = _load(served)
             note(f"load (worker {st.state if st else 'gone'})", now_load)
             stopped_load.append(now_load if now_load is not None else float(client_in_flight()))
         took = time.monotonic() - t0

@@ -997,18 +997,18 @@ static PyObject *call_inner(RootCall *self, PyObject *args, PyObject *kwargs) {
  * lookups on the type (each a few cache lines, cold in a real loop: ~1.5 us a root call on this
  * project's machine, overhead.py --crossings). NULL for another tracker (the Python core, a
  * subclass that overrides one): the attribute path, as Python does it. A type is checked once. */
-static PyObject *core_type = NULL;           /* Core, set at module init */
+static PyTypeObject *core_type = NULL;       /* Core, set at module init */
 static PyTypeObject *core_like_type = NULL;  /* the last type that passed the check (borrowed: compared only) */
 
 static Core *as_core(PyObject *tr) {
     PyTypeObject *tp = Py_TYPE(tr);
     if (tp == core_like_type) return (Core *)tr;
-    if (core_type == NULL || !PyObject_TypeCheck(tr, (PyTypeObject *)core_type)) return NULL;
+    if (core_type == NULL || !PyObject_TypeCheck(tr, core_type)) return NULL;
     PyObject *names[] = {s_enabled, s_in_data, s_fwd_depth, s_pending_end, s_forward_begin, s_forward_end,
                          s_work_begins, s_optimizer_begin, s_backward_begin, s_backward_end};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         PyObject *mine = _PyType_Lookup(tp, names[i]);                         /* borrowed */
-        PyObject *core = _PyType_Lookup((PyTypeObject *)core_type, names[i]); /* borrowed */
+        PyObject *core = _PyType_Lookup(core_type, names[i]); /* borrowed */
         if (mine == NULL || mine != core) return NULL;
     }
     core_like_type = tp;
@@ -1302,12 +1302,9 @@ typedef struct {
 static Py_ssize_t closure_at = 1; /* install.py's _CLOSURE_AT */
 
 static PyObject *OptPre_call(OptPre *self, PyObject *targs, PyObject *tkwargs) {
-    PyObject *optimizer, *args, *kwargs;
-    if (tkwargs != NULL && PyDict_GET_SIZE(tkwargs) != 0) {
-        PyErr_SetString(PyExc_TypeError, "the optimizer step pre-hook takes (optimizer, args, kwargs)");
-        return NULL;
-    }
-    if (!PyArg_UnpackTuple(targs, "OptPre", 3, 3, &optimizer, &args, &kwargs)) return NULL;
+    PyObject *a[3];
+    if (positional("OptPre", targs, tkwargs, 3, a) < 0) return NULL;
+    PyObject *optimizer = a[0], *args = a[1], *kwargs = a[2];
 #define OPT_CHECK(f)                                                                                   \
     if (self->f == NULL) return unset(#f);
     OPT_FIELDS(OPT_CHECK)
@@ -1319,28 +1316,9 @@ static PyObject *OptPre_call(OptPre *self, PyObject *targs, PyObject *tkwargs) {
     /* the common case, one optimizer: the last one again (no WeakSet lookup) */
     PyObject *last = PyObject_GetAttr(inst, s_last_optimizer);
     if (last == NULL) return NULL;
-    int same = 0;
-    if (last != Py_None && PyWeakref_Check(last)) {
-#if PY_VERSION_HEX >= 0x030D0000
-        PyObject *o = NULL;
-        if (PyWeakref_GetRef(last, &o) < 0) {
-            Py_DECREF(last);
-            return NULL;
-        }
-        same = o == optimizer;
-        Py_XDECREF(o);
-#else
-        same = PyWeakref_GET_OBJECT(last) == optimizer;
-#endif
-    } else if (last != Py_None) { /* not a weak reference: call it, as Python does */
-        PyObject *o = PyObject_CallNoArgs(last);
-        if (o == NULL) {
-            Py_DECREF(last);
-            return NULL;
-        }
-        same = o == optimizer;
-        Py_DECREF(o);
-    }
+    PyObject *o = deref(last); /* None, or a weak reference (install.py's _new_optimizer) */
+    int same = o == optimizer;
+    Py_XDECREF(o);
     Py_DECREF(last);
     if (!same) {
         PyObject *r = PyObject_CallMethodOneArg(inst, s_new_optimizer, optimizer);
@@ -1360,10 +1338,8 @@ static PyObject *OptPre_call(OptPre *self, PyObject *targs, PyObject *tkwargs) {
         PyObject *cargs[4] = {inst, optimizer, args, kwargs};
         return PyObject_VectorcallMethod(s_opt_pre_args, cargs, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     }
-    int obs = attr_truth(inst, s_optimizer_observers);
-    if (obs < 0) return NULL;
-    if (obs && observe(inst, s_optimizer_observers, s_observe_optimizer, s_optimizer, &optimizer, 1) < 0)
-        return NULL;
+    /* the observers (an empty list calls none: one lookup, not a truth test and then the loop's) */
+    if (observe(inst, s_optimizer_observers, s_observe_optimizer, s_optimizer, &optimizer, 1) < 0) return NULL;
     PyObject *r = core ? Core_optimizer_begin(core, NULL) : PyObject_CallMethodNoArgs(tr, s_optimizer_begin);
     if (r == NULL) return NULL;
     Py_DECREF(r);
@@ -1395,11 +1371,7 @@ static PyObject *s_is_cpu, *s_item;
 
 static PyObject *CpuItem_call(CpuItem *self, PyObject *args, PyObject *kwargs) {
     PyObject *v;
-    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
-        PyErr_SetString(PyExc_TypeError, "CpuItem takes one value");
-        return NULL;
-    }
-    if (!PyArg_UnpackTuple(args, "CpuItem", 1, 1, &v)) return NULL;
+    if (positional("CpuItem", args, kwargs, 1, &v) < 0) return NULL;
     if (self->tensor == NULL || self->full == NULL) return unset(self->tensor == NULL ? "tensor" : "full");
     if ((PyObject *)Py_TYPE(v) == self->tensor) {
         int cpu = attr_truth(v, s_is_cpu);
@@ -1468,9 +1440,6 @@ static PyMethodDef mod_methods[] = {
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "stepwatch.hooks._ctracker", NULL, -1, mod_methods};
 
-#define INTERN(var, text)                                                                              \
-    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
-
 PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_pause_opt, "_pause_opt");
     INTERN(s_resume_opt, "_resume_opt");
@@ -1521,34 +1490,9 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_item, "item");
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
-    PyObject *core = PyType_FromSpec(&Core_spec);
-    Py_XSETREF(core_type, Py_XNewRef(core));
-    if (core == NULL || PyModule_AddObject(m, "Core", core) < 0) {
-        Py_XDECREF(core);
-        Py_DECREF(m);
-        return NULL;
-    }
-    PyObject *root = PyType_FromSpec(&RootCall_spec);
-    if (root == NULL || PyModule_AddObject(m, "RootCall", root) < 0) {
-        Py_XDECREF(root);
-        Py_DECREF(m);
-        return NULL;
-    }
-    PyObject *opt = PyType_FromSpec(&OptPre_spec);
-    if (opt == NULL || PyModule_AddObject(m, "OptPre", opt) < 0) {
-        Py_XDECREF(opt);
-        Py_DECREF(m);
-        return NULL;
-    }
-    PyObject *bwd = PyType_FromSpec(&BackwardCall_spec);
-    if (bwd == NULL || PyModule_AddObject(m, "BackwardCall", bwd) < 0) {
-        Py_XDECREF(bwd);
-        Py_DECREF(m);
-        return NULL;
-    }
-    PyObject *item = PyType_FromSpec(&CpuItem_spec);
-    if (item == NULL || PyModule_AddObject(m, "CpuItem", item) < 0) {
-        Py_XDECREF(item);
+    if (add_type(m, &Core_spec, "Core", &core_type) < 0 || add_type(m, &RootCall_spec, "RootCall", NULL) < 0 ||
+        add_type(m, &OptPre_spec, "OptPre", NULL) < 0 || add_type(m, &BackwardCall_spec, "BackwardCall", NULL) < 0 ||
+        add_type(m, &CpuItem_spec, "CpuItem", NULL) < 0) {
         Py_DECREF(m);
         return NULL;
     }

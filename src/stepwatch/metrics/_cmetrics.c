@@ -559,20 +559,6 @@ static PyObject *gn_fallback(GradNormCore *self, PyObject *optimizer) {
     return PyObject_CallFunctionObjArgs(gn_full, (PyObject *)self, optimizer, NULL);
 }
 
-/* The referent of weak reference ``r`` when it is one and alive: a new reference, or NULL (no
- * exception) otherwise. */
-static PyObject *deref(PyObject *r) {
-    if (!PyWeakref_Check(r)) return NULL;
-#if PY_VERSION_HEX >= 0x030D0000
-    PyObject *o = NULL;
-    if (PyWeakref_GetRef(r, &o) < 0) PyErr_Clear();
-    return o;
-#else
-    PyObject *o = PyWeakref_GET_OBJECT(r);
-    return o == Py_None ? NULL : Py_NewRef(o);
-#endif
-}
-
 /* GradNormProbe._probe(optimizer, None, st): the Python for a probed step the common path does
  * not take; its result appended as _PyGradNormCore.on_optimizer_step appends it. */
 static PyObject *gn_probe_py(GradNormCore *self, PyObject *probe, PyObject *optimizer, PyObject *st) {
@@ -920,20 +906,6 @@ static PyMethodDef mod_methods[] = {
 };
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "stepwatch.metrics._cmetrics", NULL, -1, mod_methods};
-
-#define INTERN(var, text)                                                                              \
-    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
-
-static int add_type(PyObject *m, PyType_Spec *spec, const char *name, PyTypeObject **out) {
-    PyObject *t = PyType_FromSpec(spec);
-    if (t == NULL) return -1;
-    if (out != NULL) *out = (PyTypeObject *)Py_NewRef(t);
-    if (PyModule_AddObject(m, name, t) < 0) {
-        Py_DECREF(t);
-        return -1;
-    }
-    return 0;
-}
 
 PyMODINIT_FUNC PyInit__cmetrics(void) {
     INTERN(s_dtype, "dtype");
