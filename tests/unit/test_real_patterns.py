@@ -331,3 +331,71 @@ def test_real_count_leaves_grads_buffers_and_rng_alone():
     assert all(p.grad is None for p in m.parameters())
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class _Trainer:
+    """A trainer object holding the model and the optimizer as attributes (the loop's locals
+    hold the trainer only)."""
+
+    def __init__(self):
+        self.model = _model()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+
+    def fit(self, steps, micro, g):
+        for _ in range(steps):
+            for _ in range(micro):
+                (self.model(torch.randn(8, 16, generator=g)).sum() / micro).backward()
+            self.opt.step()
+            self.opt.zero_grad()
+
+
+@pytest.mark.parametrize("holder", ["locals", "trainer"])
+def test_a_heap_frozen_by_gc_freeze_still_has_its_model_found(sw, holder):
+    """``gc.freeze()`` after the model is built (servers and some training frameworks do it, to
+    keep the cyclic GC off long-lived objects) hides every frozen object from
+    ``gc.get_objects()``, which the root scan read: no root was found (no forward timing, no
+    FLOPs) and, no optimizer being seen either, each backward of step 0 ended a step, with a
+    warning that the process had no optimizer."""
+    import gc
+    import logging
+
+    stepwatch, mem, start = sw
+    g = torch.Generator().manual_seed(0)
+    warnings = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    handler = Catch(logging.WARNING)
+    logging.getLogger("stepwatch").addHandler(handler)
+    trainer = _Trainer() if holder == "trainer" else None
+    if holder == "locals":
+        m = _model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    gc.freeze()
+    try:
+        start()
+        if trainer is not None:
+            trainer.fit(3, 4, g)
+        else:
+            for _ in range(3):
+                for _ in range(4):
+                    (m(torch.randn(8, 16, generator=g)).sum() / 4).backward()
+                opt.step()
+                opt.zero_grad()
+        session = stepwatch.get_session()
+        roots, boundary = list(session.instrumentation.roots), session.tracker.boundary
+        stepwatch.shutdown()
+    finally:
+        gc.unfreeze()
+        logging.getLogger("stepwatch").removeHandler(handler)
+    assert roots == ["Sequential"]
+    assert boundary == "optimizer"
+    assert not [w for w in warnings if "no torch.optim optimizer" in w]
+    recs = mem.records
+    assert len(recs) == 3
+    _all_identity(recs)
+    assert all(r.forward_s > 0 for r in recs)
+    assert [r.samples for r in recs] == [32, 32, 32]
+    assert recs[0].flops == recs[1].flops and recs[0].flops > 0

@@ -11,18 +11,20 @@ What is hooked, and why this way:
 - Forward: only the *root* modules (modules that are nobody's child: the DDP wrapper, the
   ``torch.compile`` wrapper, a loss module). Global per-module hooks cost 190-370 us per forward
   on a 49-module GPT and make torch.compile guard on them, so roots are found once by scanning
-  the live modules (``gc``) when training starts. A root's call is wrapped, not hooked:
+  the live modules (``gc``) at ``init`` and when training starts. A root's call is wrapped, not hooked:
   ``Module.__call__`` runs the instance's ``_compiled_call_impl`` when one is set, and a
   ``_RootCall`` there times the module's ``_call_impl`` around it, so the module keeps torch's
   no-hook fast path (forward hooks, even no-ops, send every call down the slow one). A module
   compiled in place (``model.compile()``, before or after the scan) has its compiled callable
   wrapped instead, so timing stays outside compiled code. Framework adapters may
   declare more roots, or wrappers that are not model calls (:meth:`Instrumentation.declare_roots`).
-  The first optimizer's construction (``Optimizer.__init__``, wrapped) scans too: a loop without a
-  DataLoader has its roots hooked before its first forward, so step 0 counts every micro-batch
-  (a global module hook would do it for loops without an optimizer too, but torch.compile traces
+  ``init`` scans, and so does the first optimizer's construction (``Optimizer.__init__``,
+  wrapped): a loop without a DataLoader has its roots hooked before its first forward, whether
+  the model was built before ``init`` or after, so step 0 counts every micro-batch (a global module hook would do it for loops without an optimizer too, but torch.compile traces
   global hooks, and it would cost every module call until it fired). A root called inside a DataLoader fetch (an ``nn.Module``
   transform in ``Dataset.__getitem__``) is data loading: its calls are not timed or observed.
+  A heap frozen by ``gc.freeze()`` hides what it froze from ``gc.get_objects()``: then the scan
+  also walks the references from the calling frames' locals and ``__main__`` (:func:`_reachable`).
 - No optimizer: when no ``torch.optim.Optimizer`` exists at the first backward, each backward ends
   a step (``tracker.boundary = "backward"``, named in ``run.json``), and one line says so.
 
@@ -169,6 +171,10 @@ class Instrumentation:
             return out
 
         self._patch(torch.nn.Module, "compile", compile)
+        # A model (and its optimizer) built before stepwatch.init(): its roots are hooked now, so a
+        # loop without a DataLoader times and counts step 0's first forward too (the scans at the
+        # first optimizer, data fetch and backward come after that forward).
+        self._scan("init")
 
     def _check_boundary(self) -> None:
         """First backward: find the roots if no scan ran yet, and whether the loop has a torch
@@ -361,12 +367,17 @@ class Instrumentation:
             # type() rather than isinstance(): some objects warn when their __class__ is read.
             modules = []
             optimizers = []
-            for o in gc.get_objects():
+            objects = gc.get_objects()
+            if gc.get_freeze_count():  # gc.freeze() hid the objects it froze from get_objects()
+                seen = {id(o) for o in objects}
+                objects += [o for o in _reachable(sys._getframe(1), (nn.Module, Optimizer)) if id(o) not in seen]
+            for o in objects:
                 t = type(o)
                 if issubclass(t, nn.Module):
                     modules.append(o)
                 elif issubclass(t, Optimizer):
                     optimizers.append(o)
+            del objects
             children: set[int] = set()
             for m in modules:
                 for c in m._modules.values():
@@ -646,6 +657,49 @@ def _without_root_hooks(state: Any) -> Any:
     if isinstance(state, dict) and isinstance(state.get("_compiled_call_impl"), _RootCallBase):
         del state["_compiled_call_impl"]
     return state
+
+
+# The walk of :func:`_reachable`: how many references deep from a frame's locals, and how many
+# objects at most (the benchmark loop's frozen heap: ~20 ms a scan here, kept out of the step).
+WALK_DEPTH = 6
+WALK_MAX = 200_000
+
+
+def _reachable(frame: Any, kinds: tuple[type, ...]) -> list[Any]:
+    """The objects of ``kinds`` reachable from the locals of ``frame`` and its callers, and from
+    ``__main__``, at most :data:`WALK_DEPTH` references deep: a training loop's model and optimizer
+    are its locals, or attributes of one (a trainer). For a heap that ``gc.freeze()`` froze: the
+    objects it froze are not in ``gc.get_objects()``, and no API lists them without unfreezing
+    them (which would change what the job keeps). The walk stops at an object of ``kinds`` (a
+    module's children are read from the module, by the scan) and does not enter types, Python
+    modules, strings or tensors."""
+    import types
+
+    import torch
+
+    opaque = (type, types.ModuleType, types.FrameType, str, bytes, int, float, torch.Tensor)
+    frontier: list[Any] = []
+    while frame is not None:
+        frontier.append(frame.f_locals)
+        frame = frame.f_back
+    main = sys.modules.get("__main__")
+    if main is not None:
+        frontier.append(vars(main))
+    seen: set[int] = set()
+    found: list[Any] = []
+    for _ in range(WALK_DEPTH + 1):
+        nxt: list[Any] = []
+        for o in frontier:
+            if id(o) in seen:
+                continue
+            seen.add(id(o))
+            t = type(o)
+            if issubclass(t, kinds):
+                found.append(o)
+            elif not issubclass(t, opaque) and len(seen) < WALK_MAX:
+                nxt.extend(gc.get_referents(o))
+        frontier = nxt
+    return found
 
 
 def _steps_a_root(optimizers: list[Any], roots: list[Any]) -> bool:
