@@ -137,6 +137,28 @@ def test_accumulation_without_dataloader_counts_every_micro_batch_of_step_0(sw):
     assert recs[0].flops == recs[1].flops and recs[0].flops > 0
 
 
+def test_a_model_built_before_init_counts_every_micro_batch_of_step_0(sw):
+    """The model and its optimizer exist before ``stepwatch.init()``, and no DataLoader fetch
+    comes before the first forward: the roots are found at init (the first backward was too late
+    for step 0's first micro-batch)."""
+    stepwatch, mem, start = sw
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    start()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for _ in range(4):
+            (m(torch.randn(8, 16, generator=g)).sum() / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert len(recs) == 3
+    _all_identity(recs)
+    assert [r.samples for r in recs] == [32, 32, 32]
+    assert recs[0].flops == recs[1].flops and recs[0].flops > 0
+
+
 def test_eval_and_checkpoint_after_the_last_step_are_recorded(sw):
     stepwatch, mem, start = sw
     start()
