@@ -185,6 +185,47 @@ def test_torch_compile_gets_no_extra_graph_breaks_or_recompiles(mode, sw):
     assert all(r.forward_s > 0 for r in mem.records[1:]), "forward timed outside the compiled region"
 
 
+def test_a_root_call_skips_only_a_compiling_check_that_is_constant(sw, monkeypatch, tmp_path, both_tracker_cores):
+    """The C root call does not call torch's ``is_dynamo_compiling`` (``return False`` outside
+    dynamo's tracing, which never runs C code): no Python frame a root call. A check that can
+    say True (any other function) is still called, by either core, and a call it says is being
+    compiled passes through untimed."""
+    from stepwatch.hooks import install
+
+    stepwatch, mem, start = sw
+    start()
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    call = m.__dict__["_compiled_call_impl"]
+    assert (call.dynamo is None) == (both_tracker_cores == "c")
+    if both_tracker_cores == "python":
+        assert call.dynamo is torch.compiler.is_dynamo_compiling
+    stepwatch.shutdown()
+
+    flag = [False]
+    asked = []
+
+    def compiling():
+        asked.append(flag[0])
+        return flag[0]
+
+    monkeypatch.setattr(torch.compiler, "is_dynamo_compiling", compiling)
+    assert not install._constant_false(compiling)
+    mem.records.clear()
+    start(dir=str(tmp_path / "run2"))
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for i in range(4):
+        flag[0] = i == 3  # the last step's forward "inside dynamo's tracing"
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert asked.count(False) >= 3 and asked[-1] is True and asked.count(True) == 1  # asked at every call
+    assert len(mem.records) == 4
+    assert all(r.forward_s > 0 for r in mem.records[:3]) and mem.records[3].forward_s == 0
+
+
 def test_nvtx_makes_no_call_when_no_tool_can_listen(sw, monkeypatch, caplog):
     """No NVTX tool named in the environment (nsys sets NVTX_INJECTION64_PATH in the job it
     launches) and none loaded: every range would be a no-op, so none is opened, and run.json

@@ -348,10 +348,14 @@ def train(n):
         opt.zero_grad()
 train(5)
 loaded = [m for m in ("wandb", "mlflow", "torch.utils.tensorboard", "tensorboard") if m in sys.modules]
+listeners = [getattr(fn, "__qualname__", "") for fn in stepwatch.get_session().tracker.listeners]
 import mlflow  # the script starts using MLflow only now
 with mlflow.start_run() as run:
     train(5)
+    probing = [getattr(fn, "__qualname__", "") for fn in stepwatch.get_session().tracker.listeners]
     stepwatch.shutdown()
+watches = [f for f in sys.meta_path if type(f).__module__.startswith("stepwatch")]
+print(listeners, probing, watches)
 print(loaded, run.info.run_id)
 """
 
@@ -372,5 +376,38 @@ def test_no_tracking_library_is_imported_until_the_script_uses_one(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     loaded, rid = r.stdout.strip().splitlines()[-1].rsplit(" ", 1)
     assert loaded == "[]", loaded
+    # No MLflow call a step before the import (the probe joins the step-end listeners then), and
+    # nothing of stepwatch's left on sys.meta_path.
+    assert r.stdout.strip().splitlines()[-2] == "[] ['RunProbe.on_step_end'] []", r.stdout
     steps = sorted(m.step for m in MlflowClient(tracking_uri=db).get_metric_history(rid, "stepwatch/step_s"))
     assert steps[-5:] == list(range(5, 10)), steps
+
+
+def test_import_watch_fires_once_at_the_first_import_and_leaves_sys_meta_path(tmp_path, monkeypatch):
+    """The MLflow probe joins the step-end listeners through ``_ImportWatch`` when the script
+    imports mlflow; a watch that never fired is taken off ``sys.meta_path`` at stop."""
+    from stepwatch.exporters.mlflow import _ImportWatch
+
+    for name in ("sw_watched_a", "sw_watched_b"):
+        (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    calls = []
+    fired = _ImportWatch("sw_watched_a", lambda: calls.append(sys.modules.get("sw_watched_a")))
+    never = _ImportWatch("sw_watched_b", lambda: calls.append("b"))
+    fired.start()
+    never.start()
+    try:
+        import sw_watched_a  # noqa: F401
+
+        assert calls == [None]  # before the module ran: a step end meanwhile finds no module yet
+        assert fired not in sys.meta_path and never in sys.meta_path
+        never.stop()
+        assert never not in sys.meta_path
+        import sw_watched_b  # noqa: F401
+
+        assert calls == [None] and sw_watched_b.VALUE == 1
+    finally:
+        fired.stop()
+        never.stop()
+        sys.modules.pop("sw_watched_a", None)
+        sys.modules.pop("sw_watched_b", None)

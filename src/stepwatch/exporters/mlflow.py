@@ -4,8 +4,9 @@ and a text artifact (``stepwatch/findings.md``). No setting needed; ``STEPWATCH_
 it off.
 
 ``mlflow.active_run()`` is thread-local: the run the training script started is visible on the
-training thread only. :class:`RunProbe` looks there, at each step end (a dict lookup when mlflow
-is not imported, ~1 µs when it is), and keeps the run id and tracking URI each time they change;
+training thread only. :class:`RunProbe` looks there, at each step end once the script has
+imported mlflow (~1 µs a step; until then it is not among the step-end listeners: an
+:class:`_ImportWatch` on ``sys.meta_path`` adds it when ``import mlflow`` begins), and keeps the run id and tracking URI each time they change;
 the exporter logs each record, with ``MlflowClient`` from stepwatch's background thread, into the
 run that was active when its step ended. The exporter is started as a session feature
 (:func:`install`, at init on the training thread) so that the probe sees every step end from the
@@ -88,6 +89,36 @@ class RunProbe:
         return current
 
 
+class _ImportWatch:
+    """A ``sys.meta_path`` entry that finds nothing: the first import of ``name`` (from any
+    thread) takes it off ``sys.meta_path`` and calls ``then()`` before the import goes on. Costs
+    nothing but at imports of modules not loaded yet."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name = name
+        self.then: Callable[[], None] | None = then
+
+    def start(self) -> None:
+        sys.meta_path.insert(0, self)
+
+    def stop(self) -> None:
+        self.then = None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:  # already taken off (fired, or by someone else)
+            pass
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+        if fullname == self.name and self.then is not None:
+            then = self.then
+            self.stop()
+            try:
+                then()
+            except Exception:  # never into the script's import
+                pass
+        return None
+
+
 class MlflowExporter(TrackingExporter):
     name = "mlflow"
 
@@ -105,6 +136,7 @@ class MlflowExporter(TrackingExporter):
         self._artifact: dict[str, deque[str]] = {}
         self._artifact_dirty: set[tuple[str, str]] = set()
         self._artifact_at: dict[str, float] = {}
+        self.watch: _ImportWatch | None = None
 
     def _client(self, uri: str) -> Any:
         c = self._clients.get(uri)
@@ -191,15 +223,22 @@ class MlflowExporter(TrackingExporter):
     # -- as a session feature (started at init, beside the others; see :func:`install`) --------
 
     def stop(self) -> None:
-        return None  # force_flush/shutdown come with the other exporters
+        if self.watch is not None:  # mlflow never imported: nothing left on sys.meta_path
+            self.watch.stop()
+        # force_flush/shutdown come with the other exporters
 
     def status(self) -> dict[str, Any]:
         return {"run_seen": self.probe.run_at(None) is not None, "off": self.off}
 
 
 def install(hub: "Hub") -> MlflowExporter | None:
-    """Training thread, at init: the exporter and its run probe among the step-end listeners, so
-    the probe sees every step from the first. The session adds it to its exporters."""
+    """Training thread, at init: the exporter, and its run probe among the step-end listeners
+    from the first step on which mlflow is imported (now, or when the script imports it: no call
+    a step before). The session adds it to its exporters."""
     e = MlflowExporter(hub.ctx)
-    hub.add_listener(e.probe.on_step_end)
+    if "mlflow" in sys.modules:
+        hub.add_listener(e.probe.on_step_end)
+    else:
+        e.watch = _ImportWatch("mlflow", lambda: hub.add_listener(e.probe.on_step_end))
+        e.watch.start()
     return e

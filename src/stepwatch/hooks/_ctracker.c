@@ -88,16 +88,28 @@ static inline void put_obj(PyObject **slot, PyObject *v) { /* borrows v */
     put(slot, v);
 }
 
-/* An int field as a C integer; -1 with an exception set when it is not one (check PyErr_Occurred). */
+/* An int as a C integer: 0, or -1 with Python's exception (TypeError, OverflowError). Through
+ * PyLong_AsLongLongAndOverflow: for a nanosecond timestamp (an int of two or three digits)
+ * PyLong_AsLongLong takes _PyLong_AsByteArray's general path, ~5 times the instructions. */
+static inline int as_ll(PyObject *v, long long *out) {
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (overflow) {
+        PyErr_SetString(PyExc_OverflowError, "Python int too large to convert to C long long");
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+/* An int field as a C integer; -1 with an exception set when it is not one. */
 static inline int get_ll(PyObject *v, const char *name, long long *out) {
     if (v == NULL) {
         unset(name);
         return -1;
     }
-    long long x = PyLong_AsLongLong(v);
-    if (x == -1 && PyErr_Occurred()) return -1;
-    *out = x;
-    return 0;
+    return as_ll(v, out);
 }
 
 #define LL(self, f, var)                                                                               \
@@ -133,11 +145,9 @@ static int now_ns(long long *out) {
     if (clock_override != NULL) {
         PyObject *r = PyObject_CallNoArgs(clock_override);
         if (r == NULL) return -1;
-        long long x = PyLong_AsLongLong(r);
+        int rc = as_ll(r, out);
         Py_DECREF(r);
-        if (x == -1 && PyErr_Occurred()) return -1;
-        *out = x;
-        return 0;
+        return rc;
     }
 #if PY_VERSION_HEX >= 0x030D0000
     PyTime_t t;
@@ -516,8 +526,8 @@ error:
 }
 
 static PyObject *Core_start_work(Core *self, PyObject *arg) {
-    long long t = PyLong_AsLongLong(arg);
-    if (t == -1 && PyErr_Occurred()) return NULL;
+    long long t;
+    if (as_ll(arg, &t) < 0) return NULL;
     if (start_work(self, t) < 0) return NULL;
     Py_RETURN_NONE;
 }
@@ -594,8 +604,8 @@ static PyObject *Core_data_end(Core *self, PyObject *t0_obj) {
     {
         LL(self, in_data, d);
         PUT_LL(self, in_data, d > 1 ? d - 1 : 0);
-        long long t0 = PyLong_AsLongLong(t0_obj);
-        if (t0 == -1 && PyErr_Occurred()) goto error;
+        long long t0;
+        if (as_ll(t0_obj, &t0) < 0) goto error;
         NOW(t);
         long long dur = t - t0;
         LL(self, _data, data);
@@ -1131,11 +1141,14 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
 #undef ROOT_CHECK
     /* Inside torch.compile's tracing, torch.export, or stepwatch's own FLOP-count replay: the call as it is. */
     {
-        PyObject *d = PyObject_CallNoArgs(self->dynamo);
-        if (d == NULL) return NULL;
-        int c = PyObject_IsTrue(d);
-        Py_DECREF(d);
-        if (c < 0) return NULL;
+        int c = 0; /* dynamo None: a function that is False outside dynamo's tracing, not called (install.py) */
+        if (self->dynamo != Py_None) {
+            PyObject *d = PyObject_CallNoArgs(self->dynamo);
+            if (d == NULL) return NULL;
+            c = PyObject_IsTrue(d);
+            Py_DECREF(d);
+            if (c < 0) return NULL;
+        }
         if (!c && (c = attr_truth(self->compiler, s_is_compiling_flag)) < 0) return NULL;
         if (!c) {
             int some = attr_truth(self->replay, s_active);

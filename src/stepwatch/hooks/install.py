@@ -617,6 +617,26 @@ class _RootCall(_RootCallBase, _RootCallCore):  # type: ignore[misc,valid-type]
 
     __slots__ = ("__weakref__",)
 
+    def __init__(self, inst: "Instrumentation", mod: Any, inner: Callable[..., Any]) -> None:
+        super().__init__(inst, mod, inner)
+        if _RootCallCore is not _PyRootCallCore and _constant_false(self.dynamo):
+            # Dynamo reads bytecode and never runs C code while it traces: the C call runs
+            # outside tracing only, where torch's is_dynamo_compiling() is ``return False``. Not
+            # called (None), it costs no Python frame at each root call.
+            self.dynamo = None
+
+
+def _constant_false(fn: Any) -> bool:
+    """``fn()`` returns False whenever it is called: a function of no parameters whose code reads
+    no name (no global, builtin, attribute or closure cell) and that returned False once."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_argcount or code.co_kwonlyargcount or code.co_names or code.co_freevars:
+        return False
+    try:
+        return fn() is False
+    except Exception:
+        return False
+
 
 class _PyRootCall(_RootCallBase, _PyRootCallCore):
     """A root's call in Python whatever was built (tests run both)."""
