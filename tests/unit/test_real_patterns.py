@@ -117,46 +117,39 @@ def test_optimizer_loop_says_optimizer_boundary(sw, tmp_path):
     assert manifest["features"]["step_boundary"] == "optimizer"
 
 
-def test_accumulation_without_dataloader_counts_every_micro_batch_of_step_0(sw):
-    stepwatch, mem, start = sw
-    start()
-    m = _model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+def _accumulate(m, opt, steps=3, micro=4):
+    """Gradient accumulation without a DataLoader: ``micro`` batches of 8 samples a step."""
     g = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        for _ in range(4):
-            x = torch.randn(8, 16, generator=g)
-            (m(x).sum() / 4).backward()
+    for _ in range(steps):
+        for _ in range(micro):
+            (m(torch.randn(8, 16, generator=g)).sum() / micro).backward()
         opt.step()
         opt.zero_grad()
-    stepwatch.shutdown()
-    recs = mem.records
+
+
+def _every_micro_batch_counted(recs):
     assert len(recs) == 3
     _all_identity(recs)
+    assert all(r.forward_s > 0 for r in recs)
     assert [r.samples for r in recs] == [32, 32, 32]
     assert recs[0].flops == recs[1].flops and recs[0].flops > 0
 
 
-def test_a_model_built_before_init_counts_every_micro_batch_of_step_0(sw):
-    """The model and its optimizer exist before ``stepwatch.init()``, and no DataLoader fetch
-    comes before the first forward: the roots are found at init (the first backward was too late
-    for step 0's first micro-batch)."""
+@pytest.mark.parametrize("built", ["after init", "before init"])
+def test_accumulation_without_dataloader_counts_every_micro_batch_of_step_0(sw, built):
+    """Before init: the model and its optimizer exist before ``stepwatch.init()``, and no
+    DataLoader fetch comes before the first forward; the roots are found at init (the first
+    backward was too late for step 0's first micro-batch)."""
     stepwatch, mem, start = sw
+    if built == "after init":
+        start()
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    start()
-    g = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        for _ in range(4):
-            (m(torch.randn(8, 16, generator=g)).sum() / 4).backward()
-        opt.step()
-        opt.zero_grad()
+    if built == "before init":
+        start()
+    _accumulate(m, opt)
     stepwatch.shutdown()
-    recs = mem.records
-    assert len(recs) == 3
-    _all_identity(recs)
-    assert [r.samples for r in recs] == [32, 32, 32]
-    assert recs[0].flops == recs[1].flops and recs[0].flops > 0
+    _every_micro_batch_counted(mem.records)
 
 
 def test_eval_and_checkpoint_after_the_last_step_are_recorded(sw):
@@ -363,12 +356,8 @@ class _Trainer:
         self.model = _model()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
 
-    def fit(self, steps, micro, g):
-        for _ in range(steps):
-            for _ in range(micro):
-                (self.model(torch.randn(8, 16, generator=g)).sum() / micro).backward()
-            self.opt.step()
-            self.opt.zero_grad()
+    def fit(self):
+        _accumulate(self.model, self.opt)
 
 
 @pytest.mark.parametrize("holder", ["locals", "trainer"])
@@ -382,7 +371,6 @@ def test_a_heap_frozen_by_gc_freeze_still_has_its_model_found(sw, holder):
     import logging
 
     stepwatch, mem, start = sw
-    g = torch.Generator().manual_seed(0)
     warnings = []
 
     class Catch(logging.Handler):
@@ -399,13 +387,9 @@ def test_a_heap_frozen_by_gc_freeze_still_has_its_model_found(sw, holder):
     try:
         start()
         if trainer is not None:
-            trainer.fit(3, 4, g)
+            trainer.fit()
         else:
-            for _ in range(3):
-                for _ in range(4):
-                    (m(torch.randn(8, 16, generator=g)).sum() / 4).backward()
-                opt.step()
-                opt.zero_grad()
+            _accumulate(m, opt)
         session = stepwatch.get_session()
         roots, boundary = list(session.instrumentation.roots), session.tracker.boundary
         stepwatch.shutdown()
@@ -415,9 +399,4 @@ def test_a_heap_frozen_by_gc_freeze_still_has_its_model_found(sw, holder):
     assert roots == ["Sequential"]
     assert boundary == "optimizer"
     assert not [w for w in warnings if "no torch.optim optimizer" in w]
-    recs = mem.records
-    assert len(recs) == 3
-    _all_identity(recs)
-    assert all(r.forward_s > 0 for r in recs)
-    assert [r.samples for r in recs] == [32, 32, 32]
-    assert recs[0].flops == recs[1].flops and recs[0].flops > 0
+    _every_micro_batch_counted(mem.records)
