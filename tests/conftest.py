@@ -11,9 +11,9 @@ if SRC not in sys.path:
 
 @pytest.fixture(params=["c", "python"])
 def both_tracker_cores(request, monkeypatch):
-    """The test runs twice: sessions with the step tracker's, the root call's, the backward's and
-    the optimizer pre-hook's C cores (hooks/_ctracker.c, as installed) and with their Python cores (as where
-    the extension could not be built)."""
+    """The test runs twice: sessions with the step tracker's, the root call's, the backward's, the
+    optimizer pre-hook's and the DataLoader fetch's C cores (hooks/_ctracker.c, as installed) and
+    with their Python cores (as where the extension could not be built)."""
     from stepwatch import _session
     from stepwatch.hooks import install, phases
 
@@ -22,6 +22,7 @@ def both_tracker_cores(request, monkeypatch):
         monkeypatch.setattr(install, "_RootCall", install._PyRootCall)
         monkeypatch.setattr(install, "_OptPre", install._PyOptPre)
         monkeypatch.setattr(install, "_Backward", install._PyBackward)
+        monkeypatch.setattr(install, "_DataNext", install._PyDataNext)
     elif phases._Core is phases._PyCore:
         pytest.skip("the C tracker is not built here (no C compiler at install)")
     return request.param

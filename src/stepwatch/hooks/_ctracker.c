@@ -995,7 +995,8 @@ static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data
     *s_exception_observers, *s_fwd_depth, *s_pending_end, *s_work_begins, *s_observe_forward,
     *s_forward_begin, *s_forward_end, *s_observe_exception, *s_drop_observer, *s_last_optimizer, *s_new_optimizer,
     *s_opt_pre_args, *s_optimizer_observers, *s_observe_optimizer, *s_optimizer_begin, *s_backward_begin,
-    *s_backward_end, *s_boundary_checked, *s_check_boundary;
+    *s_backward_end, *s_boundary_checked, *s_check_boundary, *s_data_begin, *s_data_end, *s_data_scanned, *s_scan,
+    *s_first_data_fetch, *s_data;
 
 static PyObject *call_inner(RootCall *self, PyObject *args, PyObject *kwargs) {
     return PyObject_Call(self->inner, args, kwargs);
@@ -1015,7 +1016,7 @@ static Core *as_core(PyObject *tr) {
     if (tp == core_like_type) return (Core *)tr;
     if (core_type == NULL || !PyObject_TypeCheck(tr, core_type)) return NULL;
     PyObject *names[] = {s_enabled, s_in_data, s_fwd_depth, s_pending_end, s_forward_begin, s_forward_end,
-                         s_work_begins, s_optimizer_begin, s_backward_begin, s_backward_end};
+                         s_work_begins, s_optimizer_begin, s_backward_begin, s_backward_end, s_data_begin, s_data_end};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         PyObject *mine = _PyType_Lookup(tp, names[i]);                         /* borrowed */
         PyObject *core = _PyType_Lookup(core_type, names[i]); /* borrowed */
@@ -1032,7 +1033,7 @@ static PyObject *Core_work_begins(Core *self, PyObject *unused);
 /* bool(tr.<field>) for the root call: the Core's field, or the attribute. */
 #define TR_TRUTH(core, tr, f, name) ((core) ? truth((core)->f, #f) : attr_truth((tr), (name)))
 
-static int fwd_end(PyObject *tr) {
+static int fwd_end(PyObject *tr, PyObject *unused) {
     Core *core = as_core(tr);
     PyObject *r = core ? Core_forward_end(core, NULL) : PyObject_CallMethodNoArgs(tr, s_forward_end);
     if (r == NULL) return -1;
@@ -1042,7 +1043,7 @@ static int fwd_end(PyObject *tr) {
 
 static PyObject *Core_backward_end(Core *self, PyObject *unused);
 
-static int bwd_end(PyObject *tr) {
+static int bwd_end(PyObject *tr, PyObject *unused) {
     Core *core = as_core(tr);
     PyObject *r = core ? Core_backward_end(core, NULL) : PyObject_CallMethodNoArgs(tr, s_backward_end);
     if (r == NULL) return -1;
@@ -1050,15 +1051,28 @@ static int bwd_end(PyObject *tr) {
     return 0;
 }
 
+static PyObject *Core_data_begin(Core *self, PyObject *unused);
+static PyObject *Core_data_end(Core *self, PyObject *t0_obj);
+
+static int data_end(PyObject *tr, PyObject *t0) {
+    Core *core = as_core(tr);
+    PyObject *r = core ? Core_data_end(core, t0) : PyObject_CallMethodOneArg(tr, s_data_end, t0);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 /* The user's call under a wrapper raised (the exception is set): the exception observers are told
- * (inst._observe_exception(phase, exc)), the phase ends (end(tr); as Python's finally, an
- * exception there replaces the user's), and the user's exception goes on. Returns NULL. */
-static PyObject *call_failed(PyObject *inst, PyObject *phase, int (*end)(PyObject *), PyObject *tr) {
+ * (inst._observe_exception(phase, exc); not of a StopIteration when ``stop_ends`` says it ends an
+ * iteration), the phase ends (end(tr, arg); as Python's finally, an exception there replaces the
+ * user's), and the user's exception goes on. Returns NULL. */
+static PyObject *call_failed(PyObject *inst, PyObject *phase, int (*end)(PyObject *, PyObject *), PyObject *tr,
+                             PyObject *arg, int stop_ends) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     if (tb != NULL) PyException_SetTraceback(value, tb);
-    int eo = attr_truth(inst, s_exception_observers);
+    int eo = stop_ends && PyErr_GivenExceptionMatches(value, PyExc_StopIteration) ? 0 : attr_truth(inst, s_exception_observers);
     if (eo < 0) {
         PyErr_Clear(); /* the user's exception goes on; what failed here is ours */
         eo = 0;
@@ -1069,7 +1083,7 @@ static PyObject *call_failed(PyObject *inst, PyObject *phase, int (*end)(PyObjec
         if (r == NULL) PyErr_Clear();
         Py_XDECREF(r);
     }
-    if (end(tr) < 0) {
+    if (end(tr, arg) < 0) {
         Py_XDECREF(type);
         Py_XDECREF(value);
         Py_XDECREF(tb);
@@ -1224,10 +1238,10 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
     if (out == NULL) {
         PyObject *phase = grad == Py_False ? s_eval : s_forward; /* torch.is_grad_enabled(): a bool */
         Py_DECREF(grad);
-        return call_failed(inst, phase, fwd_end, tr);
+        return call_failed(inst, phase, fwd_end, tr, NULL, 0);
     }
     Py_DECREF(grad);
-    if (fwd_end(tr) < 0) {
+    if (fwd_end(tr, NULL) < 0) {
         Py_DECREF(out);
         return NULL;
     }
@@ -1285,8 +1299,8 @@ static PyObject *BackwardCall_call(BackwardCall *self, PyObject *args, PyObject 
     if (r == NULL) return NULL;
     Py_DECREF(r);
     PyObject *out = PyObject_Call(self->inner, args, kwargs);
-    if (out == NULL) return call_failed(inst, s_backward, bwd_end, tr);
-    if (bwd_end(tr) < 0) {
+    if (out == NULL) return call_failed(inst, s_backward, bwd_end, tr, NULL, 0);
+    if (bwd_end(tr, NULL) < 0) {
         Py_DECREF(out);
         return NULL;
     }
@@ -1299,6 +1313,67 @@ static PyMemberDef BackwardCall_members[] = {BWD_FIELDS(BWD_MEMBER){NULL}};
 OBJECT_TYPE(BackwardCall, BWD_FIELDS, "stepwatch.hooks._ctracker.BackwardCall",
             "torch.autograd.backward, wrapped (hooks/install.py's _PyBackwardCore, in C).",
             {Py_tp_call, BackwardCall_call},)
+
+/* -- a DataLoader iterator's __next__, wrapped (hooks/install.py's _PyDataNextCore, in C) ------
+ *
+ * On _BaseDataLoaderIter, so called with the iterator: the data phase around torch's own
+ * __next__, and at the first fetch of an enabled tracker, a scan for the roots. tp_descr_get
+ * binds it to the iterator as a function on a class does. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *inst, *tr, *inner;
+} DataNext;
+
+#define DN_FIELDS(X) X(inst) X(tr) X(inner)
+
+static PyObject *DataNext_call(DataNext *self, PyObject *args, PyObject *kwargs) {
+#define DN_CHECK(f)                                                                                    \
+    if (self->f == NULL) return unset(#f);
+    DN_FIELDS(DN_CHECK)
+#undef DN_CHECK
+    PyObject *inst = self->inst, *tr = self->tr;
+    Core *core = as_core(tr);
+    int scanned = attr_truth(inst, s_data_scanned);
+    if (scanned < 0) return NULL;
+    if (!scanned) {
+        int en = TR_TRUTH(core, tr, enabled, s_enabled);
+        if (en < 0) return NULL;
+        if (en) {
+            if (PyObject_SetAttr(inst, s_data_scanned, Py_True) < 0) return NULL;
+            PyObject *r = PyObject_CallMethodOneArg(inst, s_scan, s_first_data_fetch);
+            if (r == NULL) return NULL;
+            Py_DECREF(r);
+        }
+    }
+    PyObject *t0 = core ? Core_data_begin(core, NULL) : PyObject_CallMethodNoArgs(tr, s_data_begin);
+    if (t0 == NULL) return NULL;
+    PyObject *out = PyObject_Call(self->inner, args, kwargs);
+    if (out == NULL) {
+        call_failed(inst, s_data, data_end, tr, t0, 1);
+        Py_DECREF(t0);
+        return NULL;
+    }
+    int rc = data_end(tr, t0);
+    Py_DECREF(t0);
+    if (rc < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+static PyObject *DataNext_get(PyObject *self, PyObject *obj, PyObject *type) {
+    if (obj == NULL || obj == Py_None) return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+#define DN_MEMBER(f) {#f, T_OBJECT_EX, offsetof(DataNext, f), 0, NULL},
+static PyMemberDef DataNext_members[] = {DN_FIELDS(DN_MEMBER){NULL}};
+
+OBJECT_TYPE(DataNext, DN_FIELDS, "stepwatch.hooks._ctracker.DataNext",
+            "A DataLoader iterator's __next__, wrapped (hooks/install.py's _PyDataNextCore, in C).",
+            {Py_tp_call, DataNext_call}, {Py_tp_descr_get, DataNext_get},)
 
 /* -- the optimizer step pre-hook (hooks/install.py's _PyOptPreCore, in C) ----------------------
  *
@@ -1501,11 +1576,17 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_boundary_checked, "_boundary_checked");
     INTERN(s_check_boundary, "_check_boundary");
     INTERN(s_item, "item");
+    INTERN(s_data_begin, "data_begin");
+    INTERN(s_data_end, "data_end");
+    INTERN(s_data_scanned, "_data_scanned");
+    INTERN(s_scan, "_scan");
+    INTERN(s_first_data_fetch, "first data fetch");
+    INTERN(s_data, "data");
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
     if (add_type(m, &Core_spec, "Core", &core_type) < 0 || add_type(m, &RootCall_spec, "RootCall", NULL) < 0 ||
         add_type(m, &OptPre_spec, "OptPre", NULL) < 0 || add_type(m, &BackwardCall_spec, "BackwardCall", NULL) < 0 ||
-        add_type(m, &CpuItem_spec, "CpuItem", NULL) < 0) {
+        add_type(m, &CpuItem_spec, "CpuItem", NULL) < 0 || add_type(m, &DataNext_spec, "DataNext", NULL) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -42,6 +42,7 @@ import gc
 import os
 import sys
 import time
+import types
 import weakref
 from typing import Any, Callable
 
@@ -96,24 +97,7 @@ class Instrumentation:
         self._patch(torch.autograd, "backward", _Backward(self, torch.autograd.backward))
 
         it_cls = dataloader._BaseDataLoaderIter
-        orig_next = it_cls.__next__
-
-        @functools.wraps(orig_next)
-        def __next__(it: Any) -> Any:
-            if not self._data_scanned and tr.enabled:
-                self._data_scanned = True
-                self._scan("first data fetch")
-            t0 = tr.data_begin()
-            try:
-                return orig_next(it)
-            except BaseException as e:
-                if self.exception_observers and not isinstance(e, StopIteration):
-                    self._observe_exception("data", e)
-                raise
-            finally:
-                tr.data_end(t0)
-
-        self._patch(it_cls, "__next__", __next__)
+        self._patch(it_cls, "__next__", _DataNext(self, it_cls.__next__))
 
         scaler_cls = torch.amp.GradScaler
         orig_scaler_step = scaler_cls.step
@@ -485,6 +469,58 @@ class _Backward(_BackwardBase, _BackwardCore):  # type: ignore[misc,valid-type]
 
 class _PyBackward(_BackwardBase, _PyBackwardCore):
     """The wrapped backward in Python whatever was built (tests run both)."""
+
+
+class _PyDataNextCore:
+    """A DataLoader iterator's ``__next__`` (``_BaseDataLoaderIter``'s), wrapped: the data phase
+    around torch's own; the first fetch of an enabled tracker scans for the roots. In Python: the
+    reference that hooks/_ctracker.c's ``DataNext`` translates, and the wrapper itself wherever
+    that extension is missing."""
+
+    __slots__ = ("inst", "tr", "inner")
+
+    def __call__(self, it: Any) -> Any:
+        inst = self.inst
+        tr = self.tr
+        if not inst._data_scanned and tr.enabled:
+            inst._data_scanned = True
+            inst._scan("first data fetch")
+        t0 = tr.data_begin()
+        try:
+            return self.inner(it)
+        except BaseException as e:
+            if inst.exception_observers and not isinstance(e, StopIteration):
+                inst._observe_exception("data", e)
+            raise
+        finally:
+            tr.data_end(t0)
+
+    def __get__(self, it: Any, owner: Any = None) -> Any:
+        return self if it is None else types.MethodType(self, it)
+
+
+class _DataNextBase:
+    """What the wrapped ``__next__`` holds; it passes for torch's (``functools.wraps``)."""
+
+    def __init__(self, inst: "Instrumentation", inner: Callable[..., Any]) -> None:
+        self.inst = inst
+        self.tr = inst.tracker
+        self.inner = inner
+        functools.update_wrapper(self, inner)
+
+
+try:  # the same wrapper in C (hooks/_ctracker.c): no frame of ours a fetch, or in a traceback
+    from ._ctracker import DataNext as _DataNextCore
+except ImportError:
+    _DataNextCore = _PyDataNextCore
+
+
+class _DataNext(_DataNextBase, _DataNextCore):  # type: ignore[misc,valid-type]
+    """The wrapped ``__next__``: C where hooks/_ctracker.c was built, else Python."""
+
+
+class _PyDataNext(_DataNextBase, _PyDataNextCore):
+    """The wrapped ``__next__`` in Python whatever was built (tests run both)."""
 
 
 class _PyOptPreCore:
