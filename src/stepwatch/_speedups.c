@@ -562,6 +562,45 @@ OBJECT_TYPE(Enqueue, ENQ_FIELDS, "stepwatch._speedups.Enqueue",
             "Pipeline.enqueue in C, for the training thread (see the module's source).",
             {Py_tp_call, Enqueue_call},)
 
+/* -- a collector read every n-th step (memory/probe.py: MemoryProbe.take's countdown, in C) ----
+ *
+ * The step tracker calls each collector's take() at every step end. Every.take() returns None
+ * at most of them without a Python frame, and calls read() at every `every`-th one (the first
+ * step end included, as _left starts at 1). */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *name, *read, *every;
+    long long left;
+} Every;
+
+#define EVERY_FIELDS(X) X(name) X(read) X(every)
+
+static PyObject *Every_take(Every *self, PyObject *unused) {
+    if (--self->left > 0) Py_RETURN_NONE;
+    if (self->every == NULL || self->read == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "Every: 'every' and 'read' must be set");
+        return NULL;
+    }
+    long long n = PyLong_AsLongLong(self->every);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    self->left = n;
+    return PyObject_CallNoArgs(self->read);
+}
+
+static PyMethodDef Every_methods[] = {
+    {"take", (PyCFunction)Every_take, METH_NOARGS, "None, or read() at every `every`-th call."},
+    {NULL, NULL, 0, NULL},
+};
+
+#define EVERY_MEMBER(f) {#f, T_OBJECT_EX, offsetof(Every, f), 0, NULL},
+static PyMemberDef Every_members[] = {EVERY_FIELDS(EVERY_MEMBER){"_left", T_LONGLONG, offsetof(Every, left), 0, NULL},
+                                      {NULL}};
+
+OBJECT_TYPE(Every, EVERY_FIELDS, "stepwatch._speedups.Every",
+            "A collector whose take() calls read() at every `every`-th step end (memory/probe.py).",
+            {Py_tp_methods, Every_methods},)
+
 static PyMethodDef methods[] = {
     {"ns_float_repr", ns_float_repr, METH_O,
      "ns_float_repr(d) -> str | None: fill's repr of a float that is k / 1e9, else None (tests)."},
@@ -586,7 +625,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(s_dropped, "dropped");
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (add_type(m, &Enqueue_spec, "Enqueue", NULL) < 0) {
+    if (add_type(m, &Enqueue_spec, "Enqueue", NULL) < 0 || add_type(m, &Every_spec, "Every", NULL) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -527,14 +527,17 @@ def test_session_wires_comm_and_shutdown_restores_ddp(sw, one_rank_group):
 
     stepwatch, mem, start = sw
     orig = DDP.__dict__["_pre_forward"]
-    start()
+    session = start()
     assert DDP.__dict__["_pre_forward"] is not orig
+    # No collective yet: the comm collector is not among the tracker's (no call a step for it).
+    assert [c for c in session.tracker.collectors if c.name == "comm"] == []
     m = _ddp()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     for _ in range(4):
         m(torch.ones(4, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
+    assert len([c for c in session.tracker.collectors if c.name == "comm"]) == 1  # joined at the first one
     stepwatch.shutdown()
     assert DDP.__dict__["_pre_forward"] is orig
     recs = mem.records
@@ -542,6 +545,25 @@ def test_session_wires_comm_and_shutdown_restores_ddp(sw, one_rank_group):
     for r in recs[1:]:
         assert r.comm_s > 0 and r.allreduce_s > 0 and r.overlap is not None and 0 <= r.overlap <= 1
         assert r.busbw_gbps == 0.0  # one rank: nothing crosses a wire, 2(n-1)/n = 0
+
+
+def test_a_job_without_collectives_has_no_comm_collector(sw):
+    """One process, no process group: the comm feature is on, but its collector never joins the
+    step tracker's, so no step calls it; the records' comm fields stay empty."""
+    import torch
+
+    stepwatch, mem, start = sw
+    session = start()
+    m = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(3):
+        m(torch.ones(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    names = [c.name for c in session.tracker.collectors]
+    stepwatch.shutdown()
+    assert "comm" not in names and session.hub is not None
+    assert len(mem.records) == 3 and all(r.comm_s is None for r in mem.records)
 
 
 def test_comm_off_patches_nothing(sw):

@@ -134,11 +134,20 @@ def test_cuda_numbers_from_a_nested_memory_stats_dict():
     assert cuda_numbers(stats) == (3 * G // 2, 6 * G, 2 * G, 3, 0)
 
 
-def test_probe_reads_every_n_steps_and_resets_the_peak_unless_told_not_to():
+@pytest.mark.parametrize("core", ["python", "c"])
+def test_probe_reads_every_n_steps_and_resets_the_peak_unless_told_not_to(core):
+    """``core``: the probe's own ``take`` (the reference), or the collector the tracker is given,
+    its countdown in C (``_speedups.Every``) where that was built."""
+    from stepwatch.memory import probe as probe_mod
+
+    if core == "c" and probe_mod._Every is None:
+        pytest.skip("stepwatch._speedups is not built here")
     stats = json.load(open(FIXTURE))
     cuda = FakeCuda(stats)
     p = MemoryProbe(every=5, cuda=cuda)
-    got = [p.take() for _ in range(11)]
+    col = p if core == "python" else p.collector()
+    assert col.name == "memory" and (core == "python" or type(col).__name__ == "Every")
+    got = [col.take() for _ in range(11)]
     assert [g is not None for g in got] == [True, False, False, False, False, True, False, False, False, False, True]
     rss, c = got[0]
     assert rss and rss > 10 * MiB and c == (3 * G // 2, 6 * G, 2 * G, 3, 0)
@@ -282,7 +291,9 @@ def test_session_fills_cuda_fields_counts_retries_per_read_and_arms_the_history_
     cuda.mem_get_info = lambda dev: (3000 * MiB, 80 * G)
     cuda.memory = FakeMemoryModule()
     probe = MemoryProbe(every=1, cuda=cuda)
-    s.tracker.collectors[s.tracker.collectors.index(feat.probe)] = probe
+    at = [i for i, c in enumerate(s.tracker.collectors) if c.name == "memory"]
+    assert len(at) == 1
+    s.tracker.collectors[at[0]] = probe.collector()
     feat.probe = probe
     m = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

@@ -78,7 +78,8 @@ def install(hub: "Hub") -> CommFeature | None:
 
     feat = CommFeature()
     # The progress board (the capture feature may set it after this) is read when a collective starts.
-    feat.collector = CommCollector(progress_getter=lambda: hub.progress)
+    # The collector joins the step tracker's at the first collective (or forward-end event).
+    feat.collector = CommCollector(progress_getter=lambda: hub.progress, on_first=lambda: hub.add_collector(feat.collector))
     feat.busbw = LowBusbwDetector(None)
     timeline = None
     if cfg.records:
@@ -90,7 +91,6 @@ def install(hub: "Hub") -> CommFeature | None:
     feat.collectives = CollectivePatches(feat.collector, hub.report_error)
     feat.ddp.install()
     feat.collectives.install()
-    hub.add_collector(feat.collector)
     hub.add_enricher(feat.enricher)
     feat.overlap = OverlapDetector(cfg.window, cfg.overlap_threshold)
     ctx = hub.ctx

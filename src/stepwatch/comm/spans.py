@@ -73,11 +73,15 @@ class Span:
 
 
 class CommCollector(Collector):
-    """Collects the spans issued during a step; ``take()`` (training thread, step end) swaps the list."""
+    """Collects the spans issued during a step; ``take()`` (training thread, step end) swaps the list.
+    ``on_first()`` runs once, at the first span or forward-end event (from whichever thread): the
+    feature adds the collector to the tracker's then, so that a job that never communicates (one
+    process) has no call a step for it."""
 
     name = "comm"
 
-    def __init__(self, progress_getter: Any = None) -> None:
+    def __init__(self, progress_getter: Any = None, on_first: Any = None) -> None:
+        self._on_first = on_first
         self._buf: list[Span] = []
         # Per process group: the hang verdict compares a group's sequence numbers across ranks, and
         # ranks issue different numbers of collectives on other groups (pipeline/tensor parallel).
@@ -98,11 +102,21 @@ class CommCollector(Collector):
         return {"spans": buf, "fwd_end_ev": ev}
 
     def set_forward_end_event(self, ev: Any) -> None:
+        if self._on_first is not None:
+            self._first()
         self._fwd_end_ev = ev
+
+    def _first(self) -> None:
+        with self._lock:
+            first, self._on_first = self._on_first, None
+        if first is not None:
+            first()
 
     # -- issuing side ---------------------------------------------------------------------------
 
     def begin(self, op: str, nbytes: int | None, world: int, hook: str, group: str = "default") -> Span:
+        if self._on_first is not None:
+            self._first()
         with self._lock:  # issue can come from the autograd engine's threads as well
             counter = self._seqs.get(group)
             if counter is None:

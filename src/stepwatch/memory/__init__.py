@@ -63,7 +63,7 @@ class MemoryFeature:
         self._seen_exc: collections.deque[int] = collections.deque(maxlen=8)
         self.oom = OomForensics(hub.ctx.run_dir, hub.ctx.rank, records=self._last_dicts,
                                 host=self._host_now, cuda_device=lambda: self.probe.device)
-        hub.add_collector(self.probe)
+        hub.add_collector(self.probe.collector())
         hub.add_enricher(self)
         hub.add_detector(MemoryGrowthDetector(cfg.memory_growth_window, cfg.memory_growth_mib * MiB, headroom=self._headroom))
         hub.add_detector(FragmentationDetector(cfg.window))

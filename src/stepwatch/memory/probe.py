@@ -23,6 +23,11 @@ from typing import Any
 from ..hooks.phases import Collector
 from .host import StatmReader
 
+try:  # take()'s countdown in C (src/stepwatch/_speedups.c); optional
+    from .._speedups import Every as _Every
+except ImportError:
+    _Every = None
+
 
 def cuda_numbers(stats: dict[str, Any]) -> tuple[int, int, int, int, int]:
     """(allocated, reserved, peak allocated, alloc retries, OOMs) from a *nested* memory_stats dict."""
@@ -48,8 +53,8 @@ def flat_numbers(stats: dict[str, Any]) -> tuple[int, int, int, int, int]:
 
 
 class MemoryProbe(Collector):
-    """``take()`` at every step end: nothing most steps; every ``every``-th step one read,
-    ``(rss_bytes, cuda_tuple_or_None)``. ``cuda`` (the torch.cuda module or a stand-in with the
+    """``take()`` at every step end: nothing most steps; every ``every``-th step one
+    :meth:`read`, ``(rss_bytes, cuda_tuple_or_None)``. ``cuda`` (the torch.cuda module or a stand-in with the
     same ``_C``-level functions) is found lazily: only once CUDA is initialized by the user."""
 
     name = "memory"
@@ -90,6 +95,20 @@ class MemoryProbe(Collector):
         if self._left > 0:
             return None
         self._left = self.every
+        return self.read()
+
+    def collector(self) -> Any:
+        """What the step tracker calls: this probe, or where ``_speedups`` was built the same
+        countdown in C (``Every``: no Python frame at the steps that read nothing), from the
+        probe's state now."""
+        if _Every is None:
+            return self
+        e = _Every()
+        e.name, e.read, e.every, e._left = self.name, self.read, self.every, self._left
+        return e
+
+    def read(self) -> Any:
+        """One read: ``(rss_bytes, cuda_tuple_or_None)``."""
         cuda = None
         try:
             if self._stats is None and not self._cuda_off:
