@@ -547,6 +547,17 @@ def test_session_wires_comm_and_shutdown_restores_ddp(sw, one_rank_group):
         assert r.busbw_gbps == 0.0  # one rank: nothing crosses a wire, 2(n-1)/n = 0
 
 
+def _sgd_steps(m, n, x):
+    """``n`` training steps of ``m`` on ``x`` with SGD."""
+    import torch
+
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(n):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def test_a_job_without_collectives_has_no_comm_collector(sw):
     """One process, no process group: the comm feature is on, but its collector never joins the
     step tracker's, so no step calls it; the records' comm fields stay empty."""
@@ -554,12 +565,7 @@ def test_a_job_without_collectives_has_no_comm_collector(sw):
 
     stepwatch, mem, start = sw
     session = start()
-    m = torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    for _ in range(3):
-        m(torch.ones(4, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _sgd_steps(torch.nn.Linear(8, 1), 3, torch.ones(4, 8))
     names = [c.name for c in session.tracker.collectors]
     stepwatch.shutdown()
     assert "comm" not in names and session.hub is not None
@@ -602,12 +608,7 @@ def test_session_surfaces_nccl_warnings_and_never_sets_the_variable(sw, monkeypa
     monkeypatch.setenv("NCCL_DEBUG_FILE", str(tmp_path / "nccl.%h.%p.log"))
     mem.findings.clear()
     start(dir=str(tmp_path / "run2"))
-    m = torch.nn.Linear(8, 8)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    for _ in range(5):
-        m(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _sgd_steps(torch.nn.Linear(8, 8), 5, torch.randn(4, 8))
     stepwatch.shutdown()
     assert os.environ["NCCL_DEBUG_FILE"] == str(tmp_path / "nccl.%h.%p.log")
     got = [f for f in mem.findings if f.kind == "nccl_warning"]
