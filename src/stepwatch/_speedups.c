@@ -377,7 +377,8 @@ static PyObject *to_record(PyObject *self, PyObject *const *args, Py_ssize_t nar
     PyObject *step = RAW(raw, R_STEP), *phases = RAW(raw, R_PHASES), *scalars = RAW(raw, R_SCALARS);
     PyObject *skipped = RAW(raw, R_SKIPPED), *mem = RAW(raw, R_MEM), *tail = RAW(raw, R_TAIL);
     if (step == NULL || skipped == NULL || mem == NULL || tail == NULL || RAW(raw, R_EXTRAS) == NULL ||
-        phases == NULL || !PyDict_CheckExact(phases) || scalars == NULL || !PyDict_CheckExact(scalars)) {
+        phases == NULL || (phases != Py_None && !PyDict_CheckExact(phases)) || scalars == NULL ||
+        !PyDict_CheckExact(scalars)) {
         Py_RETURN_NONE;
     }
     int is_tail = PyObject_IsTrue(tail);
@@ -385,7 +386,7 @@ static PyObject *to_record(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    PyObject *ph = PyDict_GET_SIZE(phases) ? phases_s(phases) : PyDict_New();
+    PyObject *ph = phases != Py_None && PyDict_GET_SIZE(phases) ? phases_s(phases) : PyDict_New(); /* None: no phase ran */
     if (ph == NULL) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE; /* a phase that is not an int: the Python method's division */

@@ -139,7 +139,7 @@ class RawStep:
         optimizer_ns: int,
         eval_ns: int,
         checkpoint_ns: int,
-        phases: dict[str, int],
+        phases: dict[str, int] | None,
         scalars: dict[str, Any],
         skipped: bool,
         mem_peak_bytes: int | None,
@@ -155,7 +155,7 @@ class RawStep:
         self.optimizer_ns = optimizer_ns
         self.eval_ns = eval_ns
         self.checkpoint_ns = checkpoint_ns
-        self.phases = phases  # user phases, ns
+        self.phases = phases  # user phases, ns (None: none ran)
         self.scalars = scalars  # as logged (a pending device copy stays as it is)
         self.skipped = skipped
         self.mem_peak_bytes = mem_peak_bytes

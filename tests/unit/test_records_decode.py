@@ -40,7 +40,7 @@ def keyword_to_record(raw, rank, wall_ref, perf_ref_ns, scalar):
         step=raw.step, rank=rank, time=wall_ref + (raw.t_end_ns - perf_ref_ns) / s, step_s=raw.step_ns / s,
         data_wait_s=raw.data_ns / s, forward_s=raw.forward_ns / s, backward_s=raw.backward_ns / s,
         optimizer_s=raw.optimizer_ns / s, other_s=other / s, eval_s=raw.eval_ns / s, checkpoint_s=ckpt_s,
-        phases={k: v / s for k, v in raw.phases.items()}, scalars={k: scalar(k, v) for k, v in raw.scalars.items()},
+        phases={k: v / s for k, v in (raw.phases or {}).items()}, scalars={k: scalar(k, v) for k, v in raw.scalars.items()},
         skipped=raw.skipped, mem_peak_bytes=raw.mem_peak_bytes, tail=bool(raw.tail),
     )
     if ckpt_s:
@@ -80,7 +80,7 @@ def test_to_record_matches_the_keyword_version_on_random_steps():
     rng = random.Random(3)
     ns = lambda: rng.choice([0, 1, rng.randint(0, 10**9), rng.randint(0, 10**13)])  # noqa: E731
     for _ in range(3000):
-        phases = {f"p{i}": ns() for i in range(rng.choice([0, 0, 1, 3]))}
+        phases = {f"p{i}": ns() for i in range(rng.choice([0, 0, 1, 3]))} or rng.choice([None, {}])  # None: no phase ran
         scalars = {k: rng.choice([rng.random(), 1.0, float("nan"), 2, True, None, "x", 10**400, -0.0])
                    for k in rng.sample(["loss", "lr", "é", "acc"], rng.choice([0, 1, 2, 4]))}
         ckpt = rng.choice([0, 0, ns()])
@@ -103,7 +103,7 @@ def test_the_c_build_matches_the_keyword_version_on_random_steps():
     ns = lambda: rng.choice([0, 1, rng.randint(0, 10**9), rng.randint(0, 10**13)])  # noqa: E731
     by = {"c": 0, "method": 0}
     for _ in range(4000):
-        phases = {f"p{i}": ns() for i in range(rng.choice([0, 0, 1, 3]))}
+        phases = {f"p{i}": ns() for i in range(rng.choice([0, 0, 1, 3]))} or rng.choice([None, {}])  # None: no phase ran
         if phases and rng.random() < 0.05:
             phases["f"] = 2.5  # not an int: the method's division
         scalars = {k: rng.choice([rng.random(), 1.0, float("nan"), 2, True, None, "x", 10**400, -0.0])
@@ -127,7 +127,7 @@ def test_the_c_build_matches_the_keyword_version_on_random_steps():
             assert same(getattr(got, f), getattr(want, f)), (path, f, getattr(got, f), getattr(want, f))
         assert got.phases is not raw.phases and got.scalars is not raw.scalars
         assert calls == [k for k, v in scalars.items() if type(v) is not float]
-        assert path == "method" if (ckpt or "f" in phases) else path == "c"
+        assert path == "method" if (ckpt or "f" in (phases or {})) else path == "c"
     assert by["c"] > 2500 and by["method"] > 300
 
 
@@ -144,7 +144,9 @@ def test_the_c_build_leaves_the_unusual_to_the_method_and_raises_what_scalar_rai
 
     args = (0, 1.7e9, 10**12, scalar)
     assert c(raw(), *args) is not None
-    for odd in (dict(step_ns=5000.0), dict(t_end_ns=2**70), dict(data_ns=True), dict(phases=None),
+    # No user phase ran: the tracker hands over None (no dict a step), which both build as {}.
+    assert c(raw(phases=None), *args) == raw(phases=None).to_record(*args) and c(raw(phases=None), *args).phases == {}
+    for odd in (dict(step_ns=5000.0), dict(t_end_ns=2**70), dict(data_ns=True), dict(phases=[]),
                 dict(scalars=[]), dict(checkpoint_ns=5)):
         assert c(raw(**odd), *args) is None, odd  # the method then builds it (or raises as it always did)
 

@@ -379,6 +379,7 @@ def test_a_steps_record_and_payloads_stay_out_of_the_cyclic_gc(sw):
     assert len(recs) == 300
     for rec in recs:
         assert not gc.is_tracked(rec) and not gc.is_tracked(rec.extras)
+        assert rec.phases is None  # no user phase ran: no dict made for them
         assert not gc.is_tracked(rec.extras["backward_spans"]) and len(rec.extras["backward_spans"]) == 1
         assert not gc.is_tracked(rec.extras["throughput"]) and not gc.is_tracked(rec.extras["throughput"].items)
         (pending,) = rec.extras["grad_norm"]

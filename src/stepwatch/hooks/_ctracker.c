@@ -266,16 +266,15 @@ static int reset_step(Core *self) {
     put_obj(&self->_ckpt, zero);
     put(&self->_own, zero);
     put_obj(&self->_ckpt_bytes, Py_None);
-    PyObject *spans = PyList_New(0), *phases = PyDict_New(), *scalars = PyDict_New();
-    if (spans == NULL || phases == NULL || scalars == NULL) {
+    PyObject *spans = PyList_New(0), *scalars = PyDict_New();
+    if (spans == NULL || scalars == NULL) {
         Py_XDECREF(spans);
-        Py_XDECREF(phases);
         Py_XDECREF(scalars);
         return -1;
     }
     PyObject_GC_UnTrack(spans); /* the tracker's (ints) spans only (see "The cyclic GC" above) */
     put(&self->_bwd_spans, spans);
-    put(&self->_phases, phases);
+    put_obj(&self->_phases, Py_None); /* user phases: a dict made by the first one to end (phases.py) */
     put(&self->_scalars, scalars);
     return 0;
 }

@@ -90,7 +90,7 @@ class _PyCore:
         self._own = 0  # stepwatch's own one-off work inside the step (module discovery)
         self._ckpt_bytes: int | None = None
         self._bwd_spans: list[tuple[int, int]] = []  # outermost backward intervals (ns)
-        self._phases: dict[str, int] = {}
+        self._phases: dict[str, int] | None = None  # user phases (ns): made by the first one to end
         self._scalars: dict[str, Any] = {}
 
     def _close_eval(self) -> None:
@@ -630,6 +630,8 @@ class _Methods:
             if depth:
                 return
             d = _now() - self._phase_t0.pop(name)
+            if self._phases is None:
+                self._phases = {}
             self._phases[name] = self._phases.get(name, 0) + d
             if self._nvtx is not None:
                 self._nvtx.pop_range()
