@@ -79,7 +79,8 @@ def install(hub: "Hub") -> CommFeature | None:
     feat = CommFeature()
     # The progress board (the capture feature may set it after this) is read when a collective starts.
     # The collector joins the step tracker's at the first collective (or forward-end event).
-    feat.collector = CommCollector(progress_getter=lambda: hub.progress, on_first=lambda: hub.add_collector(feat.collector))
+    feat.collector = CommCollector(progress_getter=lambda: hub.progress,
+                                   on_first=lambda: hub.add_collector(feat.collector))
     feat.busbw = LowBusbwDetector(None)
     timeline = None
     if cfg.records:

@@ -6,9 +6,10 @@ it off.
 ``mlflow.active_run()`` is thread-local: the run the training script started is visible on the
 training thread only. :class:`RunProbe` looks there, at each step end once the script has
 imported mlflow (~1 µs a step; until then it is not among the step-end listeners: an
-:class:`_ImportWatch` on ``sys.meta_path`` adds it when ``import mlflow`` begins), and keeps the run id and tracking URI each time they change;
-the exporter logs each record, with ``MlflowClient`` from stepwatch's background thread, into the
-run that was active when its step ended. The exporter is started as a session feature
+:class:`_ImportWatch` on ``sys.meta_path`` adds it when ``import mlflow`` begins), and keeps
+the run id and tracking URI each time they change; the exporter logs each record, with
+``MlflowClient`` from stepwatch's background thread, into the run that was active when its step
+ended. The exporter is started as a session feature
 (:func:`install`, at init on the training thread) so that the probe sees every step end from the
 first one; the session then hands it batches like any other exporter.
 

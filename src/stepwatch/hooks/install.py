@@ -20,9 +20,11 @@ What is hooked, and why this way:
   declare more roots, or wrappers that are not model calls (:meth:`Instrumentation.declare_roots`).
   ``init`` scans, and so does the first optimizer's construction (``Optimizer.__init__``,
   wrapped): a loop without a DataLoader has its roots hooked before its first forward, whether
-  the model was built before ``init`` or after, so step 0 counts every micro-batch (a global module hook would do it for loops without an optimizer too, but torch.compile traces
-  global hooks, and it would cost every module call until it fired). A root called inside a DataLoader fetch (an ``nn.Module``
-  transform in ``Dataset.__getitem__``) is data loading: its calls are not timed or observed.
+  the model was built before ``init`` or after, so step 0 counts every micro-batch (a global
+  module hook would do it for loops without an optimizer too, but torch.compile traces global
+  hooks, and it would cost every module call until it fired). A root called inside a DataLoader
+  fetch (an ``nn.Module`` transform in ``Dataset.__getitem__``) is data loading: its calls are
+  not timed or observed.
   A heap frozen by ``gc.freeze()`` hides what it froze from ``gc.get_objects()``: then the scan
   also walks the references from the calling frames' locals and ``__main__`` (:func:`_reachable`).
 - No optimizer: when no ``torch.optim.Optimizer`` exists at the first backward, each backward ends
