@@ -172,7 +172,11 @@ def test_eval_and_checkpoint_are_kept_out_of_step_time(sw):
     assert after.checkpoint_s >= 0.03
     assert after.checkpoint_bytes and after.checkpoint_bytes > 100
     assert after.checkpoint_gbps == pytest.approx(after.checkpoint_bytes / after.checkpoint_s / 1e9)
-    assert after.step_s < 0.03, "eval and checkpoint time must not count as step time"
+    # Counted in, they would make step_s at least eval_s + checkpoint_s (>= 0.12 s). A fixed bound
+    # of 30 ms failed once in CI on a 42 ms forward (the Python core, two busy xdist workers): the
+    # bound is half of what they would add.
+    assert after.step_s < (after.eval_s + after.checkpoint_s) / 2, \
+        "eval and checkpoint time must not count as step time"
     assert recs[1].eval_s == 0 and recs[1].checkpoint_s == 0
     # The eval DataLoader's waits are eval, not data wait.
     assert after.data_wait_s < 0.02
