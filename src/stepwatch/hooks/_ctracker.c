@@ -1025,37 +1025,26 @@ static Core *as_core(PyObject *tr) {
     return (Core *)tr;
 }
 
-static PyObject *Core_forward_begin(Core *self, PyObject *grad);
-static PyObject *Core_forward_end(Core *self, PyObject *unused);
-static PyObject *Core_work_begins(Core *self, PyObject *unused);
+/* In a wrapper's call, for each of its FIELDS(X): a field Python's __init__ did not set yet is
+ * the AttributeError Python would raise. */
+#define FIELD_SET(f)                                                                                   \
+    if (self->f == NULL) return unset(#f);
 
 /* bool(tr.<field>) for the root call: the Core's field, or the attribute. */
 #define TR_TRUTH(core, tr, f, name) ((core) ? truth((core)->f, #f) : attr_truth((tr), (name)))
 
-static int fwd_end(PyObject *tr, PyObject *unused) {
-    Core *core = as_core(tr);
-    PyObject *r = core ? Core_forward_end(core, NULL) : PyObject_CallMethodNoArgs(tr, s_forward_end);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
-    return 0;
+typedef PyObject *(*CoreMethod)(Core *, PyObject *);
+
+/* tr.<name>(arg), or tr.<name>() when arg is NULL: the Core's C method ``direct`` when ``core``
+ * (as_core(tr)) is set, else through the attribute, as Python does it. A new reference, or NULL. */
+static PyObject *tr_call(Core *core, PyObject *tr, CoreMethod direct, PyObject *name, PyObject *arg) {
+    if (core) return direct(core, arg);
+    return arg ? PyObject_CallMethodOneArg(tr, name, arg) : PyObject_CallMethodNoArgs(tr, name);
 }
 
-static PyObject *Core_backward_end(Core *self, PyObject *unused);
-
-static int bwd_end(PyObject *tr, PyObject *unused) {
-    Core *core = as_core(tr);
-    PyObject *r = core ? Core_backward_end(core, NULL) : PyObject_CallMethodNoArgs(tr, s_backward_end);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
-    return 0;
-}
-
-static PyObject *Core_data_begin(Core *self, PyObject *unused);
-static PyObject *Core_data_end(Core *self, PyObject *t0_obj);
-
-static int data_end(PyObject *tr, PyObject *t0) {
-    Core *core = as_core(tr);
-    PyObject *r = core ? Core_data_end(core, t0) : PyObject_CallMethodOneArg(tr, s_data_end, t0);
+/* tr_call for a method whose result is dropped: 0, or -1 with the exception. */
+static int tr_run(Core *core, PyObject *tr, CoreMethod direct, PyObject *name, PyObject *arg) {
+    PyObject *r = tr_call(core, tr, direct, name, arg);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
@@ -1063,10 +1052,10 @@ static int data_end(PyObject *tr, PyObject *t0) {
 
 /* The user's call under a wrapper raised (the exception is set): the exception observers are told
  * (inst._observe_exception(phase, exc); not of a StopIteration when ``stop_ends`` says it ends an
- * iteration), the phase ends (end(tr, arg); as Python's finally, an exception there replaces the
- * user's), and the user's exception goes on. Returns NULL. */
-static PyObject *call_failed(PyObject *inst, PyObject *phase, int (*end)(PyObject *, PyObject *), PyObject *tr,
-                             PyObject *arg, int stop_ends) {
+ * iteration), the phase ends (tr_run(core, tr, end, end_name, arg); as Python's finally, an
+ * exception there replaces the user's), and the user's exception goes on. Returns NULL. */
+static PyObject *call_failed(PyObject *inst, PyObject *phase, int stop_ends, Core *core, PyObject *tr, CoreMethod end,
+                             PyObject *end_name, PyObject *arg) {
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
@@ -1082,7 +1071,7 @@ static PyObject *call_failed(PyObject *inst, PyObject *phase, int (*end)(PyObjec
         if (r == NULL) PyErr_Clear();
         Py_XDECREF(r);
     }
-    if (end(tr, arg) < 0) {
+    if (tr_run(core, tr, end, end_name, arg) < 0) {
         Py_XDECREF(type);
         Py_XDECREF(value);
         Py_XDECREF(tb);
@@ -1148,10 +1137,7 @@ static int observe_forward(PyObject *inst, PyObject *mod, PyObject *args, PyObje
 }
 
 static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs) {
-#define ROOT_CHECK(f)                                                                                  \
-    if (self->f == NULL) return unset(#f);
-    ROOT_FIELDS(ROOT_CHECK)
-#undef ROOT_CHECK
+    ROOT_FIELDS(FIELD_SET)
     /* Inside torch.compile's tracing, torch.export, or stepwatch's own FLOP-count replay: the call as it is. */
     {
         int c = 0; /* dynamo None: a function that is False outside dynamo's tracing, not called (install.py) */
@@ -1211,9 +1197,7 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
                 Py_DECREF(pe);
                 /* what the observers count belongs to the step this forward opens */
                 if (pending) {
-                    PyObject *r = core ? Core_work_begins(core, NULL) : PyObject_CallMethodNoArgs(tr, s_work_begins);
-                    if (r == NULL) return NULL;
-                    Py_DECREF(r);
+                    if (tr_run(core, tr, Core_work_begins, s_work_begins, NULL) < 0) return NULL;
                 }
                 kw = kwargs ? Py_NewRef(kwargs) : PyDict_New();
                 if (kw == NULL) return NULL;
@@ -1225,22 +1209,18 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
     }
     PyObject *grad = PyObject_CallNoArgs(self->grad_enabled);
     if (grad == NULL) return NULL;
-    {
-        PyObject *r = core ? Core_forward_begin(core, grad) : PyObject_CallMethodOneArg(tr, s_forward_begin, grad);
-        if (r == NULL) {
-            Py_DECREF(grad);
-            return NULL;
-        }
-        Py_DECREF(r);
+    if (tr_run(core, tr, Core_forward_begin, s_forward_begin, grad) < 0) {
+        Py_DECREF(grad);
+        return NULL;
     }
     PyObject *out = call_inner(self, args, kwargs);
     if (out == NULL) {
         PyObject *phase = grad == Py_False ? s_eval : s_forward; /* torch.is_grad_enabled(): a bool */
         Py_DECREF(grad);
-        return call_failed(inst, phase, fwd_end, tr, NULL, 0);
+        return call_failed(inst, phase, 0, core, tr, Core_forward_end, s_forward_end, NULL);
     }
     Py_DECREF(grad);
-    if (fwd_end(tr, NULL) < 0) {
+    if (tr_run(core, tr, Core_forward_end, s_forward_end, NULL) < 0) {
         Py_DECREF(out);
         return NULL;
     }
@@ -1266,10 +1246,7 @@ typedef struct {
 #define BWD_FIELDS(X) X(inst) X(tr) X(inner) X(replay)
 
 static PyObject *BackwardCall_call(BackwardCall *self, PyObject *args, PyObject *kwargs) {
-#define BWD_CHECK(f)                                                                                   \
-    if (self->f == NULL) return unset(#f);
-    BWD_FIELDS(BWD_CHECK)
-#undef BWD_CHECK
+    BWD_FIELDS(FIELD_SET)
     /* stepwatch's own FLOP-count replay (a reentrant checkpoint's backward): the call as it is */
     int some = attr_truth(self->replay, s_active);
     if (some < 0) return NULL;
@@ -1294,12 +1271,10 @@ static PyObject *BackwardCall_call(BackwardCall *self, PyObject *args, PyObject 
             Py_DECREF(r);
         }
     }
-    PyObject *r = core ? Core_backward_begin(core, NULL) : PyObject_CallMethodNoArgs(tr, s_backward_begin);
-    if (r == NULL) return NULL;
-    Py_DECREF(r);
+    if (tr_run(core, tr, Core_backward_begin, s_backward_begin, NULL) < 0) return NULL;
     PyObject *out = PyObject_Call(self->inner, args, kwargs);
-    if (out == NULL) return call_failed(inst, s_backward, bwd_end, tr, NULL, 0);
-    if (bwd_end(tr, NULL) < 0) {
+    if (out == NULL) return call_failed(inst, s_backward, 0, core, tr, Core_backward_end, s_backward_end, NULL);
+    if (tr_run(core, tr, Core_backward_end, s_backward_end, NULL) < 0) {
         Py_DECREF(out);
         return NULL;
     }
@@ -1327,10 +1302,7 @@ typedef struct {
 #define DN_FIELDS(X) X(inst) X(tr) X(inner)
 
 static PyObject *DataNext_call(DataNext *self, PyObject *args, PyObject *kwargs) {
-#define DN_CHECK(f)                                                                                    \
-    if (self->f == NULL) return unset(#f);
-    DN_FIELDS(DN_CHECK)
-#undef DN_CHECK
+    DN_FIELDS(FIELD_SET)
     PyObject *inst = self->inst, *tr = self->tr;
     Core *core = as_core(tr);
     int scanned = attr_truth(inst, s_data_scanned);
@@ -1345,15 +1317,15 @@ static PyObject *DataNext_call(DataNext *self, PyObject *args, PyObject *kwargs)
             Py_DECREF(r);
         }
     }
-    PyObject *t0 = core ? Core_data_begin(core, NULL) : PyObject_CallMethodNoArgs(tr, s_data_begin);
+    PyObject *t0 = tr_call(core, tr, Core_data_begin, s_data_begin, NULL);
     if (t0 == NULL) return NULL;
     PyObject *out = PyObject_Call(self->inner, args, kwargs);
     if (out == NULL) {
-        call_failed(inst, s_data, data_end, tr, t0, 1);
+        call_failed(inst, s_data, 1, core, tr, Core_data_end, s_data_end, t0);
         Py_DECREF(t0);
         return NULL;
     }
-    int rc = data_end(tr, t0);
+    int rc = tr_run(core, tr, Core_data_end, s_data_end, t0);
     Py_DECREF(t0);
     if (rc < 0) {
         Py_DECREF(out);
@@ -1392,10 +1364,7 @@ static PyObject *OptPre_call(OptPre *self, PyObject *targs, PyObject *tkwargs) {
     PyObject *a[3];
     if (positional("OptPre", targs, tkwargs, 3, a) < 0) return NULL;
     PyObject *optimizer = a[0], *args = a[1], *kwargs = a[2];
-#define OPT_CHECK(f)                                                                                   \
-    if (self->f == NULL) return unset(#f);
-    OPT_FIELDS(OPT_CHECK)
-#undef OPT_CHECK
+    OPT_FIELDS(FIELD_SET)
     PyObject *inst = self->inst, *tr = self->tr;
     Core *core = as_core(tr);
     int en = TR_TRUTH(core, tr, enabled, s_enabled);
@@ -1427,9 +1396,7 @@ static PyObject *OptPre_call(OptPre *self, PyObject *targs, PyObject *tkwargs) {
     }
     /* the observers (an empty list calls none: one lookup, not a truth test and then the loop's) */
     if (observe(inst, s_optimizer_observers, s_observe_optimizer, s_optimizer, &optimizer, 1) < 0) return NULL;
-    PyObject *r = core ? Core_optimizer_begin(core, NULL) : PyObject_CallMethodNoArgs(tr, s_optimizer_begin);
-    if (r == NULL) return NULL;
-    Py_DECREF(r);
+    if (tr_run(core, tr, Core_optimizer_begin, s_optimizer_begin, NULL) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
