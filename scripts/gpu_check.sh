@@ -2,13 +2,16 @@
 # GPU check for maintainers: run on a real NVIDIA machine (Hopper or newer for GPM).
 # Exercises the real sampler (NVML + GPM + XID thread), checks it creates no CUDA context,
 # loads the GPU with BF16 matmuls and prints what the sampler saw, runs `stepwatch doctor`, then
-# checks the native timing extension (gpu_check_timing.py) and a whole session (gpu_check_session.py).
+# checks the native timing extension (gpu_check_timing.py), a whole session (gpu_check_session.py),
+# comm spans over NCCL with a captured CUDA trace and MFU (gpu_check_ddp.py) and the overhead on the
+# GPU (gpu_check_overhead.py).
 # Usage: scripts/gpu_check.sh            (PYTHON=... to pick the interpreter)
 # Needs on that machine: torch with CUDA, numpy, nvidia-ml-py and rich (no venv of ours: without
 # .venv it uses python3), and a C compiler with Python headers, because gpu_check_timing.py builds
 # the native extension for that Python. opentelemetry, nvtx and py-spy are optional here.
 # Expected to take 1-2 minutes (not yet timed on a GPU); exit 0 = every check passed, 1 = a
-# check failed, 2 = the timing or session check could not run. GPU_CHECK_JSON=path keeps its observations.
+# check failed, 2 = the timing or session check could not run. GPU_CHECK_JSON=path keeps its observations;
+# GPU_CHECK_OUT=dir keeps the captured trace, its analyses and the overhead figures.
 # In a timed lease:
 #   PYTHONUNBUFFERED=1 bash scripts/gpu_check.sh 2>&1 | tee "$OUT/gpu_check.log"
 set -uo pipefail
@@ -22,7 +25,7 @@ echo "== nvidia-smi -L"
 nvidia-smi -L || echo "(nvidia-smi failed)"
 
 echo "== sampler under load"
-"$PY" - <<'EOF' || status=1
+timeout 120 "$PY" - <<'EOF' || status=1
 import os, sys, time
 import pynvml
 from stepwatch.telemetry import TelemetrySource, summarize_window
@@ -63,9 +66,19 @@ if uuid != src.status["uuid"]:
     problems.append("sampler matched another GPU than torch's device 0")
 src.drain()  # what came before (imports, context creation) is not the loaded window
 t0 = time.time()
+smi = None
 while time.time() - t0 < 6:
     for _ in range(20):
         a @ b
+    if smi is None and time.time() - t0 > 3:  # nvidia-smi's reading of the same load, beside NVML's
+        import subprocess
+        q = "temperature.gpu,power.draw,clocks.sm,clocks.mem,utilization.gpu,utilization.memory,memory.used"
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=" + q, "--format=csv,noheader,nounits", "-i", "0"],
+                                 capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as e:
+            smi = f"(nvidia-smi failed: {e})"
+        print(f"nvidia-smi under load ({q}):", smi)
     torch.cuda.synchronize()
 busy = src.drain()
 time.sleep(3)  # idle
@@ -101,18 +114,27 @@ sys.exit(1 if problems else 0)
 EOF
 
 echo "== stepwatch doctor --storage (256 MiB in \${TMPDIR:-/tmp})"
-"$PY" -m stepwatch doctor --storage "${TMPDIR:-/tmp}" --storage-size-mb 256 || status=1
+timeout 90 "$PY" -m stepwatch doctor --storage "${TMPDIR:-/tmp}" --storage-size-mb 256 || status=1
 
 echo "== timing extension (scripts/gpu_check_timing.py)"
-"$PY" scripts/gpu_check_timing.py ${GPU_CHECK_JSON:+--json "$GPU_CHECK_JSON"}
+timeout 180 "$PY" scripts/gpu_check_timing.py ${GPU_CHECK_JSON:+--json "$GPU_CHECK_JSON"}
 rc=$?
 # 2 = could not run (no compiler or Python headers to build the extension): not a pass.
 if [ $rc = 2 ]; then incomplete=1; elif [ $rc != 0 ]; then status=1; fi
 
 echo "== a whole session on the GPU (scripts/gpu_check_session.py)"
-"$PY" scripts/gpu_check_session.py
+timeout 180 "$PY" scripts/gpu_check_session.py
 rc=$?
 if [ $rc = 2 ]; then incomplete=1; elif [ $rc != 0 ]; then status=1; fi
+
+echo "== comm spans over NCCL, a captured CUDA trace, MFU (scripts/gpu_check_ddp.py)"
+timeout 240 "$PY" scripts/gpu_check_ddp.py --out "${GPU_CHECK_OUT:-${TMPDIR:-/tmp}}/ddp"
+rc=$?
+if [ $rc = 2 ]; then incomplete=1; elif [ $rc != 0 ]; then status=1; fi
+
+echo "== overhead on the GPU (scripts/gpu_check_overhead.py)"
+timeout 240 "$PY" scripts/gpu_check_overhead.py --blocks 6 --steps 150 \
+    ${GPU_CHECK_OUT:+--json "$GPU_CHECK_OUT/overhead.json"} || status=1
 
 if [ $status != 0 ]; then verdict=PROBLEMS; elif [ -n "${incomplete:-}" ]; then verdict=INCOMPLETE; status=2; else verdict=OK; fi
 echo "== gpu_check: $verdict"

@@ -41,3 +41,29 @@ def test_timing_check_says_it_cannot_run_without_a_gpu():
 def test_gpu_check_shell_script_parses():
     r = subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", "gpu_check.sh")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_ddp_check_rehearsal_captures_a_trace_and_analyses_it(tmp_path):
+    """gpu_check_ddp.py --cpu: gloo instead of NCCL, the same loop, capture request and trace analysis."""
+    import json
+
+    r = _run("scripts/gpu_check_ddp.py", "--cpu", "--out", str(tmp_path))
+    assert r.returncode == 0 and "gpu_check_ddp: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    seen = json.loads((tmp_path / "ddp.json").read_text())
+    assert seen["failures"] == [] and seen["records"] == seen["steps"] >= 80
+    assert seen["features"]["CommFeature"]["ddp_models"] == 1
+    assert len(list(tmp_path.glob("*.trace.json.gz"))) == 1 and len(list(tmp_path.glob("*.analysis.json"))) == 1
+    ranks = json.loads((tmp_path / "stepwatch_trace.json").read_text())
+    assert len(ranks) == 1 and ranks[0]["note"] == "no GPU kernels"  # a CPU trace: no kernels to analyse
+
+
+def test_overhead_check_rehearsal_prints_every_variant(tmp_path):
+    import json
+
+    out = tmp_path / "o.json"
+    r = _run("scripts/gpu_check_overhead.py", "--cpu", "--blocks", "2", "--steps", "20", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    loop = json.loads(out.read_text())["loops"]["launch-bound"]
+    assert loop["off_wall_us"][0] > 0
+    for v in ("foundation", "all defaults"):
+        assert f"{v}: host +" in r.stdout and set(loop[v]) == {"host_us", "wall_us"}
