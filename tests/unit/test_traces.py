@@ -112,6 +112,7 @@ def test_hip_and_cuda_kernel_names_are_classified():
         ("Cijk_Alik_Bljk_SB_Bias_AS_SAV_UserArgs_MT64x16x32_MI16x16x1", "gemm"),  # rocBLAS / Tensile
         ("void cutlass::Kernel<cutlass_80_tensorop_s1688gemm_128x128_32x3>(Params)", "gemm"),
         ("sm80_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize64x64x16", "gemm"),
+        ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "gemm"),  # cuBLAS 13 on the H200 (2026-12-04)
         ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>(Params)", "attention"),
         ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
         ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)", "communication"),
@@ -206,3 +207,26 @@ def test_a_host_sync_before_a_gap_is_named_with_its_call_site(tmp_path):
     (f,) = [f for f in got["findings"] if f["kind"] == "trace_host_sync"]
     assert "aten::item" in f["summary"] and "train.py(42): train_step" in f["summary"]
     assert got["launch"]["queue_empty_count"] == 1  # the second launch came after the GPU drained
+
+
+def test_a_cuda_trace_stepwatch_captured_on_an_h200_matches_hta():
+    """A real capture: scripts/gpu_check_ddp.py on an NVIDIA H200 (bf16 MLP under DDP over NCCL, world
+    size 1, steps 175-177 captured by stepwatch), with HTA 0.5.0's numbers for the same file beside it
+    (h200_ddp_capture.hta.json, from benchmarks/hta_reference.py). Its GEMMs are cuBLAS 13's ``nvjet``
+    kernels, which the first analysis on the device put under "other"."""
+    data = os.path.join(ROOT, "tests", "unit", "data")
+    hta = json.load(open(os.path.join(data, "h200_ddp_capture.hta.json")))["trace"]
+    got = analyse(os.path.join(data, "h200_ddp_capture.trace.json.gz"))
+    t = got["temporal"]
+    assert (t["idle_pct"], t["compute_pct"], t["non_compute_pct"], t["span_us"]) == (
+        hta["temporal"]["idle_pct"], hta["temporal"]["compute_pct"], hta["temporal"]["non_compute_pct"],
+        hta["temporal"]["kernel_time_us"])
+    assert hta["comm_comp_overlap_pct"] is None and got["comm_comp_overlap_pct"] is None  # one rank: no NCCL kernel
+    for stream, cats in hta["idle_breakdown_us"].items():
+        mine = got["idle_breakdown"][stream]
+        assert (mine["host_wait_us"], mine["kernel_wait_us"], mine["other_us"]) == (
+            cats["host_wait"], cats["kernel_wait"], cats["other"])
+    assert got["steps"]["stepwatch_steps"] == [175, 176, 177]
+    classes = got["kernels"]["classes"]
+    assert classes["gemm"]["count"] == 33 and classes["gemm"]["time_pct"] > 60  # the window's nvjet GEMMs
+    assert "other" not in classes or classes["other"]["count"] == 0

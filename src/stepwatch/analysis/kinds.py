@@ -207,7 +207,8 @@ KINDS: dict[str, Kind] = {
             "low_sm_occupancy",
             "warning",
             "SMs are busy but hold few warps: SM occupancy below 25% over the window "
-            "(DCGM_FI_PROF_SM_OCCUPANCY) while SM activity is not low; kernels are limited by "
+            "(DCGM_FI_PROF_SM_OCCUPANCY) while SM activity is not low and the tensor cores are not "
+            "the busy pipe (tensor-core GEMMs run few warps per SM by design); kernels are limited by "
             "registers, shared memory or too small grids.",
             "Profile the top kernels with ncu (--section Occupancy, LaunchStats): check registers "
             "per thread, shared memory per block and grid size; larger batches or fused kernels help.",

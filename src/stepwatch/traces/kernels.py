@@ -8,7 +8,8 @@ communication ``^nccl.*Kernel`` (RCCL's kernels carry NCCL's names), memory
 
 The classes (count and share of time in the report) add what a reader wants to know first: is
 the time in GEMMs, attention, or the small elementwise/reduction kernels that fusion removes.
-CUDA and HIP names: cuBLAS/cuBLASLt/CUTLASS (``gemm``, ``sm80_xmma``, ``cutlass``), rocBLAS and
+CUDA and HIP names: cuBLAS/cuBLASLt/CUTLASS (``gemm``, ``sm80_xmma``, ``cutlass``; cuBLAS 13's
+``nvjet_sm90_...`` GEMMs, seen on an H200), rocBLAS and
 hipBLASLt (Tensile's ``Cijk_...`` kernels, ``hipblaslt``), cuDNN/MIOpen convolutions (counted as
 GEMM: implicit GEMMs on the tensor cores), FlashAttention / memory-efficient / CK attention.
 """
@@ -38,7 +39,7 @@ CLASSES = ("gemm", "attention", "elementwise_reduction", "communication", "memcp
 
 _ATTENTION = re.compile(r"flash|fmha|attention|_attn|sdpa|mem_eff|efficient_attention|FmhaFwd|FmhaBwd", re.I)
 _GEMM = re.compile(
-    r"gemm|gemv|cutlass|xmma|cublas|Cijk_|hipblaslt|matmul|_mm_|bmm|splitK|wgmma|"
+    r"gemm|gemv|cutlass|xmma|cublas|nvjet|Cijk_|hipblaslt|matmul|_mm_|bmm|splitK|wgmma|"
     r"conv|cudnn::.*(fprop|dgrad|wgrad)|winograd|miopen.*Conv|igemm|implicit", re.I)
 _ELEMENTWISE = re.compile(
     r"elementwise|vectorized|unrolled|reduce|reduction|softmax|norm|index|scatter|gather|copy|"
