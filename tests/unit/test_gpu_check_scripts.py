@@ -65,5 +65,5 @@ def test_overhead_check_rehearsal_prints_every_variant(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     loop = json.loads(out.read_text())["loops"]["launch-bound"]
     assert loop["off_wall_us"][0] > 0
-    for v in ("foundation", "all defaults"):
-        assert f"{v}: host +" in r.stdout and set(loop[v]) == {"host_us", "wall_us"}
+    for v in ("floor (off, loop norms)", "foundation, host clock", "foundation", "all defaults"):
+        assert f"{v}: training thread +" in r.stdout and set(loop[v]) == {"host_us", "cpu_us", "wall_us"}
