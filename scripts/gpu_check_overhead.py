@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = dict(overhead.variants())
     chosen = [("foundation, host clock", {**variants["foundation"], "device_timing": False}),
               ("foundation", variants["foundation"]), ("all defaults", variants["+ memory"])]
-    if args.variants:
-        chosen = [c for c in chosen if c[0] in args.variants.split(";")]
+    if args.variants:  # these, or any of benchmarks/overhead.py's (e.g. "gpu telemetry alone")
+        named = dict(chosen, **variants)
+        chosen = [(v, named[v]) for v in args.variants.split(";")]
     dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
     loops = {"launch-bound": (256, 16, 64, torch.float32), "compute-bound": (4096, 4, 4096, torch.bfloat16)}
     if args.loops:

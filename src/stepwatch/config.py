@@ -627,7 +627,8 @@ class Config:
             "STEPWATCH_MEMORY_HISTORY",
             "CUDA allocation history (`torch.cuda.memory._record_memory_history`, bounded) for the "
             "snapshot in `oom-<n>/`: `auto` (switched on once a `memory_growth` or `memory_near_limit` "
-            "finding fires), `on` (from the first step), `off`.",
+            "finding fires), `on` (from the first steps once CUDA is in use), `off`; switched on and off "
+            "on the training thread (torch keeps its callbacks per thread).",
             _choice("auto", "on", "off"),
         ),
     )

@@ -7,8 +7,8 @@ data fetch; an optimizer step through the uncaught-exception hook) is written do
 (:mod:`.oom`). Background thread: this feature, as an enricher, fills the record's memory fields,
 samples the DataLoader workers' USS/PSS, the host limit and the device's free memory at most once a
 second (a record carries the latest sample), and feeds the detectors (:mod:`.detect`). A growth
-or near-limit finding switches on CUDA's bounded allocation history (``STEPWATCH_MEMORY_HISTORY``)
-so that a later ``oom-<n>/`` holds a snapshot that opens in PyTorch's memory visualizer.
+or near-limit finding switches on CUDA's bounded allocation history (``STEPWATCH_MEMORY_HISTORY``;
+the training thread does it at its next step end) so that a later ``oom-<n>/`` holds a snapshot that opens in PyTorch's memory visualizer.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class MemoryFeature:
         self.history_mode = cfg.memory_history
         self.history_entries = cfg.memory_history_entries
         self.history_on = False
+        self._history_asked = False
         self._last: collections.deque[StepRecord] = collections.deque(maxlen=LAST_RECORDS)
         self._iters: collections.deque[Any] = collections.deque(maxlen=64)  # weakrefs to DataLoader iterators
         self._next_sample = 0.0
@@ -157,8 +158,8 @@ class MemoryFeature:
         self._host_used = self.limit.used()
         dev = self.probe.device
         if dev is not None:
-            if self.history_mode == "on" and not self.history_on:
-                self._history(True)
+            if self.history_mode == "on":
+                self._ask_history()
             self._device = tuple(self.probe.cuda.mem_get_info(dev))
 
     def _read_workers(self) -> tuple[int | None, int | None, int]:
@@ -204,6 +205,22 @@ class MemoryFeature:
     def _last_dicts(self) -> list[dict[str, Any]]:
         return [r.to_dict() for r in list(self._last)]
 
+    def _ask_history(self) -> None:
+        """(background) Have the training thread switch the history on at its next step end."""
+        if not self._history_asked:
+            self._history_asked = True
+            self.hub.add_listener(self._history_listener)
+
+    def _history_listener(self, step: int) -> None:
+        """(training thread, once) torch keeps the history's RecordFunction callbacks per thread
+        (2.11): switched on and off on the thread that allocates, not the pipeline's, which also
+        keeps torch's "Requested callback is not found" out of the job's log at shutdown."""
+        self.hub.remove_listener(self._history_listener)
+        try:
+            self._history(True)
+        except Exception as e:
+            self._err("memory.history", e)
+
     def _history(self, on: bool) -> None:
         """CUDA's allocation history, bounded to ``history_entries`` alloc/free events."""
         record = self.probe.cuda.memory._record_memory_history
@@ -224,7 +241,7 @@ class MemoryFeature:
         if self.history_mode != "auto" or self.history_on or self.probe.device is None:
             return
         if any(f.kind in ("memory_growth", "memory_near_limit") and f.rank == self.hub.ctx.rank for f in findings):
-            self._history(True)
+            self._ask_history()
 
     def stop(self) -> None:
         if sys.excepthook is self._excepthook:
@@ -234,6 +251,7 @@ class MemoryFeature:
             cls.__init__ = orig
             self._patched = None
         self.hub.remove_exception_observer(self._on_exception)
+        self.hub.remove_listener(self._history_listener)
         if self.history_on:
             try:
                 self._history(False)
