@@ -406,6 +406,12 @@ def test_rows_that_cannot_be_judged_stay_silent():
     # block of 2-3 warpgroups per SM by design, so low occupancy there is no limiter.
     gemm = [_tick(64, 1515, 0, 0.87, 0.84, 0.16, occupancy=0.128, gr=0.90) for _ in range(70)]
     assert "low_sm_occupancy" not in [f.kind for f in _judge(gemm)]
+    # The same load, then idle, in one window (the check's busy then idle seconds): the idle seconds
+    # neither dilute the tensor activity nor the occupancy; only samples with busy SMs are judged.
+    idle = [_tick(40, 1980, 0, 0.0, 0.0, 0.0, occupancy=0.0, gr=0.0) for _ in range(25)]
+    assert "low_sm_occupancy" not in [f.kind for f in _judge(gemm[:45] + idle)]
+    short = [_tick(64, 1515, 0, 0.87, 0.40, 0.16, occupancy=0.18, gr=0.90) for _ in range(45)]  # CUDA cores
+    assert "low_sm_occupancy" in [f.kind for f in _judge(short + idle)]
     # Without comm timing (a single-GPU job) the NVLink average is not judged either.
     dev, samples = _run_script(FakeNvml(_row_script(70, {"nvlink": 50e9})))
     a = Analyzer()

@@ -328,18 +328,24 @@ class Analyzer:
             gr < GR_ENGINE_LOW,
             f"{where}: graphics engine active {gr:.0%} {span} (< {GR_ENGINE_LOW:.0%}: overhead-bound)",
             {"gr_engine_active": gr, "threshold": GR_ENGINE_LOW})
-        occ = _mean(vals("DCGM_FI_PROF_SM_OCCUPANCY"))
-        sm = _mean(vals("DCGM_FI_PROF_SM_ACTIVE"))
-        tensor = _mean(vals("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"))
-        # With idle SMs occupancy is low by itself: that is the overhead/launch rows' story. With the
-        # tensor cores busy (the matrix's "high"), it is the GEMM kernels' design, not a limiter:
-        # Hopper's run one block of 2-3 warpgroups per SM (an H200's healthy bf16 GEMM load read
-        # 13% occupancy at 84% tensor active, scripts/gpu_check.sh, 2026-12-04).
-        verdicts["low_sm_occupancy"] = None if (occ is None or sm is None or sm < SM_LOW
+        # Occupancy is judged over the samples whose SMs were busy (SM active >= SM_LOW): with idle
+        # SMs it is low by itself (the overhead/launch rows' story), and idle seconds in the window
+        # would dilute it. With the tensor cores busy (the matrix's "high") low occupancy is the GEMM
+        # kernels' design, not a limiter: Hopper's run one block of 2-3 warpgroups per SM (an H200's
+        # healthy bf16 GEMM load read 13% occupancy at 84% tensor active, scripts/gpu_check.sh,
+        # 2026-12-04).
+        busy = [s for s in window if (s.get("DCGM_FI_PROF_SM_ACTIVE") or 0.0) >= SM_LOW]
+        occ = _mean([s["DCGM_FI_PROF_SM_OCCUPANCY"] for s in busy if s.get("DCGM_FI_PROF_SM_OCCUPANCY") is not None])
+        sm = _mean([s["DCGM_FI_PROF_SM_ACTIVE"] for s in busy])
+        tensor = _mean([s["DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"] for s in busy
+                        if s.get("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE") is not None])
+        verdicts["low_sm_occupancy"] = None if (occ is None or len(busy) < ROWS_MIN_SAMPLES
                                                 or (tensor is not None and tensor >= TENSOR_HIGH)) else (
             occ < SM_OCCUPANCY_LOW,
-            f"{where}: SM occupancy {occ:.0%} with SM active {sm:.0%} {span} (< {SM_OCCUPANCY_LOW:.0%}: occupancy limiter)",
-            {"sm_occupancy": occ, "sm_active": sm, "threshold": SM_OCCUPANCY_LOW})
+            f"{where}: SM occupancy {occ:.0%} with SM active {sm:.0%} in {len(busy)} busy samples {span} "
+            f"(< {SM_OCCUPANCY_LOW:.0%}: occupancy limiter)",
+            {"sm_occupancy": occ, "sm_active": sm, "tensor_active": tensor, "busy_samples": len(busy),
+             "threshold": SM_OCCUPANCY_LOW})
         dram = _mean(vals("DCGM_FI_PROF_DRAM_ACTIVE"))
         verdicts["dram_bandwidth_bound"] = None if dram is None else (
             dram >= DRAM_SATURATED,
