@@ -52,7 +52,8 @@ def test_ddp_check_rehearsal_captures_a_trace_and_analyses_it(tmp_path):
     seen = json.loads((tmp_path / "ddp.json").read_text())
     assert seen["failures"] == [] and seen["records"] == seen["steps"] >= 80
     assert seen["features"]["CommFeature"]["ddp_models"] == 1
-    assert len(list(tmp_path.glob("*.trace.json.gz"))) == 1 and len(list(tmp_path.glob("*.analysis.json"))) == 1
+    # the on-demand capture, and a step-time-spike capture too when the machine is busy
+    assert list(tmp_path.glob("*.trace.json.gz")) and list(tmp_path.glob("*.analysis.json"))
     ranks = json.loads((tmp_path / "stepwatch_trace.json").read_text())
     assert len(ranks) == 1 and ranks[0]["note"] == "no GPU kernels"  # a CPU trace: no kernels to analyse
 
