@@ -149,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         if gpu and r.mem_allocated_bytes is None:
             failures.append(f"step {r.step}: no memory read with memory_every=1")
     late = [r for r in recs if r.step in WALL and r.mfu is not None]
-    flop = 6 * batch * width * width * layers  # forward 2, backward 4 per multiply-add
+    # forward 2 per multiply-add, backward 4, except the first layer's: its input needs no gradient
+    flop = (6 * layers - 2) * batch * width * width
     obs: dict = {"steps": step, "records": len(recs), "analysed_after_step": analysed_at}
     if late:
         med = sorted(late, key=lambda r: r.step_s)[len(late) // 2]
         loop_s = wall
+        obs["mean_step_s"] = sum(r.step_s for r in late) / len(late)  # like for like with the loop's mean
         obs.update(mfu=med.mfu, mfu_dtype=med.mfu_dtype, peak_tflops=med.peak_tflops, step_s=med.step_s,
                    forward_s=med.forward_s, backward_s=med.backward_s, allreduce_s=med.allreduce_s,
                    comm_s=med.comm_s, comm_exposed_s=med.comm_exposed_s, overlap=med.overlap,
