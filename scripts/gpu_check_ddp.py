@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                    clock=med.clock, loop_wall_s=loop_s,
                    mfu_from_loop_wall=(flop / loop_s / (med.peak_tflops * 1e12)) if loop_s and med.peak_tflops else None,
                    mem_allocated_bytes=med.mem_allocated_bytes, gpu=med.gpu)
+        print(f"step_s of steps {WALL[0]}-{WALL[-1]} (ms):", [round(r.step_s * 1e3, 3) for r in late])
         print(f"median record (steps {WALL[0]}-{WALL[-1]}):", json.dumps(obs, default=str))
         if gpu and (med.mfu_dtype != "bf16" or not med.peak_tflops or not 0 < med.mfu <= 1):
             failures.append(f"MFU {med.mfu} ({med.mfu_dtype}, peak {med.peak_tflops})")
