@@ -101,8 +101,9 @@ def test_disabled_is_a_no_op(sw, monkeypatch):
     stepwatch_mod, mem, start = sw
     orig_backward = torch.autograd.backward
     monkeypatch.setenv("STEPWATCH_ENABLED", "0")
+    orig_grad = torch.autograd.grad
     s = start()
-    assert torch.autograd.backward is orig_backward
+    assert torch.autograd.backward is orig_backward and torch.autograd.grad is orig_grad
     assert s.tracker is None
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.1)
@@ -120,11 +121,15 @@ def test_shutdown_restores_everything(sw):
     stepwatch_mod, _, start = sw
     from torch.utils.data import dataloader
 
-    before = (torch.autograd.backward, torch.save, dataloader._BaseDataLoaderIter.__next__, torch.amp.GradScaler.step)
+    before = (torch.autograd.backward, torch.autograd.grad, torch.save, dataloader._BaseDataLoaderIter.__next__,
+              torch.amp.GradScaler.step)
     start()
-    assert torch.autograd.backward is not before[0]
+    assert torch.autograd.backward is not before[0] and torch.autograd.grad is not before[1]
+    g = torch.autograd.grad  # passes for torch's own
+    assert g.__wrapped__ is before[1] and g.__name__ == "grad" and g.__doc__ == before[1].__doc__
     stepwatch_mod.shutdown()
-    after = (torch.autograd.backward, torch.save, dataloader._BaseDataLoaderIter.__next__, torch.amp.GradScaler.step)
+    after = (torch.autograd.backward, torch.autograd.grad, torch.save, dataloader._BaseDataLoaderIter.__next__,
+             torch.amp.GradScaler.step)
     assert after == before
     assert stepwatch_mod.get_session() is None
 

@@ -400,3 +400,121 @@ def test_a_heap_frozen_by_gc_freeze_still_has_its_model_found(sw, holder):
     assert boundary == "optimizer"
     assert not [w for w in warnings if "no torch.optim optimizer" in w]
     _every_micro_batch_counted(mem.records)
+
+
+def test_a_loop_that_takes_its_gradients_with_autograd_grad_gets_one_step_each(sw, tmp_path):
+    """A manual update from ``torch.autograd.grad`` (no ``backward()``, no torch optimizer), as
+    functional-style and meta-learning scripts write it: it used to give no record at all."""
+    import gc
+
+    stepwatch, mem, start = sw
+    gc.collect()  # optimizers of earlier tests in this process would count as the loop's
+    start(dir=str(tmp_path / "run"))
+    m = _model()
+    params = list(m.parameters())
+    for i in range(6):
+        x = torch.randn(4, 16)
+        loss = m(x).pow(2).mean()
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p -= 0.1 * g
+        stepwatch.log(loss=loss.detach())
+    stepwatch.shutdown()
+    recs = mem.records
+    assert [r.step for r in recs] == list(range(6))
+    _all_identity(recs)
+    assert all(r.backward_s > 0 and r.optimizer_s == 0 and "loss" in r.scalars for r in recs)
+    assert all(r.forward_s > 0 for r in recs[1:])  # roots found at the first gradient, as for backward
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert manifest["features"]["step_boundary"] == "backward"
+
+
+class _SlowGrad(torch.autograd.Function):
+    """Identity whose gradient takes 20 ms: gradient work big enough to time."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.02)
+        return g * 1.0
+
+
+class _Pinn(nn.Module):
+    """A physics-informed loss: the model's forward takes the gradient of its output with respect to
+    its input (``create_graph=True``) inside the forward; that gradient takes 20 ms."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x):
+        x = x.requires_grad_(True)
+        u = _SlowGrad.apply(self.net(x))
+        (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return u.pow(2).mean() + du.pow(2).mean()
+
+
+def test_a_gradient_penalty_is_backward_time_and_input_gradients_inside_a_forward_stay_forward(sw):
+    """WGAN-GP's gradient penalty (``autograd.grad`` between the critic's forward and the backward)
+    is gradient work, timed as backward; a forward that takes input gradients itself (a PINN's
+    residual) stays one forward, with nothing counted twice. One record per optimizer step."""
+    stepwatch, mem, start = sw
+    start()
+    critic = _model()
+    opt = torch.optim.SGD(critic.parameters(), lr=0.01)
+    for i in range(5):
+        x = torch.randn(8, 16, requires_grad=True)
+        out = _SlowGrad.apply(critic(x)).sum()
+        (gx,) = torch.autograd.grad(out, x, create_graph=True)  # through SlowGrad: 20 ms
+        penalty = (gx.norm(2, dim=1) - 1).pow(2).mean()
+        (out + 10 * penalty).backward()  # through SlowGrad again: 20 ms more
+        opt.step()
+        opt.zero_grad()
+    pinn = _Pinn()
+    opt2 = torch.optim.SGD(pinn.parameters(), lr=0.01)
+    for i in range(5):
+        pinn(torch.randn(8, 16)).backward()
+        opt2.step()
+        opt2.zero_grad()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert [r.step for r in recs] == list(range(10))
+    _all_identity(recs)
+    wgan, pinn_recs = recs[1:5], recs[6:]
+    assert all(r.backward_s >= 0.038 for r in wgan), [r.backward_s for r in wgan]
+    # the PINN's input gradient (20 ms) is forward time, and only forward time (the identity above);
+    # its backward goes through the slow gradient once more
+    assert all(r.forward_s >= 0.019 and r.backward_s >= 0.019 for r in pinn_recs), \
+        [(r.forward_s, r.backward_s) for r in pinn_recs]
+
+
+def test_a_flop_count_that_failed_keeps_no_model_or_batch_alive(sw):
+    """The fake replay of MaskedEncoder fails (and the real one counts it). The failed replay's
+    exception, its traceback and the frames in it (the training loop's, with its model, optimizer
+    and batch) were kept alive for good through the autograd hook the replay runs in, a reference
+    gc cannot follow: after shutdown the model and the batch must be collectable."""
+    import gc
+    import weakref
+
+    stepwatch, mem, start = sw
+
+    def train():
+        start()
+        m = MaskedEncoder()
+        x = torch.randn(10, 4, 32)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        for _ in range(2):
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        stepwatch.shutdown()
+        return weakref.ref(m), weakref.ref(x), weakref.ref(opt)
+
+    refs = train()
+    assert [r.flops for r in mem.records][-1]  # the real count ran: the fake one had failed
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]

@@ -4,7 +4,9 @@ What is hooked, and why this way:
 - Optimizer steps: torch's *global* optimizer step pre/post hooks (every optimizer, no wrapping).
   A closure passed to ``step(closure)`` is handed on wrapped (the pre-hook may replace arguments),
   so the closure's time stays out of ``optimizer_s`` and observers see the grads it made.
-- Backward: ``torch.autograd.backward`` (what ``Tensor.backward`` calls), replaced by a timing wrapper.
+- Backward: ``torch.autograd.backward`` (what ``Tensor.backward`` calls), replaced by a timing wrapper,
+  and ``torch.autograd.grad`` (a manual update from it, a gradient penalty), except inside a root
+  forward (a loss that takes input gradients there is part of that forward).
 - Data wait: ``_BaseDataLoaderIter.__next__`` (single- and multi-process DataLoader iterators).
 - GradScaler: ``torch.amp.GradScaler.step``, to see a step the scaler skips.
 - Checkpoints: ``torch.save`` and ``torch.distributed.checkpoint``'s save functions.
@@ -27,8 +29,9 @@ What is hooked, and why this way:
   not timed or observed.
   A heap frozen by ``gc.freeze()`` hides what it froze from ``gc.get_objects()``: then the scan
   also walks the references from the calling frames' locals and ``__main__`` (:func:`_reachable`).
-- No optimizer: when no ``torch.optim.Optimizer`` exists at the first backward, each backward ends
-  a step (``tracker.boundary = "backward"``, named in ``run.json``), and one line says so.
+- No optimizer: when no ``torch.optim.Optimizer`` exists at the first backward (or
+  ``autograd.grad``), each one ends a step (``tracker.boundary = "backward"``, named in
+  ``run.json``), and one line says so.
 
 - Pickling: ``nn.Module.__getstate__`` (what ``torch.save(model)``, ``pickle`` and ``copy.deepcopy``
   take) leaves the wrapped call out, and a module with its own ``__getstate__`` pickles the
@@ -97,6 +100,7 @@ class Instrumentation:
         self._handles.append(optim_mod.register_optimizer_step_post_hook(tr.optimizer_end))
 
         self._patch(torch.autograd, "backward", _Backward(self, torch.autograd.backward))
+        self._patch(torch.autograd, "grad", _Grad(self, torch.autograd.grad))
 
         it_cls = dataloader._BaseDataLoaderIter
         self._patch(it_cls, "__next__", _DataNext(self, it_cls.__next__))
@@ -471,6 +475,32 @@ class _Backward(_BackwardBase, _BackwardCore):  # type: ignore[misc,valid-type]
 
 class _PyBackward(_BackwardBase, _PyBackwardCore):
     """The wrapped backward in Python whatever was built (tests run both)."""
+
+
+class _Grad(_BackwardBase):
+    """``torch.autograd.grad`` wrapped: gradients taken without ``backward()`` (a manual update from
+    ``autograd.grad``, WGAN-GP's gradient penalty) are backward time, and in a loop without a torch
+    optimizer each call ends a step as a backward does. Inside a root forward (a physics-informed
+    loss that takes input gradients in ``forward``) it is part of that forward: timed as backward
+    too, it would be counted twice. In Python only: loops that use ``backward()`` never call it."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tr = self.tr
+        replay = self.replay
+        if not tr.enabled or tr._fwd_depth or (replay.active and replay.mine()):
+            return self.inner(*args, **kwargs)
+        inst = self.inst
+        if not inst._boundary_checked:
+            inst._check_boundary()
+        tr.backward_begin()
+        try:
+            return self.inner(*args, **kwargs)
+        except BaseException as e:
+            if inst.exception_observers:
+                inst._observe_exception("backward", e)
+            raise
+        finally:
+            tr.backward_end()
 
 
 class _PyDataNextCore:

@@ -621,11 +621,16 @@ def _in_autograd_node(fn: Callable[[], Any]) -> Any:
         node = torch.zeros((), device="cpu", requires_grad=True).clone()  # CPU: the engine runs it on this thread
     node.register_hook(run)
     _engine_run_backward((node,), (torch.ones((), device="cpu"),), False, False, (), allow_unreachable=True, accumulate_grad=True)
+    # The node's hook (``run``) is held by the autograd graph, a reference gc cannot follow: an
+    # exception left in ``failed`` would keep its traceback's frames (the training loop's, with its
+    # model and batch) alive for good. Nothing of ours stays reachable from the node.
+    del node
     if failed:
-        raise failed[0]
+        e = failed.pop()
+        raise e
     if not out:  # the hook did not run: no engine node here after all
         return fn()
-    return out[0]
+    return out.pop()
 
 
 def _count(
