@@ -477,7 +477,7 @@ class _PyBackward(_BackwardBase, _PyBackwardCore):
     """The wrapped backward in Python whatever was built (tests run both)."""
 
 
-class _Grad(_BackwardBase):
+class _Grad(_PyBackward):
     """``torch.autograd.grad`` wrapped: gradients taken without ``backward()`` (a manual update from
     ``autograd.grad``, WGAN-GP's gradient penalty) are backward time, and in a loop without a torch
     optimizer each call ends a step as a backward does. Inside a root forward (a physics-informed
@@ -485,22 +485,9 @@ class _Grad(_BackwardBase):
     too, it would be counted twice. In Python only: loops that use ``backward()`` never call it."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        tr = self.tr
-        replay = self.replay
-        if not tr.enabled or tr._fwd_depth or (replay.active and replay.mine()):
+        if self.tr._fwd_depth:
             return self.inner(*args, **kwargs)
-        inst = self.inst
-        if not inst._boundary_checked:
-            inst._check_boundary()
-        tr.backward_begin()
-        try:
-            return self.inner(*args, **kwargs)
-        except BaseException as e:
-            if inst.exception_observers:
-                inst._observe_exception("backward", e)
-            raise
-        finally:
-            tr.backward_end()
+        return _PyBackwardCore.__call__(self, *args, **kwargs)
 
 
 class _PyDataNextCore:
