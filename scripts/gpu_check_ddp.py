@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                    forward_s=med.forward_s, backward_s=med.backward_s, allreduce_s=med.allreduce_s,
                    comm_s=med.comm_s, comm_exposed_s=med.comm_exposed_s, overlap=med.overlap,
                    clock=med.clock, loop_wall_s=loop_s,
-                   mfu_from_loop_wall=(flop / loop_s / (med.peak_tflops * 1e12)) if loop_s and med.peak_tflops else None,
+                   mfu_from_loop_wall=(flop / loop_s / (med.peak_tflops * 1e12))
+                   if loop_s and med.peak_tflops else None,
                    mem_allocated_bytes=med.mem_allocated_bytes, gpu=med.gpu)
         print(f"step_s of steps {WALL[0]}-{WALL[-1]} (ms):", [round(r.step_s * 1e3, 3) for r in late])
         print(f"median record (steps {WALL[0]}-{WALL[-1]}):", json.dumps(obs, default=str))

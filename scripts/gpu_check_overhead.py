@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 added[v].append(tuple(x - y for x, y in zip(on, off)))
         row = {"off_host_us": _q([o[0] for o in offs]), "off_cpu_us": _q([o[1] for o in offs]),
                "off_wall_us": _q([o[2] for o in offs])}
-        print(f"{name} ({layers} x {width}, batch {batch}, {str(dtype)[6:]}), {args.blocks} blocks of {args.steps} steps; "
-              "us per step, median [IQR]")
+        print(f"{name} ({layers} x {width}, batch {batch}, {str(dtype)[6:]}), "
+              f"{args.blocks} blocks of {args.steps} steps; us per step, median [IQR]")
         print(f"   {'off':>22}: training thread {row['off_host_us'][0]:.1f} [{row['off_host_us'][1]:.1f}], "
               f"all threads {row['off_cpu_us'][0]:.1f} [{row['off_cpu_us'][1]:.1f}], "
               f"wall {row['off_wall_us'][0]:.1f} [{row['off_wall_us'][1]:.1f}]")

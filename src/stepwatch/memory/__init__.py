@@ -8,7 +8,8 @@ data fetch; an optimizer step through the uncaught-exception hook) is written do
 samples the DataLoader workers' USS/PSS, the host limit and the device's free memory at most once a
 second (a record carries the latest sample), and feeds the detectors (:mod:`.detect`). A growth
 or near-limit finding switches on CUDA's bounded allocation history (``STEPWATCH_MEMORY_HISTORY``;
-the training thread does it at its next step end) so that a later ``oom-<n>/`` holds a snapshot that opens in PyTorch's memory visualizer.
+the training thread does it at its next step end) so that a later ``oom-<n>/`` holds a snapshot
+that opens in PyTorch's memory visualizer.
 """
 
 from __future__ import annotations
