@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check_ddp: SKIP: torch.cuda.is_available() is False")
         return 2
     import stepwatch
-    from stepwatch._files import make_private_dir, write_private
     from stepwatch.traces import rundir
 
     os.makedirs(args.out, exist_ok=True)
@@ -107,10 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 t_wall = time.perf_counter()
             else:
                 wall = (time.perf_counter() - t_wall) / len(WALL)
-                rid = uuid.uuid4().hex[:12]  # then the capture, as `stepwatch capture RUN_DIR --steps 3` asks
-                make_private_dir(rundir.request_dir(run))
-                write_private(os.path.join(rundir.request_dir(run), f"capture-{rid}.json"),
-                              json.dumps({"id": rid, "steps": 3, "time": time.time()}))
+                rundir.request_capture(run, 3)  # then the capture, as `stepwatch capture RUN_DIR --steps 3` asks
         try:
             loss = ddp(xs[step % len(xs)]).float().pow(2).mean()
             loss.backward()
@@ -154,14 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     obs: dict = {"steps": step, "records": len(recs), "analysed_after_step": analysed_at}
     if late:
         med = sorted(late, key=lambda r: r.step_s)[len(late) // 2]
-        loop_s = wall
         obs["mean_step_s"] = sum(r.step_s for r in late) / len(late)  # like for like with the loop's mean
         obs.update(mfu=med.mfu, mfu_dtype=med.mfu_dtype, peak_tflops=med.peak_tflops, step_s=med.step_s,
                    forward_s=med.forward_s, backward_s=med.backward_s, allreduce_s=med.allreduce_s,
                    comm_s=med.comm_s, comm_exposed_s=med.comm_exposed_s, overlap=med.overlap,
-                   clock=med.clock, loop_wall_s=loop_s,
-                   mfu_from_loop_wall=(flop / loop_s / (med.peak_tflops * 1e12))
-                   if loop_s and med.peak_tflops else None,
+                   clock=med.clock, loop_wall_s=wall,
+                   mfu_from_loop_wall=(flop / wall / (med.peak_tflops * 1e12))
+                   if wall and med.peak_tflops else None,
                    mem_allocated_bytes=med.mem_allocated_bytes, gpu=med.gpu)
         print(f"step_s of steps {WALL[0]}-{WALL[-1]} (ms):", [round(r.step_s * 1e3, 3) for r in late])
         print(f"median record (steps {WALL[0]}-{WALL[-1]}):", json.dumps(obs, default=str))
@@ -194,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"stepwatch trace exited {r.returncode}")
         else:
             for rank in json.loads(r.stdout):
-                print("  temporal:", rank.get("temporal"), "| overlap:", rank.get("overlap"),
+                print("  temporal:", rank.get("temporal"), "| overlap:", rank.get("comm_comp_overlap_pct"),
                       "| note:", rank.get("note"))
     obs["failures"] = failures
     with open(os.path.join(args.out, "ddp.json"), "w") as f:

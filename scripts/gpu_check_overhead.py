@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -34,16 +33,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-
-FLOOR = "floor (off, loop norms)"
-
-
-def _q(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 4:
-        return statistics.median(xs), float("nan")
-    q = statistics.quantiles(xs, n=4)
-    return statistics.median(xs), q[2] - q[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpu and not torch.cuda.is_available():
         print("gpu_check_overhead: SKIP: torch.cuda.is_available() is False")
         return 2
-    import overhead  # benchmarks/overhead.py: the same variants as the CPU benchmark
+    import overhead  # benchmarks/overhead.py: the same variants and statistics as the CPU benchmark
     import stepwatch
 
     variants = dict(overhead.variants())
@@ -114,25 +103,24 @@ def main(argv: list[str] | None = None) -> int:
 
         block()  # warm-up: cuBLAS handles, the allocator, kernels' first launches
         offs: list[tuple[float, float, float]] = []
-        added: dict[str, list[tuple[float, ...]]] = {v: [] for v, _ in [(FLOOR, None)] + chosen}
+        added: dict[str, list[tuple[float, ...]]] = {v: [] for v, _ in [(overhead.FLOOR, None)] + chosen}
         for b in range(args.blocks):  # interleaved: off, the floor, then each variant, every round
             off = block()
             offs.append(off)
-            added[FLOOR].append(tuple(x - y for x, y in zip(block(norm=True), off)))
+            added[overhead.FLOOR].append(tuple(x - y for x, y in zip(block(norm=True), off)))
             for v, cfg in chosen:
                 stepwatch.init(dir=os.path.join(run_dir, f"{name}-{b}-{v.replace(' ', '_')}"), console="off", **cfg)
                 on = block()
                 stepwatch.shutdown()
                 added[v].append(tuple(x - y for x, y in zip(on, off)))
-        row = {"off_host_us": _q([o[0] for o in offs]), "off_cpu_us": _q([o[1] for o in offs]),
-               "off_wall_us": _q([o[2] for o in offs])}
+        row = {f"off_{k}_us": overhead._q([o[i] for o in offs]) for i, k in enumerate(("host", "cpu", "wall"))}
         print(f"{name} ({layers} x {width}, batch {batch}, {str(dtype)[6:]}), "
               f"{args.blocks} blocks of {args.steps} steps; us per step, median [IQR]")
         print(f"   {'off':>22}: training thread {row['off_host_us'][0]:.1f} [{row['off_host_us'][1]:.1f}], "
               f"all threads {row['off_cpu_us'][0]:.1f} [{row['off_cpu_us'][1]:.1f}], "
               f"wall {row['off_wall_us'][0]:.1f} [{row['off_wall_us'][1]:.1f}]")
         for v in added:
-            h, c, w = (_q([a[k] for a in added[v]]) for k in range(3))
+            h, c, w = (overhead._q([a[k] for a in added[v]]) for k in range(3))
             row[v] = {"host_us": h, "cpu_us": c, "wall_us": w}
             print(f"   {v:>22}: training thread +{h[0]:.1f} [{h[1]:.1f}], all threads +{c[0]:.1f} [{c[1]:.1f}], "
                   f"wall +{w[0]:.1f} [{w[1]:.1f}] ({100 * w[0] / row['off_wall_us'][0]:+.2f} %)")

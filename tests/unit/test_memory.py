@@ -13,10 +13,10 @@ import copy
 import json
 import math
 import os
-import threading
 import random
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -279,8 +279,6 @@ class FakeMemoryModule:
         self.threads = []
 
     def _record_memory_history(self, **kw):
-        import threading
-
         self.calls.append(kw)
         self.threads.append(threading.get_ident())
 

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-import uuid
 
 
 def register(subparsers) -> None:
@@ -86,7 +85,6 @@ def run_trace(args: argparse.Namespace) -> int:
 
 
 def run_capture(args: argparse.Namespace) -> int:
-    from .._files import make_private_dir, write_private
     from . import rundir
 
     err = None
@@ -104,10 +102,8 @@ def run_capture(args: argparse.Namespace) -> int:
             world = int(json.load(f).get("world_size") or 1)
     except (OSError, ValueError, TypeError):
         world = 1
-    rid = uuid.uuid4().hex[:12]
+    rid = rundir.request_capture(args.run_dir, args.steps)
     d = rundir.request_dir(args.run_dir)
-    make_private_dir(d)
-    write_private(os.path.join(d, f"capture-{rid}.json"), json.dumps({"id": rid, "steps": args.steps, "time": time.time()}))
     deadline = time.monotonic() + args.timeout
     taken = os.path.join(d, f"capture-{rid}.taken.json")
     answer = None

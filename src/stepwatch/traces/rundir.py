@@ -88,6 +88,21 @@ def request_dir(run_dir: str) -> str:
     return os.path.join(run_dir, REQUESTS)
 
 
+def request_capture(run_dir: str, steps: int) -> str:
+    """Drop an on-demand request for ``steps`` captured steps (what ``stepwatch capture`` does);
+    returns its id, which names the answer file ``capture-<id>.taken.json``."""
+    import time
+    import uuid
+
+    from .._files import make_private_dir, write_private
+
+    rid = uuid.uuid4().hex[:12]
+    d = request_dir(run_dir)
+    make_private_dir(d)
+    write_private(os.path.join(d, f"capture-{rid}.json"), json.dumps({"id": rid, "steps": steps, "time": time.time()}))
+    return rid
+
+
 def pending_requests(run_dir: str) -> list[tuple[str, int]]:
     """(request id, steps) of requests not yet taken, oldest first (bad files are skipped)."""
     d = request_dir(run_dir)
