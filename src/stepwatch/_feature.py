@@ -175,7 +175,8 @@ class Hub:
         self._pipeline.add_enricher(enricher, first=first)
 
     def add_detector(self, detector: Any) -> None:
-        """``observe(record) -> list[Finding]``, every record in order."""
+        """``observe(record) -> list[Finding]``, every record in order (``observe_many(records)``
+        too, optionally: a pass's records in one call); see :meth:`Pipeline.add_detector`."""
         self._pipeline.add_detector(detector)
 
     # -- any thread --------------------------------------------------------------------------------

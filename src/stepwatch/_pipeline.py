@@ -62,6 +62,11 @@ class Pending:
         Pending.made = True
 
 
+def _step_order(f: Finding) -> float:
+    """A detector finding's place among a pass's: its step (one without a step, first)."""
+    return f.step if f.step is not None else -1.0
+
+
 def to_float(v: Any) -> float | None:
     """A float, or None for what is not one number that fits (``10**400``, a tensor of several
     values, a string). A one-value tensor is read with one call (``float``); no graph is kept."""
@@ -170,7 +175,8 @@ class Pipeline:
         self._new_enrichers.append((enricher, first))
 
     def add_detector(self, detector: Any) -> None:
-        """``observe(record) -> list[Finding]``, every record in order."""
+        """``observe(record) -> list[Finding]``, every record in order; or ``observe_many(records)
+        -> list[Finding]`` too, the same over a pass's records in one call."""
         self.detectors.append(detector)
 
     def report_error(self, where: str, exc: BaseException) -> None:
@@ -337,14 +343,8 @@ class Pipeline:
             records = self._resolve(raws, final=final)
             findings = self._internal_findings
             self._internal_findings = []
-            for rec in records:
-                for d in self.detectors:
-                    try:
-                        got = d.observe(rec)
-                        if got:  # nearly always empty
-                            findings.extend(got)
-                    except Exception as e:
-                        self.report_error(f"detector.{type(d).__name__}", e)
+            if records:
+                findings.extend(self._detect(records))
             samples: list[dict[str, Any]] = []
             for f in self.features:
                 collect = getattr(f, "collect", None)
@@ -383,6 +383,37 @@ class Pipeline:
         except Exception as e:  # the pipeline itself must never die silently
             self.report_error("pipeline", e)
 
+    def _detect(self, records: list[StepRecord]) -> list[Finding]:
+        """Every detector over the pass's records: ``observe_many(records)`` where it has one
+        (one call a pass), else ``observe`` a record at a time (a failure costs that record
+        only). Findings in the order of their steps, each step's in the detectors' order: as
+        calling every detector on each record in turn gives them."""
+        got: list[list[Finding]] = []
+        for d in self.detectors:
+            many = getattr(d, "observe_many", None)
+            if many is not None:
+                try:
+                    mine = many(records)
+                except Exception as e:
+                    self.report_error(f"detector.{type(d).__name__}", e)
+                    continue
+            else:
+                mine = []
+                for rec in records:
+                    try:
+                        found = d.observe(rec)
+                        if found:  # nearly always empty
+                            mine.extend(found)
+                    except Exception as e:
+                        self.report_error(f"detector.{type(d).__name__}", e)
+            if mine:
+                got.append(mine)
+        if len(got) < 2:
+            return got[0] if got else []
+        merged = [f for mine in got for f in mine]
+        merged.sort(key=_step_order)  # stable: each step's findings stay in the detectors' order
+        return merged
+
     def _take_enrichers(self) -> None:
         new = self._new_enrichers
         if not new:
@@ -401,6 +432,12 @@ class Pipeline:
         now = time.monotonic()
         rank = self.ctx.rank
         wall_ref, perf_ref, scalar, c_build = self.wall_ref, self.perf_ref_ns, self._scalar, c_to_record
+        out: list[StepRecord] = []
+        held = self._held
+        # Records leave in order: the first one still waiting on the device holds the rest. While
+        # none waits from an earlier pass (nearly always), each record is enriched as it is built,
+        # and held (with its entry: what _enrich needs to resume it) only when it must wait.
+        drain = bool(held)
         for i, raw in enumerate(raws):
             raws[i] = None  # type: ignore[call-overload]  # see above
             try:
@@ -411,11 +448,15 @@ class Pipeline:
                 self.dropped += 1
                 self.report_error("pipeline.build", e)
                 continue
-            self._held.append([now, rec, raw.extras, None])
-        out: list[StepRecord] = []
-        held = self._held
-        # Records leave in order: the first one still waiting on the device holds the rest.
-        while held:
+            if held or (Pending.made and not self._ready(rec, force=final)):
+                held.append([now, rec, raw.extras, None])
+                continue
+            done = self._enrich_new(rec, raw.extras, force=final)
+            if done is None:
+                out.append(rec)
+            else:
+                held.append([now, rec, raw.extras, done])
+        while drain and held:
             entry = held[0]
             since, rec, extras, _ = entry
             force = final or now - since > _MAX_HOLD_S
@@ -433,16 +474,11 @@ class Pipeline:
         only if one makes it wait."""
         _, rec, extras, done = entry
         if done is None:
-            enrichers = self.enrichers  # replaced, never changed in place, when one fails below
-            for i, e in enumerate(enrichers):
-                try:
-                    if not e.enrich(rec, extras, force=force):
-                        entry[3] = enrichers[:i]  # those before it: done (returned True, or failed)
-                        return False
-                except Exception as exc:
-                    self.report_error(f"enricher.{type(e).__name__}", exc)
-                    self.enrichers = [x for x in self.enrichers if x is not e]
-            return True
+            done = self._enrich_new(rec, extras, force=force)
+            if done is None:
+                return True
+            entry[3] = done
+            return False
         for e in list(self.enrichers):
             if e in done:
                 continue
@@ -454,6 +490,19 @@ class Pipeline:
                 self.enrichers = [x for x in self.enrichers if x is not e]
             done.append(e)
         return True
+
+    def _enrich_new(self, rec: StepRecord, extras: dict[str, Any], *, force: bool) -> list[Any] | None:
+        """Every enricher on a record none has run on yet: None when all are done with it, else
+        the list of those that are (the one that makes it wait is not among them)."""
+        enrichers = self.enrichers  # replaced, never changed in place, when one fails below
+        for i, e in enumerate(enrichers):
+            try:
+                if not e.enrich(rec, extras, force=force):
+                    return enrichers[:i]  # those before it: done (returned True, or failed)
+            except Exception as exc:
+                self.report_error(f"enricher.{type(e).__name__}", exc)
+                self.enrichers = [x for x in self.enrichers if x is not e]
+        return None
 
     def _ready(self, rec: StepRecord, *, force: bool) -> bool:
         scalars = rec.scalars

@@ -89,21 +89,44 @@ static int u64_digits(char *s, unsigned long long x) {
     return n;
 }
 
-/* repr(d) for d = k / 1e9 with 0 < k < 10**15, k an integer: most of a line's floats are
- * durations, ns / 1e9 (record.py). Such a d is the double nearest k * 10**-9 (IEEE division is
- * correctly rounded, k and 1e9 are exact), and distinct decimals of at most 15 significant
- * digits are distinct doubles (DBL_DIG), so the shortest decimal that reads back as d, which
- * is what repr writes, has k's digits: only its layout is left to do, as float.__repr__ lays
- * it out ('r' format: an exponent when the point is >= 4 places left of the first digit or
- * > 16 right of it). 0 when d is not such a value; then dtoa writes it. */
-static int put_ns_float(Buf *b, double d) {
-    if (!(d > 0.0 && d < 1e6)) return 0;
-    double scaled = d * 1e9;
-    long long k = (long long)(scaled + 0.5);
-    if (k <= 0 || k >= 1000000000000000LL || (double)k / 1e9 != d) return 0;
+/* repr(d) for d = k / 10**p, k a positive integer, written from k's digits instead of by dtoa.
+ * Two kinds of value in a line are such quotients (record.py): durations, ns / 1e9 (p = 9), and
+ * the wall-clock time, whole microseconds / 1e6 (p = 6). Such a d is the double nearest
+ * k * 10**-p (IEEE division is correctly rounded; k and 10**p are exact), so k's digits (less
+ * trailing zeros) read back as d. They are also the shortest text that does, which is what repr
+ * writes, when no other decimal of as many digits or fewer reads back as d:
+ * - k < 10**15: distinct decimals of at most 15 significant digits are distinct doubles (DBL_DIG);
+ * - p = 6 and 1e9 <= d < 2**33: every decimal of at most 16 significant digits near d is a
+ *   multiple of 1e-6 (ten digits before the point), and two that read back as d are at most an
+ *   ulp apart, 2**-20 < 1e-6 here: so they are the same one.
+ * Only the layout is left to do, as float.__repr__ lays it out ('r' format: an exponent when the
+ * point is >= 4 places left of the first digit or > 16 right of it, which these never are). 0 when
+ * d is not such a value (dtoa writes it); -1 on error. */
+static int put_decimal(Buf *b, double d, int p) {
+    double scale;
+    if (p == 9) {
+        if (!(d > 0.0 && d < 1e6)) return 0;
+        scale = 1e9;
+    } else { /* p == 6 */
+        if (!(d > 0.0 && d < 8589934592.0)) return 0; /* 2**33 */
+        scale = 1e6;
+    }
+    /* d * scale is within 1.5 of k (each rounding costs half an ulp, and an ulp of k is up to 1 here):
+     * the nearest integer, else one beside it. */
+    long long k = llrint(d * scale);
+    if ((double)k / scale != d) {
+        if ((double)(k - 1) / scale == d) {
+            k--;
+        } else if ((double)(k + 1) / scale == d) {
+            k++;
+        } else {
+            return 0;
+        }
+    }
+    if (k <= 0 || (k >= 1000000000000000LL && !(p == 6 && d >= 1e9))) return 0;
     char digits[24];
     int nd = u64_digits(digits, (unsigned long long)k);
-    int decpt = nd - 9; /* value = 0.<digits> * 10**decpt */
+    int decpt = nd - p; /* value = 0.<digits> * 10**decpt */
     while (nd > 1 && digits[nd - 1] == '0') nd--;
     char s[48];
     int n = 0;
@@ -114,7 +137,7 @@ static int put_ns_float(Buf *b, double d) {
             memcpy(s + n, digits + 1, nd - 1);
             n += nd - 1;
         }
-        int e = 1 - decpt; /* 5..9: k < 10**15 keeps it two digits */
+        int e = 1 - decpt; /* 5..9 (decpt >= 1 - p): one digit, written as two as repr does */
         s[n++] = 'e';
         s[n++] = '-';
         s[n++] = (char)('0' + e / 10);
@@ -141,10 +164,12 @@ static int put_ns_float(Buf *b, double d) {
     return buf_put(b, s, n) == 0 ? 1 : -1;
 }
 
-/* float.__repr__ of a finite d (what json writes for an exact float): the ns fast path, else dtoa. */
+/* float.__repr__ of a finite d (what json writes for an exact float): the duration's and the
+ * wall time's fast paths, else dtoa. */
 static int put_float(Buf *b, double d) {
-    int ns = put_ns_float(b, d);
-    if (ns) return ns == 1 ? 0 : -1;
+    int got = put_decimal(b, d, 9);
+    if (!got) got = put_decimal(b, d, 6);
+    if (got) return got == 1 ? 0 : -1;
     char *s = PyOS_double_to_string(d, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
     if (!s) return -1;
     int rc = buf_put(b, s, (Py_ssize_t)strlen(s));
@@ -374,6 +399,13 @@ static PyObject *to_record(PyObject *self, PyObject *const *args, Py_ssize_t nar
         Py_RETURN_NONE;
     }
     if (other < 0) other = 0;
+    /* The wall time, whole microseconds (record.py's to_record, its floor division too); the
+     * Python method for a reference outside 0..2**53 us. */
+    double ref_us = floor(wall_ref * 1e6);
+    if (!(ref_us >= 0.0 && ref_us < 9007199254740992.0)) Py_RETURN_NONE;
+    long long since_us = since / 1000;
+    if (since % 1000 < 0) since_us--;
+    long long wall_us = (long long)ref_us + since_us;
     PyObject *step = RAW(raw, R_STEP), *phases = RAW(raw, R_PHASES), *scalars = RAW(raw, R_SCALARS);
     PyObject *skipped = RAW(raw, R_SKIPPED), *mem = RAW(raw, R_MEM), *tail = RAW(raw, R_TAIL);
     if (step == NULL || skipped == NULL || mem == NULL || tail == NULL || RAW(raw, R_EXTRAS) == NULL ||
@@ -413,7 +445,7 @@ static PyObject *to_record(PyObject *self, PyObject *const *args, Py_ssize_t nar
         Py_DECREF(f);
         if (rc < 0) goto error;
     }
-    double d[9] = {wall_ref + (double)since / 1e9, (double)step_ns / 1e9, (double)data / 1e9, (double)fwd / 1e9,
+    double d[9] = {(double)wall_us / 1e6, (double)step_ns / 1e9, (double)data / 1e9, (double)fwd / 1e9,
                    (double)bwd / 1e9, (double)opt / 1e9, (double)other / 1e9, (double)eval / 1e9, 0.0};
     PyObject *rec = rec_type->tp_alloc(rec_type, 0);
     if (rec == NULL) goto error;
@@ -480,15 +512,25 @@ static PyObject *fill(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return out;
 }
 
-/* ns_float_repr(d) -> str | None: what fill writes for a float that is k / 1e9 (tests), None for
- * any other (fill hands those to dtoa, float.__repr__'s own). */
-static PyObject *ns_float_repr(PyObject *self, PyObject *arg) {
+/* decimal_repr(d, p) -> str | None: what fill writes for a float that is k / 10**p (p: 9 or 6;
+ * tests), None for any other (fill hands those to dtoa, float.__repr__'s own). */
+static PyObject *decimal_repr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    double d = PyFloat_AsDouble(arg);
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "decimal_repr(d, p) takes two arguments");
+        return NULL;
+    }
+    double d = PyFloat_AsDouble(args[0]);
     if (d == -1.0 && PyErr_Occurred()) return NULL;
+    long p = PyLong_AsLong(args[1]);
+    if (p == -1 && PyErr_Occurred()) return NULL;
+    if (p != 9 && p != 6) {
+        PyErr_Format(PyExc_ValueError, "decimal_repr: p must be 9 or 6, got %ld", p);
+        return NULL;
+    }
     Buf b;
     buf_init(&b);
-    int rc = put_ns_float(&b, d);
+    int rc = put_decimal(&b, d, (int)p);
     if (rc == 0) Py_RETURN_NONE;
     if (rc < 0) return PyErr_NoMemory();
     return PyUnicode_FromStringAndSize(b.buf, b.len);
@@ -603,8 +645,8 @@ OBJECT_TYPE(Every, EVERY_FIELDS, "stepwatch._speedups.Every",
             {Py_tp_methods, Every_methods},)
 
 static PyMethodDef methods[] = {
-    {"ns_float_repr", ns_float_repr, METH_O,
-     "ns_float_repr(d) -> str | None: fill's repr of a float that is k / 1e9, else None (tests)."},
+    {"decimal_repr", (PyCFunction)(void (*)(void))decimal_repr, METH_FASTCALL,
+     "decimal_repr(d, p) -> str | None: fill's repr of a float that is k / 10**p (p: 9 or 6), else None (tests)."},
     {"fill", (PyCFunction)(void (*)(void))fill, METH_FASTCALL,
      "fill(vals, spec, pieces, enc) -> str | None: one step line (see the module's source)."},
     {"bind_records", (PyCFunction)(void (*)(void))bind_records, METH_FASTCALL,

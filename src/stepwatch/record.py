@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from math import floor as _floor
 from typing import Any, Callable
 
 SCHEMA_VERSION = 1
@@ -18,7 +19,8 @@ SEVERITIES = ("info", "warning", "critical")
 
 @dataclass(slots=True)
 class StepRecord:
-    """One optimizer step on one rank. Times are seconds; ``time`` is unix seconds at step end."""
+    """One optimizer step on one rank. Times are seconds; ``time`` is unix seconds at step end (whole
+    microseconds)."""
 
     step: int
     rank: int
@@ -176,7 +178,9 @@ class RawStep:
 
         Durations are ``ns / 1e9``, the float nearest the measured nanoseconds (whose shortest repr
         is those digits: ``0.000897729``), not ``ns * 1e-9``, which is often one ulp off it
-        (``0.0008977290000000001``: a longer line, and a slower repr)."""
+        (``0.0008977290000000001``: a longer line, and a slower repr). ``time`` likewise is whole
+        microseconds / 1e6 (``1796400555.773568``): its repr is those digits, which the records
+        line writes without dtoa (a 17-digit repr cost a tenth of a line)."""
         ns = 1e9  # per second
         step_ns, data_ns, fwd_ns = self.step_ns, self.data_ns, self.forward_ns
         bwd_ns, opt_ns = self.backward_ns, self.optimizer_ns
@@ -187,7 +191,7 @@ class RawStep:
         rec = StepRecord(
             self.step,
             rank,
-            wall_ref + (self.t_end_ns - perf_ref_ns) / ns,
+            (_floor(wall_ref * 1e6) + (self.t_end_ns - perf_ref_ns) // 1000) / 1e6,
             step_ns / ns,
             data_ns / ns,
             fwd_ns / ns,

@@ -37,7 +37,8 @@ def keyword_to_record(raw, rank, wall_ref, perf_ref_ns, scalar):
     other = max(raw.step_ns - raw.data_ns - raw.forward_ns - raw.backward_ns - raw.optimizer_ns, 0)
     ckpt_s = raw.checkpoint_ns / s
     rec = StepRecord(
-        step=raw.step, rank=rank, time=wall_ref + (raw.t_end_ns - perf_ref_ns) / s, step_s=raw.step_ns / s,
+        step=raw.step, rank=rank, time=(math.floor(wall_ref * 1e6) + (raw.t_end_ns - perf_ref_ns) // 1000) / 1e6,
+        step_s=raw.step_ns / s,
         data_wait_s=raw.data_ns / s, forward_s=raw.forward_ns / s, backward_s=raw.backward_ns / s,
         optimizer_s=raw.optimizer_ns / s, other_s=other / s, eval_s=raw.eval_ns / s, checkpoint_s=ckpt_s,
         phases={k: v / s for k, v in (raw.phases or {}).items()}, scalars={k: scalar(k, v) for k, v in raw.scalars.items()},

@@ -272,6 +272,9 @@ def test_durations_are_laid_out_as_repr_writes_them(fresh_shapes):
     """fill writes a float that is k / 1e9 (a duration: record.py's ns / 1e9) from k's digits
     instead of through dtoa; that must be repr's text for every such float, and any other float
     must be left to dtoa (None)."""
+    def ns_float_repr(d):
+        return speedups.decimal_repr(d, 9)
+
     from stepwatch import _speedups as speedups
     rng = random.Random(9)
     ks = [1, 9, 10, 99, 100, 999, 1000, 12345, 10**5, 10**6, 897729, 10**8, 10**9, 10**9 + 1, 12 * 10**9,
@@ -282,16 +285,45 @@ def test_durations_are_laid_out_as_repr_writes_them(fresh_shapes):
         if k >= 10**15:
             continue
         d = k / 1e9
-        assert speedups.ns_float_repr(d) == repr(d), (k, d)
+        assert ns_float_repr(d) == repr(d), (k, d)
     for d in (0.0, -0.0, -1e-9, 1e6, 1e15, 1.5e-10, 0.1 + 0.2, 1 / 3, 1796212208.3311696, 2.5e-10, 5e-324,
               float("nan"), float("inf")):
-        got = speedups.ns_float_repr(d)
+        got = ns_float_repr(d)
         assert got is None or got == repr(d), d
     for _ in range(100_000):  # random doubles: repr's text or left to dtoa, never anything else
         d = rng.uniform(0, 1e6) if rng.random() < 0.5 else rng.random() * 10**rng.randint(-9, 5)
-        got = speedups.ns_float_repr(d)
+        got = ns_float_repr(d)
         assert got is None or got == repr(d), d
-    assert speedups.ns_float_repr(0.1 + 0.2) is None and speedups.ns_float_repr(1 / 3) is None
+    assert ns_float_repr(0.1 + 0.2) is None and ns_float_repr(1 / 3) is None
+
+
+@pytest.mark.parametrize("fresh_shapes", ["c"], indirect=True)
+def test_wall_times_are_laid_out_as_repr_writes_them(fresh_shapes):
+    """A record's ``time`` is whole microseconds / 1e6 (record.py); fill writes it from those
+    16 digits instead of through dtoa (a 17-digit repr cost about a microsecond a line). That
+    must be repr's text for every wall time from 2001 to 2242 (2**33 s) and for small ones, and
+    any other float must be left to dtoa (None)."""
+    from stepwatch import _speedups as speedups
+    rng = random.Random(11)
+    ks = [10**15, 10**15 + 1, 2**33 * 10**6 - 1, 1796400555773568, 1796400555000000, 1796400555100000, 1, 10, 999999]
+    ks += [rng.randint(10**15, 2**33 * 10**6 - 1) for _ in range(200_000)]
+    ks += [rng.randint(1, 10**15 - 1) for _ in range(50_000)]
+    ks += [rng.randint(10**9, 8 * 10**9) * 10**rng.randint(0, 6) // 10**6 * 10**6 for _ in range(20_000)]  # trailing zeros
+    for k in ks:
+        d = k / 1e6
+        if d >= 2**33:
+            continue
+        assert speedups.decimal_repr(d, 6) == repr(d), (k, d)
+    for d in (2.0**33, 9e9, 1e16, 1796212208.3311696, 0.1 + 0.2, -1.0, 0.0, float("nan"), float("inf")):
+        got = speedups.decimal_repr(d, 6)
+        assert got is None or got == repr(d), d
+    for _ in range(100_000):  # random doubles: repr's text or left to dtoa, never anything else
+        d = rng.uniform(1e9, 2**33) if rng.random() < 0.5 else rng.random() * 10**rng.randint(-6, 10)
+        got = speedups.decimal_repr(d, 6)
+        assert got is None or got == repr(d), d
+    assert speedups.decimal_repr(1796212208.3311696, 6) is None  # 17 digits: dtoa's
+    with pytest.raises(ValueError, match="p must be 9 or 6"):
+        speedups.decimal_repr(1.0, 3)
 
 
 @pytest.mark.parametrize("fresh_shapes", ["c"], indirect=True)

@@ -811,6 +811,22 @@ class GradNormSpikeDetector:
             f = self.observe_result(rec.step, res, rank=rec.rank, when=rec.time)
         return [f] if f is not None else []
 
+    def observe_many(self, records: list[Any]) -> list[Any]:
+        """``observe`` over a pass's records in one call: the same findings, in order."""
+        out = []
+        finite, isfinite = self._finite, math.isfinite
+        for rec in records:
+            norm = rec.grad_norm
+            if norm is None:
+                continue
+            if isfinite(norm):
+                f = finite(rec.step, norm, rec.rank, rec.time)
+                if f is not None:
+                    out.append(f)
+            else:
+                out.extend(self.observe(rec))
+        return out
+
     def observe_result(self, step: int | None, result: GradNormResult, *, rank: int = 0, when: float | None = None) -> Any:
         """Returns a ``Finding`` or None. ``result.norm`` must be the global norm (combined)."""
         norm = result.norm

@@ -58,6 +58,14 @@ class LowMfuDetector:
         self._buf: list[StepRecord] = []
         self._in_episode = False
 
+    def observe_many(self, records: list[StepRecord]) -> list[Finding]:
+        """``observe`` over a pass's records in one call (most have no MFU: no peak known)."""
+        out: list[Finding] = []
+        for rec in records:
+            if rec.mfu is not None:
+                out.extend(self.observe(rec))
+        return out
+
     def observe(self, rec: StepRecord) -> list[Finding]:
         mfu = rec.mfu
         if mfu is None or mfu != mfu or rec.step_s <= 0:

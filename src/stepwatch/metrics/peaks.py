@@ -346,6 +346,16 @@ class MfuDropDetector:
         f = self.observe_value(rec.time, rec.mfu, rank=rec.rank, step=rec.step)
         return [f] if f is not None else []
 
+    def observe_many(self, records: list[Any]) -> list[Any]:
+        """``observe`` over a pass's records in one call (most have no MFU: no peak known)."""
+        out = []
+        for rec in records:
+            if rec.mfu is not None:
+                f = self.observe_value(rec.time, rec.mfu, rank=rec.rank, step=rec.step)
+                if f is not None:
+                    out.append(f)
+        return out
+
     def observe_value(self, when: float, mfu: float | None, *, rank: int = 0, step: int | None = None) -> Any:
         """Feed one MFU value (unix seconds); returns a ``Finding`` or None."""
         if mfu is None or not math.isfinite(mfu):
