@@ -77,7 +77,10 @@ def shutdown() -> None:
 
 
 def step() -> None:
-    """Explicit step boundary, for loops without a torch optimizer (or to end a step early)."""
+    """Explicit step boundary: the step ends here. From the first call on, only this call ends
+    steps (optimizer steps and backwards no longer do): for loops without a torch optimizer, or
+    whose iteration steps two optimizers in turn (a GAN). ``STEPWATCH_STEP_BOUNDARY=explicit``
+    says the same from the start."""
     s = _session
     if s is not None:
         s.step()

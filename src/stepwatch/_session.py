@@ -20,7 +20,7 @@ from ._files import private_run_dir
 from ._log import FailureLog, logger
 from ._manifest import Manifest, RunFacts
 from ._sigterm import SigtermFinisher
-from .analysis.detectors import DataLoadingDetector
+from .analysis.detectors import DataLoadingDetector, UnseenForwardCheck
 from .config import Config
 from .context import RunContext, from_env, refresh_from_dist
 from .exporters.base import Exporter
@@ -80,7 +80,7 @@ class Session:
             flush_interval_s=config.flush_interval_s,
             window=config.window,
             repeat_windows=config.finding_repeat_windows,
-            detectors=[DataLoadingDetector(config.window, config.data_wait_threshold_ms)],
+            detectors=[DataLoadingDetector(config.window, config.data_wait_threshold_ms), UnseenForwardCheck()],
             features=self.features_started,
             sinks=self._sinks,
             on_open=lambda: self._write_manifest(final=False),
@@ -103,6 +103,8 @@ class Session:
         self.tracker = StepTracker(
             self.pipeline.hot_enqueue(), step_offset=self.config.step_offset, nvtx=self._nvtx, on_error=self.report_error
         )
+        if self.config.step_boundary == "explicit":
+            self.tracker.boundary = "explicit"  # only stepwatch.step() ends a step
         self.instrumentation = Instrumentation(self.tracker, self.report_error)
         try:
             self.instrumentation.install()

@@ -198,6 +198,17 @@ class Config:
         default=0,
         metadata=_opt("STEPWATCH_STEP_OFFSET", "Number of the first step (set it when a job resumes).", _int_range(0, 2**53)),
     )
+    step_boundary: str = field(
+        default="auto",
+        metadata=_opt(
+            "STEPWATCH_STEP_BOUNDARY",
+            "What ends a step. `auto`: the last optimizer step of an iteration (each backward in a loop "
+            "without a torch optimizer); the first `stepwatch.step()` call switches to `explicit`. "
+            "`explicit`: only `stepwatch.step()`, from the first step on (a GAN, whose two optimizers "
+            "step in turn, each after its own forward: one step an iteration).",
+            _choice("auto", "explicit"),
+        ),
+    )
     records: bool = field(
         default=True,
         metadata=_opt("STEPWATCH_RECORDS", "Write `steps.rank<R>.jsonl` and `findings.rank<R>.jsonl`.", _bool_value),

@@ -518,3 +518,110 @@ def test_a_flop_count_that_failed_keeps_no_model_or_batch_alive(sw):
     assert [r.flops for r in mem.records][-1]  # the real count ran: the fake one had failed
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
+
+
+def _gan_iteration(G, D, og, od, bce, g):
+    """One GAN iteration as the DCGAN example writes it: the discriminator's update (its own
+    forward, backward and step), then the generator's (another forward of D, backward, step)."""
+    real, z = torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
+    fake = G(z)
+    od.zero_grad()
+    ld = bce(D(real), torch.ones(16, 1)) + bce(D(fake.detach()), torch.zeros(16, 1))
+    ld.backward()
+    od.step()
+    og.zero_grad()
+    lg = bce(D(fake), torch.ones(16, 1))
+    lg.backward()
+    og.step()
+    return ld, lg
+
+
+@pytest.mark.parametrize("how", ["optimizer", "step() calls", "step_boundary=explicit"])
+def test_a_gan_gets_one_step_an_iteration_when_the_loop_marks_its_steps(sw, tmp_path, how):
+    """Two optimizers stepping in turn, each after its own forward and backward (a GAN): by the
+    optimizer boundary each update is a step of its own (the generator's forward ends the
+    discriminator's step). A loop that calls ``stepwatch.step()`` at the end of each iteration
+    says where its steps end: from the first call on only it ends steps, so the two updates are
+    one step with both optimizers' time in ``optimizer_s`` (the first iteration, before that
+    call, stays two steps); ``step_boundary="explicit"`` says so from the start."""
+    stepwatch, mem, start = sw
+    start(dir=str(tmp_path / "run"), **({"step_boundary": "explicit"} if how == "step_boundary=explicit" else {}))
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+    D = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    og, od = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    bce = nn.BCEWithLogitsLoss()
+    g = torch.Generator().manual_seed(0)
+    for i in range(6):
+        ld, lg = _gan_iteration(G, D, og, od, bce, g)
+        stepwatch.log(d_loss=ld, g_loss=lg)
+        if how != "optimizer":
+            stepwatch.step()
+    stepwatch.shutdown()
+    recs = mem.records
+    _all_identity(recs)
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    if how == "optimizer":
+        assert len(recs) == 12 and manifest["features"]["step_boundary"] == "optimizer"
+        return
+    whole = recs if how == "step_boundary=explicit" else recs[2:]  # the first iteration: two steps
+    assert len(recs) == (6 if how == "step_boundary=explicit" else 7)
+    assert [r.step for r in recs] == list(range(len(recs)))
+    assert manifest["features"]["step_boundary"] == "explicit"
+    assert len(whole) == 5 + (how == "step_boundary=explicit")
+    assert all(r.forward_s > 0 and r.backward_s > 0 and r.optimizer_s > 0 for r in whole)
+    assert all(set(r.scalars) == {"d_loss", "g_loss"} for r in whole)
+    # Every forward of the iteration (G, D three times) in one step: the same count each step.
+    assert whole[0].flops > 0 and len({r.flops for r in whole}) == 1
+
+
+def test_stepwatch_step_right_after_the_optimizer_keeps_one_step_an_iteration(sw):
+    """``opt.step(); stepwatch.step()`` (a loop that marks its steps although it has an
+    optimizer): one record an iteration, as before the explicit boundary took over."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(4):
+        m(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        stepwatch.step()
+    m(torch.randn(4, 16)).sum().backward()  # work after the last marked step: not a step
+    stepwatch.shutdown()
+    assert [r.step for r in mem.records] == [0, 1, 2, 3]
+    _all_identity(mem.records)
+    assert all(r.optimizer_s > 0 for r in mem.records)
+
+
+def test_a_model_called_through_forward_gets_one_line_that_says_so(sw, caplog):
+    """``model.forward(x)`` skips ``nn.Module.__call__``, so no hook sees the forward: its time
+    is in other_s and FLOPs stay null. One log line says why and what to write instead; a loop
+    that calls ``model(x)`` gets no such line."""
+    import logging
+
+    from stepwatch import _log
+
+    stepwatch, mem, start = sw
+    for direct in (False, True):
+        _log._warned.discard("unseen-forward")
+        caplog.clear()
+        start()
+        m = _model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        for _ in range(8):
+            out = m.forward(torch.randn(4, 16)) if direct else m(torch.randn(4, 16))
+            out.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with caplog.at_level(logging.WARNING, logger="stepwatch"):
+            stepwatch.shutdown()
+        said = [r.getMessage() for r in caplog.records if "model.forward(x)" in r.getMessage()]
+        recs = mem.records[-8:]
+        _all_identity(recs)
+        if direct:
+            assert all(r.forward_s == 0 and r.flops is None for r in recs)
+            assert len(said) == 1 and "steps up to" in said[0], said
+        else:
+            assert all(r.forward_s > 0 for r in recs[1:])
+            assert said == []

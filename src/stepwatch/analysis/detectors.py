@@ -10,6 +10,7 @@ problem is not log spam.
 
 from __future__ import annotations
 
+from .._log import warn_once
 from ..record import Finding, StepRecord
 from .kinds import make_finding
 
@@ -93,3 +94,48 @@ class DataLoadingDetector(WindowedDetector):
                 "threshold_ms": self.threshold_s * 1e3,
             },
         )
+
+
+class UnseenForwardCheck:
+    """A line in the log (no finding) when training steps run backward but no forward is ever
+    timed: the model is called so that ``nn.Module.__call__`` does not run (``model.forward(x)``
+    instead of ``model(x)``), and with it none of the hooks: forward time lands in ``other_s``
+    and FLOPs, MFU and samples stay null. Judged on the first ``steps`` records with a backward,
+    past the run's first record (whose forward may run before the model is found); then it
+    stops looking."""
+
+    def __init__(self, steps: int = 5) -> None:
+        self.steps = steps
+        self._seen = 0
+        self._first = True
+        self.done = False
+
+    def observe(self, rec: StepRecord) -> list[Finding]:
+        return self.observe_many([rec])
+
+    def observe_many(self, records: list[StepRecord]) -> list[Finding]:
+        if self.done:
+            return []
+        for r in records:
+            if self._first:  # the run's first record
+                self._first = False
+                continue
+            if r.backward_s <= 0 or r.tail:
+                continue
+            if r.forward_s > 0:
+                self.done = True
+                return []
+            self._seen += 1
+            if self._seen >= self.steps:
+                self.done = True
+                warn_once(
+                    "unseen-forward",
+                    "stepwatch: rank %d: steps up to %d ran backward but no module call was timed as forward. A "
+                    "model called as model.forward(x) instead of model(x) bypasses nn.Module.__call__ and every "
+                    "hook on it: its forward time is in other_s, and FLOPs, MFU and samples are null. Call the "
+                    "module itself (model(x)).",
+                    r.rank,
+                    r.step,
+                )
+                return []
+        return []

@@ -43,7 +43,7 @@ static PyObject *raw_step_cls = NULL;   /* stepwatch.record.RawStep, from _bind(
 /* Interned names. */
 static PyObject *s_pause_opt, *s_resume_opt, *s_fail, *s_push_step, *s_push_range, *s_pop_range,
     *s_forward, *s_eval, *s_backward, *s_optimizer, *s_set_phase, *s_set_step, *s_begin, *s_end,
-    *s_name, *s_take, *s_update, *s_backward_spans, *s_checkpoint_bytes;
+    *s_name, *s_take, *s_update, *s_backward_spans, *s_checkpoint_bytes, *s_explicit;
 
 /* The phase codes of hooks/phases.py (PHASE_OTHER..PHASE_CHECKPOINT). */
 enum { PH_OTHER, PH_DATA, PH_FORWARD, PH_BACKWARD, PH_OPTIMIZER, PH_EVAL, PH_CHECKPOINT };
@@ -851,8 +851,14 @@ static PyObject *Core_optimizer_end(Core *self, PyObject *const *args, Py_ssize_
         }
         if (nvtx_pop(self) < 0) goto error;
         if (set_phase(self, PH_OTHER) < 0) goto error;
-        PUT_LL(self, _pending_end, t);
-        put_obj(&self->_pending_skipped, Py_False);
+        PyObject *b = GET(self, boundary);
+        if (b == NULL) goto error;
+        int explicit = PyObject_RichCompareBool(b, s_explicit, Py_EQ);
+        if (explicit < 0) goto error;
+        if (!explicit) { /* explicit: only stepwatch.step() ends a step */
+            PUT_LL(self, _pending_end, t);
+            put_obj(&self->_pending_skipped, Py_False);
+        }
         TRUTH(self, _in_scaler, sc);
         if (sc) put_obj(&self->_scaler_fired, Py_True);
     }
@@ -1505,6 +1511,7 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_eval, "eval");
     INTERN(s_backward, "backward"); /* also the backward boundary's value and the phase's name */
     INTERN(s_optimizer, "optimizer");
+    INTERN(s_explicit, "explicit");
     INTERN(s_set_phase, "set_phase");
     INTERN(s_set_step, "set_step");
     INTERN(s_begin, "begin");

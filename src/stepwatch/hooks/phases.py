@@ -14,7 +14,8 @@ Loops without a torch optimizer (``p.data.add_(p.grad, alpha=-lr)``). ``boundary
 ends a step: ``"optimizer"`` (the default), ``"backward"`` (set by the hooks when no
 ``torch.optim.Optimizer`` exists at the first backward: each outermost backward then makes a
 pending end, like an optimizer step; the first optimizer step seen switches back to
-``"optimizer"``), or ``"explicit"`` (the user calls ``stepwatch.step()``).
+``"optimizer"``), or ``"explicit"`` (the user calls ``stepwatch.step()``: from the first call
+on only that call ends a step, whatever optimizers step in between).
 
 Data fetches. Root modules called *inside* a DataLoader fetch (an ``nn.Module`` transform in
 ``Dataset.__getitem__``) are data loading, not forward: ``in_data`` tells the hooks to leave them.
@@ -350,8 +351,9 @@ class _PyCore:
                 self._nvtx.pop_range()
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
-            self._pending_end = t
-            self._pending_skipped = False
+            if self.boundary != "explicit":  # explicit: only stepwatch.step() ends a step
+                self._pending_end = t
+                self._pending_skipped = False
             if self._in_scaler:
                 self._scaler_fired = True
         except Exception as e:
@@ -555,8 +557,9 @@ class _Methods:
             if self._prev_end is None:
                 self._start_work(t0)
             self._opt += t - t0
-            self._pending_end = t
-            self._pending_skipped = True
+            if self.boundary != "explicit":
+                self._pending_end = t
+            self._pending_skipped = True  # explicit: the step stepwatch.step() ends is marked skipped
         except Exception as e:
             self._fail("scaler_end", e)
 
@@ -639,19 +642,21 @@ class _Methods:
             self._fail("phase_end", e)
 
     def end_step(self) -> None:
-        """Explicit boundary: finalize the pending step, or end one now."""
+        """Explicit boundary: finalize the pending step, or end one now. From the first call on,
+        only this ends steps (``boundary = "explicit"``): optimizer steps and backwards no longer
+        do, so a loop whose iteration steps two optimizers in turn, each after its own forward
+        (a GAN), gets one step an iteration by calling ``stepwatch.step()`` at its end."""
         if not self.enabled:
             return
         try:
-            if self.boundary == "backward":
-                self.boundary = "explicit"
+            self.boundary = "explicit"
             if self._pending_end is not None:
                 self._finalize(self._pending_end, self._pending_skipped)
             else:
                 if self._prev_end is None:
                     # Nothing hooked ran yet: the first explicit step counts from the session start.
                     self._prev_end = self._t_start
-                self._finalize(_now(), False)
+                self._finalize(_now(), self._pending_skipped)
         except Exception as e:
             self._fail("end_step", e)
 
