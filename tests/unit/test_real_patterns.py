@@ -625,3 +625,27 @@ def test_a_model_called_through_forward_gets_one_line_that_says_so(sw, caplog):
         else:
             assert all(r.forward_s > 0 for r in recs[1:])
             assert said == []
+
+
+def test_a_step_the_scaler_skips_is_marked_under_the_explicit_boundary_too(sw):
+    """With ``step_boundary="explicit"`` a GradScaler step that skips the optimizer (an inf in
+    the batch) no longer ends a step itself; the step ``stepwatch.step()`` ends is marked
+    ``skipped``, and only that one."""
+    stepwatch, mem, start = sw
+    start(step_boundary="explicit")
+    torch.manual_seed(0)
+    m = nn.Linear(8, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    for i in range(5):
+        x = torch.randn(4, 8)
+        if i == 2:
+            x[0, 0] = float("inf")
+        scaler.scale(m(x).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        stepwatch.step()
+    stepwatch.shutdown()
+    assert [(r.step, r.skipped) for r in mem.records] == [(0, False), (1, False), (2, True), (3, False), (4, False)]
+    _all_identity(mem.records)
