@@ -649,3 +649,25 @@ def test_a_step_the_scaler_skips_is_marked_under_the_explicit_boundary_too(sw):
     stepwatch.shutdown()
     assert [(r.step, r.skipped) for r in mem.records] == [(0, False), (1, False), (2, True), (3, False), (4, False)]
     _all_identity(mem.records)
+
+
+def test_a_forward_of_plain_tensor_code_gets_the_same_line(sw, caplog):
+    """A hand-written model with no nn.Module (``x @ W``): nothing to hook, the same one line."""
+    import logging
+
+    from stepwatch import _log
+
+    stepwatch, mem, start = sw
+    _log._warned.discard("unseen-forward")
+    start()
+    torch.manual_seed(0)
+    W = torch.randn(16, 4, requires_grad=True)
+    opt = torch.optim.SGD([W], lr=0.01)
+    for _ in range(8):
+        (torch.randn(4, 16) @ W).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        stepwatch.shutdown()
+    said = [r.getMessage() for r in caplog.records if "plain tensor code" in r.getMessage()]
+    assert len(said) == 1 and len(mem.records) == 8

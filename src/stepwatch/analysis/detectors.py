@@ -99,8 +99,8 @@ class DataLoadingDetector(WindowedDetector):
 class UnseenForwardCheck:
     """A line in the log (no finding) when training steps run backward but no forward is ever
     timed: the model is called so that ``nn.Module.__call__`` does not run (``model.forward(x)``
-    instead of ``model(x)``), and with it none of the hooks: forward time lands in ``other_s``
-    and FLOPs, MFU and samples stay null. Judged on the first ``steps`` records with a backward,
+    instead of ``model(x)``), and with it none of the hooks, or the forward is tensor code with no
+    module: forward time lands in ``other_s`` and FLOPs, MFU and samples stay null. Judged on the first ``steps`` records with a backward,
     past the run's first record (whose forward may run before the model is found); then it
     stops looking."""
 
@@ -132,8 +132,8 @@ class UnseenForwardCheck:
                     "unseen-forward",
                     "stepwatch: rank %d: steps up to %d ran backward but no module call was timed as forward. A "
                     "model called as model.forward(x) instead of model(x) bypasses nn.Module.__call__ and every "
-                    "hook on it: its forward time is in other_s, and FLOPs, MFU and samples are null. Call the "
-                    "module itself (model(x)).",
+                    "hook on it (call the module itself: model(x)); a forward written as plain tensor code, with "
+                    "no nn.Module, has nothing to hook. Its time is in other_s, and FLOPs, MFU and samples are null.",
                     r.rank,
                     r.step,
                 )
