@@ -163,6 +163,9 @@ class Pipeline:
         self._opened = False
         self._stop = threading.Event()
         self._wake = threading.Event()  # the first record: open the exporters now, not at a pass
+        # The next record wakes the thread (set until the exporters are open, and again by a pass
+        # that found none): one Event.set(), not one a step until the thread gets the GIL.
+        self._wake_first = True
         self._thread: threading.Thread | None = None
 
     # -- stages ---------------------------------------------------------------------------------
@@ -203,7 +206,8 @@ class Pipeline:
     def enqueue(self, raw: RawStep) -> None:
         if len(self._queue) < self._cap:
             self._queue.append(raw)
-            if not self._opened:
+            if self._wake_first:
+                self._wake_first = False
                 self._wake.set()
         else:
             self.dropped += 1
@@ -332,6 +336,8 @@ class Pipeline:
     def run_pass(self, *, final: bool = False) -> None:
         try:
             self._take_enrichers()
+            if not self._opened:
+                self._wake_first = True  # a record that comes while the exporters are closed wakes the thread
             raws = []
             q = self._queue
             while q:
@@ -339,6 +345,7 @@ class Pipeline:
             # Internal-error findings too: taken from the list below, they would be lost with no exporter open.
             if not self._opened and (raws or final or self._held or self._internal_findings):
                 self._opened = True
+                self._wake_first = False
                 self._open_exporters()
             records = self._resolve(raws, final=final)
             findings = self._internal_findings

@@ -541,7 +541,7 @@ static PyObject *decimal_repr(PyObject *self, PyObject *const *args, Py_ssize_t 
  * Enqueue() with pipeline, queue (its _queue, a deque) and cap (its _cap) set: called with each
  * step's RawStep by the tracker at the step's end. The same steps as Pipeline.enqueue, without
  * its Python frame a step: append while the queue holds fewer than cap, wake the pipeline's
- * thread while it has not opened its exporters, count a drop otherwise. */
+ * thread once while it has not opened its exporters (_wake_first), count a drop otherwise. */
 
 typedef struct {
     PyObject_HEAD
@@ -550,7 +550,7 @@ typedef struct {
 
 #define ENQ_FIELDS(X) X(pipeline) X(queue) X(cap)
 
-static PyObject *s_append, *s_opened, *s_wake, *s_set, *s_dropped;
+static PyObject *s_append, *s_wake_first, *s_wake, *s_set, *s_dropped;
 
 static PyObject *Enqueue_call(Enqueue *self, PyObject *args, PyObject *kwargs) {
     PyObject *raw;
@@ -570,12 +570,13 @@ static PyObject *Enqueue_call(Enqueue *self, PyObject *args, PyObject *kwargs) {
         PyObject *r = PyObject_CallMethodOneArg(self->queue, s_append, raw);
         if (r == NULL) return NULL;
         Py_DECREF(r);
-        PyObject *opened = PyObject_GetAttr(self->pipeline, s_opened);
-        if (opened == NULL) return NULL;
-        int t = PyObject_IsTrue(opened);
-        Py_DECREF(opened);
+        PyObject *first = PyObject_GetAttr(self->pipeline, s_wake_first);
+        if (first == NULL) return NULL;
+        int t = PyObject_IsTrue(first);
+        Py_DECREF(first);
         if (t < 0) return NULL;
-        if (!t) {
+        if (t) {
+            if (PyObject_SetAttr(self->pipeline, s_wake_first, Py_False) < 0) return NULL;
             PyObject *wake = PyObject_GetAttr(self->pipeline, s_wake);
             if (wake == NULL) return NULL;
             r = PyObject_CallMethodNoArgs(wake, s_set);
@@ -662,7 +663,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "stepwatch._speedups"
 
 PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(s_append, "append");
-    INTERN(s_opened, "_opened");
+    INTERN(s_wake_first, "_wake_first");
     INTERN(s_wake, "_wake");
     INTERN(s_set, "set");
     INTERN(s_dropped, "dropped");
