@@ -246,8 +246,10 @@ static int args_vs(PyObject *keys, PyObject *flat, PyObject *args, PyObject *kwa
     return 1;
 }
 
-/* The global state now against the one kept (``st``): the Python's comparison, in its order. */
-static int state_vs(PyObject *st, PyObject *getters) {
+/* The global state now against the one kept (``st``): the Python's comparison, in its order.
+ * ``grad``: grad mode as the caller just read it (the throughput collector's hot path asks it
+ * first, and only goes on when it is on), or NULL to ask torch here. */
+static int state_vs(PyObject *st, PyObject *getters, PyObject *grad) {
     if (st == NULL) return unset("CallSig", "state"), -1;
     if (!PyTuple_Check(st) || PyTuple_GET_SIZE(st) < 4) {
         PyErr_SetString(PyExc_TypeError, "CallSig: the state must be a 4-tuple");
@@ -267,13 +269,13 @@ static int state_vs(PyObject *st, PyObject *getters) {
         Py_DECREF(now);
         return r;
     }
-    int r = call_eq(PyTuple_GET_ITEM(getters, 2), PyTuple_GET_ITEM(st, 0));
+    int r = grad != NULL ? cmp(grad, PyTuple_GET_ITEM(st, 0), Py_EQ) : call_eq(PyTuple_GET_ITEM(getters, 2), PyTuple_GET_ITEM(st, 0));
     if (r <= 0) return r;
     if ((r = call_eq(PyTuple_GET_ITEM(getters, 3), PyTuple_GET_ITEM(st, 2))) <= 0) return r;
     return call_eq(PyTuple_GET_ITEM(getters, 4), PyTuple_GET_ITEM(st, 3));
 }
 
-static int state_matches(SigCore *self) {
+static int state_matches(SigCore *self, PyObject *grad) {
     if (flops_globals == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "stepwatch.metrics._cmetrics: _bind() was not called");
         return -1;
@@ -301,14 +303,14 @@ static int state_matches(SigCore *self) {
     }
     PyObject *st = self->state;
     Py_XINCREF(st);
-    int r = state_vs(st, getters);
+    int r = state_vs(st, getters, grad);
     Py_XDECREF(st);
     Py_DECREF(getters);
     return r;
 }
 
-/* CallSig.matches: 1, 0, or -1 with an exception. */
-static int sig_matches(SigCore *self, PyObject *args, PyObject *kwargs) {
+/* CallSig.matches: 1, 0, or -1 with an exception (``grad``: see state_vs). */
+static int sig_matches(SigCore *self, PyObject *args, PyObject *kwargs, PyObject *grad) {
     PyObject *d = self->single;
     if (d == NULL) return unset("CallSig", "single"), -1;
     int r;
@@ -326,7 +328,7 @@ static int sig_matches(SigCore *self, PyObject *args, PyObject *kwargs) {
         r = args_match(self, args, kwargs);
     }
     if (r <= 0) return r;
-    return state_matches(self);
+    return state_matches(self, grad);
 }
 
 static PyObject *SigCore_matches(SigCore *self, PyObject *const *argv, Py_ssize_t n) {
@@ -334,7 +336,7 @@ static PyObject *SigCore_matches(SigCore *self, PyObject *const *argv, Py_ssize_
         PyErr_Format(PyExc_TypeError, "matches() takes 2 arguments (%zd given)", n);
         return NULL;
     }
-    int r = sig_matches(self, argv[0], argv[1]);
+    int r = sig_matches(self, argv[0], argv[1], NULL);
     if (r < 0) return NULL;
     return PyBool_FromLong(r);
 }
@@ -408,7 +410,7 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
         if (sig == any_call) {
             m = 1;
         } else if (PyObject_TypeCheck(sig, SigCore_type)) {
-            m = sig_matches((SigCore *)sig, args, kwargs);
+            m = sig_matches((SigCore *)sig, args, kwargs, Py_True); /* grad mode is on: asked above */
         } else {
             PyObject *r = PyObject_CallMethodObjArgs(sig, s_matches, args, kwargs, NULL);
             m = r == NULL ? -1 : PyObject_IsTrue(r);
