@@ -31,6 +31,7 @@ torch's import under valgrind.
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import itertools
 import os
@@ -76,6 +77,10 @@ def _counted(model, lossf, opt, params, batches):
         for i, (x, y) in enumerate(batches()):
             if i == WARM:
                 at_start()
+                # Every variant's count starts from an empty young generation: a collection that
+                # falls in the count is then one the variant's own allocations brought on, not one
+                # left due by the variant before it (200 steps hold a few, ~100k instructions each).
+                gc.collect()
                 mark()  # the count starts
             overhead.train_step(model, lossf, opt, params, x, y, norm)
         mark()  # the count ends

@@ -74,6 +74,43 @@ def test_lbfgs_calls_its_closure_several_times_one_record(tmp_path):
     assert all(identity_holds(r) for r in mem.records)
 
 
+def test_lbfgs_loop_with_nothing_outside_the_closure_is_one_record_per_step(tmp_path):
+    """torch.optim.LBFGS as its documentation writes the loop: every forward and backward inside
+    the closure, batches from a list (no DataLoader fetch), nothing else between two
+    ``step(closure)`` calls. Each call is one step: the closure's forward is new work, so the
+    step the previous call left pending ends there. (Two optimizer steps with nothing between
+    them still make one step: a closure is something between them.) Found by running this loop:
+    its ten steps came out as one record."""
+    mem = start(tmp_path, "on")
+    model = make_model()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    batches = [batch_of(range(i, i + 4)) for i in range(0, 24, 4)]
+    calls = []
+    for batch in batches:
+
+        def closure():
+            opt.zero_grad()
+            loss = model(**batch)["loss"]
+            loss.backward()
+            calls.append(1)
+            return loss
+
+        opt.step(closure)
+        stepwatch.log(step_loss=1.0)
+    stepwatch.shutdown()
+    no_internal_errors(mem)
+    assert len(calls) > len(batches)  # LBFGS evaluated more than once per step
+    recs = mem.records
+    assert len(recs) == len(batches)
+    for r, batch in zip(recs, batches):
+        assert identity_holds(r), r
+        assert r.forward_s > 0 and r.backward_s > 0, r
+        assert r.scalars == {"step_loss": 1.0}
+    # Each step's tokens are its own batch's, once for each forward its closure ran.
+    for i, r in enumerate(recs):
+        assert r.tokens and r.tokens % tokens_of(range(4 * i, 4 * i + 4)) == 0, (i, r.tokens)
+
+
 def test_loop_without_dataloader_counts_each_step_its_own_batch(tmp_path):
     """No DataLoader fetch ends the previous step: the forward itself does. The FLOPs and tokens
     its hooks count must land in the step that forward opens, not the one before."""

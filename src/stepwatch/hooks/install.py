@@ -252,7 +252,10 @@ class Instrumentation:
         else:
             # optimizer.step(closure) (Lightning, LBFGS): forward and backward run inside step();
             # the closure is kept out of optimizer_s, and the gradients exist only once it has
-            # run, so the observers see them right after its first call.
+            # run, so the observers see them right after its first call. The closure is the
+            # iteration's work: a step the last optimizer left pending ends here (a loop with
+            # nothing outside the closure, as LBFGS's is written, would otherwise be one step).
+            tr.work_begins()
             try:
                 result = _with_closure(args, kwargs, self._wrap_closure(closure, optimizer))
             except Exception as e:
