@@ -199,6 +199,31 @@ def test_reentrant_checkpoint_too():
     assert sum(c.recompute.values()) == sum(a.forward.values())
 
 
+@pytest.mark.parametrize("real", [False, True], ids=["fake", "real"])
+def test_a_reentrant_checkpoint_replay_leaves_the_real_grads_alone(real):
+    """A reentrant checkpoint runs its block's forward again inside backward, with the
+    parameters the block holds at that moment. The replay's backward must run while the
+    replay's own parameters are in place: else the recompute reads the real ones, and the
+    replay's gradients (fake tensors, or real ones of the replay's batch) land in the user's
+    ``.grad``. Found training a model whose blocks call ``checkpoint(block, x,
+    use_reentrant=True)``: the grad-norm read a fake tensor."""
+    m = mlp()
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return ckpt.checkpoint(self.m, x, use_reentrant=True)
+
+    x = torch.randn(8, 64, requires_grad=True)
+    fc = count_step_flops(Wrap(), (x,), real=real)
+    assert fc.total == count_step_flops(m, (x,)).total
+    assert all(p.grad is None for p in m.parameters())
+    assert x.grad is None
+
+
 def test_grad_accumulation_x4_is_additive():
     cache = FlopCache()
     model = TinyLM()

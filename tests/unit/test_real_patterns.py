@@ -671,3 +671,65 @@ def test_a_forward_of_plain_tensor_code_gets_the_same_line(sw, caplog):
         stepwatch.shutdown()
     said = [r.getMessage() for r in caplog.records if "plain tensor code" in r.getMessage()]
     assert len(said) == 1 and len(mem.records) == 8
+
+
+class _CheckpointedBlocks(nn.Module):
+    """Blocks run through ``torch.utils.checkpoint`` (activation checkpointing, as large models
+    train), with an attention mask."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.emb = nn.Embedding(50, 32)
+        self.attn = nn.ModuleList([nn.MultiheadAttention(32, 4, batch_first=True) for _ in range(2)])
+        self.head = nn.Linear(32, 50)
+
+    def _block(self, i):
+        def run(x, mask):
+            a, _ = self.attn[i](x, x, x, key_padding_mask=mask, need_weights=False)
+            return x + a
+        return run
+
+    def forward(self, ids, mask):
+        x = self.emb(ids)
+        for i in range(len(self.attn)):
+            x = torch.utils.checkpoint.checkpoint(self._block(i), x, mask, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+def _train_checkpointed(reentrant):
+    torch.manual_seed(0)
+    m = _CheckpointedBlocks(reentrant)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(4):
+        ids = torch.randint(0, 50, (4, 12), generator=g)
+        mask = torch.zeros(4, 12, dtype=torch.bool)
+        mask[:, 9:] = True
+        loss = nn.functional.cross_entropy(m(ids, mask).flatten(0, 1), ids.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().clone())
+    return torch.stack(losses), m
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing_trains_the_same_and_gets_its_grad_norms(sw, reentrant):
+    """The FLOP count's replay must not touch the model: with a reentrant checkpoint, the
+    replay's backward ran the blocks again on the real parameters and left its gradients in
+    them; the grad-norm enricher then read a fake tensor and was disabled."""
+    stepwatch, mem, start = sw
+    off, m_off = _train_checkpointed(reentrant)
+    start()
+    on, m_on = _train_checkpointed(reentrant)
+    stepwatch.shutdown()
+    assert torch.equal(on, off)
+    assert all(torch.equal(a, b) for a, b in zip(m_on.parameters(), m_off.parameters()))
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 4
+    assert not [f for f in mem.findings if f.kind == "internal_error"], mem.findings
+    assert all(r.grad_norm is not None and r.grad_norm > 0 for r in recs), [r.grad_norm for r in recs]
+    assert all(r.flops for r in recs[1:])
+    _all_identity(recs)

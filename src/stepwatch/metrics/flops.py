@@ -687,20 +687,14 @@ def _count(
             state = _fake_state(root, fake_mode)
             fargs = _fake_inputs(args, fake_mode)
             fkwargs = _fake_inputs(dict(kwargs), fake_mode)
+        # The backward runs inside the same functional_call as the forward, with the replay's
+        # parameters still in place: a reentrant checkpoint runs its block's forward again inside
+        # backward, on whatever parameters the block holds then (the real ones, once
+        # functional_call has returned: the replay's gradients would land in the user's .grad).
+        replay = _ReplayCall(root, loss_fn, backward, counter)
         with stance, fake_mode, counter:
-            out = functional_call(root, state, fargs, fkwargs, tie_weights=True, strict=False)
-            if loss_fn is not None:
-                out = loss_fn(out)
-            if backward:
-                outs: list[Any] = []
-                _grad_outputs(out, outs)
-                if outs:
-                    counter.phase = "backward"
-                    seeds = [torch.ones_like(o) for o in outs]
-                    # Every leaf in this graph is one of our fakes: grads accumulate there, never
-                    # into a real .grad. The engine is called directly so that wrappers of
-                    # torch.autograd.backward (stepwatch's own backward timer) do not see the replay.
-                    _run_backward(outs, seeds)
+            functional_call(replay, {f"{_ROOT}.{k}": v for k, v in state.items()}, (fargs, fkwargs),
+                            tie_weights=True, strict=False)
     except Exception as e:  # the user's forward can fail on fakes in many ways; report, never raise raw
         raise FlopCountError(
             f"could not count FLOPs of {type(root).__name__} on {'real' if real else 'fake'} tensors: {type(e).__name__}: {e}. "
@@ -714,6 +708,40 @@ def _count(
             torch.cuda.set_rng_state_all(cuda_rng)
     b = counter.buckets
     return FlopCount(b["forward"], b["backward"], b["recompute"], tuple(counter.alignment))
+
+
+_ROOT = "root"  # the replayed module's name inside _ReplayCall
+
+
+def _ReplayCall(root: Any, loss_fn: Callable[[Any], Any] | None, backward: bool, counter: Any) -> Any:
+    """A module holding ``root`` whose call is the whole replay: the forward, ``loss_fn``, and the
+    backward from ``ones_like`` of every differentiable output. Given to ``functional_call``
+    with the replay's state under ``root.``, so that everything it runs, backward included,
+    sees the replay's parameters and buffers."""
+    import torch
+
+    class ReplayCall(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            setattr(self, _ROOT, root)
+
+        def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            out = getattr(self, _ROOT)(*args, **kwargs)
+            if loss_fn is not None:
+                out = loss_fn(out)
+            if not backward:
+                return
+            outs: list[Any] = []
+            _grad_outputs(out, outs)
+            if outs:
+                counter.phase = "backward"
+                seeds = [torch.ones_like(o) for o in outs]
+                # Every leaf in this graph is one of the replay's: grads accumulate there, never
+                # into a real .grad. The engine is called directly so that wrappers of
+                # torch.autograd.backward (stepwatch's own backward timer) do not see the replay.
+                _run_backward(outs, seeds)
+
+    return ReplayCall()
 
 
 def _run_backward(outs: list[Any], seeds: list[Any]) -> None:
