@@ -733,3 +733,86 @@ def test_activation_checkpointing_trains_the_same_and_gets_its_grad_norms(sw, re
     assert all(r.grad_norm is not None and r.grad_norm > 0 for r in recs), [r.grad_norm for r in recs]
     assert all(r.flops for r in recs[1:])
     _all_identity(recs)
+
+
+class _Slow(nn.Module):
+    """A linear layer whose forward also sleeps ``ms``: a model whose time is known."""
+
+    def __init__(self, ms):
+        super().__init__()
+        self.ms = ms
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x):
+        time.sleep(self.ms / 1e3)
+        return self.lin(x)
+
+
+def _distill(batches, teacher, student, opt, teachers=1):
+    for x in batches:
+        with torch.no_grad():
+            t = sum(teacher(x) for _ in range(teachers))
+        loss = nn.functional.kl_div(student(x).log_softmax(-1), t.softmax(-1), reduction="batchmean")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("loader", [True, False], ids=["dataloader", "tensors"])
+def test_a_teacher_forward_without_grad_is_the_steps_forward_not_evaluation(sw, loader):
+    """Knowledge distillation (and an RLHF reference model): each step runs a frozen model under
+    ``torch.no_grad()`` on its own batch, then trains the student on it. That forward is part
+    of every step: it counts in ``forward_s`` and ``step_s``, and the step's fetch stays data
+    time. It used to open an evaluation span: the teacher's 20 ms and the fetch went to
+    ``eval_s``, outside ``step_s`` (a 27 ms step recorded as 7 ms)."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    teacher, student = _Slow(20), _Slow(2)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    xs = torch.randn(48, 16)
+    batches = (DataLoader(TransformData(48), batch_size=8, collate_fn=lambda b: torch.stack([x for x, _ in b]))
+               if loader else list(xs.split(8)))
+    _distill(batches, teacher, student, opt)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6
+    _all_identity(recs)
+    for r in recs[1:]:  # step 0's teacher call comes before the roots are found
+        assert r.eval_s == 0, r
+        assert r.forward_s >= 0.020 + 0.002, r  # the teacher's and the student's
+        assert r.step_s >= 0.022, r
+        if loader:
+            assert r.data_wait_s >= 8 * 0.002, r  # eight 2 ms transforms: still data time
+    assert not [r for r in mem.records if r.tail]  # nothing left over as evaluation
+
+
+def test_an_evaluation_loop_of_many_no_grad_calls_stays_evaluation(sw):
+    """nanoGPT's ``estimate_loss``: a loop of grad-disabled forwards on batches it slices itself
+    (no DataLoader), between two training steps. More calls than a step's frozen models make:
+    evaluation, outside ``step_s``, as before."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    model = _Slow(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = torch.randn(8, 16)
+    for i in range(4):
+        model(xs).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 1:
+            with torch.no_grad():
+                for _ in range(10):
+                    model(xs)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    _all_identity(recs)
+    assert sum(r.eval_s > 0.010 for r in recs) == 1, [r.eval_s for r in recs]
+    assert all(r.forward_s < 0.005 for r in recs[1:]), [r.forward_s for r in recs]
+
+
+def test_the_no_grad_call_limit_is_the_same_in_both_cores():
+    from stepwatch.hooks import _ctracker, phases
+
+    assert _ctracker.IN_STEP_NO_GRAD_CALLS == phases.IN_STEP_NO_GRAD_CALLS

@@ -54,8 +54,8 @@ typedef struct {
         *device, *_dslot_fwd, *_dslot_bwd, *_dslot_opt, *step, *boundary, *in_data, *_t_start,
         *_prev_end, *_pending_end, *_pending_skipped, *_step_open, *_fwd_depth, *_fwd_t0,
         *_fwd_grad, *_bwd_depth, *_bwd_t0, *_opt_depth, *_opt_t0, *_opt_paused, *_fwd_paused_opt,
-        *_bwd_paused_opt, *_ckpt_depth, *_ckpt_t0, *_eval_open, *_eval_t0, *_eval_last,
-        *_last_fetch_t0, *_last_fetch_ns, *_in_scaler, *_scaler_fired, *_data, *_fwd, *_bwd, *_opt,
+        *_bwd_paused_opt, *_ckpt_depth, *_ckpt_t0, *_eval_open, *_eval_t0, *_eval_last, *_eval_calls,
+        *_eval_pulls, *_eval_pulled, *_eval_fwd, *_last_fetch_t0, *_last_fetch_ns, *_in_scaler, *_scaler_fired, *_data, *_fwd, *_bwd, *_opt,
         *_eval, *_ckpt, *_own, *_ckpt_bytes, *_bwd_spans, *_phases, *_scalars;
 } Core; /* no __dict__ or __weakref__ of its own: phases.py's StepTracker, a subclass, has both */
 
@@ -66,6 +66,7 @@ typedef struct {
     X(_prev_end) X(_pending_end) X(_pending_skipped) X(_step_open) X(_fwd_depth) X(_fwd_t0)            \
     X(_fwd_grad) X(_bwd_depth) X(_bwd_t0) X(_opt_depth) X(_opt_t0) X(_opt_paused) X(_fwd_paused_opt)   \
     X(_bwd_paused_opt) X(_ckpt_depth) X(_ckpt_t0) X(_eval_open) X(_eval_t0) X(_eval_last)              \
+    X(_eval_calls) X(_eval_pulls) X(_eval_pulled) X(_eval_fwd)                                         \
     X(_last_fetch_t0) X(_last_fetch_ns) X(_in_scaler) X(_scaler_fired) X(_data) X(_fwd) X(_bwd)        \
     X(_opt) X(_eval) X(_ckpt) X(_own) X(_ckpt_bytes) X(_bwd_spans) X(_phases) X(_scalars)
 
@@ -296,6 +297,39 @@ static int close_eval(Core *self) {
     return 0;
 error:
     return -1;
+}
+
+/* phases.py's _close_eval_for_work: training work begins while an eval span is open. A span
+ * with no batch of its own (at most the one fetched right before it, none since its last
+ * forward) and at most IN_STEP_NO_GRAD_CALLS calls is the step's own work (a teacher or
+ * reference model): its forwards go to _fwd, its fetch back to _data. Else it is evaluation. */
+#define IN_STEP_NO_GRAD_CALLS 4 /* phases.py's IN_STEP_NO_GRAD_CALLS (a test compares them) */
+
+static int close_eval_for_work(Core *self) {
+    LL(self, _eval_calls, calls);
+    LL(self, _eval_pulls, pulls);
+    if (GET(self, _last_fetch_t0) == NULL) goto error;
+    if (calls <= IN_STEP_NO_GRAD_CALLS && pulls <= 1 && self->_last_fetch_t0 == Py_None) {
+        LL(self, _fwd, fwd);
+        LL(self, _eval_fwd, efwd);
+        LL(self, _data, data);
+        LL(self, _eval_pulled, pulled);
+        PUT_LL(self, _fwd, fwd + efwd);
+        PUT_LL(self, _data, data + pulled);
+        put_obj(&self->_eval_open, Py_False);
+        return 0;
+    }
+    return close_eval(self);
+error:
+    return -1;
+}
+
+static PyObject *Core_close_eval_for_work(Core *self, PyObject *unused) {
+    TRUTH(self, _eval_open, open);
+    if (open && close_eval_for_work(self) < 0) return NULL;
+    Py_RETURN_NONE;
+error:
+    return NULL;
 }
 
 static PyObject *Core_close_eval(Core *self, PyObject *unused) {
@@ -640,7 +674,7 @@ static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
         if (set_phase(self, g ? PH_FORWARD : PH_EVAL) < 0) goto error;
         if (g) {
             TRUTH(self, _eval_open, open);
-            if (open && close_eval(self) < 0) goto error;
+            if (open && close_eval_for_work(self) < 0) goto error;
             put_obj(&self->_last_fetch_t0, Py_None);
             if (device_begin(self, PH_FORWARD, &self->_dslot_fwd) < 0) goto error;
             Py_RETURN_NONE;
@@ -651,7 +685,15 @@ static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
             if (!open) {
                 put_obj(&self->_eval_open, Py_True);
                 PUT_LL(self, _eval_t0, t);
+                PUT_LL(self, _eval_calls, 0);
+                PUT_LL(self, _eval_pulls, 0);
+                PUT_LL(self, _eval_pulled, 0);
+                PUT_LL(self, _eval_fwd, 0);
             }
+        }
+        {
+            LL(self, _eval_calls, calls);
+            PUT_LL(self, _eval_calls, calls + 1);
         }
         if (GET(self, _last_fetch_t0) == NULL) goto error;
         if (self->_last_fetch_t0 != Py_None) {
@@ -661,6 +703,10 @@ static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
             LL(self, _data, data);
             LL(self, _last_fetch_ns, lns);
             PUT_LL(self, _data, data - lns);
+            LL(self, _eval_pulls, pulls);
+            LL(self, _eval_pulled, pulled);
+            PUT_LL(self, _eval_pulls, pulls + 1);
+            PUT_LL(self, _eval_pulled, pulled + lns);
             put_obj(&self->_last_fetch_t0, Py_None);
         }
     }
@@ -690,6 +736,9 @@ static PyObject *Core_forward_end(Core *self, PyObject *unused) {
             PUT_LL(self, _fwd, fwd + (t - t0));
         } else {
             PUT_LL(self, _eval_last, t);
+            LL(self, _eval_fwd, efwd);
+            LL(self, _fwd_t0, t0);
+            PUT_LL(self, _eval_fwd, efwd + (t - t0));
         }
         TRUTH(self, _fwd_paused_opt, paused);
         if (paused) {
@@ -712,7 +761,7 @@ static PyObject *Core_backward_begin(Core *self, PyObject *unused) {
         if (ns < 0 || (ns && start_work(self, t) < 0)) goto error;
         {
             TRUTH(self, _eval_open, open);
-            if (open && close_eval(self) < 0) goto error;
+            if (open && close_eval_for_work(self) < 0) goto error;
         }
         put_obj(&self->_last_fetch_t0, Py_None);
         {
@@ -816,7 +865,7 @@ static PyObject *Core_optimizer_begin(Core *self, PyObject *unused) {
         put_obj(&self->_pending_end, Py_None);
         {
             TRUTH(self, _eval_open, open);
-            if (open && close_eval(self) < 0) goto error;
+            if (open && close_eval_for_work(self) < 0) goto error;
         }
         put_obj(&self->_last_fetch_t0, Py_None);
         PUT_LL(self, _opt_t0, t);
@@ -963,6 +1012,7 @@ static PyMemberDef Core_members[] = {FIELDS(MEMBER){NULL}};
 static PyMethodDef Core_methods[] = {
     {"_reset_step", (PyCFunction)Core_reset_step, METH_NOARGS, NULL},
     {"_close_eval", (PyCFunction)Core_close_eval, METH_NOARGS, NULL},
+    {"_close_eval_for_work", (PyCFunction)Core_close_eval_for_work, METH_NOARGS, NULL},
     {"_finalize", (PyCFunction)(void (*)(void))Core_finalize, METH_FASTCALL, NULL},
     {"_start_work", (PyCFunction)Core_start_work, METH_O, NULL},
     {"data_begin", (PyCFunction)Core_data_begin, METH_NOARGS, NULL},
@@ -1559,7 +1609,8 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     if (m == NULL) return NULL;
     if (add_type(m, &Core_spec, "Core", &core_type) < 0 || add_type(m, &RootCall_spec, "RootCall", NULL) < 0 ||
         add_type(m, &OptPre_spec, "OptPre", NULL) < 0 || add_type(m, &BackwardCall_spec, "BackwardCall", NULL) < 0 ||
-        add_type(m, &CpuItem_spec, "CpuItem", NULL) < 0 || add_type(m, &DataNext_spec, "DataNext", NULL) < 0) {
+        add_type(m, &CpuItem_spec, "CpuItem", NULL) < 0 || add_type(m, &DataNext_spec, "DataNext", NULL) < 0 ||
+        PyModule_AddIntConstant(m, "IN_STEP_NO_GRAD_CALLS", IN_STEP_NO_GRAD_CALLS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -51,6 +51,10 @@ _now = time.perf_counter_ns
 # Phase codes published to a progress board (the hang watchdog reads them from another process).
 PHASE_OTHER, PHASE_DATA, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_EVAL, PHASE_CHECKPOINT = range(7)
 PHASE_NAMES = ("other", "data", "forward", "backward", "optimizer", "eval", "checkpoint")
+# A span of grad-disabled root calls with no batch of its own and at most this many calls, closed
+# by training work, is the step's own work (a teacher, a reference and a reward model), not
+# evaluation: _PyCore._close_eval_for_work. An evaluation loop makes more calls, or fetches.
+IN_STEP_NO_GRAD_CALLS = 4
 
 
 class Collector:
@@ -72,7 +76,7 @@ _STATE = (
     "_prev_end", "_pending_end", "_pending_skipped", "_step_open", "_fwd_depth", "_fwd_t0",
     "_fwd_grad", "_bwd_depth", "_bwd_t0", "_opt_depth", "_opt_t0", "_opt_paused", "_fwd_paused_opt",
     "_bwd_paused_opt", "_ckpt_depth", "_ckpt_t0", "_eval_open", "_eval_t0", "_eval_last",
-    "_last_fetch_t0", "_last_fetch_ns", "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
+    "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_last_fetch_t0", "_last_fetch_ns", "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
     "_opt", "_eval", "_ckpt", "_own", "_ckpt_bytes", "_bwd_spans", "_phases", "_scalars",
 )
 
@@ -98,6 +102,23 @@ class _PyCore:
         if self._eval_open:
             self._eval += self._eval_last - self._eval_t0
             self._eval_open = False
+
+    def _close_eval_for_work(self) -> None:
+        """Training work begins (a forward with grad, a backward, an optimizer step) while a
+        span of grad-disabled forwards is open. A span that fetched no batch of its own (at most
+        the one fetched right before it, and none since its last forward) and made at most
+        ``IN_STEP_NO_GRAD_CALLS`` calls is the step's own work on the step's batch: a teacher or
+        reference model (distillation, RLHF). Its forwards are forward time and that fetch is
+        data time, inside ``step_s``. Any other span is evaluation (``eval_s``)."""
+        if not self._eval_open:
+            return
+        if (self._eval_calls <= IN_STEP_NO_GRAD_CALLS and self._eval_pulls <= 1
+                and self._last_fetch_t0 is None):
+            self._fwd += self._eval_fwd
+            self._data += self._eval_pulled
+            self._eval_open = False
+        else:
+            self._close_eval()
 
     def _finalize(self, t_end: int, skipped: bool) -> None:
         if self._eval_open:
@@ -207,7 +228,7 @@ class _PyCore:
                 self.progress.set_phase(PHASE_FORWARD if grad_enabled else PHASE_EVAL)
             if grad_enabled:
                 if self._eval_open:
-                    self._close_eval()
+                    self._close_eval_for_work()
                 self._last_fetch_t0 = None
                 if self.device is not None:
                     self._dslot_fwd = self.device.begin(PHASE_FORWARD)
@@ -216,10 +237,14 @@ class _PyCore:
             if not self._eval_open:
                 self._eval_open = True
                 self._eval_t0 = t
+                self._eval_calls = self._eval_pulls = self._eval_pulled = self._eval_fwd = 0
+            self._eval_calls += 1
             if self._last_fetch_t0 is not None:
                 if self._last_fetch_t0 < self._eval_t0:
                     self._eval_t0 = self._last_fetch_t0
                 self._data -= self._last_fetch_ns
+                self._eval_pulls += 1
+                self._eval_pulled += self._last_fetch_ns
                 self._last_fetch_t0 = None
         except Exception as e:
             self._fail("forward_begin", e)
@@ -242,6 +267,7 @@ class _PyCore:
                 self._fwd += t - self._fwd_t0
             else:
                 self._eval_last = t
+                self._eval_fwd += t - self._fwd_t0
             if self._fwd_paused_opt:
                 self._fwd_paused_opt = False
                 self._resume_opt(t)
@@ -261,7 +287,7 @@ class _PyCore:
             if self._pending_end is not None or self._prev_end is None:
                 self._start_work(t)
             if self._eval_open:
-                self._close_eval()
+                self._close_eval_for_work()
             self._last_fetch_t0 = None
             self._bwd_paused_opt = self._pause_opt(t) if self._opt_depth else False
             self._bwd_t0 = t
@@ -320,7 +346,7 @@ class _PyCore:
             # A pending end stays pending: a second optimizer in the same iteration extends it.
             self._pending_end = None
             if self._eval_open:
-                self._close_eval()
+                self._close_eval_for_work()
             self._last_fetch_t0 = None
             self._opt_t0 = t
             self._opt_paused = 0
@@ -485,6 +511,10 @@ class _Methods:
         self._eval_open = False
         self._eval_t0 = 0
         self._eval_last = 0
+        self._eval_calls = 0  # the open span's grad-disabled root calls
+        self._eval_pulls = 0  # DataLoader fetches it took in (the one right before it, then its own)
+        self._eval_pulled = 0  # their ns
+        self._eval_fwd = 0  # its forwards' ns
         self._last_fetch_t0: int | None = None
         self._last_fetch_ns = 0
         # GradScaler: did an optimizer step run inside scaler.step()?
