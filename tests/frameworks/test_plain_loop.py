@@ -50,12 +50,8 @@ def idx_range(i, bs=4):
     return range(i * bs, (i + 1) * bs)
 
 
-def test_lbfgs_calls_its_closure_several_times_one_record(tmp_path):
-    mem = start(tmp_path, "on")
-    model = make_model()
-    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
-    batch = batch_of(range(4))
-    calls = []
+def _closure(opt, model, batch, calls):
+    """LBFGS's closure: zero the grads, forward, backward, the loss back; each call counted."""
 
     def closure():
         opt.zero_grad()
@@ -64,6 +60,16 @@ def test_lbfgs_calls_its_closure_several_times_one_record(tmp_path):
         calls.append(1)
         return loss
 
+    return closure
+
+
+def test_lbfgs_calls_its_closure_several_times_one_record(tmp_path):
+    mem = start(tmp_path, "on")
+    model = make_model()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    batch = batch_of(range(4))
+    calls = []
+    closure = _closure(opt, model, batch, calls)
     for _ in range(3):
         model(**batch)  # a forward before the step, so the roots are known from the start
         opt.step(closure)
@@ -87,15 +93,7 @@ def test_lbfgs_loop_with_nothing_outside_the_closure_is_one_record_per_step(tmp_
     batches = [batch_of(range(i, i + 4)) for i in range(0, 24, 4)]
     calls = []
     for batch in batches:
-
-        def closure():
-            opt.zero_grad()
-            loss = model(**batch)["loss"]
-            loss.backward()
-            calls.append(1)
-            return loss
-
-        opt.step(closure)
+        opt.step(_closure(opt, model, batch, calls))
         stepwatch.log(step_loss=1.0)
     stepwatch.shutdown()
     no_internal_errors(mem)

@@ -182,19 +182,21 @@ def test_checkpoint_does_not_change_mfu_flops():
     assert close(ck.hfu_total - ck.total, blocks - downs + rebuild)
 
 
+class _ReentrantWrap(nn.Module):
+    """``m`` run through a reentrant checkpoint."""
+
+    def __init__(self, m) -> None:
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        return ckpt.checkpoint(self.m, x, use_reentrant=True)
+
+
 def test_reentrant_checkpoint_too():
     m = mlp()
-
-    class Wrap(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.m = m
-
-        def forward(self, x):
-            return ckpt.checkpoint(self.m, x, use_reentrant=True)
-
     x = torch.randn(8, 64, requires_grad=True)
-    a, c = count_step_flops(m, (x,)), count_step_flops(Wrap(), (x,))
+    a, c = count_step_flops(m, (x,)), count_step_flops(_ReentrantWrap(m), (x,))
     assert c.total == a.total
     assert sum(c.recompute.values()) == sum(a.forward.values())
 
@@ -208,17 +210,8 @@ def test_a_reentrant_checkpoint_replay_leaves_the_real_grads_alone(real):
     ``.grad``. Found training a model whose blocks call ``checkpoint(block, x,
     use_reentrant=True)``: the grad-norm read a fake tensor."""
     m = mlp()
-
-    class Wrap(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.m = m
-
-        def forward(self, x):
-            return ckpt.checkpoint(self.m, x, use_reentrant=True)
-
     x = torch.randn(8, 64, requires_grad=True)
-    fc = count_step_flops(Wrap(), (x,), real=real)
+    fc = count_step_flops(_ReentrantWrap(m), (x,), real=real)
     assert fc.total == count_step_flops(m, (x,)).total
     assert all(p.grad is None for p in m.parameters())
     assert x.grad is None
