@@ -76,7 +76,8 @@ _STATE = (
     "_prev_end", "_pending_end", "_pending_skipped", "_step_open", "_fwd_depth", "_fwd_t0",
     "_fwd_grad", "_bwd_depth", "_bwd_t0", "_opt_depth", "_opt_t0", "_opt_paused", "_fwd_paused_opt",
     "_bwd_paused_opt", "_ckpt_depth", "_ckpt_t0", "_eval_open", "_eval_t0", "_eval_last",
-    "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_last_fetch_t0", "_last_fetch_ns", "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
+    "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_last_fetch_t0", "_last_fetch_ns",
+    "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
     "_opt", "_eval", "_ckpt", "_own", "_ckpt_bytes", "_bwd_spans", "_phases", "_scalars",
 )
 

@@ -269,7 +269,8 @@ static int state_vs(PyObject *st, PyObject *getters, PyObject *grad) {
         Py_DECREF(now);
         return r;
     }
-    int r = grad != NULL ? cmp(grad, PyTuple_GET_ITEM(st, 0), Py_EQ) : call_eq(PyTuple_GET_ITEM(getters, 2), PyTuple_GET_ITEM(st, 0));
+    int r = grad != NULL ? cmp(grad, PyTuple_GET_ITEM(st, 0), Py_EQ)
+                         : call_eq(PyTuple_GET_ITEM(getters, 2), PyTuple_GET_ITEM(st, 0));
     if (r <= 0) return r;
     if ((r = call_eq(PyTuple_GET_ITEM(getters, 3), PyTuple_GET_ITEM(st, 2))) <= 0) return r;
     return call_eq(PyTuple_GET_ITEM(getters, 4), PyTuple_GET_ITEM(st, 3));

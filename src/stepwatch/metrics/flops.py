@@ -691,9 +691,9 @@ def _count(
         # parameters still in place: a reentrant checkpoint runs its block's forward again inside
         # backward, on whatever parameters the block holds then (the real ones, once
         # functional_call has returned: the replay's gradients would land in the user's .grad).
-        replay = _ReplayCall(root, loss_fn, backward, counter)
+        replay = _replay_call(root, loss_fn, backward, counter)
         with stance, fake_mode, counter:
-            functional_call(replay, {f"{_ROOT}.{k}": v for k, v in state.items()}, (fargs, fkwargs),
+            functional_call(replay, {f"root.{k}": v for k, v in state.items()}, (fargs, fkwargs),
                             tie_weights=True, strict=False)
     except Exception as e:  # the user's forward can fail on fakes in many ways; report, never raise raw
         raise FlopCountError(
@@ -710,10 +710,7 @@ def _count(
     return FlopCount(b["forward"], b["backward"], b["recompute"], tuple(counter.alignment))
 
 
-_ROOT = "root"  # the replayed module's name inside _ReplayCall
-
-
-def _ReplayCall(root: Any, loss_fn: Callable[[Any], Any] | None, backward: bool, counter: Any) -> Any:
+def _replay_call(root: Any, loss_fn: Callable[[Any], Any] | None, backward: bool, counter: Any) -> Any:
     """A module holding ``root`` whose call is the whole replay: the forward, ``loss_fn``, and the
     backward from ``ones_like`` of every differentiable output. Given to ``functional_call``
     with the replay's state under ``root.``, so that everything it runs, backward included,
@@ -723,10 +720,10 @@ def _ReplayCall(root: Any, loss_fn: Callable[[Any], Any] | None, backward: bool,
     class ReplayCall(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            setattr(self, _ROOT, root)
+            self.root = root  # its state is the replay's under "root."
 
         def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            out = getattr(self, _ROOT)(*args, **kwargs)
+            out = self.root(*args, **kwargs)
             if loss_fn is not None:
                 out = loss_fn(out)
             if not backward:
