@@ -765,6 +765,56 @@ def test_fast_path_is_per_module_and_follows_autocast():
     assert cache.get(a, (x,)) is fa
 
 
+@pytest.fixture
+def tf32_switches():
+    """torch's two TF32 switches, put back as they were after the test."""
+    mm, conv = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = mm, conv
+
+
+def test_a_count_says_whether_the_tf32_switches_can_change_it():
+    """Only an fp32 matmul or convolution on a CUDA device has a dtype key that follows the TF32
+    switches. The CUDA tensors here are fake tensors on a CUDA device (no GPU on this machine):
+    the counter reads only their device and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    assert count_step_flops(mlp(), (torch.randn(4, 64),)).tf32_sensitive is False  # CPU: never
+    mode = FakeTensorMode()
+
+    def on_cuda(dtype):
+        return FakeTensor(mode, torch.empty(4, 4, dtype=dtype, device="meta"), torch.device("cuda"))
+
+    for dtype, sensitive in ((torch.float32, True), (torch.bfloat16, False), (torch.float16, False)):
+        counter = fl._make_counter(("cuda",))
+        a = on_cuda(dtype)
+        assert counter._key(torch.ops.aten.mm, (a, a)) in ("fp32", "tf32", "bf16", "fp16")
+        assert counter.tf32_sensitive is sensitive, dtype
+    # Any other count (a user's counter, an override) is taken as sensitive; a sum is if a part is.
+    assert FlopCount().tf32_sensitive is True and FlopCount.from_total(10, "bf16").tf32_sensitive is True
+    cpu = FlopCount({"fp32": 5}, tf32_sensitive=False)
+    assert (cpu + cpu).tf32_sensitive is False and (cpu + FlopCount({"fp32": 5})).tf32_sensitive is True
+    assert cpu.scaled(3).tf32_sensitive is False
+    assert cpu == FlopCount({"fp32": 5})  # the flag is not part of a count's value
+
+
+def test_fast_path_reads_the_tf32_switches_only_for_a_count_they_can_change(tf32_switches):
+    m, x = nn.Linear(4, 4), torch.randn(2, 4)
+    cache = FlopCache()  # count_step_flops: a CPU count, which the switches cannot change
+    first = cache.get(m, (x,))
+    assert first.tf32_sensitive is False and cache._last[id(m)][0].state[2:] == (None, None)
+    torch.backends.cuda.matmul.allow_tf32 = not torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = not torch.backends.cudnn.allow_tf32
+    assert cache._last[id(m)][0].matches((x,), {}) is True and cache.get(m, (x,)) is first
+    counter = _CountingCounter()  # its counts are taken as sensitive: a switch is a new signature
+    cache = FlopCache(counter=counter)
+    cache.get(m, (x,))
+    torch.backends.cuda.matmul.allow_tf32 = not torch.backends.cuda.matmul.allow_tf32
+    assert cache._last[id(m)][0].matches((x,), {}) is False
+    cache.get(m, (x,))
+    assert counter.calls == 2
+
+
 def test_throughput_collector_reuses_counts_only_for_the_same_shape_and_dtype():
     from stepwatch.metrics.tokens import ThroughputCollector
 

@@ -69,8 +69,9 @@ def test_c_and_python_signatures_give_the_same_answer_for_every_call(seed):
     rng = random.Random(seed)
     pool = _values(rng)
     first = _call(rng, pool)
-    c_sig = flops.CallSig.of(*first)
-    py_sig = flops.PyCallSig.of(*first)
+    tf32 = rng.random() < 0.5  # a signature that keeps the TF32 switches, or one that ignores them
+    c_sig = flops.CallSig.of(*first, tf32)
+    py_sig = flops.PyCallSig.of(*first, tf32)
     assert (c_sig is None) == (py_sig is None)
     if c_sig is None:
         return
@@ -79,10 +80,15 @@ def test_c_and_python_signatures_give_the_same_answer_for_every_call(seed):
         args, kwargs = first if rng.random() < 0.3 else _call(rng, pool)
         grad = rng.random() < 0.8
         autocast = rng.random() < 0.2
+        switch = rng.random() < 0.2
         with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            got = _outcome(lambda: c_sig.matches(args, kwargs))
-            want = _outcome(lambda: py_sig.matches(args, kwargs))
-        assert got == want, (args, kwargs, grad, autocast)
+            torch.backends.cuda.matmul.allow_tf32 = switch
+            try:
+                got = _outcome(lambda: c_sig.matches(args, kwargs))
+                want = _outcome(lambda: py_sig.matches(args, kwargs))
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = False
+        assert got == want, (args, kwargs, grad, autocast, switch)
 
 
 def test_a_signature_matches_the_same_call_and_tells_apart_what_the_key_does():
@@ -103,6 +109,27 @@ def test_a_signature_matches_the_same_call_and_tells_apart_what_the_key_does():
         assert kw.matches((x, 1), {"n": 2, "mask": x}) is False  # the keys in another order
         nan = cls.of((x, math.nan), {})
         assert nan.matches((x, math.nan), {}) is False  # NaN != NaN, even the same object
+
+
+def test_a_signature_without_the_tf32_switches_does_not_read_them():
+    """A count the switches cannot change keeps None for them: flipping either is still a match,
+    with autocast on or off; a signature that keeps them sees the flip."""
+    x = torch.randn(4, 8)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for autocast in (False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                for cls in (flops.CallSig, flops.PyCallSig):
+                    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+                    free, kept = cls.of((x,), {}, False), cls.of((x,), {})
+                    assert free.state[2:] == (None, None) and kept.state[2:] == (False, False)
+                    for mm, conv in ((True, False), (False, True)):
+                        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = mm, conv
+                        assert free.matches((x,), {}) is True and kept.matches((x,), {}) is False
+                    with torch.no_grad():
+                        assert free.matches((x,), {}) is False  # grad mode is still compared
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def test_a_tensor_class_changed_after_a_match_is_read_anew():

@@ -246,7 +246,8 @@ static int args_vs(PyObject *keys, PyObject *flat, PyObject *args, PyObject *kwa
     return 1;
 }
 
-/* The global state now against the one kept (``st``): the Python's comparison, in its order.
+/* The global state now against the one kept (``st``): the Python's comparison, in its order
+ * (the TF32 switches not read when ``st`` keeps None for them).
  * ``grad``: grad mode as the caller just read it (the throughput collector's hot path asks it
  * first, and only goes on when it is on), or NULL to ask torch here. */
 static int state_vs(PyObject *st, PyObject *getters, PyObject *grad) {
@@ -257,13 +258,13 @@ static int state_vs(PyObject *st, PyObject *getters, PyObject *grad) {
     }
     int auto_on = PyTuple_GET_ITEM(st, 1) != Py_False;
     if (!auto_on && (auto_on = call_truth(PyTuple_GET_ITEM(getters, 1))) < 0) return -1;
-    if (auto_on) { /* st == _state() */
+    if (auto_on) { /* st == _state(tf32) */
         PyObject *state_fn = PyDict_GetItemWithError(flops_globals, s_state_fn); /* borrowed */
         if (state_fn == NULL) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_NameError, "name '_state' is not defined");
             return -1;
         }
-        PyObject *now = PyObject_CallNoArgs(state_fn);
+        PyObject *now = PyObject_CallOneArg(state_fn, PyTuple_GET_ITEM(st, 2) == Py_None ? Py_False : Py_True);
         if (now == NULL) return -1;
         int r = PyObject_RichCompareBool(st, now, Py_EQ); /* a tuple's == (identity first, as Python's) */
         Py_DECREF(now);
@@ -271,7 +272,7 @@ static int state_vs(PyObject *st, PyObject *getters, PyObject *grad) {
     }
     int r = grad != NULL ? cmp(grad, PyTuple_GET_ITEM(st, 0), Py_EQ)
                          : call_eq(PyTuple_GET_ITEM(getters, 2), PyTuple_GET_ITEM(st, 0));
-    if (r <= 0) return r;
+    if (r <= 0 || PyTuple_GET_ITEM(st, 2) == Py_None) return r; /* a count the TF32 switches cannot change */
     if ((r = call_eq(PyTuple_GET_ITEM(getters, 3), PyTuple_GET_ITEM(st, 2))) <= 0) return r;
     return call_eq(PyTuple_GET_ITEM(getters, 4), PyTuple_GET_ITEM(st, 3));
 }

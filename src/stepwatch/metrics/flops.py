@@ -61,12 +61,18 @@ class FlopCount:
     checkpointing and fused-attention kernels compute again (HFU adds it). ``alignment`` lists
     matmuls whose dims are not Tensor Core friendly (see ``count_step_flops(lint_devices=...)``).
     Treat the dicts as read-only.
+
+    ``tf32_sensitive``: the split between ``fp32`` and ``tf32`` may follow torch's TF32 switches
+    (the count holds an fp32 matmul or convolution on a CUDA device). The last-call fast paths
+    read those switches at a call only when it is True. A count from ``count_step_flops`` knows;
+    any other (a user's counter, an override) is taken as sensitive.
     """
 
     forward: Mapping[str, int] = field(default_factory=dict)
     backward: Mapping[str, int] = field(default_factory=dict)
     recompute: Mapping[str, int] = field(default_factory=dict)
     alignment: tuple[dict[str, Any], ...] = ()
+    tf32_sensitive: bool = field(default=True, compare=False, repr=False)
 
     @property
     def empty(self) -> bool:
@@ -97,13 +103,15 @@ class FlopCount:
             _add(self.backward, other.backward),
             _add(self.recompute, other.recompute),
             self.alignment,
+            self.tf32_sensitive or other.tf32_sensitive,
         )
 
     def scaled(self, k: int) -> "FlopCount":
         """k identical micro-batches (gradient accumulation with a fixed shape)."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"k must be an integer >= 0, got {k!r}")
-        return FlopCount(_add({}, self.forward, k), _add({}, self.backward, k), _add({}, self.recompute, k), self.alignment)
+        return FlopCount(_add({}, self.forward, k), _add({}, self.backward, k), _add({}, self.recompute, k), self.alignment,
+                         self.tf32_sensitive)
 
     @classmethod
     def from_total(cls, flops: float, dtype_key: str) -> "FlopCount":
@@ -269,6 +277,7 @@ def _make_counter(lint_devices: tuple[str, ...]) -> Any:
             self.phase = "forward"
             self.buckets: dict[str, dict[str, int]] = {"forward": {}, "backward": {}, "recompute": {}}
             self.alignment: list[dict[str, Any]] = []
+            self.tf32_sensitive = False  # an fp32 op on CUDA was counted (its key follows the switches)
 
         def _key(self, packet: Any, args: Any) -> str:
             t = _first_tensor(args if packet is not torch.ops.aten.addmm else args[1:])
@@ -277,6 +286,8 @@ def _make_counter(lint_devices: tuple[str, ...]) -> Any:
             name = getattr(packet, "__name__", str(packet))
             cuda = t.device.type == "cuda"
             tf32 = cuda and (allow_tf32_conv if name in _CONVS else allow_tf32_mm)
+            if cuda and t.dtype == torch.float32:
+                self.tf32_sensitive = True
             try:
                 return matmul_dtype_key(t.dtype, None, tf32)
             except ValueError:
@@ -707,7 +718,7 @@ def _count(
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     b = counter.buckets
-    return FlopCount(b["forward"], b["backward"], b["recompute"], tuple(counter.alignment))
+    return FlopCount(b["forward"], b["backward"], b["recompute"], tuple(counter.alignment), counter.tf32_sensitive)
 
 
 def _replay_call(root: Any, loss_fn: Callable[[Any], Any] | None, backward: bool, counter: Any) -> Any:
@@ -799,7 +810,9 @@ def _sig(obj: Any, out: list[Any], tensor: type, depth: int = 0) -> None:
 # at the slow lookup, as a tuple of per-argument descriptors; the next call with the same module
 # compares its arguments against it element by element (shape, dtype, device kind, grad) and the
 # global state (grad mode, autocast, TF32 switches) against the one kept. Anything else (nested
-# containers, other objects, a device that is neither CPU nor CUDA) takes the slow path.
+# containers, other objects, a device that is neither CPU nor CUDA) takes the slow path. The TF32
+# switches are kept (and read at each call) only for a count they can change
+# (``FlopCount.tf32_sensitive``): two calls into torch that cost about a microsecond a forward.
 _SCALARS = (int, float, bool, str)
 _GETTERS: Any = None  # (torch, any autocast, grad mode, the two TF32 switches), bound once
 
@@ -822,8 +835,9 @@ def _getters() -> Any:
     return _GETTERS
 
 
-def _state() -> Any:
-    """What ``FlopCache.key`` reads of the global state, as one comparable value."""
+def _state(tf32: bool = True) -> Any:
+    """What ``FlopCache.key`` reads of the global state, as one comparable value: (grad mode,
+    autocast, the two TF32 switches), the switches None unless ``tf32``."""
     torch, any_autocast, grad, tf_a, tf_b = _GETTERS or _getters()
     if any_autocast():
         auto: Any = tuple(
@@ -831,6 +845,8 @@ def _state() -> Any:
         )
     else:
         auto = False
+    if not tf32:
+        return (grad(), auto, None, None)
     return (grad(), auto, tf_a(), tf_b())
 
 
@@ -908,8 +924,8 @@ class _PySigCore:
         torch, any_autocast, grad, tf_a, tf_b = _GETTERS or _getters()
         st = self.state
         if st[1] is not False or any_autocast():
-            return st == _state()
-        return grad() == st[0] and tf_a() == st[2] and tf_b() == st[3]
+            return st == _state(st[2] is not None)
+        return grad() == st[0] and (st[2] is None or (tf_a() == st[2] and tf_b() == st[3]))
 
 
 try:  # the comparison in C (metrics/_cmetrics.c): the same answers, less time a forward
@@ -935,9 +951,11 @@ class _SigMethods:
         self.keys = tuple(k for k, _ in kwargs)
 
     @classmethod
-    def of(cls, args: Any, kwargs: Any) -> Any:
+    def of(cls, args: Any, kwargs: Any, tf32: bool = True) -> Any:
+        """The signature of a call, or None; ``tf32``: whether the TF32 switches are part of it
+        (False for a count they cannot change)."""
         targs, tkw = _fast_sig(args), _fast_kw(kwargs)
-        return None if targs is None or tkw is None else cls(_state(), targs, tkw)
+        return None if targs is None or tkw is None else cls(_state(tf32), targs, tkw)
 
 
 class CallSig(_SigMethods, _SigCore):  # type: ignore[misc,valid-type]
@@ -1061,7 +1079,7 @@ class FlopCache:
     def _remember(self, mid: int, args: Any, kwargs: Any, value: FlopCount | None) -> None:
         """Keep this call's signature as the module's last one, when it has the flat shape the
         fast path compares (tensors and small scalars, positional or keyword); else forget it."""
-        sig = CallSig.of(args, kwargs)
+        sig = CallSig.of(args, kwargs, value is None or value.tf32_sensitive)
         if sig is None:
             self._last.pop(mid, None)
         else:

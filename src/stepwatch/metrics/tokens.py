@@ -330,7 +330,7 @@ class _ThroughputMethods(Collector):
         elif counts is None and _counts_nothing(module, fc):
             sig = _ANY_CALL
         else:
-            sig = CallSig.of(args, kwargs)
+            sig = CallSig.of(args, kwargs, fc.tf32_sensitive)
         if sig is None:
             self._hits.pop(id(module), None)
             return
