@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from torch.nn.utils import clip_grad_norm_ as clip_imported_early  # as scripts do, before any install
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stepwatch.metrics.grads import GradNormProbe, StoreNormExchange, combine_sharded
@@ -611,3 +612,196 @@ def test_spike_detector_keeps_the_rolling_median_without_sorting_per_record():
         want = reference(norms, window, 12.0, 3.0)
         assert got == want and len(want) > 20
         assert len(det._sorted) == len(det._recent) == window and det._sorted == sorted(det._recent)
+
+
+def _pre_clip(params) -> float:
+    """The norm of the grads now, in float64: what the probe must report once they are clipped."""
+    gs = [p.grad if p.grad.is_complex() else p.grad.double() for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs])).item()
+
+
+def test_clip_imported_before_install_still_gives_the_pre_clip_norm(hooked):
+    """`from torch.nn.utils import clip_grad_norm_` at the top of a script keeps torch's own
+    function; it still calls clip_grad.py's helpers through that module, where the tap sees the
+    pre-clip norm: the norm it returned is reused, not the clipped grads' (max_norm every step)."""
+    h = hooked()
+    assert clip_imported_early is torch.nn.utils.clip_grad_norm_.__wrapped__  # really the unwrapped one
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    returned = []
+    for step in range(4):
+        x, y = data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x), 10 * y).backward()
+        returned.append(clip_imported_early(m.parameters(), max_norm=0.5).item())
+        opt.step()
+    got = h.values()
+    assert all(r > 1.0 for r in returned)  # every step really clipped
+    assert all(r.from_clip for r in got) and [r.norm for r in got] == returned
+
+
+def test_a_clip_is_recorded_once_though_both_wrappers_see_it(hooked):
+    """The wrapped clip_grad_norm_ calls the wrapped clip_grads_with_norm_: one clip, not two (a
+    second would divide the norm by the clip's factor twice)."""
+    from stepwatch.metrics.grads import _TAP
+
+    hooked()
+    m = model()
+    x, y = data(0)
+    nn.functional.mse_loss(m(x), y).backward()
+    try:
+        for clip in (torch.nn.utils.clip_grad_norm_, clip_imported_early):
+            _TAP.local.clips = None
+            total = clip(m.parameters(), 0.5, norm_type=2)
+            (c,) = _TAP.local.clips
+            assert c.total is total and c.norm_type == 2.0
+    finally:
+        _TAP.local.clips = None
+
+
+def test_the_two_step_clip_api_gives_the_pre_clip_norm(hooked):
+    """torch's documented split of clip_grad_norm_: get_total_norm, then clip_grads_with_norm_.
+    Its total is reused; a total computed some other way (unknown norm type) is not, but the
+    clipped grads are scaled back by the factor the clip applied."""
+    h = hooked()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    want = []
+    for step in range(4):
+        x, y = data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x), 10 * y).backward()
+        want.append(_pre_clip(m.parameters()))
+        grads = [p.grad for p in m.parameters()]
+        if step < 2:
+            total = torch.nn.utils.get_total_norm(grads)
+        else:  # the norm of the grads as one vector, by hand
+            total = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+        torch.nn.utils.clip_grads_with_norm_(m.parameters(), 0.5, total)
+        opt.step()
+    got = h.values()
+    assert [r.from_clip for r in got] == [True, True, False, False]
+    assert all(rel(r.norm, w) < 1e-5 for r, w in zip(got, want)), ([r.norm for r in got], want)
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_clip_of_some_of_the_optimizers_parameters_gives_the_whole_pre_clip_norm(hooked, early):
+    """Clipping one layer (the optimizer holds all): the clipped grads are scaled back, the others
+    read as they are; never the clipped layer's norm presented as the whole norm."""
+    h = hooked()
+    clip = clip_imported_early if early else torch.nn.utils.clip_grad_norm_
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    want, clipped = [], []
+    for step in range(3):
+        x, y = data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x), 10 * y).backward()
+        want.append(_pre_clip(m.parameters()))
+        clipped.append(clip(m[2].parameters(), max_norm=0.1).item())
+        opt.step()
+    got = h.values()
+    assert all(c > 1.0 for c in clipped)
+    assert all(not r.from_clip and rel(r.norm, w) < 1e-5 for r, w in zip(got, want)), ([r.norm for r in got], want)
+
+
+def test_a_clip_of_the_same_parameters_in_another_order_is_reused(hooked):
+    """AdamW's usual two groups (decay, no decay) and a clip of model.parameters(): the same
+    parameters, another order."""
+    h = hooked()
+    m = model()
+    no_decay = [p for p in m.parameters() if p.dim() < 2]
+    decay = [p for p in m.parameters() if p.dim() >= 2]
+    opt = torch.optim.AdamW([{"params": no_decay, "weight_decay": 0.0}, {"params": decay}])
+    x, y = data(0)
+    nn.functional.mse_loss(m(x), 10 * y).backward()
+    returned = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5).item()
+    opt.step()
+    (r,) = h.values()
+    assert r.from_clip and r.norm == returned
+
+
+def test_one_clip_over_two_optimizers_and_two_clips_before_one_step():
+    """A clip of every parameter, two optimizers (Muon for the matrices, AdamW for the rest is the
+    usual shape): each optimizer's part is scaled back, and the step's norm is the pre-clip one.
+    Then one optimizer after two clips, of two parts and of one part twice."""
+    from stepwatch.metrics.grads import GradNormCollector
+
+    col = GradNormCollector().install()
+    handle = register_optimizer_step_pre_hook(lambda o, a, k: col.on_optimizer_step(o))
+    try:
+        m = model()
+        mats = torch.optim.SGD([p for p in m.parameters() if p.dim() >= 2], lr=0.1)
+        rest = torch.optim.SGD([p for p in m.parameters() if p.dim() < 2], lr=0.1)
+        whole = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(i, clips, opts):
+            x, y = data(i)
+            m.zero_grad()
+            nn.functional.mse_loss(m(x), 10 * y).backward()
+            want = _pre_clip(m.parameters())
+            for params, max_norm in clips:
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
+            for o in opts:
+                o.step()
+            r = GradNormCollector.resolve_step(col.take())
+            assert not r.from_clip and rel(r.norm, want) < 1e-5, (i, r.norm, want)
+
+        step(0, [(m.parameters(), 0.5)], (mats, rest))
+        step(1, [(m.parameters(), 0.5)], (rest, mats))
+        step(2, [(m[0].parameters(), 0.2), (m[2].parameters(), 0.3)], (whole,))
+        step(3, [(m[0].parameters(), 0.2), (m.parameters(), 0.3)], (whole,))  # m[0] clipped twice
+    finally:
+        handle.remove()
+        col.uninstall()
+
+
+def test_a_clip_left_over_from_an_earlier_step_is_not_applied(hooked):
+    """A clip of parameters of which one has a grad but no optimizer: what the optimizer did not
+    take waits for another optimizer; the next backward makes it stale, never applied."""
+    h = hooked()
+    m = model()
+    opt = torch.optim.SGD(m[0].parameters(), lr=0.1)  # m[2] trains in no optimizer
+    want = []
+    for step in range(3):
+        x, y = data(step)
+        m.zero_grad()
+        nn.functional.mse_loss(m(x), 10 * y).backward()
+        want.append(_pre_clip(m[0].parameters()))
+        if step == 0:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+        opt.step()
+    got = h.values()
+    assert all(rel(r.norm, w) < 1e-5 for r, w in zip(got, want)), ([r.norm for r in got], want)
+
+
+def test_float64_and_complex_grads_are_not_narrowed(hooked):
+    """A float64 model (scientific ML) once disabled the probe: the norm asked _foreach_norm for
+    float32, which torch refuses for a float64 (or complex) input. Each grad's norm is now taken
+    in its own precision; float32 and lower keep their float32 norms."""
+    h = hooked()
+    torch.manual_seed(0)
+    cases = {
+        "float64": nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double(),
+        "mixed": nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1).double()),
+        "complex": nn.Linear(8, 1, dtype=torch.complex128),
+    }
+    for name, m in cases.items():
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        h.pending.clear()
+        want = []
+        for step in range(3):
+            x = torch.randn(32, 8, dtype=torch.float64)
+            opt.zero_grad()
+            if name == "complex":
+                m(x.to(torch.complex128)).abs().pow(2).mean().backward()
+            elif name == "mixed":
+                m[2](m[1](m[0](x.float())).double()).pow(2).mean().backward()
+            else:
+                m(x).pow(2).mean().backward()
+            want.append(_pre_clip(m.parameters()))
+            opt.step()
+        got = h.values()
+        assert all(r is not None and not r.nonfinite for r in got), name
+        tol = 1e-12 if name != "mixed" else 1e-6
+        assert all(rel(r.norm, w) < tol for r, w in zip(got, want)), (name, [r.norm for r in got], want)

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.nn.utils import clip_grad_norm_ as clip_imported_early  # as scripts do, before any install
 
 from stepwatch.metrics import grads as G
 
@@ -22,7 +23,8 @@ def fresh_tap(monkeypatch):
     """The tap's `used` is process-wide and set for good by any clip or GradScaler step (other tests
     in this process): each test here starts from a process that has done neither."""
     monkeypatch.setattr(G._TAP, "used", False)
-    monkeypatch.setattr(G._TAP.local, "clip", None, raising=False)
+    monkeypatch.setattr(G._TAP.local, "clips", None, raising=False)
+    monkeypatch.setattr(G._TAP.local, "total", None, raising=False)
 
 
 class Full:
@@ -44,11 +46,11 @@ def full():
     G._bind_grads(G._PyGradNormCore.on_optimizer_step, G._TAP, G.GradNormProbe, G._OptState, G.PendingGradNorm)
 
 
-def _model(seed: int = 0, *, sparse: bool = False) -> nn.Module:
+def _model(seed: int = 0, *, sparse: bool = False, dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(seed)
     if sparse:
         return nn.ModuleDict({"emb": nn.Embedding(10, 4, sparse=True), "lin": nn.Linear(4, 3)})
-    return nn.Sequential(nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 3))
+    return nn.Sequential(nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 3)).to(dtype)
 
 
 def _loss(m: nn.Module, i: int) -> torch.Tensor:
@@ -56,7 +58,7 @@ def _loss(m: nn.Module, i: int) -> torch.Tensor:
     if isinstance(m, nn.ModuleDict):
         idx = torch.randint(0, 10, (7,), generator=g)
         return m["lin"](m["emb"](idx)).pow(2).mean()
-    return m(torch.randn(8, 6, generator=g)).pow(2).mean()
+    return m(torch.randn(8, 6, generator=g).to(m[0].weight.dtype)).pow(2).mean()
 
 
 def _same(a: G.PendingGradNorm, b: G.PendingGradNorm, opt_a, opt_b) -> None:
@@ -70,12 +72,13 @@ def _same(a: G.PendingGradNorm, b: G.PendingGradNorm, opt_a, opt_b) -> None:
 
 def _states(col, opt) -> tuple:
     st = col.probe._state[opt]
-    return st.calls, st.plain, st.fsdp1, len(st.params)
+    return st.calls, st.plain, st.fsdp1, st.norm_dtype, len(st.params)
 
 
-def _lockstep(make_opt, steps: int, *, every: int = 1, sparse: bool = False, between=None, clip=None, after=None):
+def _lockstep(make_opt, steps: int, *, every: int = 1, sparse: bool = False, dtype: torch.dtype = torch.float32,
+              between=None, clip=None, after=None):
     """Both collectors over identical models; returns the C collector's pendings per step."""
-    ma = _model(sparse=sparse)
+    ma = _model(sparse=sparse, dtype=dtype)
     mb = copy.deepcopy(ma)
     oa, ob = make_opt(ma), make_opt(mb)
     ca, cb = G.GradNormCollector(every).install(), G.PyGradNormCollector(every).install()
@@ -169,6 +172,44 @@ def test_clip_grad_norm_is_reused_through_the_python(fresh_tap, full):
     steps, _, _ = _lockstep(lambda m: torch.optim.SGD(m.parameters(), lr=1e-2), 3, clip=clip)
     assert all(s[0].from_clip for s in steps)
     assert full.n == 3  # once any thread clipped, every step takes the Python
+
+
+def test_a_clip_imported_before_install_is_reused_through_the_python(fresh_tap, full):
+    """clip_grad_norm_ imported before install is torch's own: the tap sees its pre-clip norm
+    through clip_grad.py's helpers, once (not a second time through the wrapper)."""
+    returned = []
+
+    def clip(i, m):
+        returned.append(clip_imported_early(m.parameters(), 0.05).item())
+    steps, _, _ = _lockstep(lambda m: torch.optim.SGD(m.parameters(), lr=1e-2), 3, clip=clip)
+    assert all(len(s) == 1 and s[0].from_clip for s in steps)
+    assert [_norm(s) for s in steps] == returned[::2]  # the C collector's model is stepped first
+    assert full.n == 3
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_clip_of_a_subset_is_scaled_back_in_both(fresh_tap, full, early):
+    want = []
+
+    def clip(i, m):
+        want.append(_whole(m))  # before the clip; the C collector's model first
+        (clip_imported_early if early else torch.nn.utils.clip_grad_norm_)(m[0].parameters(), 0.05)
+    steps, _, _ = _lockstep(lambda m: torch.optim.SGD(m.parameters(), lr=1e-2), 3, clip=clip)
+    assert all(not s[0].from_clip for s in steps)
+    assert all(abs(_norm(s) - w) <= 1e-5 * w for s, w in zip(steps, want[::2])), ([_norm(s) for s in steps], want)
+
+
+def test_a_float64_model_stays_on_the_common_path_in_c(fresh_tap, full):
+    """float64 grads: their norm in float64 (float32 was refused by torch), in C as in Python."""
+    steps, m, _ = _lockstep(lambda m: torch.optim.Adam(m.parameters(), lr=1e-2), 4, dtype=torch.float64)
+    assert all(s is not None and s[0].values.dtype == torch.float64 for s in steps)
+    assert full.n == 1
+    want = _whole(m)
+    assert abs(_norm(steps[-1]) - want) <= 1e-12 * want
+
+
+def _whole(m: nn.Module) -> float:
+    return torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in m.parameters()])).item()
 
 
 def test_a_sparse_grad_leaves_the_plain_path_in_both(fresh_tap, full):

@@ -543,9 +543,9 @@ typedef struct {
 /* From _bind_grads(): the Python path, the tap (_TAP), the classes read here, torch's functions. */
 static PyObject *gn_full = NULL, *gn_tap = NULL, *gn_probe_cls = NULL, *gn_state_cls = NULL, *gn_pending_cls = NULL;
 static PyObject *gn_tensor_cls = NULL, *gn_foreach_norm = NULL, *gn_stack = NULL, *gn_vector_norm = NULL,
-                *gn_float32 = NULL, *gn_capturing = NULL, *gn_copy_to_host = NULL, *gn_kw_dtype = NULL, *gn_two = NULL;
-enum { OS_CALLS, OS_PARAMS, OS_SHAPE, OS_PLAIN, OS_FSDP1, OS_SCALE_IN_DICT, OS_N };
-static const char *os_names[OS_N] = {"calls", "params", "shape", "plain", "fsdp1", "scale_in_dict"};
+                *gn_capturing = NULL, *gn_copy_to_host = NULL, *gn_kw_dtype = NULL, *gn_two = NULL;
+enum { OS_CALLS, OS_PARAMS, OS_SHAPE, OS_PLAIN, OS_FSDP1, OS_NORM_DTYPE, OS_SCALE_IN_DICT, OS_N };
+static const char *os_names[OS_N] = {"calls", "params", "shape", "plain", "fsdp1", "norm_dtype", "scale_in_dict"};
 static Py_ssize_t os_off[OS_N];
 enum { PG_VALUES, PG_HOST, PG_EVENT, PG_SHARDED, PG_FROM_CLIP, PG_SKIPPED, PG_OPTIMIZER_ID, PG_DEVICE, PG_N };
 static const char *pg_names[PG_N] = {"values", "host", "event", "sharded", "from_clip", "skipped", "optimizer_id",
@@ -657,11 +657,12 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
     Py_ssize_t each = PyLong_CheckExact(every) ? PyLong_AsSsize_t(every) : -1;
     Py_DECREF(every);
     PyObject *calls = SLOT(st, os_off[OS_CALLS]), *params = SLOT(st, os_off[OS_PARAMS]);
+    PyObject *norm_dtype = SLOT(st, os_off[OS_NORM_DTYPE]);
     Py_ssize_t n = calls != NULL && PyLong_CheckExact(calls) ? PyLong_AsSsize_t(calls) : -1;
     if ((n == -1 || each == -1) && PyErr_Occurred()) PyErr_Clear();
     int plain = SLOT(st, os_off[OS_PLAIN]) == Py_True && SLOT(st, os_off[OS_FSDP1]) == Py_False;
     if (!same || !unscaled || !plain || params == NULL || !PyList_CheckExact(params) || PyList_GET_SIZE(params) == 0 ||
-        n < 0 || n == PY_SSIZE_T_MAX || each < 1) {
+        norm_dtype == NULL || norm_dtype == Py_None || n < 0 || n == PY_SSIZE_T_MAX || each < 1) {
         Py_DECREF(st);
         return gn_fallback(self, optimizer);
     }
@@ -707,9 +708,19 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
         Py_DECREF(st);
         return r;
     }
-    /* vector_norm(stack(_foreach_norm(grads, 2.0, dtype=float32)), 2.0) */
-    PyObject *fargs[3] = {grads, gn_two, gn_float32};
+    /* vector_norm(stack(_foreach_norm(grads, 2.0, dtype=st.norm_dtype)), 2.0): float32, float64 for
+     * float64 grads (read again: the grads' reads above could have run Python that replaced it) */
+    norm_dtype = SLOT(st, os_off[OS_NORM_DTYPE]);
+    if (norm_dtype == NULL || norm_dtype == Py_None) {
+        Py_DECREF(grads);
+        PyObject *r = gn_probe_py(self, probe, optimizer, st);
+        Py_DECREF(st);
+        return r;
+    }
+    Py_INCREF(norm_dtype);
+    PyObject *fargs[3] = {grads, gn_two, norm_dtype};
     PyObject *norms = PyObject_Vectorcall(gn_foreach_norm, fargs, 2, gn_kw_dtype);
+    Py_DECREF(norm_dtype);
     Py_DECREF(grads);
     PyObject *values = NULL;
     if (norms != NULL) {
@@ -877,10 +888,10 @@ static PyObject *mod_bind_grads(PyObject *m, PyObject *const *args, Py_ssize_t n
 }
 
 /* _bind_grads_torch(torch.Tensor, torch._foreach_norm, torch.stack, torch.linalg.vector_norm,
- * torch.float32, torch.cuda.is_current_stream_capturing, copy_to_host): once torch is imported. */
+ * torch.cuda.is_current_stream_capturing, copy_to_host): once torch is imported. */
 static PyObject *mod_bind_grads_torch(PyObject *m, PyObject *const *args, Py_ssize_t n) {
-    if (n != 7 || !PyType_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "_bind_grads_torch(Tensor, _foreach_norm, stack, vector_norm, float32, "
+    if (n != 6 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "_bind_grads_torch(Tensor, _foreach_norm, stack, vector_norm, "
                                          "is_current_stream_capturing, copy_to_host)");
         return NULL;
     }
@@ -890,9 +901,8 @@ static PyObject *mod_bind_grads_torch(PyObject *m, PyObject *const *args, Py_ssi
     Py_XSETREF(gn_foreach_norm, Py_NewRef(args[1]));
     Py_XSETREF(gn_stack, Py_NewRef(args[2]));
     Py_XSETREF(gn_vector_norm, Py_NewRef(args[3]));
-    Py_XSETREF(gn_float32, Py_NewRef(args[4]));
-    Py_XSETREF(gn_capturing, Py_NewRef(args[5]));
-    Py_XSETREF(gn_copy_to_host, Py_NewRef(args[6]));
+    Py_XSETREF(gn_capturing, Py_NewRef(args[4]));
+    Py_XSETREF(gn_copy_to_host, Py_NewRef(args[5]));
     gn_torch_bound = 1;
     gn_bound = gn_py_bound && gn_torch_bound;
     return PyBool_FromLong(gn_bound);
@@ -902,7 +912,7 @@ static PyMethodDef mod_methods[] = {
     {"_bind_grads", (PyCFunction)(void (*)(void))mod_bind_grads, METH_FASTCALL,
      "_bind_grads(full, tap, GradNormProbe, _OptState, PendingGradNorm) -> bool: whether the slots are plain."},
     {"_bind_grads_torch", (PyCFunction)(void (*)(void))mod_bind_grads_torch, METH_FASTCALL,
-     "_bind_grads_torch(Tensor, _foreach_norm, stack, vector_norm, float32, capturing, copy_to_host) -> bool."},
+     "_bind_grads_torch(Tensor, _foreach_norm, stack, vector_norm, capturing, copy_to_host) -> bool."},
     {"_bind", mod_bind, METH_O, "_bind(globals): metrics/flops.py's globals (its _GETTERS and _state)."},
     {"_bind_take", (PyCFunction)(void (*)(void))mod_bind_take, METH_FASTCALL,
      "_bind_take(StepThroughput, unset) -> bool: the class take() builds; whether it fills its slots itself."},

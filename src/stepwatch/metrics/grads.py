@@ -3,7 +3,9 @@
 Training thread (optimizer step pre-hook): ``GradNormProbe.on_optimizer_step(optimizer)`` queues
 a few foreach kernels (``torch._foreach_norm``) on the device and an async device->host copy;
 no ``.item()``, no synchronize. If the user called ``clip_grad_norm_`` since the last step for the
-same parameters, its returned (pre-clip) norm tensor is reused instead: no extra kernel at all.
+same parameters, its returned (pre-clip) norm tensor is reused instead: no extra kernel at all. A
+clip of other parameters (a subset, several optimizers', several clips) scaled its grads by a
+factor known on the device: the probe divides their norm by it again (``GradNormProbe._unclip``).
 Background thread: ``GradNormProbe.resolve(pending)`` polls a device event and reads the value.
 
 What the pre-hook sees, and how the value is made the unscaled norm:
@@ -74,14 +76,58 @@ class _TapLocal(threading.local):
     """Per-thread tap state, with class defaults: reading one never set raises no AttributeError
     inside ``getattr(..., None)`` (an exception per optimizer step otherwise)."""
 
-    clip: Any = None
+    clips: Any = None  # list of _Clip: this thread's clips not yet taken by an optimizer step
+    total: Any = None  # (tensor, norm_type): the last norm get_total_norm returned on this thread
     scaler_opt: Any = None
     fired = True
 
 
+def _grad_mark(params: Sequence[Any]) -> Any:
+    """The first grad among ``params`` (weakly) and its version, or None when none has a grad: a
+    backward or ``zero_grad`` since makes a new grad or bumps the version."""
+    for p in params:
+        g = p.grad
+        if g is not None:
+            return weakref.ref(g), g._version
+    return None
+
+
+class _Clip:
+    """One clip of this thread's grads, not yet taken by an optimizer step.
+
+    ``total``: the pre-clip norm it computed; ``norm_type``: its order, None when the total came
+    from elsewhere than ``get_total_norm`` (a norm of unknown order); ``max_norm``; ``params``:
+    the list it clipped (None: FSDP1's clip, of its module's parameters; ``n``, ``first``,
+    ``last`` as for ``params``, -1, 0, 0). ``left``: the ids of those no optimizer has taken yet
+    (made when first needed), ``whole``: none taken yet; ``mark``: ``_grad_mark`` of grads it
+    clipped, after the clip (no longer holding: the clip is stale)."""
+
+    __slots__ = ("total", "norm_type", "max_norm", "params", "n", "first", "last", "left", "whole", "mark")
+
+    def __init__(self, total: Any, norm_type: float | None, max_norm: float, params: list[Any] | None,
+                 mark: Any) -> None:
+        self.total, self.norm_type, self.max_norm, self.params, self.mark = total, norm_type, max_norm, params, mark
+        if params is None:
+            self.n, self.first, self.last = -1, 0, 0
+        else:
+            self.n, self.first, self.last = len(params), id(params[0]), id(params[-1])
+        self.left: set[int] | None = None
+        self.whole = True
+
+    def fresh(self) -> bool:
+        m = self.mark
+        if m is None:
+            return True
+        g = m[0]()
+        return g is not None and g._version == m[1]
+
+
 class _Tap:
-    """Wraps ``clip_grad_norm_`` and ``GradScaler.step`` once per process (they are process-global
-    functions); probes subscribe. The wrappers never change what the user's call does or returns."""
+    """Wraps ``clip_grad_norm_``, the two halves it calls (``get_total_norm`` and
+    ``clip_grads_with_norm_``, module globals of ``torch.nn.utils.clip_grad`` that it looks up at
+    each call: a ``clip_grad_norm_`` imported before install is seen through them) and
+    ``GradScaler.step`` once per process (they are process-global functions); probes subscribe.
+    The wrappers never change what the user's call does or returns."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -105,11 +151,18 @@ class _Tap:
             import torch.nn.utils
             import torch.nn.utils.clip_grad as clip_mod
 
-            orig_clip = clip_mod.clip_grad_norm_
-            wrapped_clip = self._wrap_clip(orig_clip)
-            for owner in (torch.nn.utils, clip_mod):
-                if getattr(owner, "clip_grad_norm_", None) is orig_clip:
-                    self._patch(owner, "clip_grad_norm_", wrapped_clip)
+            for name, public, wrap in (
+                ("clip_grad_norm_", "clip_grad_norm_", self._wrap_clip),
+                ("_clip_grads_with_norm_", "clip_grads_with_norm_", self._wrap_clip_with_norm),
+                ("_get_total_norm", "get_total_norm", self._wrap_total_norm),
+            ):
+                orig = getattr(clip_mod, name, None)
+                if orig is None:  # torch < 2.6 has no halves: only the wrapped clip_grad_norm_ is seen
+                    continue
+                wrapped = wrap(orig)
+                for owner, attr in ((torch.nn.utils, public), (clip_mod, name)):
+                    if getattr(owner, attr, None) is orig:
+                        self._patch(owner, attr, wrapped)
             scaler_cls = torch.amp.GradScaler
             self._patch(scaler_cls, "step", self._wrap_scaler_step(scaler_cls.__dict__["step"]))
         self.patch_fsdp1()
@@ -160,6 +213,37 @@ class _Tap:
         if self.errors == 1:
             log.exception("stepwatch: grad-norm tap failed in %s; training is unaffected", where)
 
+    def before_clip(self) -> None:
+        """Drop this thread's clips whose grads a backward (or zero_grad) has replaced since:
+        checked before the next clip, which may scale their grads again (``record`` marks them
+        anew after it)."""
+        clips = self.local.clips
+        if clips:
+            clips[:] = [c for c in clips[-15:] if c.fresh()]
+
+    def record(self, total: Any, norm_type: float | None, max_norm: float, params: list[Any] | None) -> None:
+        """A clip just made on this thread (``params`` None: FSDP1's). One without a grad clipped
+        nothing and is not kept."""
+        mark = None if params is None else _grad_mark(params)
+        if params is not None and mark is None:
+            return
+        self.used = True
+        c = _Clip(total, norm_type, max_norm, params, mark)
+        clips = self.local.clips
+        if not clips:
+            self.local.clips = [c]
+            return
+        for k in clips:  # fresh before this clip (before_clip), whose grads it may have scaled again
+            if k.params is not None:
+                k.mark = _grad_mark([p for p in k.params if k.left is None or id(p) in k.left])
+        clips[:] = [k for k in clips if k.params is None or k.mark is not None]
+        clips.append(c)
+
+    def keep(self, clips: list[_Clip]) -> None:
+        """Put back clips of parameters that optimizers still to step hold."""
+        now = self.local.clips
+        self.local.clips = clips if now is None else clips + now
+
     def _wrap_clip(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         tap = self
 
@@ -170,11 +254,17 @@ class _Tap:
                 parameters = [parameters]
             else:
                 parameters = list(parameters)
+            if tap.refs:
+                tap.before_clip()
             total = orig(parameters, max_norm, norm_type, *args, **kwargs)
             try:
                 if parameters and tap.refs:
-                    tap.used = True
-                    tap.local.clip = (total, float(norm_type), len(parameters), id(parameters[0]), id(parameters[-1]))
+                    clips = tap.local.clips
+                    if clips and clips[-1].total is total:
+                        # recorded by the wrapped clip_grads_with_norm_ it called: once, its order known
+                        clips[-1].norm_type = float(norm_type)
+                    else:
+                        tap.record(total, float(norm_type), float(max_norm), parameters)
             except Exception:
                 tap._fail("clip_grad_norm_")
             return total
@@ -183,16 +273,58 @@ class _Tap:
         clip_grad_norm_.__doc__ = orig.__doc__
         return clip_grad_norm_
 
+    def _wrap_clip_with_norm(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        tap = self
+
+        def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Any, *args: Any, **kwargs: Any) -> Any:
+            import torch
+
+            if not tap.refs:
+                return orig(parameters, max_norm, total_norm, *args, **kwargs)
+            if isinstance(parameters, torch.Tensor):
+                parameters = [parameters]
+            else:
+                parameters = list(parameters)
+            tap.before_clip()
+            ret = orig(parameters, max_norm, total_norm, *args, **kwargs)
+            try:
+                if parameters and isinstance(total_norm, torch.Tensor):
+                    local = tap.local
+                    last, local.total = local.total, None
+                    norm_type = last[1] if last is not None and last[0] is total_norm else None
+                    tap.record(total_norm, norm_type, float(max_norm), parameters)
+            except Exception:
+                tap._fail("clip_grads_with_norm_")
+            return ret
+
+        clip_grads_with_norm_.__wrapped__ = orig  # type: ignore[attr-defined]
+        clip_grads_with_norm_.__doc__ = orig.__doc__
+        return clip_grads_with_norm_
+
+    def _wrap_total_norm(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        tap = self
+
+        def get_total_norm(tensors: Any, norm_type: float = 2.0, *args: Any, **kwargs: Any) -> Any:
+            total = orig(tensors, norm_type, *args, **kwargs)
+            if tap.refs:
+                try:
+                    tap.local.total = (total, float(norm_type))  # the order of a total clipped with next
+                except Exception:
+                    tap._fail("get_total_norm")
+            return total
+
+        get_total_norm.__wrapped__ = orig  # type: ignore[attr-defined]
+        get_total_norm.__doc__ = orig.__doc__
+        return get_total_norm
+
     def _wrap_fsdp1_clip(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         tap = self
 
         def clip_grad_norm_(module: Any, max_norm: float, norm_type: float = 2.0) -> Any:
             total = orig(module, max_norm, norm_type)
             try:
-                # -1: the module's parameters, whatever the optimizer's list looks like.
                 if tap.refs:
-                    tap.used = True
-                    tap.local.clip = (total, float(norm_type), -1, 0, 0)
+                    tap.record(total, float(norm_type), float(max_norm), None)
             except Exception:
                 tap._fail("FullyShardedDataParallel.clip_grad_norm_")
             return total
@@ -230,20 +362,23 @@ class _Tap:
         return step
 
     def take_clip(self, optimizer: Any = None) -> Any:
-        """This thread's last clip (once), and, given the ``optimizer`` now stepping, the mark
-        that it stepped inside the ``GradScaler.step`` that wraps it (the step was not skipped)."""
+        """This thread's clips since its last optimizer step (a list of _Clip, or None; taken:
+        ``keep`` puts back what this optimizer does not hold), and, given the ``optimizer`` now
+        stepping, the mark that it stepped inside the ``GradScaler.step`` that wraps it (the step
+        was not skipped)."""
         if not self.used:  # no clip and no GradScaler step yet, on any thread
             return None
         local = self.local  # _TapLocal: class defaults, plain attribute reads
         if optimizer is not None and local.scaler_opt == id(optimizer):
             local.fired = True
-        c = local.clip
+        c = local.clips
         if c is not None:
-            local.clip = None
+            local.clips = None
         return c
 
 
 _TAP = _Tap()
+_UNKNOWN = object()  # GradNormProbe._with_clips: the norm cannot be known (the step's is None)
 
 
 # ----------------------------------------------------------------------------- math
@@ -278,7 +413,8 @@ def _replica_factor(dt: Any) -> int:
 
 def _local_norm(tensors: list[Any]) -> Any:
     """L2 norm of a list of tensors as one vector, with foreach kernels, as a 0-dim fp32 tensor
-    on the first tensor's device; the same arithmetic as ``torch.nn.utils.get_total_norm``."""
+    (fp64 when one is fp64 or complex128) on the first tensor's device; the same arithmetic as
+    ``torch.nn.utils.get_total_norm``."""
     import torch
 
     groups: dict[tuple[Any, Any], list[Any]] = {}
@@ -289,7 +425,9 @@ def _local_norm(tensors: list[Any]) -> Any:
     first = tensors[0].device
     norms = []
     for (_dev, dtype), ts in groups.items():
-        if dtype == torch.float32:
+        if dtype == torch.float32 or dtype == torch.float64 or dtype.is_complex:
+            # in its own precision: torch refuses to narrow fp64 to fp32, and a complex input
+            # takes no real dtype (its norm is real); stack promotes the mix to fp64
             norms.extend(torch._foreach_norm(ts, 2.0))
         else:
             norms.extend(torch._foreach_norm(ts, 2.0, dtype=torch.float32))
@@ -350,9 +488,10 @@ class GradNormProbe:
     # -- lifecycle
 
     def install(self) -> "GradNormProbe":
-        """Wrap ``clip_grad_norm_`` (to reuse its norm) and ``GradScaler.step`` (to see skipped
-        steps). Code that did ``from torch.nn.utils import clip_grad_norm_`` before this keeps the
-        unwrapped function: the probe then computes the norm itself (same value, a few kernels)."""
+        """Wrap ``clip_grad_norm_`` and its halves (to reuse its norm) and ``GradScaler.step`` (to
+        see skipped steps). Code that did ``from torch.nn.utils import clip_grad_norm_`` before
+        this keeps the unwrapped function, which calls the wrapped halves (torch >= 2.6): its norm
+        is reused all the same."""
         if not self._installed:
             _TAP.install(self)
             self._installed = True
@@ -428,17 +567,10 @@ class GradNormProbe:
         sharded = False
         from_clip = False
         fsdp1 = st.fsdp1
-        if (
-            self.reuse_clip
-            and clip is not None
-            and clip[1] == 2.0
-            and (
-                (clip[2] == len(params) and clip[3] == id(params[0]) and clip[4] == id(params[-1]))
-                or (clip[2] == -1 and fsdp1)
-            )
-        ):
-            values, sharded = self._from_clip(clip[0])
-            from_clip = values is not None
+        if clip is not None:
+            values, sharded, from_clip = self._with_clips(clip, params, fsdp1)
+            if values is _UNKNOWN:
+                return None
         if values is None:
             if fsdp1:
                 # FSDP1 flat grads: sharded or not depends on the sharding strategy, which the
@@ -467,6 +599,93 @@ class GradNormProbe:
         # Tensors and numbers: it cannot be part of a cycle, and it waits in the queue (see _ctracker.c).
         return untracked(PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer), device))
 
+    def _with_clips(self, clips: list[_Clip], params: list[Any], fsdp1: bool) -> tuple[Any, bool, bool]:
+        """``(values, sharded, from_clip)`` of ``params``' grads before this thread's ``clips``:
+        a clip of the same list (of an FSDP1 module, for its flat parameters) is reused; values
+        None when no clip touched these grads (computed as usual), ``_UNKNOWN`` when the norm
+        cannot be known."""
+        clips = [c for c in clips if c.fresh()]
+        if len(clips) == 1:
+            c = clips[0]
+            if c.params is None:  # FSDP1's: the module's parameters, whatever the optimizer's list
+                if fsdp1 and self.reuse_clip and c.norm_type == 2.0:
+                    values, sharded = self._from_clip(c.total)
+                    return values, sharded, values is not None
+                return None, False, False
+            if (
+                self.reuse_clip
+                and c.norm_type == 2.0
+                and c.whole
+                and c.n == len(params)
+                and c.first == id(params[0])
+                and c.last == id(params[-1])
+            ):
+                values, sharded = self._from_clip(c.total)
+                if values is not None:
+                    return values, sharded, True
+        return self._unclip([c for c in clips if c.params is not None], params)
+
+    def _unclip(self, clips: list[_Clip], params: list[Any]) -> tuple[Any, bool, bool]:
+        """``_with_clips`` for clips of other lists than ``params``: a subset, several optimizers'
+        parameters, several clips, the same parameters in another order. Each clip scaled its
+        grads in place by ``min(max_norm / (total + 1e-6), 1)`` (torch's
+        ``clip_grads_with_norm_``): their norm is divided by that factor again, on the device.
+        What a clip holds beyond ``params`` is put back for the optimizers still to step."""
+        torch = _TORCH or _torch()
+        if not clips:
+            return None, False, False
+        whole = clips[0].whole
+        for c in clips:
+            if c.left is None:
+                c.left = {id(p) for p in c.params}
+        groups: dict[tuple[int, ...], list[Any]] = {}  # the indices of the clips that scaled a grad
+        mine = set()
+        for p in params:
+            i = id(p)
+            mine.add(i)
+            g = p.grad
+            if g is not None:
+                groups.setdefault(tuple(k for k, c in enumerate(clips) if i in c.left), []).append(g)
+        kept = []
+        for c in clips:
+            before = len(c.left)
+            c.left -= mine
+            rest = [p for p in c.params if id(p) in c.left and p.grad is not None]
+            if rest:
+                c.whole = c.whole and len(c.left) == before
+                c.mark = _grad_mark(rest)
+                kept.append(c)
+        if kept:
+            _TAP.keep(kept)
+        if not any(groups):  # every key empty: no grad here was clipped
+            return None, False, False
+        if self.reuse_clip and len(clips) == 1 and whole and not kept and list(groups) == [(0,)]:
+            # exactly this optimizer's grads, in another order: the clip's L2 norm is theirs
+            values, sharded = self._from_clip(clips[0].total) if clips[0].norm_type == 2.0 else (None, False)
+            if values is not None:
+                return values, sharded, True
+        if any(_is_dtensor(g) or g.is_sparse for gs in groups.values() for g in gs) or any(
+            not isinstance(c.total, torch.Tensor) or _is_dtensor(c.total) or not c.max_norm > 0 for c in clips
+        ):
+            warn_once(
+                "grads.unclip",
+                "stepwatch: grad_norm is null on steps where clip_grad_norm_ clipped other "
+                "parameters than the optimizer's and the grads are DTensors or sparse (or "
+                "max_norm <= 0): their pre-clip norm is not known; clip the optimizer's "
+                "parameters (the same list) to have it reused.",
+                log=log,
+            )
+            return _UNKNOWN, False, False
+        norms = []
+        for key, gs in groups.items():
+            n = _local_norm(gs)
+            for k in key:
+                c = clips[k]
+                n = n / torch.clamp(c.max_norm / (c.total + 1e-6), max=1.0).to(n.device)
+            norms.append(n)
+        dev = norms[0].device
+        return torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), 2.0), False, False
+
     @staticmethod
     def _from_clip(total: Any) -> tuple[Any, bool]:
         import torch
@@ -480,15 +699,16 @@ class GradNormProbe:
                 sq = local * local / _replica_factor(total)
                 return torch.stack([sq, zero]), True
             return torch.stack([zero, local]), False
-        return torch.stack([zero, total.detach().float()]), False
+        total = total.detach()
+        return torch.stack([zero, total if total.dtype == torch.float64 else total.float()]), False
 
     def _compute_plain(self, st: "_OptState") -> Any:
         """The common case in three kernels: every parameter a plain dense tensor (no DTensor,
         no FSDP1 flat parameter; learnt once per parameter list), so the grads need no sorting:
-        ``vector_norm(stack(_foreach_norm(grads)))`` as a 0-dim fp32 tensor (its sharded part
-        is 0), the arithmetic of ``_local_norm``. None when there is no grad; a sparse grad or
-        grads on several devices make torch refuse, and this optimizer takes the general path
-        (``_compute``) from then on."""
+        ``vector_norm(stack(_foreach_norm(grads)))`` as a 0-dim tensor of ``st.norm_dtype`` (its
+        sharded part is 0), the arithmetic of ``_local_norm``. None when there is no grad; a
+        sparse grad or grads on several devices make torch refuse, and this optimizer takes the
+        general path (``_compute``) from then on."""
         torch = _TORCH or _torch()
         grads = [g for p in st.params if (g := p.grad) is not None]
         if not grads:
@@ -497,7 +717,7 @@ class GradNormProbe:
             st.plain = False
             return None
         try:
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)), 2.0)
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=st.norm_dtype)), 2.0)
         except (RuntimeError, NotImplementedError, TypeError):
             st.plain = False
             return None
@@ -573,7 +793,7 @@ class _OptState:
     """The probe's memory of one optimizer: steps seen, and its parameters as a flat list,
     rebuilt when a group's list or its length changes (``add_param_group``, a new list)."""
 
-    __slots__ = ("calls", "params", "shape", "plain", "fsdp1", "scale_in_dict", "__weakref__")
+    __slots__ = ("calls", "params", "shape", "plain", "fsdp1", "norm_dtype", "scale_in_dict", "__weakref__")
 
     def __init__(self) -> None:
         self.calls = 0
@@ -582,6 +802,7 @@ class _OptState:
         self.shape: Any = None
         self.plain = False
         self.fsdp1 = False  # FSDP1 flat parameters (the first parameter tells)
+        self.norm_dtype: Any = None  # _compute_plain's: fp64 when a parameter is fp64, else fp32
 
     def parameters(self, optimizer: Any) -> list[Any]:
         groups = optimizer.param_groups
@@ -594,9 +815,13 @@ class _OptState:
             self.params = [p for g in groups for p in g["params"]]
             self.shape = shape
             self.fsdp1 = bool(self.params) and bool(getattr(self.params[0], "_fsdp_flattened", False))
+            torch = _TORCH or _torch()
+            dtypes = {getattr(p, "dtype", None) for p in self.params}
             self.plain = bool(self.params) and all(
                 not _is_dtensor(p) and not getattr(p, "_fsdp_flattened", False) for p in self.params
-            )
+            ) and not any(dt is not None and dt.is_complex for dt in dtypes)  # complex: _local_norm's
+            # torch refuses to narrow an fp64 grad's norm to fp32; fp32 and lower keep fp32 norms
+            self.norm_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
         return self.params
 
 
@@ -651,7 +876,7 @@ def _bind_torch() -> None:
     """What the C core calls of torch, once torch is imported (importing stepwatch does not)."""
     if _bind_grads_torch is not None:
         torch = _torch()
-        _bind_grads_torch(torch.Tensor, torch._foreach_norm, torch.stack, torch.linalg.vector_norm, torch.float32,
+        _bind_grads_torch(torch.Tensor, torch._foreach_norm, torch.stack, torch.linalg.vector_norm,
                           torch.cuda.is_current_stream_capturing, copy_to_host)
 
 
