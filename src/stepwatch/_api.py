@@ -31,6 +31,10 @@ def init(**config: Any) -> "Session":
     """
     global _session, _fork_handler_installed
     cfg = Config.from_env(**config)
+    if cfg.enabled and _in_dataloader_worker():
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, enabled=False)  # a worker loads batches: nothing to measure
     with _lock:
         if _session is not None and not _session._closed:
             if _session.config != cfg:
@@ -48,6 +52,15 @@ def init(**config: Any) -> "Session":
             _fork_handler_installed = True
         _session = Session(cfg)
         return _session
+
+
+def _in_dataloader_worker() -> bool:
+    """This process is a DataLoader worker started by 'spawn' or 'forkserver' (it imports the
+    script's main module, and runs its ``import stepwatch.auto``). A forked worker is handled
+    at the fork (``after_fork_in_child``)."""
+    from . import _env
+
+    return os.environ.get(_env.DATALOADER_WORKER) == str(os.getppid())
 
 
 def _diff(a: Config, b: Config) -> str:

@@ -17,3 +17,7 @@ SIDECAR = "STEPWATCH_SIDECAR"
 # Config's on/off switch, which stepwatch also sets to "0" for processes it starts (the sidecar,
 # a trace analysis) so that the shim does not instrument them.
 ENABLED = "STEPWATCH_ENABLED"
+# Set (to the trainer's pid) while a DataLoader starts its worker processes. A worker started
+# with 'spawn' or 'forkserver' imports the script's main module again, and with it
+# ``import stepwatch.auto``: there, ``init()`` starts nothing.
+DATALOADER_WORKER = "STEPWATCH_DATALOADER_WORKER"

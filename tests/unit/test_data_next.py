@@ -2,7 +2,8 @@
 ``_PyDataNextCore``, in C ``hooks/_ctracker.c`` ``DataNext``), run with both cores: it passes for
 torch's method, times the fetch as ``data_wait_s``, scans for the roots at the first fetch, tells
 the exception observers of a fetch that raised (not of the epoch's end) and lets the exception go
-on unchanged, with no frame of stepwatch's in its traceback from the C core."""
+on unchanged, with no frame of stepwatch's in its traceback from the C core; a fetch on another
+thread than the training thread (a prefetcher's) passes through untimed."""
 
 import time
 import traceback
@@ -92,3 +93,103 @@ def test_a_fetch_that_raises_is_reported_and_goes_on_unchanged(sw, both_tracker_
         opt.zero_grad()
     assert told == []
     stepwatch.shutdown()
+
+
+class _Prefetcher:
+    """prefetch_generator.BackgroundGenerator in small: a thread iterates the DataLoader and a
+    queue hands its batches to the training loop."""
+
+    def __init__(self, loader, depth=4):
+        import queue
+        import threading
+
+        self.q = queue.Queue(depth)
+        self.thread = threading.Thread(target=self._run, args=(loader,), daemon=True)
+        self.thread.start()
+
+    def _run(self, loader):
+        for item in loader:
+            self.q.put(item)
+        self.q.put(None)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.q.get()
+        if item is None:
+            raise StopIteration
+        return item
+
+
+class _Busy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x):
+        time.sleep(0.010)
+        return self.lin(x)
+
+
+def test_a_fetch_on_a_prefetch_thread_is_not_the_training_threads(sw):
+    """A background thread runs the DataLoader (BackgroundGenerator): its fetches run alongside
+    the training thread's steps, so they are no step's data wait, end no step, and do not make
+    the training thread's root calls look like they ran inside a fetch. They used to: data_wait_s
+    many times what the loop waited, phases over step_s, forwards dropped."""
+    stepwatch, mem, start = sw
+    session = start()
+    torch.manual_seed(0)
+    m = _Busy()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    it = _Prefetcher(DataLoader(Slow(48), batch_size=4))  # 12 ms a batch, fetched during a 10 ms step
+    time.sleep(0.1)
+    waits = []
+    while True:
+        t0 = time.perf_counter()
+        try:
+            x, y = next(it)
+        except StopIteration:
+            break
+        waits.append(time.perf_counter() - t0)
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    it.thread.join()
+    assert session.tracker.in_data == 0
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == len(waits) == 12
+    for r in recs:
+        parts = r.data_wait_s + r.forward_s + r.backward_s + r.optimizer_s + r.other_s
+        assert abs(parts - r.step_s) <= 1e-6 and r.other_s >= 0, r
+        assert r.data_wait_s == 0, r  # the loop's wait is on the queue, not in a DataLoader's __next__
+        assert r.forward_s >= 0.010 * 0.9 and r.samples == 4, r
+    assert not [r for r in mem.records if r.tail]
+
+
+def test_a_loop_on_another_thread_than_inits_is_the_training_thread(sw):
+    """stepwatch started on the main thread, the loop run on a thread of its own (Ray Train runs
+    the user's function so): from the first backward on, that thread's fetches are the steps'
+    data wait."""
+    import threading
+
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+
+    def loop():
+        m = _Busy()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for x, y in DataLoader(Slow(24), batch_size=4):  # 12 ms a batch
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    t = threading.Thread(target=loop)
+    t.start()
+    t.join()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6
+    assert all(r.data_wait_s >= 0.012 * 0.9 for r in recs[1:]), [r.data_wait_s for r in recs]

@@ -816,3 +816,159 @@ def test_the_no_grad_call_limit_is_the_same_in_both_cores():
     from stepwatch.hooks import _ctracker, phases
 
     assert _ctracker.IN_STEP_NO_GRAD_CALLS == phases.IN_STEP_NO_GRAD_CALLS
+
+
+class _SlowSamples(Dataset):
+    """``n`` samples of ``ms`` each (a validation set whose loading takes known time)."""
+
+    def __init__(self, n, ms):
+        self.n, self.ms = n, ms
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.ms / 1e3)
+        return torch.randn(16), torch.randn(4)
+
+
+class _Ema(nn.Module):
+    """timm's ModelEmaV2 in small: the averaged copy is its child ``.module``."""
+
+    def __init__(self, model):
+        super().__init__()
+        import copy
+
+        self.module = copy.deepcopy(model).eval()
+
+
+def _train_with_validation(m, opt, val, validate, every=4, steps=8):
+    """A training loop that validates after every ``every``-th step; the validations' wall
+    times, each on the loop's own clock from before ``iter(val)`` to after its last batch."""
+    walls = []
+    train = DataLoader(torch.utils.data.TensorDataset(torch.randn(8 * steps, 16), torch.randn(8 * steps, 4)),
+                       batch_size=8)
+    for i, (x, y) in enumerate(train):
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i % every == every - 1:
+            t0 = time.perf_counter()
+            validate(val)
+            walls.append(time.perf_counter() - t0)
+    return walls
+
+
+def test_a_validation_through_a_child_module_is_evaluation_not_data_wait(sw):
+    """timm's ``validate(model_ema.module, loader)`` (DDP's ``model.module(x)`` is the same shape):
+    the model called is a child, so no root call opens an evaluation span; its DataLoader's
+    fetches, made with grad disabled, are evaluation all the same. They used to be the next
+    step's ``data_wait_s`` (a false data_loading finding)."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = _model()
+    ema = _Ema(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+
+    def validate(val):
+        with torch.no_grad():
+            for x, y in val:
+                nn.functional.mse_loss(ema.module(x), y).item()
+
+    walls = _train_with_validation(m, opt, DataLoader(_SlowSamples(8, 5), batch_size=2), validate)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 8 and len(walls) == 2
+    _all_identity(recs)
+    for k, wall in zip((4, 8), walls):
+        r = recs[k] if k < len(recs) else [r for r in mem.records if r.tail][0]
+        assert wall * 0.8 <= r.eval_s <= wall + 0.002, (wall, r)
+        assert r.data_wait_s < wall * 0.25, (wall, r)  # the training fetch only
+        if not r.tail:
+            assert r.step_s < wall * 0.5, (wall, r)
+    assert not [f for f in mem.findings if f.kind == "data_loading"]
+
+
+@pytest.mark.parametrize("grad_off", ["around the loop", "around the call"])
+def test_a_validation_with_loader_workers_is_evaluation_from_iter_to_its_end(sw, grad_off):
+    """The ImageNet example's ``validate`` (and HF's, whose fetches run with grad enabled): a
+    DataLoader with workers, not persistent, so ``iter(val_loader)`` starts them and the fetch
+    that ends the loop (StopIteration) joins them. Both are the evaluation's: they used to be the
+    next step's ``other_s`` and ``data_wait_s``, a step many times its neighbours."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    val = DataLoader(_SlowSamples(8, 1), batch_size=4, num_workers=2)
+
+    def validate(val):
+        if grad_off == "around the loop":
+            with torch.no_grad():
+                for x, _ in val:
+                    m(x)
+        else:
+            for x, _ in val:
+                with torch.no_grad():
+                    m(x)
+
+    walls = _train_with_validation(m, opt, val, validate, every=3, steps=7)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 7 and len(walls) == 2
+    _all_identity(recs)
+    for k, wall in zip((3, 6), walls):
+        r = recs[k]
+        assert wall * 0.9 - 0.002 <= r.eval_s <= wall + 0.002, (wall, r)
+        # Neither in the step: its data wait and other time are small. (Its forward and backward
+        # may be slow: right after a fork the parent's first writes copy pages.)
+        assert r.data_wait_s + r.other_s < wall * 0.1, (wall, r)
+
+
+class _SlowFile(io.RawIOBase):
+    """A file object whose writes are slow (a network filesystem)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        time.sleep(0.002)
+        self.n += len(b)
+        return len(b)
+
+
+def test_a_save_on_another_thread_is_no_part_of_any_step(sw):
+    """Asynchronous checkpointing by hand: ``torch.save`` on a thread while training goes on. The
+    training thread never waits for it, so no step loses its time, and it ends no step. It used
+    to be subtracted from the step it ended in (``step_s`` 0 with every phase > 0), and its
+    ``checkpoint_begin`` finalized the training thread's pending step."""
+    import threading
+
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    clock, saver, f = [], None, _SlowFile()
+    for i in range(40):
+        opt.zero_grad()
+        m(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        clock.append(time.perf_counter())
+        time.sleep(0.003)  # in every step after the first, whatever the saving thread does
+        if i == 3:
+            state = {k: v.clone() for k, v in m.state_dict().items()}
+            saver = threading.Thread(target=torch.save, args=(state, f))
+            saver.start()
+    saver.join()
+    stepwatch.shutdown()
+    assert f.n > 100  # the save ran, and took
+    recs = mem.records
+    assert [r.step for r in recs] == list(range(40))  # no tail, no step more or less
+    _all_identity(recs)
+    assert all(r.checkpoint_s == 0 for r in recs), [r.checkpoint_s for r in recs]
+    assert all(r.step_s >= 0.003 * 0.9 for r in recs[1:]), [r.step_s for r in recs]
+    assert abs(sum(r.step_s for r in recs[1:]) / (clock[-1] - clock[0]) - 1) < 0.05

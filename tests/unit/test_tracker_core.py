@@ -89,7 +89,7 @@ OPS = [
     "fetch", "fetch", "forward", "forward", "forward", "eval", "nested_forward", "backward", "backward",
     "nested_backward", "optimizer", "optimizer", "closure", "scaler_skip", "scaler_step", "checkpoint",
     "phase", "log", "work_begins", "end_step", "exclude", "set_step", "boundary_backward", "half_forward",
-    "half_optimizer",
+    "half_optimizer", "eval_fetch", "eval_fetch", "end_fetch", "iterator",
 ]
 
 
@@ -100,6 +100,12 @@ def _run_op(tr, op, rng):
             tr.forward_begin(True)
             tr.forward_end()
         tr.data_end(t0)
+    elif op == "eval_fetch":  # a fetch with grad disabled (an evaluation's)
+        tr.data_end(tr.data_begin(), phases.FETCH_NO_GRAD)
+    elif op == "end_fetch":  # the fetch that ends an iterator (StopIteration), grad on or off
+        tr.data_end(tr.data_begin(), phases.FETCH_END | rng.choice([0, phases.FETCH_NO_GRAD]))
+    elif op == "iterator":  # iter(loader); its first fetch may come after other work
+        tr.iterator_made(phases._now())
     elif op in ("forward", "eval"):
         tr.forward_begin(op == "forward")
         tr.forward_end()

@@ -55,8 +55,8 @@ typedef struct {
         *_prev_end, *_pending_end, *_pending_skipped, *_step_open, *_fwd_depth, *_fwd_t0,
         *_fwd_grad, *_bwd_depth, *_bwd_t0, *_opt_depth, *_opt_t0, *_opt_paused, *_fwd_paused_opt,
         *_bwd_paused_opt, *_ckpt_depth, *_ckpt_t0, *_eval_open, *_eval_t0, *_eval_last, *_eval_calls,
-        *_eval_pulls, *_eval_pulled, *_eval_fwd, *_last_fetch_t0, *_last_fetch_ns, *_in_scaler,
-        *_scaler_fired, *_data, *_fwd, *_bwd, *_opt, *_eval, *_ckpt, *_own, *_ckpt_bytes, *_bwd_spans,
+        *_eval_pulls, *_eval_pulled, *_eval_fwd, *_last_fetch_t0, *_last_fetch_ns, *_iter_t0, *_thread,
+        *_in_scaler, *_scaler_fired, *_data, *_fwd, *_bwd, *_opt, *_eval, *_ckpt, *_own, *_ckpt_bytes, *_bwd_spans,
         *_phases, *_scalars;
 } Core; /* no __dict__ or __weakref__ of its own: phases.py's StepTracker, a subclass, has both */
 
@@ -68,7 +68,8 @@ typedef struct {
     X(_fwd_grad) X(_bwd_depth) X(_bwd_t0) X(_opt_depth) X(_opt_t0) X(_opt_paused) X(_fwd_paused_opt)   \
     X(_bwd_paused_opt) X(_ckpt_depth) X(_ckpt_t0) X(_eval_open) X(_eval_t0) X(_eval_last)              \
     X(_eval_calls) X(_eval_pulls) X(_eval_pulled) X(_eval_fwd)                                         \
-    X(_last_fetch_t0) X(_last_fetch_ns) X(_in_scaler) X(_scaler_fired) X(_data) X(_fwd) X(_bwd)        \
+    X(_last_fetch_t0) X(_last_fetch_ns) X(_iter_t0) X(_thread) X(_in_scaler) X(_scaler_fired)          \
+    X(_data) X(_fwd) X(_bwd)                                                                           \
     X(_opt) X(_eval) X(_ckpt) X(_own) X(_ckpt_bytes) X(_bwd_spans) X(_phases) X(_scalars)
 
 /* A field read before Python's __init__ set it: the AttributeError Python would raise. */
@@ -630,11 +631,18 @@ error:
     return fail(self, "data_begin") < 0 ? NULL : PyLong_FromLong(0);
 }
 
-static PyObject *Core_data_end(Core *self, PyObject *t0_obj) {
+/* What a fetch's wrapper tells data_end (phases.py's FETCH_NO_GRAD, FETCH_END): grad was disabled;
+ * the fetch ended the iteration (StopIteration). */
+enum { FETCH_NO_GRAD = 1, FETCH_END = 2 };
+
+/* phases.py's data_end(t0, how): a fetch with grad disabled is evaluation, and so is the one that
+ * ends an iterator while an eval span is open; any other is the step's data wait. */
+static PyObject *data_end(Core *self, PyObject *t0_obj, long how) {
     ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
     int t0_true = PyObject_IsTrue(t0_obj);
     if (t0_true < 0) return NULL;
     if (!t0_true) Py_RETURN_NONE;
+    PyObject *start = Py_NewRef(t0_obj); /* where a span of this fetch starts */
     {
         LL(self, in_data, d);
         PUT_LL(self, in_data, d > 1 ? d - 1 : 0);
@@ -642,16 +650,87 @@ static PyObject *Core_data_end(Core *self, PyObject *t0_obj) {
         if (as_ll(t0_obj, &t0) < 0) goto error;
         NOW(t);
         long long dur = t - t0;
-        LL(self, _data, data);
-        PUT_LL(self, _data, data + dur);
+        if (GET(self, _iter_t0) == NULL) goto error;
+        if (self->_iter_t0 != Py_None) { /* the iterator's first fetch: where a span of it starts */
+            PyObject *it0_obj = Py_NewRef(self->_iter_t0);
+            put_obj(&self->_iter_t0, Py_None);
+            long long it0, pe, f0, b0, o0;
+            int ok = GET(self, _prev_end) != NULL;
+            if (ok && self->_prev_end != Py_None) {
+                ok = !(get_ll(it0_obj, "_iter_t0", &it0) < 0 || get_ll(self->_prev_end, "_prev_end", &pe) < 0 ||
+                       get_ll(self->_fwd_t0, "_fwd_t0", &f0) < 0 || get_ll(self->_bwd_t0, "_bwd_t0", &b0) < 0 ||
+                       get_ll(self->_opt_t0, "_opt_t0", &o0) < 0);
+                if (ok && it0 >= pe && it0 >= f0 && it0 >= b0 && it0 >= o0) {
+                    Py_SETREF(start, Py_NewRef(it0_obj));
+                }
+            }
+            Py_DECREF(it0_obj);
+            if (!ok) goto error;
+        }
+        int eval = 0;
+        if (how) {
+            if (how & FETCH_NO_GRAD) {
+                eval = 1;
+            } else {
+                TRUTH(self, _eval_open, open);
+                eval = open;
+            }
+        }
+        if (eval) {
+            TRUTH(self, _eval_open, open);
+            if (!open) {
+                put_obj(&self->_eval_open, Py_True);
+                put_obj(&self->_eval_t0, start);
+                PUT_LL(self, _eval_calls, 0);
+                PUT_LL(self, _eval_pulls, 0);
+                PUT_LL(self, _eval_pulled, 0);
+                PUT_LL(self, _eval_fwd, 0);
+            }
+            if (GET(self, _last_fetch_t0) == NULL) goto error;
+            if (self->_last_fetch_t0 != Py_None) { /* the fetch right before it, as a forward's */
+                LL(self, _last_fetch_t0, lf);
+                LL(self, _eval_t0, e0);
+                if (lf < e0) put_obj(&self->_eval_t0, self->_last_fetch_t0);
+                LL(self, _data, data);
+                LL(self, _last_fetch_ns, lns);
+                PUT_LL(self, _data, data - lns);
+                LL(self, _eval_pulls, pulls);
+                LL(self, _eval_pulled, pulled);
+                PUT_LL(self, _eval_pulls, pulls + 1);
+                PUT_LL(self, _eval_pulled, pulled + lns);
+                put_obj(&self->_last_fetch_t0, Py_None);
+            }
+            if (!(how & FETCH_END)) {
+                LL(self, _eval_pulls, pulls);
+                PUT_LL(self, _eval_pulls, pulls + 1);
+            }
+            LL(self, _eval_pulled, pulled);
+            PUT_LL(self, _eval_pulled, pulled + dur);
+            PUT_LL(self, _eval_last, t);
+        } else {
+            LL(self, _data, data);
+            PUT_LL(self, _data, data + dur);
+            put_obj(&self->_last_fetch_t0, start);
+            PUT_LL(self, _last_fetch_ns, dur);
+        }
         if (set_phase(self, PH_OTHER) < 0) goto error;
-        put_obj(&self->_last_fetch_t0, t0_obj);
-        PUT_LL(self, _last_fetch_ns, dur);
     }
+    Py_DECREF(start);
     Py_RETURN_NONE;
 error:
+    Py_DECREF(start);
     if (fail(self, "data_end") < 0) return NULL;
     Py_RETURN_NONE;
+}
+
+static PyObject *Core_data_end(Core *self, PyObject *const *args, Py_ssize_t n) {
+    if (n < 1 || n > 2) {
+        PyErr_Format(PyExc_TypeError, "data_end() takes 1 or 2 arguments (t0, how=0), %zd given", n);
+        return NULL;
+    }
+    long how = 0;
+    if (n == 2 && (how = PyLong_AsLong(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    return data_end(self, args[0], how);
 }
 
 static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
@@ -1017,7 +1096,7 @@ static PyMethodDef Core_methods[] = {
     {"_finalize", (PyCFunction)(void (*)(void))Core_finalize, METH_FASTCALL, NULL},
     {"_start_work", (PyCFunction)Core_start_work, METH_O, NULL},
     {"data_begin", (PyCFunction)Core_data_begin, METH_NOARGS, NULL},
-    {"data_end", (PyCFunction)Core_data_end, METH_O, NULL},
+    {"data_end", (PyCFunction)(void (*)(void))Core_data_end, METH_FASTCALL, NULL},
     {"forward_begin", (PyCFunction)Core_forward_begin, METH_O, NULL},
     {"forward_end", (PyCFunction)Core_forward_end, METH_NOARGS, NULL},
     {"backward_begin", (PyCFunction)Core_backward_begin, METH_NOARGS, NULL},
@@ -1052,7 +1131,7 @@ static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data
     *s_forward_begin, *s_forward_end, *s_observe_exception, *s_drop_observer, *s_last_optimizer, *s_new_optimizer,
     *s_opt_pre_args, *s_optimizer_observers, *s_observe_optimizer, *s_optimizer_begin, *s_backward_begin,
     *s_backward_end, *s_boundary_checked, *s_check_boundary, *s_data_begin, *s_data_end, *s_data_scanned, *s_scan,
-    *s_first_data_fetch, *s_data;
+    *s_first_data_fetch, *s_data, *s_thread;
 
 static PyObject *call_inner(RootCall *self, PyObject *args, PyObject *kwargs) {
     return PyObject_Call(self->inner, args, kwargs);
@@ -1111,23 +1190,30 @@ static int tr_run(Core *core, PyObject *tr, CoreMethod direct, PyObject *name, P
  * (inst._observe_exception(phase, exc); not of a StopIteration when ``stop_ends`` says it ends an
  * iteration), the phase ends (tr_run(core, tr, end, end_name, arg); as Python's finally, an
  * exception there replaces the user's), and the user's exception goes on. Returns NULL. */
-static PyObject *call_failed(PyObject *inst, PyObject *phase, int stop_ends, Core *core, PyObject *tr, CoreMethod end,
-                             PyObject *end_name, PyObject *arg) {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (tb != NULL) PyException_SetTraceback(value, tb);
-    int eo = stop_ends && PyErr_GivenExceptionMatches(value, PyExc_StopIteration) ? 0 : attr_truth(inst, s_exception_observers);
+static void observe_failure(PyObject *inst, PyObject *phase, int stop_ends, PyObject **type, PyObject **value,
+                            PyObject **tb) {
+    PyErr_Fetch(type, value, tb);
+    PyErr_NormalizeException(type, value, tb);
+    if (*tb != NULL) PyException_SetTraceback(*value, *tb);
+    int eo = stop_ends && PyErr_GivenExceptionMatches(*value, PyExc_StopIteration)
+                 ? 0
+                 : attr_truth(inst, s_exception_observers);
     if (eo < 0) {
         PyErr_Clear(); /* the user's exception goes on; what failed here is ours */
         eo = 0;
     }
     if (eo) {
-        PyObject *oargs[3] = {inst, phase, value};
+        PyObject *oargs[3] = {inst, phase, *value};
         PyObject *r = PyObject_VectorcallMethod(s_observe_exception, oargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         if (r == NULL) PyErr_Clear();
         Py_XDECREF(r);
     }
+}
+
+static PyObject *call_failed(PyObject *inst, PyObject *phase, int stop_ends, Core *core, PyObject *tr, CoreMethod end,
+                             PyObject *end_name, PyObject *arg) {
+    PyObject *type, *value, *tb;
+    observe_failure(inst, phase, stop_ends, &type, &value, &tb); /* the exception, fetched; the observers told */
     if (tr_run(core, tr, end, end_name, arg) < 0) {
         Py_XDECREF(type);
         Py_XDECREF(value);
@@ -1348,20 +1434,54 @@ OBJECT_TYPE(BackwardCall, BWD_FIELDS, "stepwatch.hooks._ctracker.BackwardCall",
 /* -- a DataLoader iterator's __next__, wrapped (hooks/install.py's _PyDataNextCore, in C) ------
  *
  * On _BaseDataLoaderIter, so called with the iterator: the data phase around torch's own
- * __next__, and at the first fetch of an enabled tracker, a scan for the roots. tp_descr_get
- * binds it to the iterator as a function on a class does. */
+ * __next__ (told whether grad was disabled and whether the fetch ended the iteration), and at the
+ * first fetch of an enabled tracker, a scan for the roots; on a thread other than the tracker's
+ * (a prefetcher's), torch's own __next__ alone. tp_descr_get binds it to the iterator as a
+ * function on a class does. */
 
 typedef struct {
     PyObject_HEAD
-    PyObject *inst, *tr, *inner;
+    PyObject *inst, *tr, *inner, *grad_enabled;
 } DataNext;
 
-#define DN_FIELDS(X) X(inst) X(tr) X(inner)
+#define DN_FIELDS(X) X(inst) X(tr) X(inner) X(grad_enabled)
+
+/* tr.data_end(t0, how | FETCH_NO_GRAD when grad is disabled now): the Core's C function when
+ * ``core`` is set, else through the attribute. 0, or -1 with the exception. */
+static int fetch_ended(DataNext *self, Core *core, PyObject *tr, PyObject *t0, long how) {
+    PyObject *g = PyObject_CallNoArgs(self->grad_enabled);
+    if (g == NULL) return -1;
+    int on = PyObject_IsTrue(g);
+    Py_DECREF(g);
+    if (on < 0) return -1;
+    if (!on) how |= FETCH_NO_GRAD;
+    PyObject *r;
+    if (core) {
+        r = data_end(core, t0, how);
+    } else {
+        PyObject *h = PyLong_FromLong(how);
+        if (h == NULL) return -1;
+        PyObject *cargs[3] = {tr, t0, h};
+        r = PyObject_VectorcallMethod(s_data_end, cargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(h);
+    }
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
 
 static PyObject *DataNext_call(DataNext *self, PyObject *args, PyObject *kwargs) {
     DN_FIELDS(FIELD_SET)
     PyObject *inst = self->inst, *tr = self->tr;
     Core *core = as_core(tr);
+    { /* another thread's fetch (a prefetcher): not the training loop's wait, the tracker untouched */
+        PyObject *th = core ? Py_XNewRef(core->_thread) : PyObject_GetAttr(tr, s_thread);
+        if (th == NULL) return core ? unset("_thread") : NULL;
+        unsigned long want = PyLong_AsUnsignedLong(th);
+        Py_DECREF(th);
+        if (want == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+        if (want != PyThread_get_thread_ident()) return PyObject_Call(self->inner, args, kwargs);
+    }
     int scanned = attr_truth(inst, s_data_scanned);
     if (scanned < 0) return NULL;
     if (!scanned) {
@@ -1378,11 +1498,21 @@ static PyObject *DataNext_call(DataNext *self, PyObject *args, PyObject *kwargs)
     if (t0 == NULL) return NULL;
     PyObject *out = PyObject_Call(self->inner, args, kwargs);
     if (out == NULL) {
-        call_failed(inst, s_data, 1, core, tr, Core_data_end, s_data_end, t0);
+        long how = PyErr_ExceptionMatches(PyExc_StopIteration) ? FETCH_END : 0;
+        PyObject *type, *value, *tb;
+        observe_failure(inst, s_data, 1, &type, &value, &tb);
+        int rc = fetch_ended(self, core, tr, t0, how);
         Py_DECREF(t0);
+        if (rc < 0) { /* as Python's, an exception there replaces the user's */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            return NULL;
+        }
+        PyErr_Restore(type, value, tb);
         return NULL;
     }
-    int rc = tr_run(core, tr, Core_data_end, s_data_end, t0);
+    int rc = fetch_ended(self, core, tr, t0, 0);
     Py_DECREF(t0);
     if (rc < 0) {
         Py_DECREF(out);
@@ -1606,6 +1736,7 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_scan, "_scan");
     INTERN(s_first_data_fetch, "first data fetch");
     INTERN(s_data, "data");
+    INTERN(s_thread, "_thread");
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
     if (add_type(m, &Core_spec, "Core", &core_type) < 0 || add_type(m, &RootCall_spec, "RootCall", NULL) < 0 ||

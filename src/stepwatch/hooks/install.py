@@ -7,9 +7,13 @@ What is hooked, and why this way:
 - Backward: ``torch.autograd.backward`` (what ``Tensor.backward`` calls), replaced by a timing wrapper,
   and ``torch.autograd.grad`` (a manual update from it, a gradient penalty), except inside a root
   forward (a loss that takes input gradients there is part of that forward).
-- Data wait: ``_BaseDataLoaderIter.__next__`` (single- and multi-process DataLoader iterators).
+- Data wait: ``_BaseDataLoaderIter.__next__`` (single- and multi-process DataLoader iterators), on
+  the training thread only (another thread's fetch, a prefetcher's, passes through); with grad
+  disabled it is evaluation. ``DataLoader.__iter__``'s start is told to the tracker: an
+  evaluation's span starts where its iterator (and its workers) did.
 - GradScaler: ``torch.amp.GradScaler.step``, to see a step the scaler skips.
-- Checkpoints: ``torch.save`` and ``torch.distributed.checkpoint``'s save functions.
+- Checkpoints: ``torch.save`` and ``torch.distributed.checkpoint``'s save functions, on the
+  training thread (a save on another thread runs alongside the steps: not timed).
 - Forward: only the *root* modules (modules that are nobody's child: the DDP wrapper, the
   ``torch.compile`` wrapper, a loss module). Global per-module hooks cost 190-370 us per forward
   on a 49-module GPT and make torch.compile guard on them, so roots are found once by scanning
@@ -46,15 +50,21 @@ import functools
 import gc
 import os
 import sys
+import threading
 import time
 import types
 import weakref
 from typing import Any, Callable
 
-from .phases import StepTracker
+from .phases import FETCH_END, FETCH_NO_GRAD, StepTracker
 
-# Bounded number of root scans (each is one pass over the garbage collector's objects).
+_get_ident = threading.get_ident
+
+# Bounded number of root scans (each is one pass over the garbage collector's objects): scans that
+# hook no new root count toward MAX_SCANS; a scan that finds a new model (the next fold of a
+# cross-validation, the next model of a sweep) does not, up to MAX_ALL_SCANS in all.
 MAX_SCANS = 8
+MAX_ALL_SCANS = 256
 
 
 class Instrumentation:
@@ -66,13 +76,15 @@ class Instrumentation:
         self._hooked: "weakref.WeakSet[Any]" = weakref.WeakSet()
         # Roots whose call is wrapped: (weak module, its _RootCall, what _compiled_call_impl was).
         self._calls: list[tuple[Any, Any, Any]] = []
-        self._seen_optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._seen_optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # those that stepped
+        self._scanned_optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # a scan ran when it was made
         self._last_optimizer: "weakref.ref[Any] | None" = None  # the one that stepped last
-        self._scans = 0
-        self._optimizers_alive = False  # the last scan saw a torch.optim.Optimizer
+        self._scans = 0  # scans that found no new root
+        self._all_scans = 0
+        self._optimizers_alive = False  # the last scan saw a torch.optim.Optimizer of a root's parameters
+        self._optimizers_exist = False  # the last scan saw one at all
         self._boundary_checked = False
         self._data_scanned = False
-        self._init_scanned = False
         self._dcp_patched = False
         self.scan_s = 0.0
         self.roots: list[str] = []
@@ -104,6 +116,10 @@ class Instrumentation:
 
         it_cls = dataloader._BaseDataLoaderIter
         self._patch(it_cls, "__next__", _DataNext(self, it_cls.__next__))
+        self._patch(dataloader.DataLoader, "__iter__", _timing_iter(tr, dataloader.DataLoader.__iter__))
+        workers_cls = getattr(dataloader, "_MultiProcessingDataLoaderIter", None)
+        if workers_cls is not None:
+            self._patch(workers_cls, "__init__", _marking_workers(workers_cls.__init__))
 
         scaler_cls = torch.amp.GradScaler
         orig_scaler_step = scaler_cls.step
@@ -129,11 +145,17 @@ class Instrumentation:
         @functools.wraps(orig_init)
         def optimizer_init(opt: Any, *args: Any, **kwargs: Any) -> None:
             orig_init(opt, *args, **kwargs)
-            if not self._init_scanned and tr.enabled:
+            if tr.enabled:
                 # The model exists once an optimizer holds its parameters: hook its roots before
-                # the first forward (a loop without a DataLoader would miss step 0's first).
-                self._init_scanned = True
-                self._scan("first optimizer")
+                # the first forward (a loop without a DataLoader would miss step 0's first). Each
+                # new optimizer (maybe of a new model: the next fold, a reloaded one) scans; its
+                # first step then has nothing new to look for.
+                try:
+                    self._scanned_optimizers.add(opt)
+                    self._scan("new optimizer")
+                    self._patch_dcp()
+                except Exception as e:
+                    self._on_error("hooks.discovery", e)
 
         self._patch(opt_cls, "__init__", optimizer_init)
 
@@ -170,6 +192,9 @@ class Instrumentation:
         """First backward: find the roots if no scan ran yet, and whether the loop has a torch
         optimizer at all; without one, each backward ends a step."""
         self._boundary_checked = True
+        # The thread of the first backward trains (Ray Train runs the loop on a thread of its own,
+        # not the one that imported stepwatch): other threads' fetches and saves are not the steps'.
+        self.tracker._thread = threading.get_ident()
         # Always (not only when no scan ran yet): the first module call may have come before the
         # model was built.
         self._scan("first backward")
@@ -178,10 +203,19 @@ class Instrumentation:
             tr.boundary = "backward"
             from .._log import logger
 
-            logger.warning(
-                "stepwatch: no torch.optim optimizer in this process; each backward ends a step "
-                "(call stepwatch.step() after your update to mark steps yourself)"
-            )
+            if self._optimizers_exist:
+                # Functional training (torch.func.functional_call over a dict of tensors that an
+                # optimizer updates), or an optimizer of something else: not a missing optimizer.
+                logger.info(
+                    "stepwatch: no torch.optim optimizer holds the model's parameters yet; each "
+                    "backward ends a step until an optimizer steps (call stepwatch.step() after "
+                    "your update to mark steps yourself)"
+                )
+            else:
+                logger.warning(
+                    "stepwatch: no torch.optim optimizer in this process; each backward ends a step "
+                    "(call stepwatch.step() after your update to mark steps yourself)"
+                )
 
     def uninstall(self) -> None:
         self._unwrap_calls()
@@ -213,6 +247,10 @@ class Instrumentation:
 
         @functools.wraps(orig)
         def save(*args: Any, **kwargs: Any) -> Any:
+            if _get_ident() != tr._thread:
+                # A save on another thread (checkpointing in the background) runs alongside the
+                # steps, which do not wait for it: no step's time, and it ends none.
+                return orig(*args, **kwargs)
             t0 = tr.checkpoint_begin()
             f = None
             if file_arg is not None and t0:
@@ -272,7 +310,8 @@ class Instrumentation:
         if optimizer not in self._seen_optimizers:
             try:
                 self._seen_optimizers.add(optimizer)
-                self._scan("new optimizer")
+                if optimizer not in self._scanned_optimizers:  # made before stepwatch started
+                    self._scan("new optimizer")
                 self._patch_dcp()
             except Exception as e:
                 self._on_error("hooks.discovery", e)
@@ -349,9 +388,10 @@ class Instrumentation:
                 self._hook_root(m)
 
     def _scan(self, why: str) -> None:
-        if self._scans >= MAX_SCANS:
+        if self._scans >= MAX_SCANS or self._all_scans >= MAX_ALL_SCANS:
             return
-        self._scans += 1
+        self._all_scans += 1
+        hooked = len(self.roots)
         t0 = time.perf_counter()
         try:
             import torch.nn as nn
@@ -380,9 +420,12 @@ class Instrumentation:
                 if id(m) not in children and m not in self._hooked and id(m) not in self._not_roots:
                     self._hook_root(m)
             self._optimizers_alive = _steps_a_root(optimizers, list(self._hooked))
+            self._optimizers_exist = bool(optimizers)
         except Exception as e:
             self._on_error("hooks.discovery", e)
         finally:
+            if len(self.roots) == hooked:
+                self._scans += 1
             dt = time.perf_counter() - t0
             self.scan_s += dt
             self.tracker.exclude(int(dt * 1e9))
@@ -499,23 +542,29 @@ class _PyDataNextCore:
     reference that hooks/_ctracker.c's ``DataNext`` translates, and the wrapper itself wherever
     that extension is missing."""
 
-    __slots__ = ("inst", "tr", "inner")
+    __slots__ = ("inst", "tr", "inner", "grad_enabled")
 
     def __call__(self, it: Any) -> Any:
         inst = self.inst
         tr = self.tr
+        if _get_ident() != tr._thread:  # another thread's fetch (a prefetcher): not the loop's wait
+            return self.inner(it)
         if not inst._data_scanned and tr.enabled:
             inst._data_scanned = True
             inst._scan("first data fetch")
         t0 = tr.data_begin()
         try:
-            return self.inner(it)
-        except BaseException as e:
-            if inst.exception_observers and not isinstance(e, StopIteration):
-                inst._observe_exception("data", e)
+            out = self.inner(it)
+        except StopIteration:
+            tr.data_end(t0, FETCH_END if self.grad_enabled() else FETCH_END | FETCH_NO_GRAD)
             raise
-        finally:
-            tr.data_end(t0)
+        except BaseException as e:
+            if inst.exception_observers:
+                inst._observe_exception("data", e)
+            tr.data_end(t0, 0 if self.grad_enabled() else FETCH_NO_GRAD)
+            raise
+        tr.data_end(t0, 0 if self.grad_enabled() else FETCH_NO_GRAD)
+        return out
 
     def __get__(self, it: Any, owner: Any = None) -> Any:
         return self if it is None else types.MethodType(self, it)
@@ -525,10 +574,27 @@ class _DataNextBase:
     """What the wrapped ``__next__`` holds; it passes for torch's (``functools.wraps``)."""
 
     def __init__(self, inst: "Instrumentation", inner: Callable[..., Any]) -> None:
+        import torch
+
         self.inst = inst
         self.tr = inst.tracker
         self.inner = inner
+        self.grad_enabled = torch.is_grad_enabled  # a fetch with grad disabled is evaluation
         functools.update_wrapper(self, inner)
+
+
+def _timing_iter(tr: StepTracker, orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``DataLoader.__iter__`` (where a loader's workers start, or restart when persistent), with
+    its start told to the tracker: an evaluation's span starts there (``iterator_made``)."""
+
+    @functools.wraps(orig)
+    def __iter__(loader: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        it = orig(loader)
+        tr.iterator_made(t0)
+        return it
+
+    return __iter__
 
 
 try:  # the same wrapper in C (hooks/_ctracker.c): no frame of ours a fetch, or in a traceback
@@ -778,6 +844,27 @@ def _reachable(frame: Any, kinds: tuple[type, ...]) -> list[Any]:
                 nxt.extend(gc.get_referents(o))
         frontier = nxt
     return found
+
+
+def _marking_workers(orig_init: Callable[..., Any]) -> Callable[..., Any]:
+    """The multi-process DataLoader iterator's ``__init__`` (where it starts its workers), with
+    ``STEPWATCH_DATALOADER_WORKER`` set to this pid meanwhile: a worker started with 'spawn'
+    imports the script again, and its ``import stepwatch.auto`` must start no session there."""
+    from .._env import DATALOADER_WORKER
+
+    @functools.wraps(orig_init)
+    def __init__(it: Any, *args: Any, **kwargs: Any) -> None:
+        before = os.environ.get(DATALOADER_WORKER)
+        os.environ[DATALOADER_WORKER] = str(os.getpid())
+        try:
+            orig_init(it, *args, **kwargs)
+        finally:
+            if before is None:
+                os.environ.pop(DATALOADER_WORKER, None)
+            else:
+                os.environ[DATALOADER_WORKER] = before
+
+    return __init__
 
 
 def _steps_a_root(optimizers: list[Any], roots: list[Any]) -> bool:

@@ -20,10 +20,18 @@ on only that call ends a step, whatever optimizers step in between).
 Data fetches. Root modules called *inside* a DataLoader fetch (an ``nn.Module`` transform in
 ``Dataset.__getitem__``) are data loading, not forward: ``in_data`` tells the hooks to leave them.
 
-Evaluation. A forward of a hooked root module with grad disabled opens an *eval span*; the data
-fetch right before it and every fetch inside the span belong to it. The span closes at the next
-training work. Its length goes to ``eval_s``, never to ``step_s``. Checkpoint saves go to
+Evaluation. A forward of a hooked root module with grad disabled opens an *eval span*, and so does
+a DataLoader fetch made with grad disabled (a training fetch runs with grad enabled; an evaluation
+through a child module, ``model.module(x)``, calls no root); the data fetch right before it and
+every fetch inside the span belong to it, the one that ends an iterator (StopIteration) too. The
+span closes at the next training work. Its length goes to ``eval_s``, never to ``step_s``; it
+starts at the creation of the DataLoader iterator its first fetch came from when nothing else ran
+between (``iterator_made``: a loader's workers start there). Checkpoint saves go to
 ``checkpoint_s`` likewise.
+
+The training thread. The tracker belongs to the thread that made it (``stepwatch.init()``'s),
+and from the first backward on to that backward's thread (hooks/install.py): ``_thread``. The hooks of what another thread may run alongside the steps (a DataLoader fetch on a
+prefetch thread, a ``torch.save`` on a checkpoint thread) pass through there without touching it.
 
 Two cores. The hot methods (the hooks' begin/end calls, ``log``, the step's hand-over) are
 ``_PyCore``'s here and, where it was built, hooks/_ctracker.c's ``Core``: the same code in C over
@@ -40,6 +48,7 @@ optimizer's event pair is closed and reopened around them.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -51,6 +60,9 @@ _now = time.perf_counter_ns
 # Phase codes published to a progress board (the hang watchdog reads them from another process).
 PHASE_OTHER, PHASE_DATA, PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_EVAL, PHASE_CHECKPOINT = range(7)
 PHASE_NAMES = ("other", "data", "forward", "backward", "optimizer", "eval", "checkpoint")
+# What a fetch's wrapper tells ``data_end`` (bits): grad was disabled; the fetch ended the
+# iteration (StopIteration).
+FETCH_NO_GRAD, FETCH_END = 1, 2
 # A span of grad-disabled root calls with no batch of its own and at most this many calls, closed
 # by training work, is the step's own work (a teacher, a reference and a reward model), not
 # evaluation: _PyCore._close_eval_for_work. An evaluation loop makes more calls, or fetches.
@@ -77,7 +89,7 @@ _STATE = (
     "_fwd_grad", "_bwd_depth", "_bwd_t0", "_opt_depth", "_opt_t0", "_opt_paused", "_fwd_paused_opt",
     "_bwd_paused_opt", "_ckpt_depth", "_ckpt_t0", "_eval_open", "_eval_t0", "_eval_last",
     "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_last_fetch_t0", "_last_fetch_ns",
-    "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
+    "_iter_t0", "_thread", "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
     "_opt", "_eval", "_ckpt", "_own", "_ckpt_bytes", "_bwd_spans", "_phases", "_scalars",
 )
 
@@ -193,17 +205,46 @@ class _PyCore:
             self._fail("data_begin", e)
             return 0
 
-    def data_end(self, t0: int) -> None:
+    def data_end(self, t0: int, how: int = 0) -> None:
+        """``how``: ``FETCH_NO_GRAD`` | ``FETCH_END`` bits (0: a batch fetched with grad enabled,
+        the training loop's fetch). A fetch with grad disabled is evaluation: it opens or extends
+        the eval span (a batch of its own; a span of at most one and few calls, closed by training
+        work, is still the step's own work: ``_close_eval_for_work``); so is the fetch that ends an
+        iterator while a span is open (its workers' shutdown)."""
         if not self.enabled or not t0:
             return
         try:
             self.in_data = max(self.in_data - 1, 0)
-            d = _now() - t0
-            self._data += d
+            t = _now()
+            d = t - t0
+            if self._iter_t0 is not None:  # the iterator's first fetch: where a span of it starts
+                it0 = self._iter_t0
+                self._iter_t0 = None
+                if (self._prev_end is not None and it0 >= self._prev_end and it0 >= self._fwd_t0
+                        and it0 >= self._bwd_t0 and it0 >= self._opt_t0):
+                    t0 = it0
+            if how and (how & FETCH_NO_GRAD or self._eval_open):
+                if not self._eval_open:
+                    self._eval_open = True
+                    self._eval_t0 = t0
+                    self._eval_calls = self._eval_pulls = self._eval_pulled = self._eval_fwd = 0
+                if self._last_fetch_t0 is not None:  # the fetch right before it, as a forward's
+                    if self._last_fetch_t0 < self._eval_t0:
+                        self._eval_t0 = self._last_fetch_t0
+                    self._data -= self._last_fetch_ns
+                    self._eval_pulls += 1
+                    self._eval_pulled += self._last_fetch_ns
+                    self._last_fetch_t0 = None
+                if not how & FETCH_END:
+                    self._eval_pulls += 1
+                self._eval_pulled += d
+                self._eval_last = t
+            else:
+                self._data += d
+                self._last_fetch_t0 = t0
+                self._last_fetch_ns = d
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
-            self._last_fetch_t0 = t0
-            self._last_fetch_ns = d
         except Exception as e:
             self._fail("data_end", e)
 
@@ -518,6 +559,8 @@ class _Methods:
         self._eval_fwd = 0  # its forwards' ns
         self._last_fetch_t0: int | None = None
         self._last_fetch_ns = 0
+        self._iter_t0: int | None = None  # a DataLoader iterator made, its first fetch not yet ended
+        self._thread = threading.get_ident()  # the training thread (see the module's docstring)
         # GradScaler: did an optimizer step run inside scaler.step()?
         self._in_scaler = 0
         self._scaler_fired = False
@@ -719,9 +762,26 @@ class _Methods:
         self._reset_step()
 
     def exclude(self, ns: int) -> None:
-        """Time stepwatch itself spent inside the step (one-off discovery): kept out of step_s."""
+        """Time stepwatch itself spent inside the step (one-off discovery): kept out of step_s.
+        An iterator made before it does not start an eval span (that would count it twice). A
+        step whose end is pending ended before this time began: it is final now, and the time is
+        kept out of the next step (an optimizer made between two models' loops scans)."""
+        self._iter_t0 = None
+        if self._pending_end is not None and not self._eval_open and self.enabled:
+            try:
+                self._finalize(self._pending_end, self._pending_skipped)
+            except Exception as e:  # never raise into the training loop
+                self._fail("exclude", e)
+                return
         if self._prev_end is not None:
             self._own += ns
+
+    def iterator_made(self, t0: int) -> None:
+        """A DataLoader iterator was made (``iter(loader)``, started at ``t0``; its workers start
+        there): an eval span that its first fetch opens or joins starts at ``t0``, if no training
+        work ran in between (``data_end``). Another thread's iterator is none of the tracker's."""
+        if self.enabled and threading.get_ident() == self._thread:
+            self._iter_t0 = t0
 
     def set_step(self, n: int) -> None:
         self.step = int(n)

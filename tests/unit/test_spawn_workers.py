@@ -1,0 +1,75 @@
+"""``import stepwatch.auto`` at the top of the script and a DataLoader whose workers are started
+with 'spawn' (macOS's default; what a Dataset that uses CUDA needs). A spawned worker imports
+the script's main module again, and so ran the import: each worker of each epoch started a whole
+session, with its own run directory (under torchrun, its own ``run.<n>.json`` and steps file in
+the job's directory, which ``stepwatch report`` then read as restarts). Only the trainer is
+measured now."""
+
+import os
+import subprocess
+import sys
+
+from torch.utils.data import DataLoader, Dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = '''
+import stepwatch.auto  # noqa: F401  (the one line)
+import torch, torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+def main():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(32, 16), torch.randn(32, 4)), batch_size=8,
+                        num_workers=2, multiprocessing_context="spawn")
+    for epoch in range(1):
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_spawned_dataloader_workers_start_no_session(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env.update({"PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "STEPWATCH_CONSOLE": "off",
+                "STEPWATCH_DIR": str(tmp_path / "run"), "TORCHELASTIC_RUN_ID": "job"})
+    r = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = sorted(os.listdir(tmp_path / "run"))
+    steps = [f for f in files if f.startswith("steps.")]
+    manifests = [f for f in files if f.startswith("run") and f.endswith(".json")]
+    assert steps == ["steps.rank0.jsonl"] and manifests == ["run.json"], files  # one attempt, the trainer's
+    with open(tmp_path / "run" / "steps.rank0.jsonl") as f:
+        assert sum(1 for line in f if line.strip()) == 4  # 4 batches
+    assert not (tmp_path / "stepwatch-runs").exists()
+
+
+class _Mark(Dataset):
+    """Each item: what the worker process sees of the mark."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        from stepwatch import _env
+
+        return os.environ.get(_env.DATALOADER_WORKER, "")
+
+
+def test_the_workers_mark_is_set_only_while_they_start(sw):
+    """The variable that tells a worker what it is: a worker sees the trainer's pid; the trainer
+    has it only while it starts its workers (a process the job starts later is not a worker)."""
+    from stepwatch import _env
+
+    stepwatch, mem, start = sw
+    start()
+    seen = [b for batch in DataLoader(_Mark(), batch_size=2, num_workers=1) for b in batch]
+    assert seen == [str(os.getpid())] * 4
+    assert _env.DATALOADER_WORKER not in os.environ
+    assert [b for batch in DataLoader(_Mark(), batch_size=2) for b in batch] == [""] * 4  # no workers: no mark
