@@ -765,6 +765,28 @@ def test_fast_path_is_per_module_and_follows_autocast():
     assert cache.get(a, (x,)) is fa
 
 
+def test_anomaly_mode_leaves_the_fake_count_alone_and_stays_on():
+    """``torch.autograd.set_detect_anomaly(True)`` for a whole run: the replay on fake tensors
+    used to fail (anomaly mode's checks read values), print torch's "Error detected in
+    AddmmBackward0" warning with a traceback through stepwatch, and count again on real tensors."""
+    import warnings
+
+    m, x = mlp(), torch.randn(4, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one warning set_detect_anomaly(True) itself gives
+        anomaly = torch.autograd.set_detect_anomaly(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fc = count_step_flops(m, (x,))  # on fakes: it raised FlopCountError here before
+        assert [str(w.message)[:80] for w in caught] == []
+        assert fc.total == count_step_flops(m, (x,), real=True).total
+        assert torch.is_anomaly_enabled()
+    finally:
+        anomaly.__exit__(None, None, None)
+    assert not torch.is_anomaly_enabled()
+
+
 @pytest.fixture
 def tf32_switches():
     """torch's two TF32 switches, put back as they were after the test."""

@@ -592,11 +592,17 @@ def count_step_flops(
     temporarily swaps fakes into the module). Raises ``FlopCountError`` when the replay fails.
 
     The replay runs inside an autograd node on this thread (:func:`_in_autograd_node`), so that it
-    leaves no thread-local state behind that every later backward would pay for.
+    leaves no thread-local state behind that every later backward would pay for. Anomaly mode
+    (``torch.autograd.set_detect_anomaly``, a process-wide switch) is off while it runs: its checks
+    read values, which fake tensors do not have, and each failure printed a warning that looked
+    like the user's own backward failing.
     """
-    return _in_autograd_node(
-        lambda: _count(module, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices, real=real)
-    )
+    import torch
+
+    with torch.autograd.set_detect_anomaly(False):
+        return _in_autograd_node(
+            lambda: _count(module, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices, real=real)
+        )
 
 
 def _in_autograd_node(fn: Callable[[], Any]) -> Any:
@@ -1075,6 +1081,16 @@ class FlopCache:
         if not count_kwargs:
             self._remember(mid, args, kwargs, value)
         return value
+
+    def forget(self, mid: int) -> None:
+        """Module ``mid`` was freed: drop its counts (a new module may get its id) and give back
+        the budget they used (``max_misses`` bounds the signatures of the live modules). Any
+        thread; the training thread may be adding an entry meanwhile."""
+        self._last.pop(mid, None)
+        gone = [k for k in list(self._entries) if k and k[0] == mid]
+        for k in gone:
+            self._entries.pop(k, None)
+        self.misses = max(self.misses - len(gone), 0)
 
     def _remember(self, mid: int, args: Any, kwargs: Any, value: FlopCount | None) -> None:
         """Keep this call's signature as the module's last one, when it has the flat shape the

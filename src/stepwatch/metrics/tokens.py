@@ -22,6 +22,7 @@ with an async copy (like the grad norm) and read by ``resolve`` on the backgroun
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -281,6 +282,7 @@ class _ThroughputMethods(Collector):
         self.exclude = exclude
         self._token_root: int | None = None
         self._seq_first = False
+        self._known: set[int] = set()  # ids of the live roots this collector has seen called
         # The first FLOPs count (for the start-up Tensor Core lint: flops.alignment_finding).
         self.first_count: Any = None
         self._dtype_keys: dict[int, str] = {}
@@ -296,10 +298,10 @@ class _ThroughputMethods(Collector):
         self._recount = _RECOUNT
 
     def _on_forward_full(self, module: Any, args: Any, kwargs: Any) -> None:
-        if self._token_root is None:
-            self._token_root = id(module)
-            self._seq_first = is_seq_first(module)
-        is_model = id(module) == self._token_root
+        mid = id(module)
+        if mid not in self._known:
+            self._first_call(module, mid)
+        is_model = mid == self._token_root
         if self.override is not None:
             if not is_model:
                 return  # the user's number is the whole micro-batch
@@ -317,6 +319,37 @@ class _ThroughputMethods(Collector):
         counts = self._batch_counts(args, kwargs) if is_model else None
         self._items.append((fc, counts))
         self._remember(module, args, kwargs, fc, counts)
+
+    def _first_call(self, module: Any, mid: int) -> None:
+        """A root's first call (grad enabled). The model (whose calls give the step's samples and
+        tokens) is the first root called in a step; a root never called before that opens a step
+        is a new model (the next fold, a model loaded from a checkpoint, the next in a sweep) and
+        takes over from the last one. When a root is freed, what was kept under its id goes with
+        it: a new module may get the same id."""
+        self._known.add(mid)
+        try:
+            weakref.finalize(module, self._forget, mid).atexit = False
+        except TypeError:  # not weak-referenceable: its id is kept, as before
+            pass
+        if self._token_root is None or not self._items:
+            if self._token_root is not None:
+                self._hits.pop(self._token_root, None)  # the old model's calls count no samples now
+            self._token_root = mid
+            self._seq_first = is_seq_first(module)
+
+    def _forget(self, mid: int) -> None:
+        """A root was freed (any thread, from its finalizer): drop what is kept under its id."""
+        try:
+            self._known.discard(mid)
+            self._hits.pop(mid, None)
+            self._dtype_keys.pop(mid, None)
+            if self._token_root == mid:
+                self._token_root = None
+            forget = getattr(self.cache, "forget", None)
+            if forget is not None:
+                forget(mid)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise (it would print at a random point)
+            pass
 
     def _remember(self, module: Any, args: Any, kwargs: Any, fc: Any, counts: "BatchCounts | None") -> None:
         """The next call like this one takes the hot path: a known count (the cache's, or a fixed
