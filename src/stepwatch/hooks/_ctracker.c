@@ -301,6 +301,42 @@ error:
     return -1;
 }
 
+/* phases.py's _open_eval: an eval span is open (from t0, borrowed, if none was), and the fetch
+ * right before it is the span's, as for a forward. */
+static int open_eval(Core *self, PyObject *t0) {
+    TRUTH(self, _eval_open, open);
+    if (!open) {
+        put_obj(&self->_eval_open, Py_True);
+        put_obj(&self->_eval_t0, t0);
+        PUT_LL(self, _eval_calls, 0);
+        PUT_LL(self, _eval_pulls, 0);
+        PUT_LL(self, _eval_pulled, 0);
+        PUT_LL(self, _eval_fwd, 0);
+    }
+    if (GET(self, _last_fetch_t0) == NULL) goto error;
+    if (self->_last_fetch_t0 != Py_None) {
+        LL(self, _last_fetch_t0, lf);
+        LL(self, _eval_t0, e0);
+        if (lf < e0) put_obj(&self->_eval_t0, self->_last_fetch_t0);
+        LL(self, _data, data);
+        LL(self, _last_fetch_ns, lns);
+        PUT_LL(self, _data, data - lns);
+        LL(self, _eval_pulls, pulls);
+        LL(self, _eval_pulled, pulled);
+        PUT_LL(self, _eval_pulls, pulls + 1);
+        PUT_LL(self, _eval_pulled, pulled + lns);
+        put_obj(&self->_last_fetch_t0, Py_None);
+    }
+    return 0;
+error:
+    return -1;
+}
+
+static PyObject *Core_open_eval(Core *self, PyObject *t0) {
+    if (open_eval(self, t0) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* phases.py's _close_eval_for_work: training work begins while an eval span is open. A span
  * with no batch of its own (at most the one fetched right before it, none since its last
  * forward) and at most IN_STEP_NO_GRAD_CALLS calls is the step's own work (a teacher or
@@ -677,29 +713,7 @@ static PyObject *data_end(Core *self, PyObject *t0_obj, long how) {
             }
         }
         if (eval) {
-            TRUTH(self, _eval_open, open);
-            if (!open) {
-                put_obj(&self->_eval_open, Py_True);
-                put_obj(&self->_eval_t0, start);
-                PUT_LL(self, _eval_calls, 0);
-                PUT_LL(self, _eval_pulls, 0);
-                PUT_LL(self, _eval_pulled, 0);
-                PUT_LL(self, _eval_fwd, 0);
-            }
-            if (GET(self, _last_fetch_t0) == NULL) goto error;
-            if (self->_last_fetch_t0 != Py_None) { /* the fetch right before it, as a forward's */
-                LL(self, _last_fetch_t0, lf);
-                LL(self, _eval_t0, e0);
-                if (lf < e0) put_obj(&self->_eval_t0, self->_last_fetch_t0);
-                LL(self, _data, data);
-                LL(self, _last_fetch_ns, lns);
-                PUT_LL(self, _data, data - lns);
-                LL(self, _eval_pulls, pulls);
-                LL(self, _eval_pulled, pulled);
-                PUT_LL(self, _eval_pulls, pulls + 1);
-                PUT_LL(self, _eval_pulled, pulled + lns);
-                put_obj(&self->_last_fetch_t0, Py_None);
-            }
+            if (open_eval(self, start) < 0) goto error;
             if (!(how & FETCH_END)) {
                 LL(self, _eval_pulls, pulls);
                 PUT_LL(self, _eval_pulls, pulls + 1);
@@ -761,33 +775,15 @@ static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
         }
         /* Evaluation: the fetch right before this forward, and fetches inside the span, are eval. */
         {
-            TRUTH(self, _eval_open, open);
-            if (!open) {
-                put_obj(&self->_eval_open, Py_True);
-                PUT_LL(self, _eval_t0, t);
-                PUT_LL(self, _eval_calls, 0);
-                PUT_LL(self, _eval_pulls, 0);
-                PUT_LL(self, _eval_pulled, 0);
-                PUT_LL(self, _eval_fwd, 0);
-            }
+            PyObject *t_obj = PyLong_FromLongLong(t);
+            if (t_obj == NULL) goto error;
+            int r = open_eval(self, t_obj);
+            Py_DECREF(t_obj);
+            if (r < 0) goto error;
         }
         {
             LL(self, _eval_calls, calls);
             PUT_LL(self, _eval_calls, calls + 1);
-        }
-        if (GET(self, _last_fetch_t0) == NULL) goto error;
-        if (self->_last_fetch_t0 != Py_None) {
-            LL(self, _last_fetch_t0, lf);
-            LL(self, _eval_t0, e0);
-            if (lf < e0) put_obj(&self->_eval_t0, self->_last_fetch_t0);
-            LL(self, _data, data);
-            LL(self, _last_fetch_ns, lns);
-            PUT_LL(self, _data, data - lns);
-            LL(self, _eval_pulls, pulls);
-            LL(self, _eval_pulled, pulled);
-            PUT_LL(self, _eval_pulls, pulls + 1);
-            PUT_LL(self, _eval_pulled, pulled + lns);
-            put_obj(&self->_last_fetch_t0, Py_None);
         }
     }
     Py_RETURN_NONE;
@@ -1093,6 +1089,7 @@ static PyMethodDef Core_methods[] = {
     {"_reset_step", (PyCFunction)Core_reset_step, METH_NOARGS, NULL},
     {"_close_eval", (PyCFunction)Core_close_eval, METH_NOARGS, NULL},
     {"_close_eval_for_work", (PyCFunction)Core_close_eval_for_work, METH_NOARGS, NULL},
+    {"_open_eval", (PyCFunction)Core_open_eval, METH_O, NULL},
     {"_finalize", (PyCFunction)(void (*)(void))Core_finalize, METH_FASTCALL, NULL},
     {"_start_work", (PyCFunction)Core_start_work, METH_O, NULL},
     {"data_begin", (PyCFunction)Core_data_begin, METH_NOARGS, NULL},

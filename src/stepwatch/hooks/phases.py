@@ -116,6 +116,21 @@ class _PyCore:
             self._eval += self._eval_last - self._eval_t0
             self._eval_open = False
 
+    def _open_eval(self, t0: int) -> None:
+        """An eval span is open (from ``t0``, if none was), and the fetch right before it is the
+        span's, as for a forward."""
+        if not self._eval_open:
+            self._eval_open = True
+            self._eval_t0 = t0
+            self._eval_calls = self._eval_pulls = self._eval_pulled = self._eval_fwd = 0
+        if self._last_fetch_t0 is not None:
+            if self._last_fetch_t0 < self._eval_t0:
+                self._eval_t0 = self._last_fetch_t0
+            self._data -= self._last_fetch_ns
+            self._eval_pulls += 1
+            self._eval_pulled += self._last_fetch_ns
+            self._last_fetch_t0 = None
+
     def _close_eval_for_work(self) -> None:
         """Training work begins (a forward with grad, a backward, an optimizer step) while a
         span of grad-disabled forwards is open. A span that fetched no batch of its own (at most
@@ -224,17 +239,7 @@ class _PyCore:
                         and it0 >= self._bwd_t0 and it0 >= self._opt_t0):
                     t0 = it0
             if how and (how & FETCH_NO_GRAD or self._eval_open):
-                if not self._eval_open:
-                    self._eval_open = True
-                    self._eval_t0 = t0
-                    self._eval_calls = self._eval_pulls = self._eval_pulled = self._eval_fwd = 0
-                if self._last_fetch_t0 is not None:  # the fetch right before it, as a forward's
-                    if self._last_fetch_t0 < self._eval_t0:
-                        self._eval_t0 = self._last_fetch_t0
-                    self._data -= self._last_fetch_ns
-                    self._eval_pulls += 1
-                    self._eval_pulled += self._last_fetch_ns
-                    self._last_fetch_t0 = None
+                self._open_eval(t0)
                 if not how & FETCH_END:
                     self._eval_pulls += 1
                 self._eval_pulled += d
@@ -276,18 +281,8 @@ class _PyCore:
                     self._dslot_fwd = self.device.begin(PHASE_FORWARD)
                 return
             # Evaluation: the fetch right before this forward, and fetches inside the span, are eval.
-            if not self._eval_open:
-                self._eval_open = True
-                self._eval_t0 = t
-                self._eval_calls = self._eval_pulls = self._eval_pulled = self._eval_fwd = 0
+            self._open_eval(t)
             self._eval_calls += 1
-            if self._last_fetch_t0 is not None:
-                if self._last_fetch_t0 < self._eval_t0:
-                    self._eval_t0 = self._last_fetch_t0
-                self._data -= self._last_fetch_ns
-                self._eval_pulls += 1
-                self._eval_pulled += self._last_fetch_ns
-                self._last_fetch_t0 = None
         except Exception as e:
             self._fail("forward_begin", e)
 
