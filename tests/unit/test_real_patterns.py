@@ -972,3 +972,69 @@ def test_a_save_on_another_thread_is_no_part_of_any_step(sw):
     assert all(r.checkpoint_s == 0 for r in recs), [r.checkpoint_s for r in recs]
     assert all(r.step_s >= 0.003 * 0.9 for r in recs[1:]), [r.step_s for r in recs]
     assert abs(sum(r.step_s for r in recs[1:]) / (clock[-1] - clock[0]) - 1) < 0.05
+
+
+class _Flaky(torch.optim.SGD):
+    """An optimizer whose third step raises (an OOM on Adam's first state allocation, a check in
+    a custom optimizer), as a loop that catches and skips the batch sees it."""
+
+    def __init__(self, params, fail_at=3, **kw):
+        super().__init__(params, **kw)
+        self.calls, self.fail_at = 0, fail_at
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("out of memory (simulated)")
+        return super().step(closure)
+
+
+class _Outer(torch.optim.Optimizer):
+    """An optimizer that steps another inside its own step (Lookahead's shape)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+@pytest.mark.parametrize("how", ["step", "closure", "nested"])
+def test_an_optimizer_step_that_raises_and_is_skipped_keeps_every_later_step(sw, how):
+    """torch runs no step post-hook when ``step()`` raises: the optimizer phase stayed open for
+    good, each later step extended it, and no later step ever ended (9 steps, 2 records). Now a
+    step that begins while a stale one is open drops it; an optimizer stepping another inside its
+    own step (nested: two of torch's step wrappers on the stack) is still one step."""
+    stepwatch, mem, start = sw
+    start()
+    model = _model()
+    if how == "nested":
+        opt = _Outer(torch.optim.SGD(model.parameters(), lr=0.01))
+    else:
+        opt = _Flaky(model.parameters(), lr=0.01)
+    done = 0
+    for _ in range(10):
+        x, y = torch.randn(8, 16), torch.randn(8, 4)
+
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        try:
+            if how == "closure":
+                opt.step(closure)
+            else:
+                closure()
+                opt.step()
+            done += 1
+        except RuntimeError:
+            pass
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert done == (10 if how == "nested" else 9)
+    assert len(recs) == done, [r.step for r in recs]
+    _all_identity(recs)
+    assert all(r.forward_s > 0 and r.samples for r in recs), recs

@@ -41,7 +41,7 @@ static PyObject *clock_override = NULL; /* tests: a callable returning int ns */
 static PyObject *raw_step_cls = NULL;   /* stepwatch.record.RawStep, from _bind() */
 
 /* Interned names. */
-static PyObject *s_pause_opt, *s_resume_opt, *s_fail, *s_push_step, *s_push_range, *s_pop_range,
+static PyObject *s_opt_stale, *s_pause_opt, *s_resume_opt, *s_fail, *s_push_step, *s_push_range, *s_pop_range,
     *s_forward, *s_eval, *s_backward, *s_optimizer, *s_set_phase, *s_set_step, *s_begin, *s_end,
     *s_name, *s_take, *s_update, *s_backward_spans, *s_checkpoint_bytes, *s_explicit;
 
@@ -918,7 +918,16 @@ error:
 static PyObject *Core_optimizer_begin(Core *self, PyObject *unused) {
     ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
     {
-        OUTERMOST(self, enter, _opt_depth);
+        int outer = enter(&self->_opt_depth, "_opt_depth");
+        if (outer < 0) goto error;
+        if (!outer) { /* nested, or the open one raised out of its step(): phases.py's _opt_stale */
+            PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, s_opt_stale);
+            if (r == NULL) goto error;
+            int stale = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (stale < 0) goto error;
+            if (!stale) Py_RETURN_NONE;
+        }
         NOW(t);
         PyObject *b = GET(self, boundary);
         if (b == NULL) goto error;
@@ -1680,6 +1689,7 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "stepwatch.hooks._ctr
 
 PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_pause_opt, "_pause_opt");
+    INTERN(s_opt_stale, "_opt_stale");
     INTERN(s_resume_opt, "_resume_opt");
     INTERN(s_fail, "_fail");
     INTERN(s_push_step, "push_step");

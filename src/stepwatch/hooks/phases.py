@@ -48,6 +48,7 @@ optimizer's event pair is closed and reopened around them.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -369,7 +370,7 @@ class _PyCore:
             return
         try:
             self._opt_depth += 1
-            if self._opt_depth > 1:
+            if self._opt_depth > 1 and not self._opt_stale():
                 return
             t = _now()
             if self.boundary == "backward":
@@ -451,6 +452,20 @@ class _PyCore:
             self._start_work(_now())
         except Exception as e:
             self._fail("work_begins", e)
+
+
+_STEP_WRAPPER: Any = None
+
+
+def _step_wrapper_code() -> Any:
+    """The code of torch's ``Optimizer.step`` wrapper (``profile_hook_step``'s), which runs the
+    step hooks around every optimizer's ``step``."""
+    global _STEP_WRAPPER
+    if _STEP_WRAPPER is None:
+        from torch.optim.optimizer import Optimizer
+
+        _STEP_WRAPPER = Optimizer.profile_hook_step(lambda *a, **k: None).__code__
+    return _STEP_WRAPPER
 
 
 def _tracked(obj: Any) -> Any:
@@ -567,6 +582,30 @@ class _Methods:
         self.enabled = False
         if self._on_error is not None:
             self._on_error(f"tracker.{where}", exc)
+
+    def _opt_stale(self) -> bool:
+        """An optimizer step begins while one is open (``_opt_depth`` > 1 now). Nested (an
+        optimizer that steps another, as Lookahead does): two of torch's step wrappers are on the
+        stack. Else the open one is stale: its ``step()`` raised (an OOM the loop caught and
+        skipped), and torch runs no post-hook then. That phase is dropped (its time stays in the
+        step's ``other_s``) and this step's opens in its place; it used to stay open for good,
+        and no later step ended."""
+        code = _step_wrapper_code()
+        f = sys._getframe(1)
+        n = 0
+        while f is not None:
+            if f.f_code is code:
+                n += 1
+                if n > 1:
+                    return False
+            f = f.f_back
+        if not self._opt_paused:
+            if self.device is not None:
+                self.device.end(self._dslot_opt)
+            if self._nvtx is not None:
+                self._nvtx.pop_range()
+        self._opt_depth = 1
+        return True
 
     def _pause_opt(self, t: int) -> bool:
         """A forward/backward starts inside the optimizer phase: close the optimizer's segment."""
