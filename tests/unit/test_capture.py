@@ -830,3 +830,26 @@ def test_an_observer_that_removes_itself_runs_once_and_the_others_still_run(tmp_
     for _ in range(3):
         inst._observe_forward(object(), (), {})
     assert calls == ["first", "next", "next", "next"]
+
+
+def test_a_step_time_spike_is_a_finding_in_a_one_process_job_without_captures(sw):
+    """Captures are off in a one-process job by default (``capture=auto``); the spike detector
+    was registered only with them, so a 0.5 s stall among ~1 ms steps gave no finding, though the
+    README lists ``step_time_spike`` among the default detectors."""
+    import torch
+
+    stepwatch, mem, start = sw
+    session = start()
+    assert session.config.capture == "auto"
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    model = torch.nn.Identity()
+    for i in range(60):
+        model(p).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 40:
+            time.sleep(0.5)
+    stepwatch.shutdown()
+    spikes = [f for f in mem.findings if f.kind == "step_time_spike"]
+    assert [f.step for f in spikes] == [41], [(f.kind, f.step) for f in mem.findings]

@@ -142,7 +142,6 @@ class Feature:
     def start_captures(self) -> None:
         from . import nsys
         from .profiler import CaptureManager
-        from .triggers import StepTimeSpikeDetector
 
         hub, cfg = self.hub, self.hub.config
         self.captures = CaptureManager(
@@ -157,7 +156,6 @@ class Feature:
             hub.report_error("capture.warm_up", e)
             self.captures = None
             return
-        hub.add_detector(StepTimeSpikeDetector(cfg.window, mads=cfg.spike_mads))
         hub.add_detector(self.captures)
 
     def on_step_end(self, ended: int) -> None:
@@ -347,6 +345,11 @@ def install(hub: "Hub") -> Feature | None:
     if os.environ.get(SIDECAR_ENV) == "1":
         return None
     cfg, ctx = hub.config, hub.ctx
+    from .triggers import StepTimeSpikeDetector
+
+    # The spike is a finding with captures or without (a one-process job has none by default);
+    # added before the captures, which take the findings of the same pass as triggers.
+    hub.add_detector(StepTimeSpikeDetector(cfg.window, mads=cfg.spike_mads))
     watchdog = _wanted(cfg.watchdog, ctx)
     capture = _wanted(cfg.capture, ctx)
     if not (watchdog or capture):
