@@ -35,6 +35,16 @@ def init(**config: Any) -> "Session":
         import dataclasses
 
         cfg = dataclasses.replace(cfg, enabled=False)  # a worker loads batches: nothing to measure
+    elif cfg.enabled and _importing_mp_main():
+        import dataclasses
+
+        # A 'spawn'/'forkserver' child (a multiprocessing Pool's worker, a process of
+        # torch.multiprocessing.spawn) imports the script again: start when it trains.
+        _start_at_first_optimizer(config)
+        cfg = dataclasses.replace(cfg, enabled=False)
+        from ._session import Session
+
+        return Session(cfg)  # inert, and not this process's session (get_session() is None)
     with _lock:
         if _session is not None and not _session._closed:
             if _session.config != cfg:
@@ -52,6 +62,44 @@ def init(**config: Any) -> "Session":
             _fork_handler_installed = True
         _session = Session(cfg)
         return _session
+
+
+def _importing_mp_main() -> bool:
+    """This call comes from the script's import as ``__mp_main__``: multiprocessing's 'spawn'
+    and 'forkserver' children run the main module again under that name before their target."""
+    import sys
+
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "<module>" and f.f_globals.get("__name__") == "__mp_main__":
+            return True
+        f = f.f_back
+    return False
+
+
+def _start_at_first_optimizer(config: dict[str, Any]) -> None:
+    """``init(**config)`` when this process makes its first ``torch.optim.Optimizer`` (a rank of
+    ``torch.multiprocessing.spawn`` trains; a Pool's worker that preprocesses never does).
+    Nothing of stepwatch runs before."""
+    import functools
+
+    from torch.optim import Optimizer
+
+    orig = Optimizer.__init__
+
+    @functools.wraps(orig)
+    def __init__(opt: Any, *args: Any, **kwargs: Any) -> None:
+        if Optimizer.__init__ is __init__:
+            Optimizer.__init__ = orig  # once; the session patches its own in
+        orig(opt, *args, **kwargs)
+        try:
+            init(**config)
+        except Exception as e:  # a bad setting was checked before; anything else: no session
+            from ._log import logger
+
+            logger.warning("stepwatch: not started in this process: %s: %s", type(e).__name__, e)
+
+    Optimizer.__init__ = __init__
 
 
 def _in_dataloader_worker() -> bool:

@@ -73,3 +73,62 @@ def test_the_workers_mark_is_set_only_while_they_start(sw):
     assert seen == [str(os.getpid())] * 4
     assert _env.DATALOADER_WORKER not in os.environ
     assert [b for batch in DataLoader(_Mark(), batch_size=2) for b in batch] == [""] * 4  # no workers: no mark
+
+
+POOL_SCRIPT = '''
+import stepwatch.auto  # noqa: F401  (the one line)
+import multiprocessing as mp
+import os, sys
+import torch, torch.nn as nn
+import stepwatch
+
+
+def prep(i):  # a Pool worker's preprocessing: no training, no session
+    return stepwatch.get_session() is not None
+
+
+def train(n):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(n):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def rank():  # a process that trains (torch.multiprocessing.spawn's shape): measured
+    train(3)
+    stepwatch.shutdown()
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        live = pool.map(prep, range(4))
+    train(4)
+    p = ctx.Process(target=rank)
+    p.start()
+    p.join()
+    print("live", live, "exit", p.exitcode)
+    sys.exit(0 if p.exitcode == 0 and not any(live) else 1)
+'''
+
+
+def test_spawned_pool_workers_start_no_session_and_a_spawned_trainer_does(tmp_path):
+    """A spawn Pool's workers import the script again (and its ``import stepwatch.auto``): they
+    each started a session, with a run directory (under torchrun also a watchdog sidecar, a
+    profiler warm-up and the rank's watchdog file replaced). A spawned process starts stepwatch
+    when it makes its first optimizer: the Pool's workers never do; a trainer does."""
+    (tmp_path / "train.py").write_text(POOL_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env.update({"PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "STEPWATCH_CONSOLE": "off"})
+    r = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    runs = sorted(os.listdir(tmp_path / "stepwatch-runs"))
+    assert len(runs) == 2, runs  # the script's and the spawned trainer's, none of the Pool's
+    counts = []
+    for d in runs:
+        with open(tmp_path / "stepwatch-runs" / d / "steps.rank0.jsonl") as f:
+            counts.append(sum(1 for line in f if line.strip()))
+    assert sorted(counts) == [3, 4], counts
