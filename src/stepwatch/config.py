@@ -671,6 +671,7 @@ class Config:
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         names = {f.name: f for f in dataclasses.fields(cls)}
+        _say_unknown(env, {f.metadata["env"] for f in names.values() if f.metadata.get("env")})
         for f in names.values():
             var = f.metadata.get("env")
             if var and var in env:
@@ -700,6 +701,27 @@ class Config:
                 v = type(v).__name__  # the user's writer object
             out[f.name] = v
         return out
+
+
+def _say_unknown(env: Mapping[str, str], known: set[str]) -> None:
+    """One line for each ``STEPWATCH_*`` variable that is no setting (a misspelled name would
+    otherwise be ignored without a word), with the closest setting's name."""
+    unknown = [v for v in env if v.startswith("STEPWATCH_") and v not in known]
+    if not unknown:
+        return
+    import difflib
+
+    from . import _env
+    from ._log import warn_once
+
+    internal = {v for k, v in vars(_env).items() if k.isupper() and isinstance(v, str)}
+    for var in sorted(set(unknown) - internal):
+        close = difflib.get_close_matches(var, sorted(known), n=1)
+        warn_once(
+            f"config.unknown.{var}",
+            "stepwatch: %s is not a stepwatch setting, and is ignored%s (the settings: the README's "
+            "Configuration section)", var, f"; did you mean {close[0]}?" if close else "",
+        )
 
 
 def valid_values(var: str) -> str:

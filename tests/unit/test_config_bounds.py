@@ -61,3 +61,23 @@ def test_the_values_from_the_issue_fail_at_parse_time():
         with pytest.raises(ConfigError, match=var):
             Config.from_env({var: raw})
     assert Config.from_env({"STEPWATCH_HANG_TIMEOUT": "2.5"}).hang_timeout == 2.5
+
+
+def test_a_misspelled_variable_is_named_with_the_setting_it_resembles(caplog):
+    """``STEPWATCH_STEP_BOUNDRY=explicit`` was ignored without a word: the job ran with the
+    default boundary. Now one line names it and the closest setting; stepwatch's own variables
+    between its processes are no settings, and say nothing."""
+    import logging
+
+    from stepwatch.config import Config
+
+    env = {"STEPWATCH_STEP_BOUNDRY": "explicit", "STEPWATCH_RUN_ACTIVE": "1", "STEPWATCH_DIR": "/tmp/x",
+           "STEPWATCH_ZZZ_TEST_UNLIKELY": "1"}
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        cfg = Config.from_env(env)
+    lines = [r.getMessage() for r in caplog.records]
+    assert cfg.step_boundary == "auto"
+    assert any("STEPWATCH_STEP_BOUNDRY is not a stepwatch setting" in m and "did you mean STEPWATCH_STEP_BOUNDARY?" in m
+               for m in lines), lines
+    assert any("STEPWATCH_ZZZ_TEST_UNLIKELY is not a stepwatch setting" in m for m in lines), lines
+    assert not [m for m in lines if "STEPWATCH_RUN_ACTIVE" in m or "STEPWATCH_DIR" in m], lines
