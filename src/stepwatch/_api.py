@@ -108,7 +108,8 @@ def _in_dataloader_worker() -> bool:
     at the fork (``after_fork_in_child``)."""
     from . import _env
 
-    return os.environ.get(_env.DATALOADER_WORKER) == str(os.getppid())
+    mark = os.environ.get(_env.DATALOADER_WORKER)
+    return mark is not None and mark == str(os.getppid())
 
 
 def _diff(a: Config, b: Config) -> str:
