@@ -915,3 +915,35 @@ def test_throughput_collector_callable_override_reads_every_batch():
         col.on_forward(m, (torch.randn(b, 64),), {})
         totals.append(col.take().resolve()[0].total)
     assert totals == [20, 20, 50, 50] and not col._hits
+
+
+class _RunningCenter(nn.Module):
+    """Keeps a running mean and a sample counter as plain tensor attributes (not buffers), updated
+    in place in ``forward``, as research code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+        self.mean = torch.zeros(8)
+        self.seen = torch.zeros((), dtype=torch.long)
+
+    def forward(self, x):
+        h = self.lin(x)
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(0.1 * h.mean(0))
+            self.seen.add_(x.shape[0])
+        return h - self.mean
+
+
+@pytest.mark.parametrize("real", [False, True], ids=["fake", "real"])
+def test_a_replay_leaves_tensors_held_as_plain_attributes_alone(real):
+    """The replay ran non-fake tensors for real: an in-place update of such an attribute reached
+    the real tensor (the counter grew by each replay's batch; losses differed from the run
+    without stepwatch from the second step on)."""
+    m = _RunningCenter()
+    mean, seen = m.mean, m.seen
+    before = mean.clone()
+    fc = count_step_flops(m, (torch.randn(4, 16),), real=real)
+    assert fc.total > 0
+    assert m.mean is mean and m.seen is seen  # the originals back in place
+    assert torch.equal(mean, before) and int(seen) == 0

@@ -549,6 +549,23 @@ class _ModuleSnapshot:
                     self.hooks.append((m, attr, d))
                     object.__setattr__(m, attr, keep)
 
+    def swap_tensors(self, copy: Callable[[Any], Any]) -> None:
+        """Give the replay ``copy(t)`` of each tensor a module holds as a plain attribute (not a
+        parameter or buffer: a running mean kept by hand, a counter). An in-place update in the
+        forward would otherwise reach the real one: the replay runs non-fake tensors for real, and
+        training changed. ``restore`` puts the originals back. Tensors inside containers (a list
+        on the module) and globals are not copied."""
+        import torch
+
+        for m, _ in self.saved:
+            d = m.__dict__
+            for k, v in list(d.items()):
+                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                    try:
+                        d[k] = copy(v)
+                    except Exception:  # noqa: BLE001 - a tensor that cannot be copied stays as it is
+                        pass
+
     def restore(self) -> None:
         for m, attr, d in self.hooks:
             object.__setattr__(m, attr, d)
@@ -699,11 +716,13 @@ def _count(
             state = _real_state(root)
             fargs = _real_inputs(args)
             fkwargs = _real_inputs(dict(kwargs))
+            snapshot.swap_tensors(_real_inputs)
         else:
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
             state = _fake_state(root, fake_mode)
             fargs = _fake_inputs(args, fake_mode)
             fkwargs = _fake_inputs(dict(kwargs), fake_mode)
+            snapshot.swap_tensors(lambda t: _fake_inputs(t, fake_mode))
         # The backward runs inside the same functional_call as the forward, with the replay's
         # parameters still in place: a reentrant checkpoint runs its block's forward again inside
         # backward, on whatever parameters the block holds then (the real ones, once
