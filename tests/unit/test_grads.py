@@ -805,3 +805,29 @@ def test_float64_and_complex_grads_are_not_narrowed(hooked):
         assert all(r is not None and not r.nonfinite for r in got), name
         tol = 1e-12 if name != "mixed" else 1e-6
         assert all(rel(r.norm, w) < tol for r, w in zip(got, want)), (name, [r.norm for r in got], want)
+
+
+def test_a_clip_of_another_model_or_an_earlier_session_leaves_the_norm_reused_exactly(sw):
+    """A clip no optimizer took (another model's, clipped and never stepped; or one an earlier
+    session on this thread left, its grads still alive) made the step's clip one of two: the
+    norm was computed again instead of reused, one float rounding off clip_grad_norm_'s value (a
+    fresh CI run's framework tests failed so, depending on the tests run before them)."""
+    stepwatch, mem, start = sw
+    torch.manual_seed(0)
+    a, b, stale = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    probe = GradNormProbe().install()  # an earlier session's probe: a clip it saw, never taken
+    stale(torch.randn(2, 4)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(stale.parameters(), 0.1)
+    probe.uninstall()
+    start()
+    opt = torch.optim.SGD(a.parameters(), lr=0.01)
+    b(torch.randn(2, 4)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(b.parameters(), 0.1)  # b never steps; its grads stay
+    norms = []
+    for _ in range(3):
+        (a(torch.randn(8, 4)) * 100).sum().backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(a.parameters(), 0.1)))
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert [r.grad_norm for r in mem.records if not r.tail] == norms

@@ -885,8 +885,8 @@ def test_a_validation_through_a_child_module_is_evaluation_not_data_wait(sw):
         r = recs[k] if k < len(recs) else [r for r in mem.records if r.tail][0]
         assert wall * 0.8 <= r.eval_s <= wall + 0.002, (wall, r)
         assert r.data_wait_s < wall * 0.25, (wall, r)  # the training fetch only
-        if not r.tail:
-            assert r.step_s < wall * 0.5, (wall, r)
+        # (step_s is the rest, by the identity above: no bound on it here, where a loaded CI
+        # machine's step can take as long as the validation)
     assert not [f for f in mem.findings if f.kind == "data_loading"]
 
 

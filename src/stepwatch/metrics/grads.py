@@ -495,6 +495,10 @@ class GradNormProbe:
         if not self._installed:
             _TAP.install(self)
             self._installed = True
+            # Clips an earlier session's thread recorded and no optimizer took (their grads may
+            # still be alive): never this session's.
+            _TAP.local.clips = None
+            _TAP.local.total = None
         return self
 
     def uninstall(self) -> None:
@@ -605,6 +609,12 @@ class GradNormProbe:
         None when no clip touched these grads (computed as usual), ``_UNKNOWN`` when the norm
         cannot be known."""
         clips = [c for c in clips if c.fresh()]
+        if len(clips) > 1:  # a clip of none of these parameters (another model's) is not this step's
+            ids = {id(p) for p in params}
+            mine = [c for c in clips if c.params is None or any(id(p) in ids for p in c.params)]
+            if len(mine) < len(clips):
+                _TAP.keep([c for c in clips if c not in mine])
+                clips = mine
         if len(clips) == 1:
             c = clips[0]
             if c.params is None:  # FSDP1's: the module's parameters, whatever the optimizer's list
