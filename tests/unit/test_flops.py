@@ -287,13 +287,59 @@ def test_replay_touches_no_rng_parameter_buffer_or_grad():
     assert torch.equal(torch.rand(3), want)
 
 
-def test_hooks_see_is_counting():
+@pytest.mark.parametrize("real", [False, True])
+def test_the_users_hooks_do_not_run_in_the_replay(real):
+    """A hook that keeps activations, counts calls or logs gradients sees only the user's own
+    forwards and backwards: the replay ran them once more per input signature (a fake tensor in
+    the user's list, a counter one too high, a gradient statistic logged twice). Module hooks,
+    full backward hooks and global module hooks alike; the count is the one without hooks."""
+    want = count_step_flops(mlp(), (torch.randn(4, 64),))
+    m = mlp()
+    acts, pre, grads, glob = [], [], [], []
+    m[0].register_forward_hook(lambda mod, a, out: acts.append(out))
+    m.register_forward_pre_hook(lambda mod, a: pre.append(1))
+    m[2].register_full_backward_hook(lambda mod, gi, go: grads.append(go[0].norm().item()))
+    h = torch.nn.modules.module.register_module_forward_hook(lambda mod, a, out: glob.append(type(mod).__name__))
+    try:
+        got = count_step_flops(m, (torch.randn(4, 64),), real=real)
+        assert (acts, pre, grads, glob) == ([], [], [], [])
+        assert got.total == want.total and got.backward == want.backward
+        m(torch.randn(4, 64)).sum().backward()  # the user's own call: every hook runs, on real tensors
+        assert len(acts) == 1 and not isinstance(acts[0], torch._subclasses.FakeTensor)
+        assert pre == [1] and len(grads) == 1 and glob == ["Linear", "ReLU", "Linear", "Sequential"]
+    finally:
+        h.remove()
+
+
+def test_a_hook_the_forward_needs_runs_in_the_replay():
+    """A pre-hook that reshapes the input (the forward fails without it) is run after all: the
+    replay is tried again with the user's hooks, seeing ``is_counting()``, as before."""
     m = mlp()
     seen = []
-    m.register_forward_pre_hook(lambda mod, a: seen.append(fl.is_counting()))
-    count_step_flops(m, (torch.randn(2, 64),))
-    m(torch.randn(2, 64))
+
+    def flatten(mod, args):
+        seen.append(fl.is_counting())
+        return (args[0].flatten(1),)
+
+    m.register_forward_pre_hook(flatten)
+    got = count_step_flops(m, (torch.randn(2, 4, 16),))
+    assert got.total == count_step_flops(mlp(), (torch.randn(2, 64),)).total
+    m(torch.randn(2, 4, 16))
     assert seen == [True, False]
+
+
+def test_torchs_own_module_hooks_run_in_the_replay():
+    """torch.nn.utils.weight_norm computes ``weight`` in a forward pre-hook: it is torch's, so it
+    stays; the replay's backward reaches ``weight_g``/``weight_v`` as the real one does."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        m = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(64, 128)), nn.ReLU(), nn.Linear(128, 32))
+    x = torch.randn(4, 64)
+    with FlopCounterMode(display=False) as real:
+        m(x).sum().backward()
+    assert count_step_flops(m, (x,)).total == real.get_total_flops()
 
 
 def test_a_replay_on_one_thread_leaves_another_threads_hooks_alone(sw):
@@ -583,13 +629,19 @@ def test_tokens_add_up_over_micro_batches():
 
 
 def test_cache_get_from_a_hook_does_not_recurse():
-    """The session calls FlopCache.get in the model's forward pre-hook; the replay fires it again."""
+    """FlopCache.get from a forward pre-hook the replay runs (a hook the forward needs: the replay
+    is tried again with it) gets None inside the replay instead of counting again."""
     model = mlp()
     cache = FlopCache()
     got = []
-    model.register_forward_pre_hook(lambda m, a, k: got.append(cache.get(m, a, k)), with_kwargs=True)
+
+    def hook(m, a, k):
+        got.append(cache.get(m, a, k))
+        return (a[0].flatten(1),), k
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
     for _ in range(3):
-        model(torch.randn(4, 64)).sum().backward()
+        model(torch.randn(4, 4, 16)).sum().backward()
     assert cache.misses == 1 and len(cache) == 1
     # The hook's call from inside the replay gets None; the three real forwards get the count.
     assert got[0] is None and got[1] is not None and got[1] is got[2] is got[3]

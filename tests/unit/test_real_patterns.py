@@ -283,6 +283,29 @@ def test_losses_are_bit_identical_on_and_off(sw):
     assert torch.equal(on, off)
 
 
+def test_a_feature_hook_keeps_only_the_users_own_activations(sw):
+    """A forward hook that keeps each layer's activation (feature extraction, an activation-norm
+    monitor) and a backward hook that logs the gradient's norm: with stepwatch on, they see the
+    user's forwards and backwards only, real tensors each (the FLOP count's replay ran them once
+    more: a fake tensor in the list, a gradient norm that raised on it), and MFU's FLOPs are counted."""
+    stepwatch, mem, start = sw
+    m = _model()
+    acts, norms = [], []
+    m[0].register_forward_hook(lambda mod, a, out: acts.append(out.detach()))
+    m[2].register_full_backward_hook(lambda mod, gi, go: norms.append(go[0].norm().item()))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    start()
+    for i in range(5):
+        opt.zero_grad()
+        m(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+    stepwatch.shutdown()
+    assert len(acts) == 5 and len(norms) == 5
+    assert not any(isinstance(a, torch._subclasses.FakeTensor) for a in acts)
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 5 and all(r.flops for r in recs), [r.flops for r in recs]
+
+
 class MaskedEncoder(nn.Module):
     """word_language_model's TransformerModel in small: nn.TransformerEncoder with a causal mask."""
 

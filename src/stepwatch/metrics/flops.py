@@ -524,31 +524,85 @@ def _grad_outputs(obj: Any, out: list[Any]) -> None:
 # replicate. They are set aside during the replay (their math is the identity; the parameters we
 # feed are already the unsharded, compute-dtype fakes).
 _DIST_HOOK_PREFIXES = ("torch.distributed.fsdp", "torch.distributed._composable")
+# Hooks of other libraries that the replay's backward needs: transformers' and PEFT's
+# ``enable_input_require_grads`` makes the embedding's output require grad, so that a checkpointed
+# block over frozen embeddings has a backward.
+_KEPT_HOOK_NAMES = frozenset({"make_inputs_require_grad"})
+
+
+def _hook_function(h: Any) -> Any:
+    import functools
+
+    while isinstance(h, functools.partial):
+        h = h.func
+    return h
+
+
+def _replays_with(h: Any, user_hooks: bool) -> bool:
+    """Whether hook ``h`` runs in the replay: torch's own (weight_norm, pruning, quantization
+    observers) and stepwatch's do, FSDP's never do, the user's only when ``user_hooks``."""
+    f = _hook_function(h)
+    origin = str(getattr(f, "__module__", "") or "")
+    if origin.startswith(_DIST_HOOK_PREFIXES):
+        return False
+    if user_hooks or origin == "torch" or origin.startswith(("torch.", "stepwatch.")):
+        return True
+    return getattr(f, "__name__", None) in _KEPT_HOOK_NAMES
+
+
+class _NotInReplay:
+    """A global module hook of the user's, passed over on the thread that replays (the global
+    dicts are the process's: another thread's forward still runs it)."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if is_counting():
+            return None
+        return self.hook(*args, **kwargs)
 
 
 class _ModuleSnapshot:
-    """Set aside distributed hooks, and undo any attribute a module rebinds during the replay
-    (a cache, a counter), so that no fake tensor leaks into the user's model."""
+    """Set aside distributed hooks and (unless ``user_hooks``) the user's own module hooks, and
+    undo any attribute a module rebinds during the replay (a cache, a counter), so that no fake
+    tensor leaks into the user's model and the user's hooks see only the user's own calls."""
 
-    _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+    _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+    _GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                          "_global_backward_pre_hooks", "_global_backward_hooks")
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, user_hooks: bool = False) -> None:
+        from torch.nn.modules import module as torch_module
+
         self.saved: list[tuple[Any, dict[str, Any]]] = []
         self.hooks: list[tuple[Any, str, Any]] = []
+        self.wrapped: list[tuple[Any, Any, Any, _NotInReplay]] = []
+        self.user_hooks_set_aside = False
         for m in root.modules():
             self.saved.append((m, dict(m.__dict__)))
             for attr in self._HOOK_DICTS:
                 d = getattr(m, attr, None)
                 if not d:
                     continue
-                keep = type(d)(
-                    (k, h) for k, h in d.items()
-                    if not str(getattr(h, "__module__", "") or "").startswith(_DIST_HOOK_PREFIXES)
-                )
+                keep = type(d)((k, h) for k, h in d.items() if _replays_with(h, user_hooks))
                 if len(keep) != len(d):
+                    self.user_hooks_set_aside |= any(
+                        _replays_with(h, True) for k, h in d.items() if k not in keep)
                     self.hooks.append((m, attr, d))
                     object.__setattr__(m, attr, keep)
-
+        if user_hooks:
+            return
+        for attr in self._GLOBAL_HOOK_DICTS:
+            d = getattr(torch_module, attr, None)
+            for k, h in list((d or {}).items()):
+                if not _replays_with(h, False):
+                    w = _NotInReplay(h)
+                    d[k] = w
+                    self.wrapped.append((d, k, h, w))
+                    self.user_hooks_set_aside = True
     def swap_tensors(self, copy: Callable[[Any], Any]) -> None:
         """Give the replay ``copy(t)`` of each tensor a module holds as a plain attribute (not a
         parameter or buffer: a running mean kept by hand, a counter). An in-place update in the
@@ -567,6 +621,9 @@ class _ModuleSnapshot:
                         pass
 
     def restore(self) -> None:
+        for d, k, h, w in self.wrapped:
+            if d.get(k) is w:
+                d[k] = h
         for m, attr, d in self.hooks:
             object.__setattr__(m, attr, d)
         for m, before in self.saved:
@@ -678,8 +735,6 @@ def _count(
     real: bool,
 ) -> FlopCount:
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
 
     if kwargs is None:
         kwargs = {}
@@ -702,10 +757,38 @@ def _count(
 
     if real and any(_is_dtensor(t) for t in (*root.parameters(), *root.buffers())):
         raise FlopCountError(f"could not count FLOPs of {type(root).__name__}: sharded parameters")
+    try:
+        return _replay(root, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices,
+                       real=real, user_hooks=False)
+    except _FailedWithoutHooks:
+        # A hook of the user's the forward needs (one that casts or moves the input): run them too.
+        return _replay(root, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices,
+                       real=real, user_hooks=True)
+
+
+class _FailedWithoutHooks(FlopCountError):
+    """The replay failed with some of the user's hooks set aside."""
+
+
+def _replay(
+    root: Any,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    *,
+    loss_fn: Callable[[Any], Any] | None,
+    backward: bool,
+    lint_devices: tuple[str, ...],
+    real: bool,
+    user_hooks: bool,
+) -> FlopCount:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     counter = _make_counter(tuple(lint_devices))
-    snapshot = _ModuleSnapshot(root)
+    snapshot = _ModuleSnapshot(root, user_hooks)
     stance = _force_eager()
     set_counting(True)
     try:
@@ -732,7 +815,7 @@ def _count(
             functional_call(replay, {f"root.{k}": v for k, v in state.items()}, (fargs, fkwargs),
                             tie_weights=True, strict=False)
     except Exception as e:  # the user's forward can fail on fakes in many ways; report, never raise raw
-        raise FlopCountError(
+        raise (_FailedWithoutHooks if snapshot.user_hooks_set_aside else FlopCountError)(
             f"could not count FLOPs of {type(root).__name__} on {'real' if real else 'fake'} tensors: {type(e).__name__}: {e}. "
             "Give the FLOPs yourself (stepwatch.init(flops=<number | callable(batch)>)) to get MFU."
         ) from e
