@@ -831,3 +831,48 @@ def test_a_clip_of_another_model_or_an_earlier_session_leaves_the_norm_reused_ex
         opt.zero_grad()
     stepwatch.shutdown()
     assert [r.grad_norm for r in mem.records if not r.tail] == norms
+
+
+@pytest.mark.parametrize("shape", ["whole", "subset", "value_then_norm", "norm_then_value", "two_optimizers"])
+def test_clip_grad_value_gives_the_pre_clamp_norm(shape):
+    """``clip_grad_value_`` clamps each element: no factor to divide out afterwards, so the
+    grad_norm was the clamped grads' norm (a grad_norm_spike could never show). Its wrapper takes
+    each grad's norm before the clamp (the kernels the probe would run anyway; the probe reuses
+    them): the norm is the pre-clip one for the optimizer's parameters, alone, as a subset, with a
+    clip_grad_norm_ before or after it, and over two optimizers."""
+    from stepwatch.metrics.grads import GradNormCollector
+
+    col = GradNormCollector().install()
+    handle = register_optimizer_step_pre_hook(lambda o, a, k: col.on_optimizer_step(o))
+    try:
+        m = model()
+        if shape == "two_optimizers":
+            opts = [torch.optim.SGD([p for p in m.parameters() if p.dim() >= 2], lr=0.1),
+                    torch.optim.SGD([p for p in m.parameters() if p.dim() < 2], lr=0.1)]
+        else:
+            opts = [torch.optim.SGD(m.parameters(), lr=0.1)]
+        for step in range(3):
+            x, y = data(step)
+            m.zero_grad()
+            nn.functional.mse_loss(m(x), 10 * y).backward()
+            want = _pre_clip(m.parameters())
+            after = None
+            if shape == "subset":
+                torch.nn.utils.clip_grad_value_(m[2].parameters(), 0.01)
+            elif shape == "value_then_norm":
+                torch.nn.utils.clip_grad_value_(m.parameters(), 0.05)
+                torch.nn.utils.clip_grad_norm_(m[0].parameters(), 0.1)
+            elif shape == "norm_then_value":
+                torch.nn.utils.clip_grad_norm_(m[0].parameters(), 0.1)
+                torch.nn.utils.clip_grad_value_(m.parameters(), 0.01)
+            else:
+                torch.nn.utils.clip_grad_value_(m.parameters(), 0.01)
+            after = _pre_clip(m.parameters())
+            assert after < want * 0.9  # the clamp did happen
+            for o in opts:
+                o.step()
+            r = GradNormCollector.resolve_step(col.take())
+            assert r is not None and rel(r.norm, want) < 1e-5, (shape, step, r and r.norm, want, after)
+    finally:
+        handle.remove()
+        col.uninstall()

@@ -100,13 +100,19 @@ class _Clip:
     the list it clipped (None: FSDP1's clip, of its module's parameters; ``n``, ``first``,
     ``last`` as for ``params``, -1, 0, 0). ``left``: the ids of those no optimizer has taken yet
     (made when first needed), ``whole``: none taken yet; ``mark``: ``_grad_mark`` of grads it
-    clipped, after the clip (no longer holding: the clip is stale)."""
+    clipped, after the clip (no longer holding: the clip is stale).
 
-    __slots__ = ("total", "norm_type", "max_norm", "params", "n", "first", "last", "left", "whole", "mark")
+    A ``clip_grad_value_`` (``pre`` not None) clamped each element: no factor undoes it. ``pre``
+    holds each grad's L2 norm before the clamp (a 1-D tensor), ``index`` a parameter's id to its
+    place there, ``total`` their norm, ``max_norm`` the clip value."""
+
+    __slots__ = ("total", "norm_type", "max_norm", "params", "n", "first", "last", "left", "whole", "mark",
+                 "pre", "index")
 
     def __init__(self, total: Any, norm_type: float | None, max_norm: float, params: list[Any] | None,
-                 mark: Any) -> None:
+                 mark: Any, pre: Any = None, index: dict[int, int] | None = None) -> None:
         self.total, self.norm_type, self.max_norm, self.params, self.mark = total, norm_type, max_norm, params, mark
+        self.pre, self.index = pre, index
         if params is None:
             self.n, self.first, self.last = -1, 0, 0
         else:
@@ -153,6 +159,7 @@ class _Tap:
 
             for name, public, wrap in (
                 ("clip_grad_norm_", "clip_grad_norm_", self._wrap_clip),
+                ("clip_grad_value_", "clip_grad_value_", self._wrap_clip_value),
                 ("_clip_grads_with_norm_", "clip_grads_with_norm_", self._wrap_clip_with_norm),
                 ("_get_total_norm", "get_total_norm", self._wrap_total_norm),
             ):
@@ -221,14 +228,15 @@ class _Tap:
         if clips:
             clips[:] = [c for c in clips[-15:] if c.fresh()]
 
-    def record(self, total: Any, norm_type: float | None, max_norm: float, params: list[Any] | None) -> None:
-        """A clip just made on this thread (``params`` None: FSDP1's). One without a grad clipped
-        nothing and is not kept."""
+    def record(self, total: Any, norm_type: float | None, max_norm: float, params: list[Any] | None,
+               pre: Any = None, index: dict[int, int] | None = None) -> None:
+        """A clip just made on this thread (``params`` None: FSDP1's; ``pre``, ``index``: a value
+        clip's, see ``_Clip``). One without a grad clipped nothing and is not kept."""
         mark = None if params is None else _grad_mark(params)
         if params is not None and mark is None:
             return
         self.used = True
-        c = _Clip(total, norm_type, max_norm, params, mark)
+        c = _Clip(total, norm_type, max_norm, params, mark, pre, index)
         clips = self.local.clips
         if not clips:
             self.local.clips = [c]
@@ -272,6 +280,37 @@ class _Tap:
         clip_grad_norm_.__wrapped__ = orig  # type: ignore[attr-defined]
         clip_grad_norm_.__doc__ = orig.__doc__
         return clip_grad_norm_
+
+    def _wrap_clip_value(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        tap = self
+
+        def clip_grad_value_(parameters: Any, clip_value: float, *args: Any, **kwargs: Any) -> Any:
+            import torch
+
+            if not tap.refs:
+                return orig(parameters, clip_value, *args, **kwargs)
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            pre = None
+            try:
+                tap.before_clip()
+                with_grad = [p for p in parameters if p.grad is not None]
+                if with_grad:
+                    with torch.no_grad():  # the grads of a create_graph backward build no graph here
+                        norms, order = _norms([p.grad for p in with_grad])
+                        pre = norms, {id(with_grad[i]): k for k, i in enumerate(order)}, torch.linalg.vector_norm(norms, 2.0)
+            except Exception:
+                tap._fail("clip_grad_value_")
+            ret = orig(parameters, clip_value, *args, **kwargs)
+            if pre is not None:
+                try:
+                    tap.record(pre[2], 2.0, float(clip_value), parameters, pre[0], pre[1])
+                except Exception:
+                    tap._fail("clip_grad_value_")
+            return ret
+
+        clip_grad_value_.__wrapped__ = orig  # type: ignore[attr-defined]
+        clip_grad_value_.__doc__ = orig.__doc__
+        return clip_grad_value_
 
     def _wrap_clip_with_norm(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         tap = self
@@ -411,27 +450,38 @@ def _replica_factor(dt: Any) -> int:
     return f
 
 
-def _local_norm(tensors: list[Any]) -> Any:
-    """L2 norm of a list of tensors as one vector, with foreach kernels, as a 0-dim fp32 tensor
-    (fp64 when one is fp64 or complex128) on the first tensor's device; the same arithmetic as
-    ``torch.nn.utils.get_total_norm``."""
+def _norms(tensors: list[Any]) -> tuple[Any, list[int]]:
+    """Each tensor's L2 norm (a sparse one's values'), by foreach kernels grouped by device and
+    dtype, as one 1-D fp32 tensor (fp64 when one is fp64 or complex128) on the first tensor's
+    device, in group order; and ``order``: the index in ``tensors`` of each entry."""
     import torch
 
-    groups: dict[tuple[Any, Any], list[Any]] = {}
-    for t in tensors:
+    groups: dict[tuple[Any, Any], list[tuple[int, Any]]] = {}
+    for i, t in enumerate(tensors):
         if t.is_sparse:
             t = t.coalesce()._values()
-        groups.setdefault((t.device, t.dtype), []).append(t)
+        groups.setdefault((t.device, t.dtype), []).append((i, t))
     first = tensors[0].device
-    norms = []
-    for (_dev, dtype), ts in groups.items():
+    norms, order = [], []
+    for (_dev, dtype), its in groups.items():
+        ts = [t for _, t in its]
+        order.extend(i for i, _ in its)
         if dtype == torch.float32 or dtype == torch.float64 or dtype.is_complex:
             # in its own precision: torch refuses to narrow fp64 to fp32, and a complex input
             # takes no real dtype (its norm is real); stack promotes the mix to fp64
             norms.extend(torch._foreach_norm(ts, 2.0))
         else:
             norms.extend(torch._foreach_norm(ts, 2.0, dtype=torch.float32))
-    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+    return torch.stack([n.to(first) for n in norms]), order
+
+
+def _local_norm(tensors: list[Any]) -> Any:
+    """L2 norm of a list of tensors as one vector, with foreach kernels, as a 0-dim fp32 tensor
+    (fp64 when one is fp64 or complex128) on the first tensor's device; the same arithmetic as
+    ``torch.nn.utils.get_total_norm``."""
+    import torch
+
+    return torch.linalg.vector_norm(_norms(tensors)[0], 2.0)
 
 
 def combine_sharded(local_by_rank: Sequence[Any]) -> float:
@@ -639,8 +689,10 @@ class GradNormProbe:
         """``_with_clips`` for clips of other lists than ``params``: a subset, several optimizers'
         parameters, several clips, the same parameters in another order. Each clip scaled its
         grads in place by ``min(max_norm / (total + 1e-6), 1)`` (torch's
-        ``clip_grads_with_norm_``): their norm is divided by that factor again, on the device.
-        What a clip holds beyond ``params`` is put back for the optimizers still to step."""
+        ``clip_grads_with_norm_``): their norm is divided by that factor again, on the device. A
+        grad that a ``clip_grad_value_`` clamped has its norm from before that clamp, divided by
+        the factors of the clips before it. What a clip holds beyond ``params`` is put back for
+        the optimizers still to step."""
         torch = _TORCH or _torch()
         if not clips:
             return None, False, False
@@ -648,14 +700,14 @@ class GradNormProbe:
         for c in clips:
             if c.left is None:
                 c.left = {id(p) for p in c.params}
-        groups: dict[tuple[int, ...], list[Any]] = {}  # the indices of the clips that scaled a grad
+        # the indices of the clips that scaled a grad (in the order they ran) -> its parameters
+        groups: dict[tuple[int, ...], list[Any]] = {}
         mine = set()
         for p in params:
             i = id(p)
             mine.add(i)
-            g = p.grad
-            if g is not None:
-                groups.setdefault(tuple(k for k, c in enumerate(clips) if i in c.left), []).append(g)
+            if p.grad is not None:
+                groups.setdefault(tuple(k for k, c in enumerate(clips) if i in c.left), []).append(p)
         kept = []
         for c in clips:
             before = len(c.left)
@@ -674,8 +726,9 @@ class GradNormProbe:
             values, sharded = self._from_clip(clips[0].total) if clips[0].norm_type == 2.0 else (None, False)
             if values is not None:
                 return values, sharded, True
-        if any(_is_dtensor(g) or g.is_sparse for gs in groups.values() for g in gs) or any(
-            not isinstance(c.total, torch.Tensor) or _is_dtensor(c.total) or not c.max_norm > 0 for c in clips
+        if any(_is_dtensor(p.grad) or p.grad.is_sparse for ps in groups.values() for p in ps) or any(
+            not isinstance(c.total, torch.Tensor) or _is_dtensor(c.total) or (c.pre is None and not c.max_norm > 0)
+            for c in clips
         ):
             warn_once(
                 "grads.unclip",
@@ -687,9 +740,17 @@ class GradNormProbe:
             )
             return _UNKNOWN, False, False
         norms = []
-        for key, gs in groups.items():
-            n = _local_norm(gs)
-            for k in key:
+        for key, ps in groups.items():
+            first_value = next((j for j, k in enumerate(key) if clips[k].pre is not None), len(key))
+            if first_value < len(key):  # clamped: the norm from before the clamp
+                c = clips[key[first_value]]
+                at = [c.index.get(id(p)) for p in ps]
+                if None in at:  # a grad it did not see (it had none then)
+                    return _UNKNOWN, False, False
+                n = torch.linalg.vector_norm(c.pre[torch.tensor(at, device=c.pre.device)], 2.0)
+            else:
+                n = _local_norm([p.grad for p in ps])
+            for k in key[:first_value]:
                 c = clips[k]
                 n = n / torch.clamp(c.max_norm / (c.total + 1e-6), max=1.0).to(n.device)
             norms.append(n)
