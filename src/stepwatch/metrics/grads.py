@@ -128,6 +128,24 @@ class _Clip:
         return g is not None and g._version == m[1]
 
 
+def _stands_for(orig: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A tap wrapper as torch's function to whoever reads it: its docstring, and ``__wrapped__``."""
+
+    def mark(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+        wrapper.__doc__ = orig.__doc__
+        return wrapper
+
+    return mark
+
+
+def _param_list(parameters: Any) -> list[Any]:
+    """What torch's clips accept (a tensor or an iterable of them) as a list."""
+    import torch
+
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
 class _Tap:
     """Wraps ``clip_grad_norm_``, the two halves it calls (``get_total_norm`` and
     ``clip_grads_with_norm_``, module globals of ``torch.nn.utils.clip_grad`` that it looks up at
@@ -255,13 +273,9 @@ class _Tap:
     def _wrap_clip(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         tap = self
 
+        @_stands_for(orig)
         def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, *args: Any, **kwargs: Any) -> Any:
-            import torch
-
-            if isinstance(parameters, torch.Tensor):
-                parameters = [parameters]
-            else:
-                parameters = list(parameters)
+            parameters = _param_list(parameters)
             if tap.refs:
                 tap.before_clip()
             total = orig(parameters, max_norm, norm_type, *args, **kwargs)
@@ -277,19 +291,18 @@ class _Tap:
                 tap._fail("clip_grad_norm_")
             return total
 
-        clip_grad_norm_.__wrapped__ = orig  # type: ignore[attr-defined]
-        clip_grad_norm_.__doc__ = orig.__doc__
         return clip_grad_norm_
 
     def _wrap_clip_value(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         tap = self
 
+        @_stands_for(orig)
         def clip_grad_value_(parameters: Any, clip_value: float, *args: Any, **kwargs: Any) -> Any:
             import torch
 
             if not tap.refs:
                 return orig(parameters, clip_value, *args, **kwargs)
-            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            parameters = _param_list(parameters)
             pre = None
             try:
                 tap.before_clip()
@@ -308,22 +321,18 @@ class _Tap:
                     tap._fail("clip_grad_value_")
             return ret
 
-        clip_grad_value_.__wrapped__ = orig  # type: ignore[attr-defined]
-        clip_grad_value_.__doc__ = orig.__doc__
         return clip_grad_value_
 
     def _wrap_clip_with_norm(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         tap = self
 
+        @_stands_for(orig)
         def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Any, *args: Any, **kwargs: Any) -> Any:
             import torch
 
             if not tap.refs:
                 return orig(parameters, max_norm, total_norm, *args, **kwargs)
-            if isinstance(parameters, torch.Tensor):
-                parameters = [parameters]
-            else:
-                parameters = list(parameters)
+            parameters = _param_list(parameters)
             tap.before_clip()
             ret = orig(parameters, max_norm, total_norm, *args, **kwargs)
             try:
@@ -336,13 +345,12 @@ class _Tap:
                 tap._fail("clip_grads_with_norm_")
             return ret
 
-        clip_grads_with_norm_.__wrapped__ = orig  # type: ignore[attr-defined]
-        clip_grads_with_norm_.__doc__ = orig.__doc__
         return clip_grads_with_norm_
 
     def _wrap_total_norm(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         tap = self
 
+        @_stands_for(orig)
         def get_total_norm(tensors: Any, norm_type: float = 2.0, *args: Any, **kwargs: Any) -> Any:
             total = orig(tensors, norm_type, *args, **kwargs)
             if tap.refs:
@@ -352,13 +360,12 @@ class _Tap:
                     tap._fail("get_total_norm")
             return total
 
-        get_total_norm.__wrapped__ = orig  # type: ignore[attr-defined]
-        get_total_norm.__doc__ = orig.__doc__
         return get_total_norm
 
     def _wrap_fsdp1_clip(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         tap = self
 
+        @_stands_for(orig)
         def clip_grad_norm_(module: Any, max_norm: float, norm_type: float = 2.0) -> Any:
             total = orig(module, max_norm, norm_type)
             try:
@@ -368,13 +375,12 @@ class _Tap:
                 tap._fail("FullyShardedDataParallel.clip_grad_norm_")
             return total
 
-        clip_grad_norm_.__wrapped__ = orig  # type: ignore[attr-defined]
-        clip_grad_norm_.__doc__ = orig.__doc__
         return clip_grad_norm_
 
     def _wrap_scaler_step(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         tap = self
 
+        @_stands_for(orig)
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             if not tap.refs:
                 return orig(scaler, optimizer, *args, **kwargs)
@@ -396,8 +402,6 @@ class _Tap:
                     tap._fail("GradScaler.step")
             return ret
 
-        step.__wrapped__ = orig  # type: ignore[attr-defined]
-        step.__doc__ = orig.__doc__
         return step
 
     def take_clip(self, optimizer: Any = None) -> Any:
