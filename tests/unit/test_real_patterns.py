@@ -913,6 +913,59 @@ def test_a_validation_through_a_child_module_is_evaluation_not_data_wait(sw):
     assert not [f for f in mem.findings if f.kind == "data_loading"]
 
 
+def test_a_validation_without_no_grad_is_evaluation_by_the_models_eval_mode(sw):
+    """A first script's validation: ``model.eval()``, then the loop with grad enabled (no
+    ``torch.no_grad()``), then ``model.train()``. The root module in eval mode says evaluation;
+    its forwards and fetches were the next step's forward, data wait and other time (a step
+    many times its neighbours), eval_s 0."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+
+    def validate(val):
+        m.eval()
+        for x, y in val:
+            nn.functional.mse_loss(m(x), y).item()
+        m.train()
+
+    walls = _train_with_validation(m, opt, DataLoader(_SlowSamples(8, 5), batch_size=2), validate)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 8 and len(walls) == 2
+    # The first validation's new input shape is FLOP-counted (forward and backward: grad is on)
+    # between its first fetch and its first call: stepwatch's time, in neither eval_s nor step_s
+    # (it was taken out of both, and the step's parts came to more than step_s).
+    _all_identity(recs)
+    for k, wall in zip((4, 8), walls):
+        r = recs[k] if k < len(recs) else [r for r in mem.records if r.tail][0]
+        assert 0.040 * 0.9 <= r.eval_s <= wall + 0.002, (wall, r)  # its 8 samples sleep 5 ms each
+        assert r.data_wait_s < 0.040 * 0.25 and r.forward_s < 0.040 * 0.25, (wall, r)
+    assert not [f for f in mem.findings if f.kind == "data_loading"]
+
+
+def test_training_with_the_model_in_eval_mode_keeps_its_forward(sw):
+    """Fine-tuning with ``model.eval()`` on (dropout and batch-norm updates off) and grad enabled:
+    each step's forward, followed by its backward, is the step's forward, never evaluation."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 256), nn.Dropout(0.1), nn.ReLU(), nn.Linear(256, 4)).eval()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.randn(48, 16), torch.randn(48, 4)), batch_size=8)
+    for _ in range(2):
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 12
+    _all_identity(recs)
+    assert all(r.eval_s == 0 and r.forward_s > 0 and r.backward_s > 0 for r in recs), recs
+
+
 @pytest.mark.parametrize("grad_off", ["around the loop", "around the call"])
 def test_a_validation_with_loader_workers_is_evaluation_from_iter_to_its_end(sw, grad_off):
     """The ImageNet example's ``validate`` (and HF's, whose fetches run with grad enabled): a

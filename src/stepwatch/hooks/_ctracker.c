@@ -42,7 +42,7 @@ static PyObject *raw_step_cls = NULL;   /* stepwatch.record.RawStep, from _bind(
 
 /* Interned names. */
 static PyObject *s_opt_stale, *s_pause_opt, *s_resume_opt, *s_fail, *s_push_step, *s_push_range, *s_pop_range,
-    *s_forward, *s_eval, *s_backward, *s_optimizer, *s_set_phase, *s_set_step, *s_begin, *s_end,
+    *s_forward, *s_eval, *s_training, *s_backward, *s_optimizer, *s_set_phase, *s_set_step, *s_begin, *s_end,
     *s_name, *s_take, *s_update, *s_backward_spans, *s_checkpoint_bytes, *s_explicit;
 
 /* The phase codes of hooks/phases.py (PHASE_OTHER..PHASE_CHECKPOINT). */
@@ -1358,6 +1358,21 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
     }
     PyObject *grad = PyObject_CallNoArgs(self->grad_enabled);
     if (grad == NULL) return NULL;
+    if (grad == Py_True) {
+        /* A root in eval mode (model.eval()) is evaluation with grad enabled too: a validation
+           loop without torch.no_grad() (install.py's _PyRootCallCore says why). */
+        PyObject *training = PyObject_GetAttr(self->mod, s_training);
+        if (training == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                Py_DECREF(grad);
+                return NULL;
+            }
+            PyErr_Clear(); /* not an nn.Module's attribute set: a training call, as before */
+        } else if (training == Py_False) {
+            Py_SETREF(grad, Py_NewRef(Py_False));
+        }
+        Py_XDECREF(training);
+    }
     if (tr_run(core, tr, Core_forward_begin, s_forward_begin, grad) < 0) {
         Py_DECREF(grad);
         return NULL;
@@ -1697,6 +1712,7 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_pop_range, "pop_range");
     INTERN(s_forward, "forward");
     INTERN(s_eval, "eval");
+    INTERN(s_training, "training");
     INTERN(s_backward, "backward"); /* also the backward boundary's value and the phase's name */
     INTERN(s_optimizer, "optimizer");
     INTERN(s_explicit, "explicit");

@@ -685,7 +685,10 @@ class _PyRootCallCore:
                 if tr._pending_end is not None:
                     tr.work_begins()  # what the observers count belongs to the step this forward opens
                 inst._observe_forward(mod, args, kwargs)
-            grad = self.grad_enabled()
+            # A root in eval mode (model.eval()) is evaluation with grad enabled too: a validation
+            # loop without torch.no_grad(). Training with the model in eval mode is still forward
+            # time: the step's few calls before its backward are its own (_close_eval_for_work).
+            grad = self.grad_enabled() and getattr(mod, "training", True) is not False
             tr.forward_begin(grad)
             try:
                 return self.inner(*args, **kwargs)

@@ -20,7 +20,8 @@ on only that call ends a step, whatever optimizers step in between).
 Data fetches. Root modules called *inside* a DataLoader fetch (an ``nn.Module`` transform in
 ``Dataset.__getitem__``) are data loading, not forward: ``in_data`` tells the hooks to leave them.
 
-Evaluation. A forward of a hooked root module with grad disabled opens an *eval span*, and so does
+Evaluation. A forward of a hooked root module with grad disabled (or in eval mode: the root call
+passes ``grad_enabled`` False for it) opens an *eval span*, and so does
 a DataLoader fetch made with grad disabled (a training fetch runs with grad enabled; an evaluation
 through a child module, ``model.module(x)``, calls no root); the data fetch right before it and
 every fetch inside the span belong to it, the one that ends an iterator (StopIteration) too. The
@@ -799,7 +800,12 @@ class _Methods:
         """Time stepwatch itself spent inside the step (one-off discovery): kept out of step_s.
         An iterator made before it does not start an eval span (that would count it twice). A
         step whose end is pending ended before this time began: it is final now, and the time is
-        kept out of the next step (an optimizer made between two models' loops scans)."""
+        kept out of the next step (an optimizer made between two models' loops scans).
+
+        The clock of an open eval span, and of the fetch a span opening next would start at,
+        pauses for it (their times move on by ``ns``): an evaluation forward's FLOP count, between
+        its fetch and its call, was kept out of ``eval_s`` and out of ``step_s`` both, and the
+        step's parts came to more than ``step_s``."""
         self._iter_t0 = None
         if self._pending_end is not None and not self._eval_open and self.enabled:
             try:
@@ -807,6 +813,11 @@ class _Methods:
             except Exception as e:  # never raise into the training loop
                 self._fail("exclude", e)
                 return
+        if self._eval_open:
+            self._eval_t0 += ns
+            self._eval_last += ns
+        if self._last_fetch_t0 is not None:
+            self._last_fetch_t0 += ns
         if self._prev_end is not None:
             self._own += ns
 
