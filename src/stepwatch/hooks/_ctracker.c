@@ -42,7 +42,7 @@ static PyObject *raw_step_cls = NULL;   /* stepwatch.record.RawStep, from _bind(
 
 /* Interned names. */
 static PyObject *s_opt_stale, *s_pause_opt, *s_resume_opt, *s_fail, *s_push_step, *s_push_range, *s_pop_range,
-    *s_forward, *s_eval, *s_training, *s_backward, *s_optimizer, *s_set_phase, *s_set_step, *s_begin, *s_end,
+    *s_forward, *s_eval, *s_training, *s_eval_open, *s_backward, *s_optimizer, *s_set_phase, *s_set_step, *s_begin, *s_end,
     *s_name, *s_take, *s_update, *s_backward_spans, *s_checkpoint_bytes, *s_explicit;
 
 /* The phase codes of hooks/phases.py (PHASE_OTHER..PHASE_CHECKPOINT). */
@@ -1127,10 +1127,10 @@ OBJECT_TYPE(Core, FIELDS, "stepwatch.hooks._ctracker.Core",
 
 typedef struct {
     PyObject_HEAD
-    PyObject *inst, *tr, *mod, *inner, *dynamo, *compiler, *replay, *grad_enabled;
+    PyObject *inst, *tr, *mod, *inner, *dynamo, *compiler, *replay, *grad_enabled, *follows;
 } RootCall;
 
-#define ROOT_FIELDS(X) X(inst) X(tr) X(mod) X(inner) X(dynamo) X(compiler) X(replay) X(grad_enabled)
+#define ROOT_FIELDS(X) X(inst) X(tr) X(mod) X(inner) X(dynamo) X(compiler) X(replay) X(grad_enabled) X(follows)
 
 static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data, *s_not_roots, *s_forward_observers,
     *s_exception_observers, *s_fwd_depth, *s_pending_end, *s_work_begins, *s_observe_forward,
@@ -1358,7 +1358,16 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
     }
     PyObject *grad = PyObject_CallNoArgs(self->grad_enabled);
     if (grad == NULL) return NULL;
-    if (grad == Py_True) {
+    if (grad == Py_True && self->follows == Py_True) {
+        /* A root without parameters (a loss module) is the open eval span's (install.py's
+           _PyRootCallCore says why). */
+        int open = TR_TRUTH(core, tr, _eval_open, s_eval_open);
+        if (open < 0) {
+            Py_DECREF(grad);
+            return NULL;
+        }
+        if (open) Py_SETREF(grad, Py_NewRef(Py_False));
+    } else if (grad == Py_True) {
         /* A root in eval mode (model.eval()) is evaluation with grad enabled too: a validation
            loop without torch.no_grad() (install.py's _PyRootCallCore says why). */
         PyObject *training = PyObject_GetAttr(self->mod, s_training);
@@ -1713,6 +1722,7 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_forward, "forward");
     INTERN(s_eval, "eval");
     INTERN(s_training, "training");
+    INTERN(s_eval_open, "_eval_open");
     INTERN(s_backward, "backward"); /* also the backward boundary's value and the phase's name */
     INTERN(s_optimizer, "optimizer");
     INTERN(s_explicit, "explicit");

@@ -666,7 +666,7 @@ class _PyRootCallCore:
     Python: the reference that hooks/_ctracker.c's ``RootCall`` translates, and the call itself
     wherever that extension is missing."""
 
-    __slots__ = ("inst", "tr", "mod", "inner", "dynamo", "compiler", "replay", "grad_enabled")
+    __slots__ = ("inst", "tr", "mod", "inner", "dynamo", "compiler", "replay", "grad_enabled", "follows")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # One frame: the user's traceback shows their frames and torch's, as without stepwatch
@@ -688,7 +688,11 @@ class _PyRootCallCore:
             # A root in eval mode (model.eval()) is evaluation with grad enabled too: a validation
             # loop without torch.no_grad(). Training with the model in eval mode is still forward
             # time: the step's few calls before its backward are its own (_close_eval_for_work).
-            grad = self.grad_enabled() and getattr(mod, "training", True) is not False
+            # A root without parameters (a loss module, never put in eval mode) follows: inside
+            # an open eval span it is the span's, else training.
+            grad = self.grad_enabled()
+            if grad:
+                grad = not tr._eval_open if self.follows else getattr(mod, "training", True) is not False
             tr.forward_begin(grad)
             try:
                 return self.inner(*args, **kwargs)
@@ -734,6 +738,10 @@ class _RootCallBase:
         self.compiler = c if fast else _NO_FLAG
         self.replay = REPLAY
         self.grad_enabled = torch.is_grad_enabled
+        try:  # a loss module: no parameter when it is hooked (see _PyRootCallCore)
+            self.follows = next(iter(mod.parameters()), None) is None
+        except Exception:  # noqa: BLE001 - a module whose parameters() fails is taken as a model
+            self.follows = False
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return (_no_call, ())
