@@ -876,3 +876,50 @@ def test_clip_grad_value_gives_the_pre_clamp_norm(shape):
     finally:
         handle.remove()
         col.uninstall()
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """timm's Lookahead in small: an optimizer whose step runs its base optimizer's step, on the
+    same ``param_groups`` list (SAM and Ranger are written the same way)."""
+
+    def __init__(self, base, k=2):
+        self._base = base
+        self.param_groups = base.param_groups
+        self.defaults = dict(base.defaults)
+        self.state = {}
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self.k, self.n = k, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._base.step(closure)
+        self.n += 1
+        if self.n % self.k == 0:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.mul_(0.99)
+        return loss
+
+
+def test_an_optimizer_that_steps_its_base_optimizer_gets_one_norm(sw):
+    """Both steps pass torch's global pre-hook, on the same parameters and grads: the norm was
+    the root of both probes' squares summed, sqrt(2) times the real one. The inner step is part
+    of the outer (same param_groups, grads unchanged since): probed once, on every step (the C
+    common step once took the outer's every other step, and the inner was probed again)."""
+    stepwatch, mem, start = sw
+    start()
+    m = model()
+    opt = _Lookahead(torch.optim.AdamW(m.parameters(), lr=1e-3))
+    want = []
+    for step in range(6):
+        x, y = data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+        want.append(_pre_clip(m.parameters()))
+        if step == 5:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)  # the clip's path too
+        opt.step()
+    stepwatch.shutdown()
+    got = [r.grad_norm for r in mem.records if not r.tail]
+    assert len(got) == 6 and all(rel(g, w) < 1e-5 for g, w in zip(got, want)), (got, want)

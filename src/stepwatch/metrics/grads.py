@@ -92,6 +92,12 @@ def _grad_mark(params: Sequence[Any]) -> Any:
     return None
 
 
+def _mark_holds(mark: Any) -> bool:
+    """No backward or ``zero_grad`` since ``_grad_mark`` made ``mark``: its grad is alive, unchanged."""
+    g = mark[0]()
+    return g is not None and g._version == mark[1]
+
+
 class _Clip:
     """One clip of this thread's grads, not yet taken by an optimizer step.
 
@@ -121,11 +127,7 @@ class _Clip:
         self.whole = True
 
     def fresh(self) -> bool:
-        m = self.mark
-        if m is None:
-            return True
-        g = m[0]()
-        return g is not None and g._version == m[1]
+        return self.mark is None or _mark_holds(self.mark)
 
 
 def _stands_for(orig: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -537,6 +539,9 @@ class GradNormProbe:
         # One entry per optimizer: its step count and its parameters as last seen (``_OptState``).
         self._state: "weakref.WeakKeyDictionary[Any, _OptState]" = weakref.WeakKeyDictionary()
         self._last: Any = None  # (weakref to the last optimizer seen, its _OptState)
+        # The last probe: (id of its optimizer, id of its param_groups list, _grad_mark of its
+        # params); an optimizer stepping inside another's step on the same list is not probed.
+        self._probed: Any = None
         self._installed = False
 
     # -- lifecycle
@@ -590,12 +595,28 @@ class GradNormProbe:
         """Call from the optimizer step pre-hook. Returns None on steps not probed (``every``) or
         when no parameter has a grad. Never reads a device value."""
         clip = _TAP.take_clip(optimizer)
+        groups = optimizer.param_groups
+        prev = self._probed
+        if prev is not None and prev[1] == id(groups) and prev[0] != id(optimizer) and _mark_holds(prev[2]):
+            # An optimizer whose step runs its base optimizer's (timm's Lookahead, SAM, Ranger:
+            # the same param_groups list, its grads unchanged since the outer step's probe): one
+            # step, probed once. Both probes' squares summed were sqrt(2) times the norm. The
+            # outer optimizer's next step takes this path, which sets _probed, not the C one
+            # (GradNormCore's common step needs the optimizer stepping to be ``_last``'s).
+            self._last = None
+            if clip:
+                _TAP.keep(clip)
+            return None
         st = self._opt_state(optimizer)
         n = st.calls
         st.calls = n + 1
         if n % self.every:
             return None
-        return self._probe(optimizer, clip, st)
+        pending = self._probe(optimizer, clip, st)
+        if pending is not None:
+            mark = _grad_mark(st.params)
+            self._probed = None if mark is None else (id(optimizer), id(groups), mark)
+        return pending
 
     def _skipped_step(self, optimizer: Any) -> None:
         pending = self._probe(optimizer, _TAP.take_clip())
