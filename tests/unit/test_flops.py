@@ -999,3 +999,21 @@ def test_a_replay_leaves_tensors_held_as_plain_attributes_alone(real):
     assert fc.total > 0
     assert m.mean is mean and m.seen is seen  # the originals back in place
     assert torch.equal(mean, before) and int(seen) == 0
+
+
+def test_a_users_flop_counter_around_the_step_does_not_count_the_replay():
+    """The user's own FlopCounterMode (a dispatch mode) around a step was on the mode stack while
+    the replay ran inside that step's first forward: it counted the replay too, twice the truth.
+    The replay runs with the user's dispatch modes set aside; stepwatch's count is unchanged."""
+    m = mlp()
+    x = torch.randn(4, 64)
+    with FlopCounterMode(display=False) as alone:
+        m(x).sum().backward()
+    cache = FlopCache()
+    m.register_forward_pre_hook(lambda mod, a, k: seen.append(cache.get(mod, a, k)), with_kwargs=True)
+    seen = []
+    for _ in range(2):
+        with FlopCounterMode(display=False) as user:
+            m(x).sum().backward()
+        assert user.get_total_flops() == alone.get_total_flops()
+    assert seen[0].total == alone.get_total_flops() and seen[1] is seen[0]

@@ -669,11 +669,13 @@ def count_step_flops(
     leaves no thread-local state behind that every later backward would pay for. Anomaly mode
     (``torch.autograd.set_detect_anomaly``, a process-wide switch) is off while it runs: its checks
     read values, which fake tensors do not have, and each failure printed a warning that looked
-    like the user's own backward failing.
+    like the user's own backward failing. The user's dispatch modes (a ``FlopCounterMode`` of
+    their own around the step) are set aside while it runs: they counted the replay too.
     """
     import torch
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    with torch.autograd.set_detect_anomaly(False):
+    with torch.autograd.set_detect_anomaly(False), _disable_current_modes():
         return _in_autograd_node(
             lambda: _count(module, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices, real=real)
         )
