@@ -182,6 +182,30 @@ def test_eval_and_checkpoint_are_kept_out_of_step_time(sw):
     assert after.data_wait_s < 0.02
 
 
+def test_pickling_a_tensor_is_no_checkpoint_save(sw):
+    """``pickle.dumps`` of a tensor (what ``all_gather_object``, ``broadcast_object_list`` and a
+    hand-made metrics message do) runs torch.save of each storage into a BytesIO inside it: that
+    was a checkpoint save, its time taken out of step_s. A real ``torch.save`` still is."""
+    import pickle
+
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    stats = torch.randn(200_000)
+    for i in range(4):
+        m(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert pickle.loads(pickle.dumps({"step": i, "stats": stats}))["stats"].equal(stats)
+        if i == 2:
+            torch.save(m.state_dict(), io.BytesIO())
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert [r.checkpoint_bytes is not None for r in recs] == [False, False, False, True], recs
+    assert [r.checkpoint_s > 0 for r in recs] == [False, False, False, True], recs
+
+
 def test_user_phases_and_explicit_step(sw):
     stepwatch, mem, start = sw
     start()

@@ -244,12 +244,20 @@ class Instrumentation:
         """Time a save; for ``torch.save`` also measure its bytes (file size, or the file object's
         position). ``torch.distributed.checkpoint`` saves report no bytes (unknown)."""
         tr = self.tracker
+        import torch
+
+        storages = (torch.storage._StorageBase, torch.storage.TypedStorage)
 
         @functools.wraps(orig)
         def save(*args: Any, **kwargs: Any) -> Any:
             if _get_ident() != tr._thread:
                 # A save on another thread (checkpointing in the background) runs alongside the
                 # steps, which do not wait for it: no step's time, and it ends none.
+                return orig(*args, **kwargs)
+            if file_arg is not None and args and isinstance(args[0], storages) and kwargs.get(
+                    "_use_new_zipfile_serialization") is False:
+                # A storage's own __reduce__: pickling a tensor (pickle.dumps, all_gather_object)
+                # saves each storage into a BytesIO. No checkpoint; torch.save(model) never does it.
                 return orig(*args, **kwargs)
             t0 = tr.checkpoint_begin()
             f = None
