@@ -1017,3 +1017,42 @@ def test_a_users_flop_counter_around_the_step_does_not_count_the_replay():
             m(x).sum().backward()
         assert user.get_total_flops() == alone.get_total_flops()
     assert seen[0].total == alone.get_total_flops() and seen[1] is seen[0]
+
+
+class _AuxMoE(nn.Module):
+    """A forward that keeps a term in a list on the module (MoE load balancing, a KL term) and
+    draws from Python's and numpy's RNG (LayerDrop written with ``random``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.out = nn.Linear(8, 4), nn.Linear(8, 3)
+        self.aux_losses = []
+        self.by_name = {}
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        probs = self.gate(x).softmax(-1)
+        self.aux_losses.append((probs.mean(0) ** 2).sum())
+        self.by_name["drop"] = random.random() + float(np.random.rand())
+        return self.out(x) * probs[:, :1]
+
+
+@pytest.mark.parametrize("real", [False, True])
+def test_the_replay_leaves_a_modules_lists_dicts_and_pythons_rng_alone(real):
+    """The replay's forward appended its (fake, or already back-propagated) term to the user's
+    list before the real forward: the loop's sum of the list then failed ("backward through the
+    graph a second time"). And it drew from Python's and numpy's RNG: the run changed."""
+    import random
+
+    import numpy as np
+
+    m = _AuxMoE()
+    random.seed(1), np.random.seed(1)
+    want = (random.random(), float(np.random.rand()))
+    random.seed(1), np.random.seed(1)
+    count_step_flops(m, (torch.randn(4, 8),), real=real)
+    assert m.aux_losses == [] and m.by_name == {}
+    assert (random.random(), float(np.random.rand())) == want

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
@@ -581,8 +582,15 @@ class _ModuleSnapshot:
         self.hooks: list[tuple[Any, str, Any]] = []
         self.wrapped: list[tuple[Any, Any, Any, _NotInReplay]] = []
         self.user_hooks_set_aside = False
+        # A list or dict the forward fills in place (an MoE's aux losses, a cache by name): its
+        # contents, put back after the replay (a fake or back-propagated term left there failed
+        # the user's backward). torch's own dicts (_parameters, hooks) are underscored.
+        self.contents: list[tuple[Any, Any]] = []
         for m in root.modules():
             self.saved.append((m, dict(m.__dict__)))
+            for k, v in m.__dict__.items():
+                if type(v) is list or (type(v) is dict and not k.startswith("_")):
+                    self.contents.append((v, v.copy()))
             for attr in self._HOOK_DICTS:
                 d = getattr(m, attr, None)
                 if not d:
@@ -621,6 +629,13 @@ class _ModuleSnapshot:
                         pass
 
     def restore(self) -> None:
+        for v, before in self.contents:
+            if type(v) is list:
+                if len(v) != len(before) or any(a is not b for a, b in zip(v, before)):
+                    v[:] = before
+            elif v.keys() != before.keys() or any(v[k] is not b for k, b in before.items()):
+                v.clear()
+                v.update(before)
         for d, k, h, w in self.wrapped:
             if d.get(k) is w:
                 d[k] = h
@@ -787,6 +802,11 @@ def _replay(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
+    import random
+
+    py_rng = random.getstate()
+    np_random = getattr(sys.modules.get("numpy"), "random", None)  # imported by the job, not by us
+    np_rng = np_random.get_state() if np_random is not None else None
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     counter = _make_counter(tuple(lint_devices))
@@ -825,6 +845,9 @@ def _replay(
         set_counting(False)
         snapshot.restore()
         torch.set_rng_state(cpu_rng)
+        random.setstate(py_rng)
+        if np_rng is not None:
+            np_random.set_state(np_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     b = counter.buckets
