@@ -902,15 +902,33 @@ class _Lookahead(torch.optim.Optimizer):
         return loss
 
 
-def test_an_optimizer_that_steps_its_base_optimizer_gets_one_norm(sw):
-    """Both steps pass torch's global pre-hook, on the same parameters and grads: the norm was
-    the root of both probes' squares summed, sqrt(2) times the real one. The inner step is part
-    of the outer (same param_groups, grads unchanged since): probed once, on every step (the C
+@pytest.mark.parametrize("wrapper", ["lookahead", "zero"])
+def test_an_optimizer_that_steps_its_base_optimizer_gets_one_norm(sw, wrapper):
+    """Both steps pass torch's global pre-hook, on the same grads: the norm was the root of both
+    probes' squares summed, sqrt(2) times the real one (ZeroRedundancyOptimizer: its shard's
+    added, a different number on each rank; one rank here, its shard all parameters). The inner
+    step runs inside the outer, on grads unchanged since: probed once, on every step (the C
     common step once took the outer's every other step, and the inner was probed again)."""
+    import torch.distributed as dist
+
     stepwatch, mem, start = sw
     start()
     m = model()
-    opt = _Lookahead(torch.optim.AdamW(m.parameters(), lr=1e-3))
+    if wrapper == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    else:
+        opt = _Lookahead(torch.optim.AdamW(m.parameters(), lr=1e-3))
+    try:
+        _step_six_times(m, opt, stepwatch, mem)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _step_six_times(m, opt, stepwatch, mem):
     want = []
     for step in range(6):
         x, y = data(step)

@@ -469,6 +469,21 @@ def _step_wrapper_code() -> Any:
     return _STEP_WRAPPER
 
 
+def nested_optimizer_step() -> bool:
+    """An optimizer's ``step`` runs inside another's on this thread (Lookahead, SAM, ZeRO's shard
+    optimizer): two of torch's step wrappers are on the stack."""
+    code = _step_wrapper_code()
+    f = sys._getframe(1)
+    n = 0
+    while f is not None:
+        if f.f_code is code:
+            n += 1
+            if n > 1:
+                return True
+        f = f.f_back
+    return False
+
+
 def _tracked(obj: Any) -> Any:
     return obj
 
@@ -591,15 +606,8 @@ class _Methods:
         skipped), and torch runs no post-hook then. That phase is dropped (its time stays in the
         step's ``other_s``) and this step's opens in its place; it used to stay open for good,
         and no later step ended."""
-        code = _step_wrapper_code()
-        f = sys._getframe(1)
-        n = 0
-        while f is not None:
-            if f.f_code is code:
-                n += 1
-                if n > 1:
-                    return False
-            f = f.f_back
+        if nested_optimizer_step():
+            return False
         if not self._opt_paused:
             if self.device is not None:
                 self.device.end(self._dslot_opt)

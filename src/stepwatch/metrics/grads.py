@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 from .._log import warn_once
 from ..cuda_ext import copy_to_host, event_done
-from ..hooks.phases import Collector, untracked
+from ..hooks.phases import Collector, nested_optimizer_step, untracked
 
 log = logging.getLogger(__name__)
 
@@ -539,8 +539,8 @@ class GradNormProbe:
         # One entry per optimizer: its step count and its parameters as last seen (``_OptState``).
         self._state: "weakref.WeakKeyDictionary[Any, _OptState]" = weakref.WeakKeyDictionary()
         self._last: Any = None  # (weakref to the last optimizer seen, its _OptState)
-        # The last probe: (id of its optimizer, id of its param_groups list, _grad_mark of its
-        # params); an optimizer stepping inside another's step on the same list is not probed.
+        # The last probe: (id of its optimizer, _grad_mark of its params); an optimizer stepping
+        # inside another's step, on grads unchanged since, is not probed.
         self._probed: Any = None
         self._installed = False
 
@@ -595,12 +595,12 @@ class GradNormProbe:
         """Call from the optimizer step pre-hook. Returns None on steps not probed (``every``) or
         when no parameter has a grad. Never reads a device value."""
         clip = _TAP.take_clip(optimizer)
-        groups = optimizer.param_groups
         prev = self._probed
-        if prev is not None and prev[1] == id(groups) and prev[0] != id(optimizer) and _mark_holds(prev[2]):
-            # An optimizer whose step runs its base optimizer's (timm's Lookahead, SAM, Ranger:
-            # the same param_groups list, its grads unchanged since the outer step's probe): one
-            # step, probed once. Both probes' squares summed were sqrt(2) times the norm. The
+        if prev is not None and prev[0] != id(optimizer) and _mark_holds(prev[1]) and nested_optimizer_step():
+            # An optimizer whose step runs another's (timm's Lookahead, SAM, Ranger: its base
+            # optimizer; ZeroRedundancyOptimizer: its shard's), the grads unchanged since the outer
+            # step's probe: one step, probed once. Both probes' squares summed were sqrt(2) times
+            # the norm (ZeRO: the shard's added, a different number on each rank). The
             # outer optimizer's next step takes this path, which sets _probed, not the C one
             # (GradNormCore's common step needs the optimizer stepping to be ``_last``'s).
             self._last = None
@@ -615,7 +615,7 @@ class GradNormProbe:
         pending = self._probe(optimizer, clip, st)
         if pending is not None:
             mark = _grad_mark(st.params)
-            self._probed = None if mark is None else (id(optimizer), id(groups), mark)
+            self._probed = None if mark is None else (id(optimizer), mark)
         return pending
 
     def _skipped_step(self, optimizer: Any) -> None:
