@@ -194,3 +194,26 @@ def test_mfu_enricher_reuses_the_last_counts_facts_and_gives_compute_mfus_number
         assert rec.hfu == (compute_mfu(fc.hfu_by_dtype, step_s, enr.peaks) if fc.recompute else want_mfu)
         assert rec.mfu_dtype == ("mixed" if fc is a else "bf16")
         assert rec.peak_tflops == (rec.flops / (rec.mfu * step_s) / 1e12 if rec.mfu and step_s else None)
+
+
+def test_step_zeros_mfu_is_there_when_the_peak_is_known(sw):
+    """The peak was set by a listener at the end of step 0, after its record went to the
+    pipeline thread: that thread often built step 0 first, and its MFU was null (5 runs in 6 of
+    a script's). A given peak, and a job without CUDA, have it from the start: before any step."""
+    import torch
+    import torch.nn as nn
+
+    stepwatch, mem, start = sw
+    for cfg in ({"peak_tflops": 1.0}, {}):
+        s = start(**cfg)
+        (tm,) = [f for f in s.features_started if getattr(f, "name", "") == "training_metrics"]
+        assert tm.device == "cpu" and tm.mfu.peaks == cfg.get("peak_tflops"), (cfg, tm.device, tm.mfu.peaks)
+        m = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        for _ in range(3):
+            opt.zero_grad()
+            m(torch.randn(32, 16)).sum().backward()
+            opt.step()
+        stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert recs[0].flops and recs[0].mfu is not None, recs[0]

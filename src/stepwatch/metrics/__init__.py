@@ -53,6 +53,14 @@ class TrainingMetrics:
         hub.add_forward_observer(self._first_forward)
         hub.add_forward_observer(self.throughput.on_forward)
         hub.add_optimizer_observer(self.grads.on_optimizer_step)
+        # The peak before step 0's record reaches the pipeline thread, where it can be: a given
+        # peak needs no device, and a job without CUDA has none to wait for (at the end of the
+        # first step, a listener, the record was often built already: step 0's MFU was null).
+        if cfg.peak_tflops is not None:
+            self.mfu.peaks = self.resolver.peaks(None)
+        torch = sys.modules.get("torch")
+        if torch is not None and not torch.cuda.is_available():
+            self._device_known()
 
     # -- training thread --------------------------------------------------------------------------
 
@@ -61,11 +69,19 @@ class TrainingMetrics:
         takes FSDP1's clip if the job imported FSDP after stepwatch started."""
         self.hub.remove_forward_observer(self._first_forward)
         self.grads.probe.patch_late()
+        torch = sys.modules.get("torch")
+        if self.device is None and torch is not None and torch.cuda.is_initialized():
+            self._device_known()  # a GPU model is on its device by its first forward
 
     def _first_step(self, step: int) -> None:
-        """The device is known once training ran a step; ask for its name here, on the training
-        thread (never creating a CUDA context: only when CUDA is already initialized)."""
+        """The device is known once training ran a step (if not at the first forward)."""
         self.hub.remove_listener(self._first_step)
+        if self.device is None:
+            self._device_known()
+
+    def _device_known(self) -> None:
+        """Ask for the device's name on the training thread (never creating a CUDA context: only
+        when CUDA is already initialized), and its peak."""
         torch = sys.modules.get("torch")
         name = None
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
