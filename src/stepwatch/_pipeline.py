@@ -83,6 +83,17 @@ def to_float(v: Any) -> float | None:
 _TENSOR: list[Any] = [None]  # torch.Tensor, once a tensor was logged (torch is never imported for it)
 
 
+class _NotOneNumber:
+    """A logged tensor that is not one number (several values, or none), read on the training
+    thread: null in the record, counted in run.json's ``null_scalars`` like any value that is not
+    a number (it was None there, which counts as nothing logged)."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, t: Any) -> None:
+        self.what = f"tensor of {t.numel()} values"
+
+
 def loggable(v: Any) -> Any:
     """Training thread: a value given to ``stepwatch.log`` as the pipeline takes it. A CUDA tensor
     is copied to host without blocking and read once its event completes (:class:`Pending`); a
@@ -92,7 +103,7 @@ def loggable(v: Any) -> Any:
         try:
             x = v.item()
         except (RuntimeError, ValueError, TypeError):  # several values: not one number
-            return None
+            return _NotOneNumber(v)
         return x if type(x) is float else to_float(x)
     if hasattr(v, "detach") and hasattr(v, "is_cuda"):
         if _TENSOR[0] is None:
@@ -100,7 +111,8 @@ def loggable(v: Any) -> Any:
 
             _TENSOR[0] = torch.Tensor
         if not v.is_cuda:
-            return to_float(v)
+            f = to_float(v)
+            return _NotOneNumber(v) if f is None and v.numel() != 1 else f
         import torch
 
         if torch.cuda.is_current_stream_capturing():
@@ -539,6 +551,7 @@ class Pipeline:
             if self.null_scalars[key] == 1:
                 logger.warning(
                     "stepwatch.log(%s=...): a %s is not a number that fits a float; recorded as null "
-                    "(counted in run.json's null_scalars)", name, type(v).__name__,
+                    "(counted in run.json's null_scalars)", name,
+                    v.what if isinstance(v, _NotOneNumber) else type(v).__name__,
                 )
         return f

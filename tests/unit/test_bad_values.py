@@ -39,3 +39,27 @@ def test_values_too_big_for_a_float_are_null_and_counted(sw, tmp_path):
     assert manifest["steps"] == 60
     assert manifest["null_scalars"] == {"big": 60, "frac": 60}
     assert manifest["internal_errors"] == {}
+
+
+def test_a_tensor_of_several_values_is_null_and_counted(sw, tmp_path, caplog, both_tracker_cores):
+    """``stepwatch.log(per_class_acc=torch.tensor([0.5, 0.7]))``: null in the record, as before,
+    and now counted in run.json's null_scalars with one line that says what it was (it was read
+    as None on the training thread, which counted as nothing logged)."""
+    import logging
+
+    stepwatch, mem, start = sw
+    run = tmp_path / "run"
+    start(dir=str(run))
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        for i in range(4):
+            m(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            stepwatch.log(per_class_acc=torch.tensor([0.5, 0.7]), empty=torch.zeros(0), loss=torch.tensor(1.5))
+        stepwatch.shutdown()
+    assert all(r.scalars == {"per_class_acc": None, "empty": None, "loss": 1.5} for r in mem.records)
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["null_scalars"] == {"per_class_acc": 4, "empty": 4}
+    assert any("per_class_acc" in r.getMessage() and "tensor of 2 values" in r.getMessage() for r in caplog.records)

@@ -1650,11 +1650,11 @@ static PyObject *CpuItem_call(CpuItem *self, PyObject *args, PyObject *kwargs) {
         if (cpu) {
             PyObject *x = PyObject_CallMethodNoArgs(v, s_item);
             if (x == NULL) {
-                /* several values: not one number (loggable's except) */
+                /* several values: not one number; loggable says so (its except) */
                 if (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_ValueError) ||
                     PyErr_ExceptionMatches(PyExc_TypeError)) {
                     PyErr_Clear();
-                    Py_RETURN_NONE;
+                    return PyObject_CallOneArg(self->full, v);
                 }
                 return NULL;
             }
