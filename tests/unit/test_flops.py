@@ -539,6 +539,10 @@ def test_cache_failure_is_logged_once_and_remembered(caplog):
     m = NotReplayable()
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
         assert cache.get(m, (torch.randn(2, 4),)) is None
+        # One failed call is no reason to speak: a malformed batch the loop catches fails the
+        # user's own forward too. The line comes when the signature is seen again.
+        assert not [r for r in caplog.records if "stepwatch.init(flops=" in r.getMessage()]
+        assert cache.get(m, (torch.randn(2, 4),)) is None
         assert cache.get(m, (torch.randn(2, 4),)) is None
     assert cache.errors == 1
     assert sum("stepwatch.init(flops=" in r.getMessage() for r in caplog.records) == 1
@@ -1056,3 +1060,29 @@ def test_the_replay_leaves_a_modules_lists_dicts_and_pythons_rng_alone(real):
     count_step_flops(m, (torch.randn(4, 8),), real=real)
     assert m.aux_losses == [] and m.by_name == {}
     assert (random.random(), float(np.random.rand())) == want
+
+
+def test_a_forward_that_fails_on_fakes_logs_no_torch_error():
+    """A malformed batch the user's loop catches: the replay ran it first on fake tensors, and
+    torch's fake-tensor logger printed an ERROR traceback ("failed while attempting to run meta
+    for aten.mm.default") that looked like a crash of the job. The count fails quietly (it
+    raises FlopCountError; the cache's one line says so); another thread's log is untouched."""
+    import logging
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    lg = logging.getLogger("torch._subclasses.fake_tensor")
+    h = Keep(level=logging.DEBUG)
+    lg.addHandler(h)
+    try:
+        with pytest.raises(fl.FlopCountError):
+            count_step_flops(mlp(), (torch.randn(8, 7),))
+        assert seen == []
+        lg.error("the user's own line")
+        assert seen == ["the user's own line"] and not lg.filters
+    finally:
+        lg.removeHandler(h)

@@ -685,15 +685,32 @@ def count_step_flops(
     (``torch.autograd.set_detect_anomaly``, a process-wide switch) is off while it runs: its checks
     read values, which fake tensors do not have, and each failure printed a warning that looked
     like the user's own backward failing. The user's dispatch modes (a ``FlopCounterMode`` of
-    their own around the step) are set aside while it runs: they counted the replay too.
+    their own around the step) are set aside while it runs: they counted the replay too. What
+    torch's fake-tensor logger says on this thread meanwhile is dropped: a forward that fails on
+    fakes (a malformed batch the loop catches) printed an ERROR traceback there.
     """
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with torch.autograd.set_detect_anomaly(False), _disable_current_modes():
-        return _in_autograd_node(
-            lambda: _count(module, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices, real=real)
-        )
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log.addFilter(_QUIET_REPLAY)
+    try:
+        with torch.autograd.set_detect_anomaly(False), _disable_current_modes():
+            return _in_autograd_node(
+                lambda: _count(module, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices, real=real)
+            )
+    finally:
+        fake_log.removeFilter(_QUIET_REPLAY)
+
+
+class _QuietReplay(logging.Filter):
+    """Drops a log record made on a thread that is replaying (see :func:`count_step_flops`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not is_counting()
+
+
+_QUIET_REPLAY = _QuietReplay()
 
 
 def _in_autograd_node(fn: Callable[[], Any]) -> Any:
@@ -1136,6 +1153,7 @@ class FlopCache:
         self._last: dict[int, tuple[CallSig, FlopCount | None]] = {}
         self.misses = 0
         self.errors = 0
+        self._unsaid: dict[tuple[Any, ...], str] = {}  # failed counts, said at their signature's next call
 
     @staticmethod
     def key(module: Any, args: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, ...]:
@@ -1170,6 +1188,9 @@ class FlopCache:
         except KeyError:
             pass
         else:
+            if value is None and key in self._unsaid:
+                msg = self._unsaid.pop(key)
+                warn_once(f"flops.error.{msg}", "stepwatch: %s", msg, log=log)
             if not count_kwargs:
                 self._remember(mid, args, kwargs, value)
             return value
@@ -1199,10 +1220,14 @@ class FlopCache:
         except FlopCountNotReady:
             return None
         except FlopCountError as e:
+            # Said when this signature comes again (looked up, not by the last-call fast path): a
+            # malformed batch that a loop catches fails the user's forward too, and is no reason.
             self.errors += 1
-            msg = str(e)
-            warn_once(f"flops.error.{msg}", "stepwatch: %s", msg, log=log)
-            value = None
+            if len(self._unsaid) < 64:
+                self._unsaid[key] = str(e)
+            self.misses += 1
+            self._entries[key] = None
+            return None
         self.misses += 1
         self._entries[key] = value
         if not count_kwargs:
@@ -1217,6 +1242,7 @@ class FlopCache:
         gone = [k for k in list(self._entries) if k and k[0] == mid]
         for k in gone:
             self._entries.pop(k, None)
+            self._unsaid.pop(k, None)
         self.misses = max(self.misses - len(gone), 0)
 
     def _remember(self, mid: int, args: Any, kwargs: Any, value: FlopCount | None) -> None:
