@@ -1120,3 +1120,43 @@ def test_an_optimizer_step_that_raises_and_is_skipped_keeps_every_later_step(sw,
     assert len(recs) == done, [r.step for r in recs]
     _all_identity(recs)
     assert all(r.forward_s > 0 and r.samples for r in recs), recs
+
+
+def test_flops_follow_the_layers_that_train_after_unfreezing(sw):
+    """Progressive unfreezing: the backbone frozen for the first steps, then ``requires_grad_``.
+    The backward's FLOPs depend on which parameters train, which no input signature shows: the
+    count stayed the frozen model's for good. The roots' trainable parameters are checked every
+    ``RECHECK_EVERY`` steps; from the check after the unfreeze on, the count is the new one."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from stepwatch.metrics.tokens import ThroughputCollector
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def truth(frozen):
+        m = make()
+        m[:3].requires_grad_(not frozen)
+        with FlopCounterMode(display=False) as fc:
+            nn.functional.cross_entropy(m(torch.randn(16, 8)), torch.randint(0, 4, (16,))).backward()
+        return fc.get_total_flops()
+
+    frozen, whole = truth(True), truth(False)
+    assert frozen < whole
+    every = ThroughputCollector.RECHECK_EVERY
+    stepwatch, mem, start = sw
+    start()
+    m = make()
+    m[:3].requires_grad_(False)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for i in range(every + 4):
+        if i == 3:
+            m[:3].requires_grad_(True)
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(torch.randn(16, 8)), torch.randint(0, 4, (16,))).backward()
+        opt.step()
+    stepwatch.shutdown()
+    flops = [r.flops for r in mem.records if not r.tail]
+    assert flops[:3] == [frozen] * 3
+    assert flops[every + 1:] == [whole] * 3, flops

@@ -45,6 +45,7 @@ class TrainingMetrics:
         hub.add_collector(self.grads)
         hub.add_collector(self.throughput)
         hub.add_listener(self._first_step)
+        hub.add_listener(self.throughput.recheck)
         hub.add_enricher(self.mfu)
         hub.add_enricher(GradNormEnricher(self._exchange))
         hub.add_detector(GradNormSpikeDetector(cfg.grad_norm_spike_abs, cfg.grad_norm_spike_factor, cfg.grad_norm_window))

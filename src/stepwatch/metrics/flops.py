@@ -1154,6 +1154,7 @@ class FlopCache:
         self.misses = 0
         self.errors = 0
         self._unsaid: dict[tuple[Any, ...], str] = {}  # failed counts, said at their signature's next call
+        self._gen: dict[int, int] = {}  # per module: how often its trainable parameters changed (retrain)
 
     @staticmethod
     def key(module: Any, args: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, ...]:
@@ -1183,6 +1184,9 @@ class FlopCache:
         if last is not None and not count_kwargs and last[0].matches(args, kwargs):
             return last[1]
         key = self.key(module, args, kwargs)
+        gen = self._gen.get(mid)
+        if gen:
+            key = (*key, gen)
         try:
             value = self._entries[key]
         except KeyError:
@@ -1234,11 +1238,18 @@ class FlopCache:
             self._remember(mid, args, kwargs, value)
         return value
 
+    def retrain(self, mid: int) -> None:
+        """Module ``mid``'s trainable parameters changed: its next calls are counted again (the
+        backward's FLOPs follow them), under a new generation of its keys."""
+        self._last.pop(mid, None)
+        self._gen[mid] = self._gen.get(mid, 0) + 1
+
     def forget(self, mid: int) -> None:
         """Module ``mid`` was freed: drop its counts (a new module may get its id) and give back
         the budget they used (``max_misses`` bounds the signatures of the live modules). Any
         thread; the training thread may be adding an entry meanwhile."""
         self._last.pop(mid, None)
+        self._gen.pop(mid, None)
         gone = [k for k in list(self._entries) if k and k[0] == mid]
         for k in gone:
             self._entries.pop(k, None)

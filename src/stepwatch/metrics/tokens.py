@@ -209,6 +209,11 @@ def _counts_nothing(module: Any, fc: Any) -> bool:
     return fc.empty and t.__module__ == _LOSSES_MODULE and t.__name__ not in _USER_DISTANCE_LOSSES
 
 
+def _trainable(module: Any) -> tuple[bool, ...]:
+    """Which of ``module``'s parameters require grad."""
+    return tuple(p.requires_grad for p in module.parameters())
+
+
 class _PyThroughputCore:
     """The collector's hot path (one root forward like the module's last call) in Python: the
     reference that metrics/_cmetrics.c's ``ThroughputCore`` translates line for line, and the
@@ -263,6 +268,8 @@ class _ThroughputMethods(Collector):
     """
 
     name = "throughput"
+    # Steps between two looks at which parameters of each root train (``recheck``).
+    RECHECK_EVERY = 64
 
     def __init__(
         self,
@@ -283,6 +290,8 @@ class _ThroughputMethods(Collector):
         self._token_root: int | None = None
         self._seq_first = False
         self._known: set[int] = set()  # ids of the live roots this collector has seen called
+        # Per root (by id): a weak reference and which of its parameters required grad (recheck).
+        self._roots: dict[int, tuple[Any, tuple[bool, ...]]] = {}
         # The first FLOPs count (for the start-up Tensor Core lint: flops.alignment_finding).
         self.first_count: Any = None
         self._dtype_keys: dict[int, str] = {}
@@ -329,6 +338,7 @@ class _ThroughputMethods(Collector):
         self._known.add(mid)
         try:
             weakref.finalize(module, self._forget, mid).atexit = False
+            self._roots[mid] = (weakref.ref(module), _trainable(module))
         except TypeError:  # not weak-referenceable: its id is kept, as before
             pass
         if self._token_root is None or not self._items:
@@ -341,6 +351,7 @@ class _ThroughputMethods(Collector):
         """A root was freed (any thread, from its finalizer): drop what is kept under its id."""
         try:
             self._known.discard(mid)
+            self._roots.pop(mid, None)
             self._hits.pop(mid, None)
             self._dtype_keys.pop(mid, None)
             if self._token_root == mid:
@@ -350,6 +361,25 @@ class _ThroughputMethods(Collector):
                 forget(mid)
         except Exception:  # noqa: BLE001 - a finalizer must not raise (it would print at a random point)
             pass
+
+    def recheck(self, step: int) -> None:
+        """Training thread, at the end of each step: every ``RECHECK_EVERY`` steps, the roots
+        whose trainable parameters changed (progressive unfreezing: ``requires_grad_``, which no
+        input signature shows) are counted again at their next call. Their backward's FLOPs
+        stayed the frozen model's for good."""
+        if step % self.RECHECK_EVERY:
+            return
+        for mid, (ref, before) in list(self._roots.items()):
+            m = ref()
+            if m is None:
+                continue
+            now = _trainable(m)
+            if now != before:
+                self._roots[mid] = (ref, now)
+                self._hits.pop(mid, None)
+                retrain = getattr(self.cache, "retrain", None)
+                if retrain is not None:
+                    retrain(mid)
 
     def _remember(self, module: Any, args: Any, kwargs: Any, fc: Any, counts: "BatchCounts | None") -> None:
         """The next call like this one takes the hot path: a known count (the cache's, or a fixed
