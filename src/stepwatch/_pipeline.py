@@ -93,6 +93,14 @@ class _NotOneNumber:
     def __init__(self, t: Any) -> None:
         self.what = f"tensor of {t.numel()} values"
 
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _NotOneNumber and other.what == self.what
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<not one number: {self.what}>"
+
 
 def loggable(v: Any) -> Any:
     """Training thread: a value given to ``stepwatch.log`` as the pipeline takes it. A CUDA tensor

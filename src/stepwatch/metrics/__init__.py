@@ -38,14 +38,14 @@ class TrainingMetrics:
         self.grads = GradNormCollector(every=cfg.grad_norm_every).install()
         # A FLOP count on a cache miss is stepwatch's own one-off time, kept out of the step; the
         # lookup on every other forward is part of the step like any hook.
-        self.throughput = ThroughputCollector(flops=cfg.flops, exclude=hub.exclude)
+        self.throughput = ThroughputCollector(flops=cfg.flops, exclude=hub.exclude,
+                                              watch_trainable=lambda: hub.add_listener(self.throughput.recheck))
         self.mfu = MfuEnricher(None)
         self.device: str | None = None
         self._lint_done = False
         hub.add_collector(self.grads)
         hub.add_collector(self.throughput)
         hub.add_listener(self._first_step)
-        hub.add_listener(self.throughput.recheck)
         hub.add_enricher(self.mfu)
         hub.add_enricher(GradNormEnricher(self._exchange))
         hub.add_detector(GradNormSpikeDetector(cfg.grad_norm_spike_abs, cfg.grad_norm_spike_factor, cfg.grad_norm_window))

@@ -279,6 +279,7 @@ class _ThroughputMethods(Collector):
         pad_token_id: int | None = None,
         max_misses: int = 32,
         exclude: Callable[[int], None] | None = None,
+        watch_trainable: Callable[[], None] | None = None,
     ) -> None:
         if flops is not None and not callable(flops):
             if isinstance(flops, bool) or not isinstance(flops, (int, float)) or flops < 0:
@@ -292,6 +293,9 @@ class _ThroughputMethods(Collector):
         self._known: set[int] = set()  # ids of the live roots this collector has seen called
         # Per root (by id): a weak reference and which of its parameters required grad (recheck).
         self._roots: dict[int, tuple[Any, tuple[bool, ...]]] = {}
+        # Called once, when a root with frozen parameters is first seen: its caller makes
+        # ``recheck`` a step-end listener (a job whose roots all train pays nothing a step).
+        self._watch_trainable = watch_trainable
         # The first FLOPs count (for the start-up Tensor Core lint: flops.alignment_finding).
         self.first_count: Any = None
         self._dtype_keys: dict[int, str] = {}
@@ -338,7 +342,11 @@ class _ThroughputMethods(Collector):
         self._known.add(mid)
         try:
             weakref.finalize(module, self._forget, mid).atexit = False
-            self._roots[mid] = (weakref.ref(module), _trainable(module))
+            trainable = _trainable(module)
+            self._roots[mid] = (weakref.ref(module), trainable)
+            if self._watch_trainable is not None and not all(trainable):
+                watch, self._watch_trainable = self._watch_trainable, None
+                watch()
         except TypeError:  # not weak-referenceable: its id is kept, as before
             pass
         if self._token_root is None or not self._items:
@@ -363,10 +371,10 @@ class _ThroughputMethods(Collector):
             pass
 
     def recheck(self, step: int) -> None:
-        """Training thread, at the end of each step: every ``RECHECK_EVERY`` steps, the roots
-        whose trainable parameters changed (progressive unfreezing: ``requires_grad_``, which no
-        input signature shows) are counted again at their next call. Their backward's FLOPs
-        stayed the frozen model's for good."""
+        """Training thread, at the end of each step once a root with frozen parameters was seen:
+        every ``RECHECK_EVERY`` steps, the roots whose trainable parameters changed (progressive
+        unfreezing: ``requires_grad_``, which no input signature shows) are counted again at
+        their next call. Their backward's FLOPs stayed the frozen model's for good."""
         if step % self.RECHECK_EVERY:
             return
         for mid, (ref, before) in list(self._roots.items()):
