@@ -884,6 +884,17 @@ def _train_with_validation(m, opt, val, validate, every=4, steps=8, loss=nn.func
     return walls
 
 
+def _after_each_validation(mem, walls):
+    """``(record, wall)`` for each of ``_train_with_validation``'s two validations (8 steps, one
+    every 4): the record of the step after it (the tail's after the last step). The phase
+    identity holds on every record."""
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 8 and len(walls) == 2
+    _all_identity(recs)
+    tail = [r for r in mem.records if r.tail]
+    return [(recs[k] if k < len(recs) else tail[0], wall) for k, wall in zip((4, 8), walls)]
+
+
 def test_a_validation_through_a_child_module_is_evaluation_not_data_wait(sw):
     """timm's ``validate(model_ema.module, loader)`` (DDP's ``model.module(x)`` is the same shape):
     the model called is a child, so no root call opens an evaluation span; its DataLoader's
@@ -903,11 +914,7 @@ def test_a_validation_through_a_child_module_is_evaluation_not_data_wait(sw):
 
     walls = _train_with_validation(m, opt, DataLoader(_SlowSamples(8, 5), batch_size=2), validate)
     stepwatch.shutdown()
-    recs = [r for r in mem.records if not r.tail]
-    assert len(recs) == 8 and len(walls) == 2
-    _all_identity(recs)
-    for k, wall in zip((4, 8), walls):
-        r = recs[k] if k < len(recs) else [r for r in mem.records if r.tail][0]
+    for r, wall in _after_each_validation(mem, walls):
         assert wall * 0.8 <= r.eval_s <= wall + 0.002, (wall, r)
         assert r.data_wait_s < wall * 0.25, (wall, r)  # the training fetch only
         # (step_s is the rest, by the identity above: no bound on it here, where a loaded CI
@@ -936,14 +943,11 @@ def test_a_validation_without_no_grad_is_evaluation_by_the_models_eval_mode(sw):
 
     walls = _train_with_validation(m, opt, DataLoader(_SlowSamples(8, 5), batch_size=2), validate, loss=crit)
     stepwatch.shutdown()
-    recs = [r for r in mem.records if not r.tail]
-    assert len(recs) == 8 and len(walls) == 2
     # The first validation's new input shape is FLOP-counted (forward and backward: grad is on)
     # between its first fetch and its first call: stepwatch's time, in neither eval_s nor step_s
-    # (it was taken out of both, and the step's parts came to more than step_s).
-    _all_identity(recs)
-    for k, wall in zip((4, 8), walls):
-        r = recs[k] if k < len(recs) else [r for r in mem.records if r.tail][0]
+    # (it was taken out of both, and the step's parts came to more than step_s: the identity
+    # _after_each_validation checks).
+    for r, wall in _after_each_validation(mem, walls):
         # Its 8 samples sleep 5 ms each: at least that much evaluation, and the step's fetch
         # (one training batch, no sleep) far less (the fetches were data_wait_s before).
         assert 0.040 * 0.9 <= r.eval_s <= wall + 0.002, (wall, r)
