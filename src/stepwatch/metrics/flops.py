@@ -611,6 +611,7 @@ class _ModuleSnapshot:
                     d[k] = w
                     self.wrapped.append((d, k, h, w))
                     self.user_hooks_set_aside = True
+
     def swap_tensors(self, copy: Callable[[Any], Any]) -> None:
         """Give the replay ``copy(t)`` of each tensor a module holds as a plain attribute (not a
         parameter or buffer: a running mean kept by hand, a counter). An in-place update in the
@@ -815,11 +816,11 @@ def _replay(
     real: bool,
     user_hooks: bool,
 ) -> FlopCount:
+    import random
+
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
-
-    import random
 
     py_rng = random.getstate()
     np_random = getattr(sys.modules.get("numpy"), "random", None)  # imported by the job, not by us
