@@ -772,7 +772,8 @@ class GradNormProbe:
                 at = [c.index.get(id(p)) for p in ps]
                 if None in at:  # a grad it did not see (it had none then)
                     return _UNKNOWN, False, False
-                n = torch.linalg.vector_norm(c.pre[torch.tensor(at, device=c.pre.device)], 2.0)
+                # views by int index: no host-to-device copy of an index tensor (no sync)
+                n = torch.linalg.vector_norm(torch.stack([c.pre[i] for i in at]), 2.0)
             else:
                 n = _local_norm([p.grad for p in ps])
             for k in key[:first_value]:
