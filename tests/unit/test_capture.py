@@ -856,3 +856,34 @@ def test_a_step_time_spike_is_a_finding_in_a_one_process_job_without_captures(sw
     spikes = [f.step for f in mem.findings if f.kind == "step_time_spike"]
     assert spikes and min(spikes) <= 41, [(f.kind, f.step) for f in mem.findings]
     assert any(type(d).__name__ == "StepTimeSpikeDetector" for d in session.pipeline.detectors)
+
+
+def test_the_steps_stepwatchs_own_profiler_slowed_are_not_a_second_spike(sw, tmp_path):
+    """A spike triggers a capture of later steps; the profiler slows those steps (its start and
+    stop land in the first and the one after the last, CUPTI slows every kernel on a GPU), and the
+    first of them was reported as a second ``step_time_spike``: a second event that never
+    happened. Here the loop is made slow while a profiler records, as on a GPU."""
+    import glob
+
+    import torch
+
+    stepwatch, mem, start = sw
+    start(capture="on", watchdog="off", window=20)
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    model = torch.nn.Identity()
+    for i in range(200):  # the capture starts at most 100 steps after the decision (profiler.MAX_LAG_STEPS)
+        model(p).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.01)
+        if i == 30:
+            time.sleep(0.4)
+        if torch.autograd._profiler_enabled():
+            time.sleep(0.1)
+    stepwatch.shutdown()
+    (meta,) = [json.load(open(f)) for f in glob.glob(str(tmp_path / "run" / "captures" / "capture-*.rank0.json"))]
+    ours = range(meta["first_step"], meta["last_step"] + 2)  # the stop lands in the step after the last
+    spikes = [f.step for f in mem.findings if f.kind == "step_time_spike"]
+    assert meta["reason"] == "step_time_spike" and 31 in spikes, (meta, spikes)
+    assert not [s for s in spikes if s in ours], (spikes, meta)

@@ -493,7 +493,8 @@ KINDS: dict[str, Kind] = {
             "step_time_spike",
             "warning",
             "A step took much longer than its neighbours: above the rolling median plus several "
-            "MAD-sigmas (evaluation and checkpoint time excluded).",
+            "MAD-sigmas (evaluation and checkpoint time excluded, and the steps stepwatch's own capture "
+            "profiled).",
             "Read the capture stepwatch took of the next steps (captures/*.trace.json.gz, open in "
             "Perfetto) and the step's phase split: data wait, forward, backward, optimizer.",
             "stepwatch rule: robust outlier test, median + k x 1.4826 x MAD (Rousseeuw & Croux 1993)",

@@ -349,7 +349,8 @@ def install(hub: "Hub") -> Feature | None:
 
     # The spike is a finding with captures or without (a one-process job has none by default);
     # added before the captures, which take the findings of the same pass as triggers.
-    hub.add_detector(StepTimeSpikeDetector(cfg.window, mads=cfg.spike_mads))
+    spikes = StepTimeSpikeDetector(cfg.window, mads=cfg.spike_mads)
+    hub.add_detector(spikes)
     watchdog = _wanted(cfg.watchdog, ctx)
     capture = _wanted(cfg.capture, ctx)
     if not (watchdog or capture):
@@ -371,5 +372,7 @@ def install(hub: "Hub") -> Feature | None:
             hub.report_error("capture.watchdog", e)
     if capture:
         feat.start_captures()
+        if feat.captures is not None:
+            spikes.excluded = feat.captures.profiled  # the steps our profiler slowed are no spike
     hub.add_listener(feat.on_step_end)
     return feat  # the session keeps it: stop() at shutdown, status() in run.json

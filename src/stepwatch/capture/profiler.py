@@ -110,6 +110,11 @@ class CaptureManager:
         self._requests_polled = 0.0
         self.analysed: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+        # The steps our own profiler slowed, ``[first, last]`` per capture, newest last (the
+        # training thread writes, the spike detector reads on the background thread): its start
+        # lands in the first captured step, its stop in the one after the last, and its export
+        # thread runs beside the steps after that; ``last`` is open (inf) until the export ends.
+        self._ours: tuple[list[float], ...] = ()
 
     # -- records (background) -------------------------------------------------------------------
 
@@ -122,6 +127,11 @@ class CaptureManager:
             return MIN_LAG_STEPS
         med = statistics.median(self._step_s)
         return int(min(max(math.ceil(LAG_S / max(med, 1e-6)), MIN_LAG_STEPS), MAX_LAG_STEPS))
+
+    def profiled(self, step: int) -> bool:
+        """Whether ``step``'s time holds our profiler's cost (any thread): the spike detector
+        leaves such a step out, as it leaves out evaluation and checkpoints."""
+        return any(first <= step <= last for first, last in self._ours)
 
     # -- coordination (background) ---------------------------------------------------------------
 
@@ -348,7 +358,10 @@ class CaptureManager:
         except BaseException:
             prof.stop()  # never leave a profiler recording for the rest of the run
             raise
-        self.active = {"sc": sc, "prof": prof, "first": first, "last": first + sc.steps - 1, "t0": time.time()}
+        span = [first, math.inf]
+        self._ours = self._ours[-7:] + (span,)  # one assignment: the reader sees the old or the new tuple
+        self.active = {"sc": sc, "prof": prof, "first": first, "last": first + sc.steps - 1, "t0": time.time(),
+                       "span": span}
 
     def _open_range(self, step: int) -> None:
         from torch.autograd.profiler import record_function
@@ -372,12 +385,22 @@ class CaptureManager:
         finally:
             a["prof"].stop()  # whatever failed above, the profiler stops recording
         th = threading.Thread(target=self._export, args=(a,), name="stepwatch-capture-export", daemon=True)
-        th.start()
+        try:
+            th.start()
+        except BaseException:
+            a["span"][1] = a["last"] + 1  # no export runs beside the steps after this one
+            raise
         self._exports.append(th)
 
     # -- export thread -----------------------------------------------------------------------------
 
     def _export(self, a: dict[str, Any]) -> None:
+        try:
+            self._write(a)
+        finally:
+            a["span"][1] = max(a["last"] + 1, self.hub.step)  # the step running now ran beside the export
+
+    def _write(self, a: dict[str, Any]) -> None:
         sc = a["sc"]
         r = self.ctx.rank
         stem = f"capture-{sc.k}-steps{a['first']}-{a['last']}.rank{r}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from typing import Callable
 
 from ..analysis.kinds import make_finding
 from ..record import Finding, StepRecord
@@ -28,18 +29,22 @@ class StepTimeSpikeDetector:
     ``min_ratio`` (2) times the median, so the jitter of a busy host is no spike.
 
     The second term keeps a very steady job (MAD near 0) from calling jitter a spike. At most one
-    finding per ``hold`` steps: a burst of slow steps is one event."""
+    finding per ``hold`` steps: a burst of slow steps is one event. A step ``excluded(step)`` says
+    is ours (a capture's profiler slowed it) is neither judged nor kept in the history."""
 
     def __init__(self, window: int = 50, *, mads: float = 6.0, min_ratio: float = 2.0, min_history: int | None = None,
-                 hold: int | None = None) -> None:
+                 hold: int | None = None, excluded: Callable[[int], bool] | None = None) -> None:
         self.hist: deque[float] = deque(maxlen=max(window, 5))
         self.mads = mads
         self.min_ratio = min_ratio
         self.min_history = min_history if min_history is not None else max(5, min(window, 20))
         self.hold = hold if hold is not None else max(window, 5)
         self._last_fire: int | None = None
+        self.excluded = excluded
 
     def observe(self, rec: StepRecord) -> list[Finding]:
+        if self.excluded is not None and self.excluded(rec.step):
+            return []
         x = rec.step_s
         out: list[Finding] = []
         if len(self.hist) >= self.min_history:
