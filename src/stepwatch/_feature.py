@@ -144,6 +144,12 @@ class Hub:
         """``fn(optimizer)`` for each optimizer step, before the phase opens."""
         self._inst.optimizer_observers.append(fn)
 
+    def add_reevaluation_observer(self, fn: Callable[[bool], None]) -> None:
+        """``fn(True)`` before, ``fn(False)`` after each call of an optimizer's closure after the
+        first in one step (LBFGS evaluates the same batch again): the forwards between are the
+        step's work again, not more of its data."""
+        self._inst.reevaluation_observers.append(fn)
+
     def add_exception_observer(self, fn: Callable[[str, BaseException], None]) -> None:
         """``fn(phase, exc)`` for an exception passing through a hooked phase, before it goes on."""
         self._inst.exception_observers.append(fn)

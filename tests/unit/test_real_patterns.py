@@ -1164,3 +1164,34 @@ def test_flops_follow_the_layers_that_train_after_unfreezing(sw):
     flops = [r.flops for r in mem.records if not r.tail]
     assert flops[:3] == [frozen] * 3
     assert flops[every + 1:] == [whole] * 3, flops
+
+
+def test_an_lbfgs_step_counts_its_batch_once_and_the_flops_of_every_evaluation(sw):
+    """LBFGS calls the closure (forward and backward of the same batch) up to ``max_iter`` times in
+    one ``step``: ``samples`` and ``tokens`` summed every evaluation, 5 x the batch here. The
+    batch is the step's; the FLOPs are those of every evaluation (the device ran them all)."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.LBFGS(m.parameters(), lr=0.1, max_iter=5, tolerance_grad=0, tolerance_change=0)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        return loss
+
+    steps = 4
+    for _ in range(steps):
+        opt.step(closure)
+    stepwatch.shutdown()
+    recs = mem.records
+    assert len(recs) == steps and len(calls) > steps, (len(recs), len(calls))
+    assert [r.samples for r in recs] == [8] * steps
+    # One evaluation, 2 FLOPs a multiply-add: the forward's two matmuls; the backward's gradients
+    # of both weights and of the second layer's input (the batch itself needs none).
+    one = 2 * 8 * (16 * 32 + 32 * 4) + 2 * 8 * (16 * 32 + 2 * 32 * 4)
+    assert sum(r.flops for r in recs) == pytest.approx(one * len(calls), rel=0.05), [r.flops for r in recs]

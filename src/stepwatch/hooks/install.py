@@ -92,6 +92,9 @@ class Instrumentation:
         # (optimizer), on the training thread, before the phase opens.
         self.forward_observers: list[Callable[[Any, Any, Any], None]] = []
         self.optimizer_observers: list[Callable[[Any], None]] = []
+        # Features that want to know when a closure is evaluated again inside one optimizer step
+        # (LBFGS, line searches): ``fn(True)`` before such a call, ``fn(False)`` after it.
+        self.reevaluation_observers: list[Callable[[bool], None]] = []
         # Features that want an exception passing through a hooked phase (phase name, exception),
         # on the training thread, before it propagates unchanged (OOM forensics).
         self.exception_observers: list[Callable[[str, BaseException], None]] = []
@@ -338,6 +341,9 @@ class Instrumentation:
         @functools.wraps(closure)
         def closure_in_step(*a: Any, **k: Any) -> Any:
             paused = tr.pause_optimizer()
+            again = not first[0] and bool(self.reevaluation_observers)
+            if again:
+                self._observe_reevaluation(True)
             try:
                 out = closure(*a, **k)
                 if first[0]:
@@ -345,19 +351,28 @@ class Instrumentation:
                     self._observe_optimizer(optimizer)
                 return out
             finally:
+                if again:
+                    self._observe_reevaluation(False)
                 if paused:
                     tr.resume_optimizer()
 
         return closure_in_step
+
+    def _observe_reevaluation(self, begins: bool) -> None:
+        for fn in self.reevaluation_observers:
+            try:
+                fn(begins)
+            except Exception as e:
+                self._drop_observer("reevaluation", fn, e)
 
     def _drop_observer(self, kind: str, fn: Any, exc: BaseException) -> None:
         self.remove_observer(kind, fn)
         self._on_error(f"observer.{getattr(fn, '__qualname__', fn)}", exc)
 
     def remove_observer(self, kind: str, fn: Any) -> None:
-        """Take ``fn`` off ``<kind>_observers`` (forward, optimizer, exception). The list is
-        replaced, not changed in place: a loop over it that is running (the observer removing
-        itself) goes on over the old one and calls every other observer."""
+        """Take ``fn`` off ``<kind>_observers`` (forward, optimizer, reevaluation, exception). The
+        list is replaced, not changed in place: a loop over it that is running (the observer
+        removing itself) goes on over the old one and calls every other observer."""
         attr = f"{kind}_observers"
         setattr(self, attr, [f for f in getattr(self, attr) if f != fn])  # a bound method is made anew each time: equal, not identical
 

@@ -303,6 +303,7 @@ class _ThroughputMethods(Collector):
         # what the call appended.
         self._hits: dict[int, tuple[Any, tuple[Any, Any]]] = {}  # (CallSig or _ANY_CALL, what it appended)
         self._items: list[tuple[Any, BatchCounts | None]] = []
+        self._again: tuple[list[Any], int] | None = None  # (the step's items, where a re-evaluation began)
         import torch
 
         self._grad_enabled = torch.is_grad_enabled
@@ -332,6 +333,22 @@ class _ThroughputMethods(Collector):
         counts = self._batch_counts(args, kwargs) if is_model else None
         self._items.append((fc, counts))
         self._remember(module, args, kwargs, fc, counts)
+
+    def on_reevaluation(self, begins: bool) -> None:
+        """Training thread: an optimizer's closure evaluated again within one step (LBFGS) runs the
+        step's batch again. Its forwards keep their FLOPs (the device ran them) and count no
+        samples or tokens: the step's batch was counted at its first evaluation."""
+        if begins:
+            self._again = (self._items, len(self._items))
+            return
+        again, self._again = self._again, None
+        if again is None or again[0] is not self._items:  # the step ended in between: nothing of it here
+            return
+        items, start = again
+        for i in range(start, len(items)):
+            fc, counts = items[i]
+            if counts is not None:
+                items[i] = (fc, None)
 
     def _first_call(self, module: Any, mid: int) -> None:
         """A root's first call (grad enabled). The model (whose calls give the step's samples and
