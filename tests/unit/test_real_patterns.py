@@ -211,6 +211,61 @@ def test_seq_first_inputs_count_samples_from_the_batch_dim(sw):
     assert [r.tokens for r in recs] == [seq * batch] * 3
 
 
+class BatchFirstEncoder(nn.Module):
+    """A classifier taking ``[batch, seq]`` ids that turns them to ``[seq, batch, emb]`` itself for
+    torch's encoder (``batch_first=False``, its default), as many hand-written models do."""
+
+    def __init__(self, vocab=50, emb=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, emb)
+        layer = nn.TransformerEncoderLayer(emb, nhead=2, dim_feedforward=32, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
+        self.out = nn.Linear(emb, 2)
+
+    def forward(self, ids):
+        return self.out(self.enc(self.emb(ids).transpose(0, 1)).mean(0))
+
+
+class PermutingLSTM(nn.Module):
+    """``[batch, seq, features]`` in, permuted for a seq-first LSTM."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(6, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h, _ = self.rnn(x.permute(1, 0, 2))
+        return self.out(h[-1])
+
+
+@pytest.mark.parametrize("make, shape", [(BatchFirstEncoder, (4, 10)), (PermutingLSTM, (4, 10, 6))],
+                         ids=["encoder-ids", "lstm-features"])
+def test_a_batch_first_model_with_seq_first_layers_inside_counts_its_batch(sw, make, shape):
+    """A model whose attention or RNN layers are sequence-first but which takes batch-first inputs
+    and permutes them itself: ``samples`` was read from dim 1 (the sequence, 10) because every
+    such layer in it is seq-first. The layer's own input says where the batch is."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = make()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    from torch.nn.modules import module as torch_module
+
+    for _ in range(3):
+        x = torch.randint(0, 50, shape) if len(shape) == 2 else torch.randn(shape)
+        m(x).sum().backward()
+        # What told the layout was there for the first call only, and never on the model
+        assert not torch_module._global_forward_pre_hooks and not torch_module._global_forward_hooks
+        assert not any(mod._forward_pre_hooks or mod._forward_hooks for mod in m.modules())
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert [r.samples for r in recs] == [4] * 3
+    assert [r.tokens for r in recs] == ([40] * 3 if len(shape) == 2 else [None] * 3)
+
+
 class TinyLM(nn.Module):
     """An HF-style model called as model(input_ids=..., attention_mask=...)."""
 

@@ -12,7 +12,9 @@ Rules (docs/mfu.md repeats them for users), applied to the outermost module's ca
    ``pad_token_id`` entries if given), samples = dim 0. Any other tensor (images, features):
    samples = dim 0, tokens unknown. A *sequence-first* model (every ``nn.RNNBase`` /
    ``nn.MultiheadAttention`` in it has ``batch_first=False``, torch's default, and it has at least
-   one: ``[seq, batch]`` inputs, as word_language_model) reads samples from dim 1 instead.
+   one: ``[seq, batch]`` inputs, as word_language_model) reads samples from dim 1 instead, unless
+   its first such layer, at the model's first call, gets its batch from the input's dim 0 (a
+   model that permutes its input itself; ``ThroughputCollector._probe_layout``).
 3. Anything else: both unknown (None). Never a guess from an unrelated shape.
 
 Counting non-padding tokens needs a reduction over the mask; on a GPU it is queued on the device
@@ -92,19 +94,55 @@ def _from_ids(ids: Any, mask: Any, pad_token_id: int | None) -> BatchCounts:
     return c
 
 
-def is_seq_first(module: Any) -> bool:
-    """True when ``module`` takes ``[seq, batch, ...]`` inputs: it holds RNN or attention layers
-    and none of them is ``batch_first``. Walks the module tree: call it once per module."""
+def seq_first_layers(module: Any) -> list[Any]:
+    """``module``'s RNN and attention layers when it holds some and none of them is
+    ``batch_first`` (then it likely takes ``[seq, batch, ...]`` inputs), else ``[]``. Walks the
+    module tree: call it once per module."""
     import torch.nn as nn
 
     from .flops import unwrap_module
 
-    flags = [
-        bool(getattr(m, "batch_first", False))
-        for m in unwrap_module(module).modules()
-        if isinstance(m, (nn.RNNBase, nn.MultiheadAttention))
-    ]
-    return bool(flags) and not any(flags)
+    layers = [m for m in unwrap_module(module).modules() if isinstance(m, (nn.RNNBase, nn.MultiheadAttention))]
+    return [] if any(getattr(m, "batch_first", False) for m in layers) else layers
+
+
+def is_seq_first(module: Any) -> bool:
+    """True when ``module`` likely takes ``[seq, batch, ...]`` inputs (see :func:`seq_first_layers`)."""
+    return bool(seq_first_layers(module))
+
+
+def _layer_batch(layer: Any, args: Any, kwargs: Any) -> int | None:
+    """The batch size a seq-first RNN or attention layer is called with (dim 1 of its batched
+    input, a packed sequence's largest batch), None for an unbatched call."""
+    import torch
+    from torch.nn.utils.rnn import PackedSequence
+
+    x = args[0] if args else kwargs.get("query", kwargs.get("input"))
+    if isinstance(x, PackedSequence):
+        return int(x.batch_sizes[0])
+    if isinstance(x, torch.Tensor) and x.dim() == 3:
+        return int(x.shape[1])
+    return None
+
+
+def _rule_input(args: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, Any, bool]:
+    """What the rules read from a call: ``(input_ids, attention_mask, True)`` (rule 1), else
+    ``(the positional tensor or None, None, False)`` (rule 2)."""
+    import torch
+
+    if kwargs and isinstance(kwargs.get("input_ids"), torch.Tensor):
+        return kwargs["input_ids"], kwargs.get("attention_mask"), True
+    if not isinstance(args, (tuple, list)):
+        args = (args,)
+    first = args[0] if args else None
+    if isinstance(first, (tuple, list)) and first:
+        first = first[0]
+    if isinstance(first, Mapping):
+        ids = first.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            return ids, first.get("attention_mask"), True
+        first = next((v for v in first.values() if isinstance(v, torch.Tensor)), None)
+    return (first if isinstance(first, torch.Tensor) else None), None, False
 
 
 def infer_batch_counts(
@@ -118,19 +156,10 @@ def infer_batch_counts(
     ``seq_first``: a positional input is ``[seq, batch, ...]`` (see :func:`is_seq_first`)."""
     import torch
 
-    if kwargs and isinstance(kwargs.get("input_ids"), torch.Tensor):
-        return _from_ids(kwargs["input_ids"], kwargs.get("attention_mask"), pad_token_id)
-    if not isinstance(args, (tuple, list)):
-        args = (args,)
-    first = args[0] if args else None
-    if isinstance(first, (tuple, list)) and first:
-        first = first[0]
-    if isinstance(first, Mapping):
-        ids = first.get("input_ids")
-        if isinstance(ids, torch.Tensor):
-            return _from_ids(ids, first.get("attention_mask"), pad_token_id)
-        first = next((v for v in first.values() if isinstance(v, torch.Tensor)), None)
-    if isinstance(first, torch.Tensor) and first.dim() >= 1:
+    first, mask, ids = _rule_input(args, kwargs)
+    if ids:
+        return _from_ids(first, mask, pad_token_id)
+    if first is not None and first.dim() >= 1:
         batch_dim = 1 if seq_first and first.dim() >= 2 else 0
         samples = int(first.shape[batch_dim])
         if first.dim() == 2 and not first.is_floating_point() and not first.is_complex() and first.dtype != torch.bool:
@@ -290,6 +319,7 @@ class _ThroughputMethods(Collector):
         self.exclude = exclude
         self._token_root: int | None = None
         self._seq_first = False
+        self._layout_layers: list[Any] | None = None  # a new model's seq-first layers, until its first call is probed
         self._known: set[int] = set()  # ids of the live roots this collector has seen called
         # Per root (by id): a weak reference and which of its parameters required grad (recheck).
         self._roots: dict[int, tuple[Any, tuple[bool, ...]]] = {}
@@ -331,6 +361,9 @@ class _ThroughputMethods(Collector):
         if fc is not None and self.first_count is None:
             self.first_count = fc
         counts = self._batch_counts(args, kwargs) if is_model else None
+        if counts is not None and self._layout_layers:
+            layers, self._layout_layers = self._layout_layers, None
+            self._probe_layout(module, layers, args, kwargs, counts)
         self._items.append((fc, counts))
         self._remember(module, args, kwargs, fc, counts)
 
@@ -370,7 +403,47 @@ class _ThroughputMethods(Collector):
             if self._token_root is not None:
                 self._hits.pop(self._token_root, None)  # the old model's calls count no samples now
             self._token_root = mid
-            self._seq_first = is_seq_first(module)
+            self._layout_layers = seq_first_layers(module)
+            self._seq_first = bool(self._layout_layers)
+
+    def _probe_layout(self, root: Any, layers: list[Any], args: Any, kwargs: Any, counts: BatchCounts) -> None:
+        """The first call of a model whose RNN and attention layers are all seq-first: its input is
+        ``[seq, batch]`` (word_language_model) or ``[batch, seq]`` that it turns round itself (a
+        hand-written encoder). The first such layer's input, within this call, says which, and
+        ``counts`` (this call's) is corrected. Global module hooks, for this one call only: a hook
+        on the model would go into a whole-model ``torch.save``."""
+        from torch.nn.modules import module as torch_module
+
+        x, _, ids = _rule_input(args, kwargs)
+        if ids or x is None or x.dim() < 2 or counts.samples is None or x.shape[0] == x.shape[1]:
+            return
+        outer = (int(x.shape[0]), int(x.shape[1]))
+        wanted = {id(m) for m in layers}
+        rid = id(root)
+        handles: list[Any] = []
+
+        def done() -> None:
+            while handles:
+                handles.pop().remove()
+
+        def pre(module: Any, a: Any) -> None:
+            if id(module) not in wanted:
+                return
+            try:
+                done()
+                batch = _layer_batch(module, a, {})
+                if batch is not None and batch in outer and self._token_root == rid:
+                    self._seq_first = batch == outer[1]
+                    counts.samples = batch
+            except Exception:  # noqa: BLE001 - inside the user's forward: never raise there
+                pass
+
+        def post(module: Any, a: Any, out: Any) -> None:
+            if id(module) == rid:
+                done()  # no such layer ran in this call: the guess stands
+
+        handles.append(torch_module.register_module_forward_pre_hook(pre))
+        handles.append(torch_module.register_module_forward_hook(post, always_call=True))
 
     def _forget(self, mid: int) -> None:
         """A root was freed (any thread, from its finalizer): drop what is kept under its id."""
