@@ -39,7 +39,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 for step, (x, y) in enumerate(DataLoader(Data(), batch_size=8)):
-    if step == 160:  # the capture starts at most 100 steps (MAX_LAG_STEPS) after the trigger
+    if step == 160:  # room for the capture: a multi-rank job starts it up to 100 steps (MAX_LAG_STEPS) after the trigger
         break
     loss = (model(x) - y).pow(2).mean()
     loss.backward()

@@ -8,7 +8,8 @@ Who does what:
   torch.distributed's store; another rank that sees a trigger asks rank 0 through a counter key
   (``capture/req``, ``store.add``). Every other rank polls for the next key without blocking
   (``store.check``) each pass. The first step is the current step plus a lag long enough for
-  every rank to read the key first (two seconds of steps, at least two steps).
+  every rank to read the key first (two seconds of steps, at least two steps); a rank that
+  decides alone (one process, no store) takes the second step after the decision.
 * Training thread (a step-end listener, ``hub.add_listener``): starts the profiler at the
   boundary before the first step, marks each step (``stepwatch_step_<n>`` ranges), stops it after
   the N-th. A profiler started from another thread records none of the training thread's ops.
@@ -270,7 +271,9 @@ class CaptureManager:
         self._last_decision = now
         k = self._next_k
         self._next_k += 1
-        first = self.hub.step + self._lag()
+        # The lag lets every rank read the decision first; a rank that decides alone (one process,
+        # no store) waits for no one, and captures as close to the trigger as it can.
+        first = self.hub.step + (self._lag() if store is not None else MIN_LAG_STEPS)
         n = steps or self.steps
         if store is not None:
             store.set(self._key(str(k)), f"{first}:{n}:{reason}")
