@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     sync_raised: list[str] = []
     step, t_start, wall, t_wall = 0, time.monotonic(), None, 0.0
     analysed_at = None
+    analyses_before: int | None = None  # analyses in captures/ when the on-demand capture was asked for
     if gpu:
         torch.cuda.synchronize()
     while time.monotonic() - t_start < DEADLINE_S:
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 wall = (time.perf_counter() - t_wall) / len(WALL)
                 rundir.request_capture(run, 3)  # then the capture, as `stepwatch capture RUN_DIR --steps 3` asks
+                # A spike's capture may have been analysed before (a busy machine): wait for this one's.
+                analyses_before = len(glob.glob(os.path.join(run, "captures", "*.analysis.json")))
         try:
             loss = ddp(xs[step % len(xs)]).float().pow(2).mean()
             loss.backward()
@@ -118,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             sync_raised.append(f"step {step}: {exc}")
             torch.cuda.set_sync_debug_mode("default")
         step += 1
-        if analysed_at is None and glob.glob(os.path.join(run, "captures", "*.analysis.json")):
+        if (analysed_at is None and analyses_before is not None
+                and len(glob.glob(os.path.join(run, "captures", "*.analysis.json"))) > analyses_before):
             analysed_at = step
         if analysed_at is not None and step >= analysed_at + 5:
             break

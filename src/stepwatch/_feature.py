@@ -150,6 +150,21 @@ class Hub:
         step's work again, not more of its data."""
         self._inst.reevaluation_observers.append(fn)
 
+    def add_eval_span_listener(self, fn: Callable[[bool], None]) -> None:
+        """``fn(evaluation)`` when a span of grad-disabled or eval-mode root calls closes: True
+        when it was evaluation (``eval_s``), False when it was the step's own work (a teacher, a
+        model trained in eval mode). Training thread; a rare path, never every step."""
+        tr = self._tracker
+        before = tr._span_judged
+        if before is None:
+            tr._span_judged = fn
+        else:
+            def both(evaluation: bool) -> None:
+                before(evaluation)
+                fn(evaluation)
+
+            tr._span_judged = both
+
     def add_exception_observer(self, fn: Callable[[str, BaseException], None]) -> None:
         """``fn(phase, exc)`` for an exception passing through a hooked phase, before it goes on."""
         self._inst.exception_observers.append(fn)

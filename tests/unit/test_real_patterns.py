@@ -1008,6 +1008,11 @@ def test_a_validation_without_no_grad_is_evaluation_by_the_models_eval_mode(sw):
         assert 0.040 * 0.9 <= r.eval_s <= wall + 0.002, (wall, r)
         assert r.data_wait_s < 0.040 * 0.5, (wall, r)
     assert not [f for f in mem.findings if f.kind == "data_loading"]
+    # ... and neither are its samples and FLOPs the step's: the validation's 8 samples were
+    # added to the next step's 8, its 4 forwards (grad on: forward and backward) to its FLOPs.
+    recs = [r for r in mem.records if not r.tail]
+    assert [r.samples for r in recs] == [8] * 8
+    assert len({r.flops for r in recs[1:]}) == 1, [r.flops for r in recs]
 
 
 def test_training_with_the_model_in_eval_mode_keeps_its_forward(sw):
@@ -1029,6 +1034,9 @@ def test_training_with_the_model_in_eval_mode_keeps_its_forward(sw):
     assert len(recs) == 12
     _all_identity(recs)
     assert all(r.eval_s == 0 and r.forward_s > 0 and r.backward_s > 0 for r in recs), recs
+    # Its samples and FLOPs too (the model's one call a step, in eval mode, is the step's).
+    assert [r.samples for r in recs] == [8] * 12
+    assert recs[1].flops and len({r.flops for r in recs[1:]}) == 1, [r.flops for r in recs]
 
 
 @pytest.mark.parametrize("grad_off", ["around the loop", "around the call"])

@@ -55,7 +55,7 @@ typedef struct {
         *_prev_end, *_pending_end, *_pending_skipped, *_step_open, *_fwd_depth, *_fwd_t0,
         *_fwd_grad, *_bwd_depth, *_bwd_t0, *_opt_depth, *_opt_t0, *_opt_paused, *_fwd_paused_opt,
         *_bwd_paused_opt, *_ckpt_depth, *_ckpt_t0, *_eval_open, *_eval_t0, *_eval_last, *_eval_calls,
-        *_eval_pulls, *_eval_pulled, *_eval_fwd, *_last_fetch_t0, *_last_fetch_ns, *_iter_t0, *_thread,
+        *_eval_pulls, *_eval_pulled, *_eval_fwd, *_span_judged, *_last_fetch_t0, *_last_fetch_ns, *_iter_t0, *_thread,
         *_in_scaler, *_scaler_fired, *_data, *_fwd, *_bwd, *_opt, *_eval, *_ckpt, *_own, *_ckpt_bytes, *_bwd_spans,
         *_phases, *_scalars;
 } Core; /* no __dict__ or __weakref__ of its own: phases.py's StepTracker, a subclass, has both */
@@ -67,7 +67,7 @@ typedef struct {
     X(_prev_end) X(_pending_end) X(_pending_skipped) X(_step_open) X(_fwd_depth) X(_fwd_t0)            \
     X(_fwd_grad) X(_bwd_depth) X(_bwd_t0) X(_opt_depth) X(_opt_t0) X(_opt_paused) X(_fwd_paused_opt)   \
     X(_bwd_paused_opt) X(_ckpt_depth) X(_ckpt_t0) X(_eval_open) X(_eval_t0) X(_eval_last)              \
-    X(_eval_calls) X(_eval_pulls) X(_eval_pulled) X(_eval_fwd)                                         \
+    X(_eval_calls) X(_eval_pulls) X(_eval_pulled) X(_eval_fwd) X(_span_judged)                         \
     X(_last_fetch_t0) X(_last_fetch_ns) X(_iter_t0) X(_thread) X(_in_scaler) X(_scaler_fired)          \
     X(_data) X(_fwd) X(_bwd)                                                                           \
     X(_opt) X(_eval) X(_ckpt) X(_own) X(_ckpt_bytes) X(_bwd_spans) X(_phases) X(_scalars)
@@ -287,6 +287,16 @@ static PyObject *Core_reset_step(Core *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* phases.py's _span_judged(evaluation), when one is set: how an eval span closed. */
+static int span_judged(Core *self, PyObject *evaluation) {
+    PyObject *fn = self->_span_judged;
+    if (fn == NULL || fn == Py_None) return 0;
+    PyObject *r = PyObject_CallOneArg(fn, evaluation);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 static int close_eval(Core *self) {
     TRUTH(self, _eval_open, open);
     if (open) {
@@ -295,6 +305,7 @@ static int close_eval(Core *self) {
         LL(self, _eval_t0, t0);
         PUT_LL(self, _eval, ev + (last - t0));
         put_obj(&self->_eval_open, Py_False);
+        if (span_judged(self, Py_True) < 0) goto error;
     }
     return 0;
 error:
@@ -355,7 +366,7 @@ static int close_eval_for_work(Core *self) {
         PUT_LL(self, _fwd, fwd + efwd);
         PUT_LL(self, _data, data + pulled);
         put_obj(&self->_eval_open, Py_False);
-        return 0;
+        return span_judged(self, Py_False);
     }
     return close_eval(self);
 error:

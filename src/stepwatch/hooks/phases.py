@@ -90,7 +90,7 @@ _STATE = (
     "_prev_end", "_pending_end", "_pending_skipped", "_step_open", "_fwd_depth", "_fwd_t0",
     "_fwd_grad", "_bwd_depth", "_bwd_t0", "_opt_depth", "_opt_t0", "_opt_paused", "_fwd_paused_opt",
     "_bwd_paused_opt", "_ckpt_depth", "_ckpt_t0", "_eval_open", "_eval_t0", "_eval_last",
-    "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_last_fetch_t0", "_last_fetch_ns",
+    "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_span_judged", "_last_fetch_t0", "_last_fetch_ns",
     "_iter_t0", "_thread", "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
     "_opt", "_eval", "_ckpt", "_own", "_ckpt_bytes", "_bwd_spans", "_phases", "_scalars",
 )
@@ -117,6 +117,8 @@ class _PyCore:
         if self._eval_open:
             self._eval += self._eval_last - self._eval_t0
             self._eval_open = False
+            if self._span_judged is not None:
+                self._span_judged(True)
 
     def _open_eval(self, t0: int) -> None:
         """An eval span is open (from ``t0``, if none was), and the fetch right before it is the
@@ -147,6 +149,8 @@ class _PyCore:
             self._fwd += self._eval_fwd
             self._data += self._eval_pulled
             self._eval_open = False
+            if self._span_judged is not None:
+                self._span_judged(False)
         else:
             self._close_eval()
 
@@ -583,6 +587,8 @@ class _Methods:
         self._eval_pulls = 0  # DataLoader fetches it took in (the one right before it, then its own)
         self._eval_pulled = 0  # their ns
         self._eval_fwd = 0  # its forwards' ns
+        # Told how each span closed: True evaluation, False the step's own work (``on_eval_span``).
+        self._span_judged: Callable[[bool], None] | None = None
         self._last_fetch_t0: int | None = None
         self._last_fetch_ns = 0
         self._iter_t0: int | None = None  # a DataLoader iterator made, its first fetch not yet ended

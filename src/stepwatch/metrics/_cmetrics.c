@@ -28,7 +28,7 @@
 #include "../_cobjects.h"
 
 static PyObject *s_dtype, *s_shape, *s_requires_grad, *s_is_cuda, *s_is_cpu, *s_active, *s_mine, *s_matches,
-    *s_on_forward_full, *s_batch_counts, *s_getters_var, *s_getters_fn, *s_state_fn, *s_grad, *s_used, *s_last,
+    *s_on_forward_full, *s_training, *s_batch_counts, *s_getters_var, *s_getters_fn, *s_state_fn, *s_grad, *s_used, *s_last,
     *s_every, *s_param_groups, *s_params, *s_dict, *s_grad_scale, *s_probe_fn;
 
 /* metrics/flops.py's globals, from _bind(): its _GETTERS (torch, any autocast, grad mode, the two
@@ -387,6 +387,17 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
         if (t < 0) return NULL;
         if (t) Py_RETURN_NONE;
     }
+    /* A root in eval mode with grad enabled: evaluation or the step's own forward, which the
+       tracker judges later; the full path holds its item until then (tokens.py's _hold). */
+    PyObject *training = PyObject_GetAttr(module, s_training);
+    if (training == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+        PyErr_Clear();
+    } else {
+        int eval_mode = training == Py_False;
+        Py_DECREF(training);
+        if (eval_mode) goto full;
+    }
     PyObject *hits = TP_GET(self, _hits), *any_call = TP_GET(self, _any_call), *recount = TP_GET(self, _recount);
     if (hits == NULL || any_call == NULL || recount == NULL) return NULL;
     PyObject *key = PyLong_FromVoidPtr(module);
@@ -459,6 +470,7 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
         }
         Py_DECREF(hit);
     }
+full:;
     PyObject *full[4] = {(PyObject *)self, module, args, kwargs};
     return PyObject_VectorcallMethod(s_on_forward_full, full, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
 }
@@ -931,6 +943,7 @@ PyMODINIT_FUNC PyInit__cmetrics(void) {
     INTERN(s_mine, "mine");
     INTERN(s_matches, "matches");
     INTERN(s_on_forward_full, "_on_forward_full");
+    INTERN(s_training, "training");
     INTERN(s_batch_counts, "_batch_counts");
     INTERN(s_getters_var, "_GETTERS");
     INTERN(s_getters_fn, "_getters");

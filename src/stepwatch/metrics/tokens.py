@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 from .flops import CallSig, FlopCache, resolve_override
 from ..cuda_ext import copy_to_host, event_done
 from .peaks import matmul_dtype_key
-from ..hooks.phases import Collector, untracked
+from ..hooks.phases import IN_STEP_NO_GRAD_CALLS, Collector, untracked
 from ..hooks.replay import REPLAY
 
 
@@ -253,6 +253,9 @@ class _PyThroughputCore:
     def on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
         if not self._grad_enabled() or (self._replay.active and self._replay.mine()):
             return
+        if getattr(module, "training", True) is False:  # eval mode: evaluation or not, said later
+            self._on_forward_full(module, args, kwargs)  # type: ignore[attr-defined]
+            return
         hit = self._hits.get(id(module))
         if hit is not None and (hit[0] is self._any_call or hit[0].matches(args, kwargs)):
             item = hit[1]
@@ -334,6 +337,7 @@ class _ThroughputMethods(Collector):
         self._hits: dict[int, tuple[Any, tuple[Any, Any]]] = {}  # (CallSig or _ANY_CALL, what it appended)
         self._items: list[tuple[Any, BatchCounts | None]] = []
         self._again: tuple[list[Any], int] | None = None  # (the step's items, where a re-evaluation began)
+        self._held: tuple[Any, list[Any] | None] | None = None  # (the step's items, an eval span's eval-mode calls)
         import torch
 
         self._grad_enabled = torch.is_grad_enabled
@@ -364,8 +368,34 @@ class _ThroughputMethods(Collector):
         if counts is not None and self._layout_layers:
             layers, self._layout_layers = self._layout_layers, None
             self._probe_layout(module, layers, args, kwargs, counts)
-        self._items.append((fc, counts))
         self._remember(module, args, kwargs, fc, counts)
+        if getattr(module, "training", True) is False:
+            self._hold((fc, counts))
+            return
+        self._items.append((fc, counts))
+
+    def _hold(self, item: tuple[Any, BatchCounts | None]) -> None:
+        """A call of a root in eval mode with grad enabled opens an eval span (hooks/phases.py):
+        a validation loop without ``torch.no_grad()``, or the step's own forward (a model trained
+        in eval mode). Its item waits for the tracker's judgement (``on_eval_span``); past
+        ``IN_STEP_NO_GRAD_CALLS`` calls the span is evaluation whatever follows."""
+        held = self._held
+        if held is None or held[0] is not self._items:
+            held = self._held = (self._items, [])
+        kept = held[1]
+        if kept is None:
+            return
+        if len(kept) < IN_STEP_NO_GRAD_CALLS:
+            kept.append(item)
+        else:
+            self._held = (held[0], None)  # evaluation: nothing of this span is kept
+
+    def on_eval_span(self, evaluation: bool) -> None:
+        """Training thread, when the tracker closes an eval span: evaluation drops what the span's
+        eval-mode calls left; the step's own work adds it to the step."""
+        held, self._held = self._held, None
+        if held is not None and held[1] and not evaluation and held[0] is self._items:
+            self._items.extend(held[1])
 
     def on_reevaluation(self, begins: bool) -> None:
         """Training thread: an optimizer's closure evaluated again within one step (LBFGS) runs the
