@@ -1258,3 +1258,81 @@ def test_an_lbfgs_step_counts_its_batch_once_and_the_flops_of_every_evaluation(s
     # of both weights and of the second layer's input (the batch itself needs none).
     one = 2 * 8 * (16 * 32 + 32 * 4) + 2 * 8 * (16 * 32 + 2 * 32 * 4)
     assert sum(r.flops for r in recs) == pytest.approx(one * len(calls), rel=0.05), [r.flops for r in recs]
+
+
+def test_a_batch_first_model_whose_first_batch_is_square_still_counts_its_batch(sw):
+    """Dynamic padding: the first batch is 4 x 4, so its layout says nothing, and the layout was
+    never looked at again: every later step counted its sequence length (10, 7) as samples."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = BatchFirstEncoder()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for seq in (4, 10, 7):
+        m(torch.randint(0, 50, (4, seq))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert [r.samples for r in mem.records] == [4] * 3
+    assert [r.tokens for r in mem.records] == [16, 40, 28]
+
+
+class PackedLM(nn.Module):
+    """An RNN language model called with a ``PackedSequence`` of token ids (variable lengths)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.rnn = nn.GRU(8, 8)
+        self.out = nn.Linear(8, 50)
+
+    def forward(self, packed):
+        emb = nn.utils.rnn.PackedSequence(self.emb(packed.data), packed.batch_sizes, packed.sorted_indices,
+                                          packed.unsorted_indices)
+        out, _ = self.rnn(emb)
+        return self.out(out.data)
+
+
+def test_a_packed_sequence_batch_counts_its_sequences_and_their_tokens(sw):
+    """``model(pack_sequence(seqs))``: a PackedSequence is a tuple, so the rule "the first element
+    of a tuple passed first" took its flat ``data`` ([all tokens]) and counted every token as a
+    sample, with tokens unknown. Its sequences are the samples, its data's rows the tokens (no
+    padding in a packed batch)."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = PackedLM()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    lengths = [(5, 3, 7), (2, 9, 4), (6, 6, 1)]
+    for ls in lengths:
+        seqs = [torch.randint(0, 50, (n,)) for n in ls]
+        packed = nn.utils.rnn.pack_sequence(seqs, enforce_sorted=False)
+        nn.functional.cross_entropy(m(packed), packed.data).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert [r.samples for r in mem.records] == [3] * 3
+    assert [r.tokens for r in mem.records] == [sum(ls) for ls in lengths]
+
+
+def test_a_save_before_the_first_step_is_not_taken_out_of_it(sw, tmp_path):
+    """Saving the initial weights before the loop: step 0's window opened at its first training
+    work, after the save, yet the save's time was taken out of it (step_s 0 for a large save, and
+    the phases came to more than step_s). The save now opens step 0, as an evaluation does."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    torch.save(m.state_dict(), tmp_path / "init.pt")
+    x = torch.randn(64, 256)
+    for _ in range(3):
+        (m(x) - x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert len(recs) == 3
+    _all_identity(recs)
+    r = recs[0]
+    assert r.checkpoint_s > 0 and r.checkpoint_bytes and r.step_s >= r.forward_s + r.backward_s + r.optimizer_s > 0, r

@@ -248,3 +248,20 @@ def test_amd_violations_and_events():
     assert dev._reader.kinds == [1, 2, 3]
     dev.close()
     assert dev._reader.stopped
+
+
+def test_a_save_at_the_start_or_in_a_short_run_is_not_judged_a_share_of_the_run():
+    """Saving the initial weights, then training: judged at that save, the share was the save
+    over itself and step 0 (40-100% "of run time") in a run where it was under 1%. The share is
+    judged once a minute of run time is behind it; a slow write is judged at once."""
+    w = CheckpointWatch(rank=0)
+    first = StepRecord(step=0, rank=0, time=0.0, step_s=0.01, checkpoint_s=0.02, checkpoint_bytes=4_000_000)
+    recs = [first] + [StepRecord(step=i, rank=0, time=i * 0.1, step_s=0.1) for i in range(1, 1200)]
+    assert w.update(recs) == []
+    # A minute on, the same share is judged: a later save that brings it over 8%.
+    late = StepRecord(step=1200, rank=0, time=120.0, step_s=0.1, checkpoint_s=15.0, checkpoint_bytes=4_000_000)
+    (f,) = w.update([late])
+    assert f.kind == "slow_checkpoint" and "in 2 steps with a save" in f.summary, f.summary
+    # A write under 2 GB/s is storage, whatever the run's length.
+    slow = StepRecord(step=0, rank=0, time=0.0, step_s=0.01, checkpoint_s=10.0, checkpoint_bytes=10_000_000_000)
+    assert [f.kind for f in CheckpointWatch().update([slow])] == ["slow_checkpoint"]

@@ -266,8 +266,8 @@ KINDS: dict[str, Kind] = {
         Kind(
             "slow_checkpoint",
             "warning",
-            "Checkpointing takes more than 8% of run time (2-8% is normal), or saves write slower "
-            "than 2 GB/s.",
+            "Checkpointing takes more than 8% of run time (2-8% is normal; judged once a minute of "
+            "run time is behind it), or saves write slower than 2 GB/s.",
             "Measure the storage (`stepwatch doctor --storage DIR`), save asynchronously "
             "(torch.distributed.checkpoint async_save), shard the checkpoint, or save less often.",
             "B.9: 'a healthy training job loses 2-8% to checkpoint overhead'; '> 10 GB/s healthy; "

@@ -698,6 +698,10 @@ class _Methods:
             t = _now()
             if self._pending_end is not None:
                 self._finalize(self._pending_end, self._pending_skipped)
+            if self._prev_end is None:
+                # A save before any work (the initial weights): it opens step 0, as an evaluation
+                # does; its time is taken out of that step, so it must lie inside it.
+                self._start_work(t)
             if self._eval_open:
                 self._close_eval()
             self._ckpt_t0 = t

@@ -14,7 +14,9 @@ Rules (docs/mfu.md repeats them for users), applied to the outermost module's ca
    ``nn.MultiheadAttention`` in it has ``batch_first=False``, torch's default, and it has at least
    one: ``[seq, batch]`` inputs, as word_language_model) reads samples from dim 1 instead, unless
    its first such layer, at the model's first call, gets its batch from the input's dim 0 (a
-   model that permutes its input itself; ``ThroughputCollector._probe_layout``).
+   model that permutes its input itself; ``ThroughputCollector._probe_layout``). A
+   ``PackedSequence`` (a tuple, but not one to unpack): samples = its sequences, tokens = its
+   data's rows when they are ids.
 3. Anything else: both unknown (None). Never a guess from an unrelated shape.
 
 Counting non-padding tokens needs a reduction over the mask; on a GPU it is queued on the device
@@ -135,14 +137,31 @@ def _rule_input(args: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, Any, 
     if not isinstance(args, (tuple, list)):
         args = (args,)
     first = args[0] if args else None
-    if isinstance(first, (tuple, list)) and first:
+    if isinstance(first, (tuple, list)) and first and not _is_packed(first):
         first = first[0]
+    if _is_packed(first):
+        return first, None, False
     if isinstance(first, Mapping):
         ids = first.get("input_ids")
         if isinstance(ids, torch.Tensor):
             return ids, first.get("attention_mask"), True
         first = next((v for v in first.values() if isinstance(v, torch.Tensor)), None)
     return (first if isinstance(first, torch.Tensor) else None), None, False
+
+
+def _is_packed(x: Any) -> bool:
+    """A ``torch.nn.utils.rnn.PackedSequence`` (a tuple: never read as "a tuple passed first")."""
+    return type(x).__name__ == "PackedSequence" and hasattr(x, "batch_sizes")
+
+
+def _from_packed(x: Any) -> BatchCounts:
+    """A packed batch: its sequences are the samples (the first time step's batch size); its
+    data's rows, one per element of every sequence, are the tokens when they are token ids (a
+    packed batch holds no padding)."""
+    data = x.data
+    samples = int(x.batch_sizes[0]) if x.batch_sizes.numel() else 0
+    ids = data.dim() == 1 and not data.is_floating_point() and not data.is_complex()
+    return BatchCounts(samples, int(data.shape[0]) if ids else None)
 
 
 def infer_batch_counts(
@@ -159,6 +178,8 @@ def infer_batch_counts(
     first, mask, ids = _rule_input(args, kwargs)
     if ids:
         return _from_ids(first, mask, pad_token_id)
+    if _is_packed(first):
+        return _from_packed(first)
     if first is not None and first.dim() >= 1:
         batch_dim = 1 if seq_first and first.dim() >= 2 else 0
         samples = int(first.shape[batch_dim])
@@ -365,9 +386,9 @@ class _ThroughputMethods(Collector):
         if fc is not None and self.first_count is None:
             self.first_count = fc
         counts = self._batch_counts(args, kwargs) if is_model else None
-        if counts is not None and self._layout_layers:
-            layers, self._layout_layers = self._layout_layers, None
-            self._probe_layout(module, layers, args, kwargs, counts)
+        if counts is not None and self._layout_layers and self._probe_layout(module, self._layout_layers, args,
+                                                                             kwargs, counts):
+            self._layout_layers = None
         self._remember(module, args, kwargs, fc, counts)
         if getattr(module, "training", True) is False:
             self._hold((fc, counts))
@@ -436,17 +457,20 @@ class _ThroughputMethods(Collector):
             self._layout_layers = seq_first_layers(module)
             self._seq_first = bool(self._layout_layers)
 
-    def _probe_layout(self, root: Any, layers: list[Any], args: Any, kwargs: Any, counts: BatchCounts) -> None:
+    def _probe_layout(self, root: Any, layers: list[Any], args: Any, kwargs: Any, counts: BatchCounts) -> bool:
         """The first call of a model whose RNN and attention layers are all seq-first: its input is
         ``[seq, batch]`` (word_language_model) or ``[batch, seq]`` that it turns round itself (a
         hand-written encoder). The first such layer's input, within this call, says which, and
         ``counts`` (this call's) is corrected. Global module hooks, for this one call only: a hook
-        on the model would go into a whole-model ``torch.save``."""
+        on the model would go into a whole-model ``torch.save``. False when this call cannot tell
+        (a square ``[n, n]`` input): the model's next new input shape is looked at instead."""
         from torch.nn.modules import module as torch_module
 
         x, _, ids = _rule_input(args, kwargs)
-        if ids or x is None or x.dim() < 2 or counts.samples is None or x.shape[0] == x.shape[1]:
-            return
+        if ids or not isinstance(x, _tensor_type()) or x.dim() < 2 or counts.samples is None:
+            return True  # nothing to learn from such calls
+        if x.shape[0] == x.shape[1]:
+            return False
         outer = (int(x.shape[0]), int(x.shape[1]))
         wanted = {id(m) for m in layers}
         rid = id(root)
@@ -474,6 +498,7 @@ class _ThroughputMethods(Collector):
 
         handles.append(torch_module.register_module_forward_pre_hook(pre))
         handles.append(torch_module.register_module_forward_hook(post, always_call=True))
+        return True
 
     def _forget(self, mid: int) -> None:
         """A root was freed (any thread, from its finalizer): drop what is kept under its id."""

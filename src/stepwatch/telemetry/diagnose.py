@@ -48,6 +48,9 @@ MATRIX_REPEAT_S = 600.0
 # "> 10 GB/s healthy; < 2 GB/s -> storage degraded".
 CHECKPOINT_SHARE_MAX = 0.08
 CHECKPOINT_GBPS_DEGRADED = 2.0
+# stepwatch: the share of run time is judged once this much run time is behind it (a save of the
+# initial weights at step 0, or in a run of seconds, is most of the run so far and says nothing).
+CHECKPOINT_SHARE_MIN_RUN_S = 60.0
 # Reference B.4 field table rows judged over a window of samples (ratios, as DCGM exports them):
 # "GR_ENGINE_ACTIVE < 60% -> overhead-bound"; "SM_OCCUPANCY < 25% -> occupancy limiter";
 # "DRAM_ACTIVE constant 100% -> BW bottleneck"; "MEM_MAX_OP_TEMP > 90 C -> HBM thermal limit";
@@ -481,7 +484,8 @@ def _ck_bytes(r: StepRecord) -> float | None:
 
 
 class CheckpointWatch:
-    """Checkpoint share of run time since the start, judged each time a record carries a save.
+    """Checkpoint share of run time since the start, judged each time a record carries a save,
+    once ``CHECKPOINT_SHARE_MIN_RUN_S`` of run time is behind it; the saves' write speed at once.
 
     O(1) memory (running sums). Reports at most once per ``repeat_s`` of record time.
     """
@@ -510,12 +514,13 @@ class CheckpointWatch:
                 self.ck_bytes_s += r.checkpoint_s
             share = self.ck_s / self.run_s if self.run_s > 0 else 0.0
             gbps = self.ck_bytes / self.ck_bytes_s / 1e9 if self.ck_bytes_s > 0 else None
-            slow = share > CHECKPOINT_SHARE_MAX or (gbps is not None and gbps < CHECKPOINT_GBPS_DEGRADED)
+            slow = ((share > CHECKPOINT_SHARE_MAX and self.run_s >= CHECKPOINT_SHARE_MIN_RUN_S)
+                    or (gbps is not None and gbps < CHECKPOINT_GBPS_DEGRADED))
             if not slow or (self._last is not None and r.time - self._last < self.repeat_s):
                 continue
             self._last = r.time
-            parts = [f"checkpointing took {share:.1%} of run time over {self.saves} save(s) "
-                     f"({self.ck_s:.1f} s of {self.run_s:.1f} s; 2-8% is normal)"]
+            parts = [f"checkpointing took {share:.1%} of run time in {self.saves} step{'s' * (self.saves != 1)} "
+                     f"with a save ({self.ck_s:.1f} s of {self.run_s:.1f} s; 2-8% is normal)"]
             if gbps is not None:
                 parts.append(f"saves wrote {gbps:.2f} GB/s"
                              + (" (< 2 GB/s: storage degraded)" if gbps < CHECKPOINT_GBPS_DEGRADED else ""))
