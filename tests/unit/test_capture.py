@@ -858,11 +858,10 @@ def test_a_step_time_spike_is_a_finding_in_a_one_process_job_without_captures(sw
     assert any(type(d).__name__ == "StepTimeSpikeDetector" for d in session.pipeline.detectors)
 
 
-def test_the_steps_stepwatchs_own_profiler_slowed_are_not_a_second_spike(sw, tmp_path):
-    """A spike triggers a capture of later steps; the profiler slows those steps (its start and
-    stop land in the first and the one after the last, CUPTI slows every kernel on a GPU), and the
-    first of them was reported as a second ``step_time_spike``: a second event that never
-    happened. Here the loop is made slow while a profiler records, as on a GPU."""
+def _spike_then_capture(sw, tmp_path, profiled_s=0.0):
+    """A one-process loop of ~10 ms steps with captures on, a 0.4 s stall at step 31 (its spike
+    triggers the capture), ``profiled_s`` more a step while a profiler records. Returns the
+    capture's metadata and the steps of the spike findings."""
     import glob
 
     import torch
@@ -879,12 +878,20 @@ def test_the_steps_stepwatchs_own_profiler_slowed_are_not_a_second_spike(sw, tmp
         time.sleep(0.01)
         if i == 30:
             time.sleep(0.4)
-        if torch.autograd._profiler_enabled():
-            time.sleep(0.1)
+        if profiled_s and torch.autograd._profiler_enabled():
+            time.sleep(profiled_s)
     stepwatch.shutdown()
     (meta,) = [json.load(open(f)) for f in glob.glob(str(tmp_path / "run" / "captures" / "capture-*.rank0.json"))]
+    return meta, [f.step for f in mem.findings if f.kind == "step_time_spike"]
+
+
+def test_the_steps_stepwatchs_own_profiler_slowed_are_not_a_second_spike(sw, tmp_path):
+    """A spike triggers a capture of later steps; the profiler slows those steps (its start and
+    stop land in the first and the one after the last, CUPTI slows every kernel on a GPU), and the
+    first of them was reported as a second ``step_time_spike``: a second event that never
+    happened. Here the loop is made slow while a profiler records, as on a GPU."""
+    meta, spikes = _spike_then_capture(sw, tmp_path, profiled_s=0.1)
     ours = range(meta["first_step"], meta["last_step"] + 2)  # the stop lands in the step after the last
-    spikes = [f.step for f in mem.findings if f.kind == "step_time_spike"]
     assert meta["reason"] == "step_time_spike" and 31 in spikes, (meta, spikes)
     assert not [s for s in spikes if s in ours], (spikes, meta)
 
@@ -893,24 +900,7 @@ def test_a_one_process_capture_starts_right_after_the_decision(sw, tmp_path):
     """The ~2 s of steps (at most 100) between a capture's decision and its first step let every
     rank of a job read the decision from the store. A one-process job has no one to wait for: it
     captured 100 steps after the spike, long after what triggered it; now the second step after."""
-    import glob
-
-    import torch
-
-    stepwatch, mem, start = sw
-    start(capture="on", watchdog="off", window=20)
-    p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([p], lr=0.0)
-    model = torch.nn.Identity()
-    for i in range(100):
-        model(p).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        time.sleep(0.01)
-        if i == 30:
-            time.sleep(0.4)
-    stepwatch.shutdown()
-    (meta,) = [json.load(open(f)) for f in glob.glob(str(tmp_path / "run" / "captures" / "capture-*.rank0.json"))]
+    meta, _ = _spike_then_capture(sw, tmp_path)
     # The spike is step 31; the background pass that sees it runs within 50 ms (flush_interval_s)
     # of its record, a few 10 ms steps later even on a loaded machine.
     assert meta["reason"] == "step_time_spike" and meta["first_step"] <= 31 + 30, meta
