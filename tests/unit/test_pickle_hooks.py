@@ -124,5 +124,11 @@ def test_a_deepcopy_carries_no_hooks_and_is_not_timed(sw):
     stepwatch.shutdown()
     assert len(mem.records) == 4
     for r, (own, twin_s) in zip(mem.records[-2:], took):
-        # timed through the copy's hooks, forward_s would be own + twin_s (both >= 60 ms)
-        assert r.forward_s <= own and r.other_s >= 0.5 * twin_s, (r.forward_s, r.other_s, own, twin_s)
+        # Timed through hooks it carried, the copy's call would count in the model's own call.
+        assert r.forward_s <= own + twin_s, (r.forward_s, r.other_s, own, twin_s)
+    # It carries none; at a step's end stepwatch looks for roots (a hooked model was copied: an
+    # EMA or a teacher made after training began) and finds it, so from then on its call with
+    # grad enabled is the step's forward too, as a model made before init() would be: two
+    # outermost calls of 60 ms, each timed once.
+    last = mem.records[-1]
+    assert last.forward_s >= 0.12 * 0.95 and last.other_s < 0.03, last

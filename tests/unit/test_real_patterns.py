@@ -1336,3 +1336,44 @@ def test_a_save_before_the_first_step_is_not_taken_out_of_it(sw, tmp_path):
     _all_identity(recs)
     r = recs[0]
     assert r.checkpoint_s > 0 and r.checkpoint_bytes and r.step_s >= r.forward_s + r.backward_s + r.optimizer_s > 0, r
+
+
+class _SleepInEval(nn.Module):
+    """2 ms of work per call in eval mode (an evaluation's forward), none in training."""
+
+    def forward(self, x):
+        if not self.training:
+            time.sleep(0.002)
+        return x
+
+
+def test_a_model_copied_after_training_began_is_found_and_its_evaluation_is_eval_s(sw):
+    """timm's ModelEmaV2 made after the first steps: ``copy.deepcopy(model)`` at step 5, with no
+    optimizer of its own, so no scan found it; its evaluation (``no_grad``, 8 calls) was the next
+    step's ``other_s``, a step many times its neighbours. Copying a hooked model now looks for new
+    roots at the step's end."""
+    import copy
+
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), _SleepInEval(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ema = None
+    for step in range(20):
+        nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 5:
+            ema = copy.deepcopy(model).eval()
+        if step in (9, 14):
+            with torch.no_grad():
+                for _ in range(8):
+                    ema(torch.randn(8, 16))
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 20
+    _all_identity(recs)
+    for r in (recs[10], recs[15]):  # the step after each evaluation
+        assert r.eval_s >= 0.016 * 0.9 and r.other_s < 0.008, r
+    assert not [f for f in mem.findings if f.kind == "step_time_spike"]

@@ -87,6 +87,7 @@ class Instrumentation:
         self._data_scanned = False
         self._dcp_patched = False
         self.scan_s = 0.0
+        self._copy_scan_due = False  # a root was copied: a scan at the next step's end (_root_copied)
         self.roots: list[str] = []
         # Features that want each root forward call (module, args, kwargs) or each optimizer step
         # (optimizer), on the training thread, before the phase opens.
@@ -169,6 +170,8 @@ class Instrumentation:
 
         @functools.wraps(orig_getstate)
         def __getstate__(module: Any) -> Any:
+            if isinstance(getattr(module, "__dict__", {}).get("_compiled_call_impl"), _RootCallBase):
+                self._root_copied()
             return _without_root_hooks(orig_getstate(module))
 
         self._patch(torch.nn.Module, "__getstate__", __getstate__)
@@ -452,6 +455,24 @@ class Instrumentation:
             dt = time.perf_counter() - t0
             self.scan_s += dt
             self.tracker.exclude(int(dt * 1e9))
+
+    def _root_copied(self) -> None:
+        """A hooked root was copied or pickled (``copy.deepcopy(model)`` for an EMA made after
+        training began, a whole-model ``torch.save``): a copy may be a new root that no scan will
+        otherwise find (it has no optimizer of its own). The step's end looks, once (any thread:
+        a listener list's append is atomic)."""
+        if not self._copy_scan_due:
+            self._copy_scan_due = True
+            self.tracker.listeners.append(self._scan_after_copy)
+
+    def _scan_after_copy(self, step: int) -> None:
+        """tracker listener, one-shot (training thread, at a step's end)."""
+        self._copy_scan_due = False
+        try:
+            self.tracker.listeners.remove(self._scan_after_copy)
+        except ValueError:
+            pass
+        self._scan("a root was copied")
 
     def _hook_root(self, m: Any) -> None:
         self._hooked.add(m)
