@@ -169,3 +169,7 @@ def test_grad_norm_two_ranks(mode, tmp_path):
 
 if __name__ == "__main__":
     worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    # Its answer is written: leave without the interpreter's teardown, where a loaded machine once
+    # saw torch's gloo threads end in std::terminate (SIGABRT) after the worker had finished.
+    sys.stdout.flush()
+    os._exit(0)
