@@ -248,7 +248,14 @@ REAL_JOB = textwrap.dedent("""\
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     t_end = time.monotonic() + 150
-    while not os.path.exists(stop) and time.monotonic() < t_end:
+    done = torch.zeros(1)
+    while True:
+        # Both ranks leave at the same step (a rank that saw the stop file alone would leave its
+        # peer inside an AllReduce: "Connection closed by peer").
+        done.fill_(float(os.path.exists(stop) or time.monotonic() >= t_end))
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        if done.item():
+            break
         x = torch.randn(32, 64)
         loss = model(x).pow(2).mean()
         opt.zero_grad(set_to_none=True)

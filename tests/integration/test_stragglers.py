@@ -71,10 +71,13 @@ def test_balanced_job_names_no_one(tmp_path):
 
 def test_adaptive_windows_name_the_slow_rank_within_20_steps_of_the_warm_up(tmp_path):
     """The default (STEPWATCH_STRAGGLER_EVERY=0): rank 0 plans the windows from the warm-up's
-    step time; the slow rank is named after >= 1 s of evidence, within 20 steps and 60 s."""
+    step time; the slow rank is named after >= 1 s of evidence, within 20 steps and 60 s. The job
+    runs 160 steps: at ~15 ms a step on a fast machine, 72 steps left less than the 1 s of
+    evidence after the warm-up's 20, and no one was named."""
     run = tmp_path / "run"
     env = {k: v for k, v in ENV.items() if k != "STEPWATCH_STRAGGLER_EVERY"}
-    torchrun([*ARGS, "--slow-rank", "1", "--slow-matmuls", "80"], {"STEPWATCH_DIR": str(run), **env}, tmp_path)
+    args = [*ARGS[:ARGS.index("--steps") + 1], "160", *ARGS[ARGS.index("--steps") + 2:]]
+    torchrun([*args, "--slow-rank", "1", "--slow-matmuls", "80"], {"STEPWATCH_DIR": str(run), **env}, tmp_path)
     found = findings(run, 0, "straggler")
     assert found and found[0]["data"]["ranks"] == [1], (found, window_compute(run))
     r0 = records(run, 0)
