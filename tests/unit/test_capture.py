@@ -892,7 +892,9 @@ def test_the_steps_stepwatchs_own_profiler_slowed_are_not_a_second_spike(sw, tmp
     happened. Here the loop is made slow while a profiler records, as on a GPU."""
     meta, spikes = _spike_then_capture(sw, tmp_path, profiled_s=0.1)
     ours = range(meta["first_step"], meta["last_step"] + 2)  # the stop lands in the step after the last
-    assert meta["reason"] == "step_time_spike" and 31 in spikes, (meta, spikes)
+    # The stall's spike triggers the capture (or, on a loaded machine, an earlier slow step's does,
+    # and the stall falls within the detector's hold): either way, what the profiler slowed is none.
+    assert meta["reason"] == "step_time_spike" and spikes and min(spikes) <= 31, (meta, spikes)
     assert not [s for s in spikes if s in ours], (spikes, meta)
 
 
