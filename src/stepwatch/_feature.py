@@ -129,8 +129,7 @@ class Hub:
 
     def remove_listener(self, fn: Callable[[int], None]) -> None:
         """Safe from inside the listener itself (a one-shot listener)."""
-        if fn in self._tracker.listeners:
-            self._tracker.listeners.remove(fn)
+        self._tracker.remove_listener(fn)
 
     def add_forward_observer(self, fn: Callable[[Any, Any, Any], None]) -> None:
         """``fn(module, args, kwargs)`` for each root module's forward, before the phase opens."""

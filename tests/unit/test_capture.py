@@ -906,3 +906,30 @@ def test_a_one_process_capture_starts_right_after_the_decision(sw, tmp_path):
     # The spike is step 31; the background pass that sees it runs within 50 ms (flush_interval_s)
     # of its record, a few 10 ms steps later even on a loaded machine.
     assert meta["reason"] == "step_time_spike" and meta["first_step"] <= 31 + 30, meta
+
+
+def test_a_listener_that_removes_itself_runs_once_and_the_next_one_still_runs(sw):
+    """One-shot step-end listeners (the first step's peak lookup, the scan after a model was
+    copied) take themselves off the list the step's end is walking: taken off in place, the
+    listener after one was skipped at that step's end."""
+    import torch
+
+    stepwatch, mem, start = sw
+    session = start()
+    hub = session.hub
+    calls = []
+
+    def once(step):
+        calls.append(("once", step))
+        hub.remove_listener(once)
+
+    hub.add_listener(once)
+    hub.add_listener(lambda step: calls.append(("every", step)))
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    for _ in range(3):
+        (p * 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert calls[:3] == [("once", 0), ("every", 0), ("every", 1)], calls

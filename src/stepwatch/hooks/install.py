@@ -468,10 +468,7 @@ class Instrumentation:
     def _scan_after_copy(self, step: int) -> None:
         """tracker listener, one-shot (training thread, at a step's end)."""
         self._copy_scan_due = False
-        try:
-            self.tracker.listeners.remove(self._scan_after_copy)
-        except ValueError:
-            pass
+        self.tracker.remove_listener(self._scan_after_copy)
         self._scan("a root was copied")
 
     def _hook_root(self, m: Any) -> None:

@@ -814,6 +814,12 @@ class _Methods:
         self._emit(RawStep(self.step, t_end, 0, 0, 0, 0, 0, self._eval, self._ckpt, {}, self._scalars, False, None, extras, True))
         self._reset_step()
 
+    def remove_listener(self, fn: Callable[[int], None]) -> None:
+        """Take ``fn`` off ``listeners``, safe from inside a listener (a one-shot one): the list
+        is replaced, not changed in place, so the step's end walking the old one calls every
+        listener after it (an in-place removal skipped the next one)."""
+        self.listeners = [f for f in self.listeners if f != fn]  # a bound method is made anew each time
+
     def exclude(self, ns: int) -> None:
         """Time stepwatch itself spent inside the step (one-off discovery): kept out of step_s.
         An iterator made before it does not start an eval span (that would count it twice). A
