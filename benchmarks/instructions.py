@@ -54,6 +54,7 @@ ALONE = {("training metrics" if name == "grad-norm" else name): extra for name, 
 ALL = dict(overhead.variants()[len(overhead.FEATURES)][1])  # every feature, cumulative (its "+ memory")
 VARIANTS = ["off", "floor", "foundation", *ALONE, "all", "defaults"]
 WARM = 100
+SETTLE = 20  # steps between the gc.collect() before a count and the count's start
 _, WIDTH, BATCH = overhead.SIZES["0.5"]
 
 
@@ -75,12 +76,15 @@ def _counted(model, lossf, opt, params, batches):
 
     def block(norm: bool = False, mark=os.getppid, at_start=lambda: None) -> None:
         for i, (x, y) in enumerate(batches()):
-            if i == WARM:
+            if i == WARM - SETTLE:
                 at_start()
-                # Every variant's count starts from an empty young generation: a collection that
-                # falls in the count is then one the variant's own allocations brought on, not one
-                # left due by the variant before it (200 steps hold a few, ~100k instructions each).
+                # Every variant's count starts from a nearly empty young generation: a collection
+                # that falls in the count is then one the variant's own allocations brought on, not
+                # one left due by the variant before it (200 steps hold a few, ~100k instructions
+                # each). The count starts SETTLE steps later: the full collection walks the whole
+                # heap and leaves the caches cold, which the timed off loop (off_rate) must not see.
                 gc.collect()
+            if i == WARM:
                 mark()  # the count starts
             overhead.train_step(model, lossf, opt, params, x, y, norm)
         mark()  # the count ends
@@ -140,16 +144,20 @@ def child(variants: list[str], steps: int, tiny: bool = False) -> None:
 
 
 def off_rate(steps: int, rounds: int = 5, tiny: bool = False) -> float:
-    """Outside valgrind: the off loop's training-thread CPU us per step (best of ``rounds``)."""
+    """Outside valgrind: the off loop's training-thread CPU us per step (best of ``rounds``), over
+    the same steps the count covers: between the block's two markers. Not the warm-up steps, nor
+    the ``gc.collect()`` that empties the young generation before the count: a full collection
+    with torch imported takes 40-60 ms, which spread over the block's steps made the off step
+    look 3-4x slower than it runs (and the instructions-per-us rate that much lower)."""
     import torch
 
     torch.set_num_threads(1)
     block = (make_tiny if tiny else make_loop)(steps)
     best = float("inf")
     for _ in range(rounds):
-        t = time.thread_time_ns()
-        block(mark=lambda: None)
-        best = min(best, (time.thread_time_ns() - t) / 1e3 / (steps + WARM))
+        marks: list[int] = []
+        block(mark=lambda: marks.append(time.thread_time_ns()))
+        best = min(best, (marks[1] - marks[0]) / 1e3 / steps)
     return best
 
 
