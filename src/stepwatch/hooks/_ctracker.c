@@ -620,6 +620,25 @@ static int needs_start(Core *self) {
     return self->_pending_end != Py_None || self->_prev_end == Py_None;
 }
 
+/* phases.py's _begin_work: the start of a fetch, forward or backward in *t (read by the caller),
+ * with a pending step finalized first; when one was, *t is read again after it (the step end's
+ * listeners ran: their time is not this phase's). 0, or -1 with an exception. */
+static int begin_work(Core *self, long long *t) {
+    int ns = needs_start(self);
+    if (ns <= 0) return ns;
+    int finalizes = self->_pending_end != Py_None;
+    if (start_work(self, *t) < 0) return -1;
+    return finalizes ? now_ns(t) : 0;
+}
+
+static PyObject *Core_begin_work(Core *self, PyObject *unused) {
+    NOW(t);
+    if (begin_work(self, &t) < 0) goto error;
+    return PyLong_FromLongLong(t);
+error:
+    return NULL;
+}
+
 #define ENABLED_OR_RETURN(self, ret)                                                                   \
     do {                                                                                               \
         int en_ = truth((self)->enabled, "enabled");                                                   \
@@ -667,8 +686,7 @@ static PyObject *Core_data_begin(Core *self, PyObject *unused) {
     ENABLED_OR_RETURN(self, PyLong_FromLong(0));
     {
         NOW(t);
-        int ns = needs_start(self);
-        if (ns < 0 || (ns && start_work(self, t) < 0)) goto error;
+        if (begin_work(self, &t) < 0) goto error;
         LL(self, in_data, d);
         PUT_LL(self, in_data, d + 1);
         if (set_phase(self, PH_DATA) < 0) goto error;
@@ -763,6 +781,7 @@ static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
     {
         OUTERMOST(self, enter, _fwd_depth);
         NOW(t);
+        if (begin_work(self, &t) < 0) goto error;
         {
             TRUTH(self, _opt_depth, od);
             int paused = 0;
@@ -771,8 +790,6 @@ static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
         }
         put_obj(&self->_fwd_grad, grad);
         PUT_LL(self, _fwd_t0, t);
-        int ns = needs_start(self);
-        if (ns < 0 || (ns && start_work(self, t) < 0)) goto error;
         int g = PyObject_IsTrue(grad);
         if (g < 0) goto error;
         if (nvtx_push(self, g ? s_forward : s_eval) < 0) goto error;
@@ -844,8 +861,7 @@ static PyObject *Core_backward_begin(Core *self, PyObject *unused) {
     {
         OUTERMOST(self, enter, _bwd_depth);
         NOW(t);
-        int ns = needs_start(self);
-        if (ns < 0 || (ns && start_work(self, t) < 0)) goto error;
+        if (begin_work(self, &t) < 0) goto error;
         {
             TRUTH(self, _eval_open, open);
             if (open && close_eval_for_work(self) < 0) goto error;
@@ -1112,6 +1128,7 @@ static PyMethodDef Core_methods[] = {
     {"_open_eval", (PyCFunction)Core_open_eval, METH_O, NULL},
     {"_finalize", (PyCFunction)(void (*)(void))Core_finalize, METH_FASTCALL, NULL},
     {"_start_work", (PyCFunction)Core_start_work, METH_O, NULL},
+    {"_begin_work", (PyCFunction)Core_begin_work, METH_NOARGS, NULL},
     {"data_begin", (PyCFunction)Core_data_begin, METH_NOARGS, NULL},
     {"data_end", (PyCFunction)(void (*)(void))Core_data_end, METH_FASTCALL, NULL},
     {"forward_begin", (PyCFunction)Core_forward_begin, METH_O, NULL},

@@ -209,15 +209,26 @@ class _PyCore:
             if self._nvtx is not None:
                 self._nvtx.push_step(self.step)
 
+    def _begin_work(self) -> int:
+        """The start of a fetch, forward or backward: now, with a pending step finalized first.
+        When one was, the clock is read again after it: the step's end ran its listeners (a scan
+        for a copied model, a peak lookup), whose time is not this phase's (a scan of 0.2 s was
+        this fetch's data wait, and the step's parts came to more than ``step_s``)."""
+        t = _now()
+        if self._pending_end is not None:
+            self._start_work(t)
+            return _now()
+        if self._prev_end is None:
+            self._start_work(t)
+        return t
+
     # -- data loading -------------------------------------------------------------------------
 
     def data_begin(self) -> int:
         if not self.enabled:
             return 0
         try:
-            t = _now()
-            if self._pending_end is not None or self._prev_end is None:
-                self._start_work(t)
+            t = self._begin_work()
             self.in_data += 1
             if self.progress is not None:
                 self.progress.set_phase(PHASE_DATA)
@@ -268,12 +279,10 @@ class _PyCore:
             self._fwd_depth += 1
             if self._fwd_depth > 1:
                 return
-            t = _now()
+            t = self._begin_work()
             self._fwd_paused_opt = self._pause_opt(t) if self._opt_depth else False
             self._fwd_grad = grad_enabled
             self._fwd_t0 = t
-            if self._pending_end is not None or self._prev_end is None:
-                self._start_work(t)
             nv = self._nvtx
             if nv is not None:
                 nv.push_range(nv.forward if grad_enabled else nv.eval)
@@ -326,9 +335,7 @@ class _PyCore:
             self._bwd_depth += 1
             if self._bwd_depth > 1:
                 return
-            t = _now()
-            if self._pending_end is not None or self._prev_end is None:
-                self._start_work(t)
+            t = self._begin_work()
             if self._eval_open:
                 self._close_eval_for_work()
             self._last_fetch_t0 = None
@@ -698,6 +705,7 @@ class _Methods:
             t = _now()
             if self._pending_end is not None:
                 self._finalize(self._pending_end, self._pending_skipped)
+                t = _now()  # after the step end's listeners (see _begin_work)
             if self._prev_end is None:
                 # A save before any work (the initial weights): it opens step 0, as an evaluation
                 # does; its time is taken out of that step, so it must lie inside it.
@@ -740,9 +748,7 @@ class _Methods:
             self._phase_depth[name] = depth
             if depth > 1:
                 return
-            t = _now()
-            if self._pending_end is not None or self._prev_end is None:
-                self._start_work(t)
+            t = self._begin_work()
             self._phase_t0[name] = t
             if self._nvtx is not None:
                 self._nvtx.push(name)
