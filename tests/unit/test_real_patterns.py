@@ -1418,3 +1418,73 @@ def test_a_scan_at_a_steps_end_is_no_phase_of_the_next_step(sw, monkeypatch):
         assert parts <= r.step_s + 1e-6, r
         assert r.step_s < 0.15 and r.data_wait_s < 0.15, r
     _all_identity(recs)
+
+
+class _Detector(nn.Module):
+    """A stand-in for torchvision's detection models (Faster R-CNN, RetinaNet, Mask R-CNN): called
+    as ``model(images, targets)``, images a list of per-sample ``[C, H, W]`` tensors of varying
+    size, targets a list of one dict per image; returns a dict of losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, images, targets=None):
+        feats = torch.cat([self.conv(im.unsqueeze(0)).mean((2, 3)) for im in images])
+        boxes = self.head(feats)
+        return {"loss_box": nn.functional.smooth_l1_loss(boxes, torch.stack([t["boxes"] for t in targets]))}
+
+
+@pytest.mark.parametrize("targets_as", ["positional", "keyword"])
+def test_a_detection_models_list_of_images_counts_one_sample_per_image(sw, targets_as):
+    """``model(images, targets)`` with a list of ``[3, H, W]`` images: the rule for a list passed
+    first read dim 0 of its first element, so every step counted 3 samples (the channels)
+    whatever the batch. A list of tensors passed with a list of one target dict per element is
+    one sample per element."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    model = _Detector()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sizes = [2, 3, 4, 5, 1, 2]
+    for bs in sizes:
+        images = [torch.randn(3, 32 + 8 * j, 32) for j in range(bs)]
+        targets = [{"boxes": torch.rand(4), "labels": torch.tensor(1)} for _ in range(bs)]
+        losses = model(images, targets) if targets_as == "positional" else model(images, targets=targets)
+        sum(losses.values()).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert [r.samples for r in recs] == sizes
+    assert all(r.tokens is None for r in recs)
+    _all_identity(recs)
+
+
+def test_a_collated_list_passed_first_still_counts_its_batch(sw):
+    """The rule for a list or tuple passed first is unchanged where it is not per-sample: a
+    collated ``[inputs, lengths]`` batch handed to the model whole counts the batch (dim 0 of its
+    first element)."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+
+    class Unpacks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 2)
+
+        def forward(self, batch):
+            x, lengths = batch
+            return self.lin(x).sum(1) / lengths.unsqueeze(1)
+
+    model = Unpacks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for bs in (4, 7, 3):
+        out = model([torch.randn(bs, 5, 6), torch.full((bs,), 5.0)])
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert [r.samples for r in mem.records if not r.tail] == [4, 7, 3]

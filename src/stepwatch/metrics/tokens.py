@@ -149,6 +149,27 @@ def _rule_input(args: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, Any, 
     return (first if isinstance(first, torch.Tensor) else None), None, False
 
 
+def _per_sample_list(args: Any, kwargs: Mapping[str, Any] | None) -> int | None:
+    """torchvision's detection models' call, ``model(images, targets)``: ``images`` a list of
+    per-sample ``[C, H, W]`` tensors (their sizes may differ, so they are not one batch) and
+    ``targets`` (second positional or keyword) a list of one dict per image. The samples are the
+    images; the rule for a list passed first (its first element's dim 0) read the channels. None
+    for any other call."""
+    import torch
+
+    if not isinstance(args, (tuple, list)) or not args:
+        return None
+    first = args[0]
+    if type(first) not in (list, tuple) or not first:
+        return None
+    targets = args[1] if len(args) > 1 else (kwargs or {}).get("targets")
+    if not isinstance(targets, (list, tuple)) or len(targets) != len(first):
+        return None
+    if not all(isinstance(t, Mapping) for t in targets) or not all(isinstance(x, torch.Tensor) for x in first):
+        return None
+    return len(first)
+
+
 def _is_packed(x: Any) -> bool:
     """A ``torch.nn.utils.rnn.PackedSequence`` (a tuple: never read as "a tuple passed first")."""
     return type(x).__name__ == "PackedSequence" and hasattr(x, "batch_sizes")
@@ -175,6 +196,9 @@ def infer_batch_counts(
     ``seq_first``: a positional input is ``[seq, batch, ...]`` (see :func:`is_seq_first`)."""
     import torch
 
+    per_sample = _per_sample_list(args, kwargs)
+    if per_sample is not None:
+        return BatchCounts(per_sample, None)
     first, mask, ids = _rule_input(args, kwargs)
     if ids:
         return _from_ids(first, mask, pad_token_id)
