@@ -1488,3 +1488,42 @@ def test_a_collated_list_passed_first_still_counts_its_batch(sw):
         opt.zero_grad()
     stepwatch.shutdown()
     assert [r.samples for r in mem.records if not r.tail] == [4, 7, 3]
+
+
+@pytest.mark.parametrize("optimizers", ["one", "two"])
+def test_two_models_trained_in_turn_each_count_their_batch(sw, optimizers):
+    """An actor and a critic (or any two models) trained in turn, each step after its own forward:
+    the model of a step is the first root it calls. The first model called became the model for
+    good, and the other's steps recorded ``samples`` null (every second step of an actor-critic
+    loop); the FLOPs were right. When both are called in one step, only the first counts."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    actor = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    critic = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    if optimizers == "two":
+        oa, oc = torch.optim.Adam(actor.parameters(), 1e-3), torch.optim.Adam(critic.parameters(), 1e-3)
+    else:
+        oa = oc = torch.optim.SGD(list(actor.parameters()) + list(critic.parameters()), lr=1e-3)
+    want = []
+    for i in range(6):
+        obs = torch.randn(16, 6)
+        v = critic(obs)
+        (v - torch.randn(16, 1)).pow(2).mean().backward()
+        oc.step()
+        oc.zero_grad()
+        want.append(16)
+        obs = torch.randn(8, 6)
+        logits = actor(obs)
+        aloss = -(torch.log_softmax(logits, -1)[:, 0]).mean()
+        if i >= 3:  # the critic in the actor's step too (its value in the actor's loss): not counted again
+            aloss = aloss + critic(obs).mean()
+        aloss.backward()
+        oa.step()
+        oa.zero_grad()
+        want.append(8)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert [r.samples for r in recs] == want
+    assert all(r.flops is not None and r.flops > 0 for r in recs)
+    _all_identity(recs)

@@ -435,7 +435,21 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
         }
         if (m) {
             PyObject *item = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+            int may_open = sig != any_call && PyTuple_Check(item) && PyTuple_GET_SIZE(item) >= 2 &&
+                           PyTuple_GET_ITEM(item, 1) == Py_None; /* not the model when remembered */
             Py_DECREF(hit);
+            if (may_open) { /* another root opens the step: the step's model now (tokens.py's _take_over) */
+                PyObject *its = TP_GET(self, _items);
+                int empty = its == NULL ? -1 : PyList_CheckExact(its) ? PyList_GET_SIZE(its) == 0 : !PyObject_IsTrue(its);
+                if (empty < 0 || (its != NULL && !PyList_CheckExact(its) && PyErr_Occurred())) {
+                    Py_DECREF(item);
+                    return NULL;
+                }
+                if (empty) {
+                    Py_DECREF(item);
+                    goto full;
+                }
+            }
             if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 2) {
                 Py_DECREF(item);
                 PyErr_SetString(PyExc_TypeError, "ThroughputCollector: an item must be a (flops, counts) pair");

@@ -304,6 +304,9 @@ class _PyThroughputCore:
         hit = self._hits.get(id(module))
         if hit is not None and (hit[0] is self._any_call or hit[0].matches(args, kwargs)):
             item = hit[1]
+            if item[1] is None and hit[0] is not self._any_call and not self._items:
+                self._on_forward_full(module, args, kwargs)  # another root opens the step: the step's model now
+                return
             if item[1] is self._recount:
                 item = (item[0], self._batch_counts(args, kwargs))
             self._items.append(item)
@@ -368,6 +371,7 @@ class _ThroughputMethods(Collector):
         self._token_root: int | None = None
         self._seq_first = False
         self._layout_layers: list[Any] | None = None  # a new model's seq-first layers, until its first call is probed
+        self._layouts: dict[int, tuple[bool, list[Any] | None]] = {}  # the same two, per model not in use now
         self._known: set[int] = set()  # ids of the live roots this collector has seen called
         # Per root (by id): a weak reference and which of its parameters required grad (recheck).
         self._roots: dict[int, tuple[Any, tuple[bool, ...]]] = {}
@@ -394,6 +398,8 @@ class _ThroughputMethods(Collector):
         mid = id(module)
         if mid not in self._known:
             self._first_call(module, mid)
+        elif mid != self._token_root and not self._items and getattr(module, "training", True) is not False:
+            self._take_over(module, mid)
         is_model = mid == self._token_root
         if self.override is not None:
             if not is_model:
@@ -475,11 +481,26 @@ class _ThroughputMethods(Collector):
         except TypeError:  # not weak-referenceable: its id is kept, as before
             pass
         if self._token_root is None or not self._items:
-            if self._token_root is not None:
-                self._hits.pop(self._token_root, None)  # the old model's calls count no samples now
-            self._token_root = mid
+            self._take_over(module, mid)
+
+    def _take_over(self, module: Any, mid: int) -> None:
+        """``module`` opens a step: it is the model, whose calls give the step's samples and
+        tokens, until another root opens one (a new model, or the other of two models trained in
+        turn: an actor and a critic, each stepping after its own forward). The last model's hit is
+        dropped: its calls count no samples now, and its next call that opens a step takes the
+        full path and takes over again. What a model's first call learnt of its layout stays
+        with it (``_layouts``)."""
+        old = self._token_root
+        if old is not None:
+            self._hits.pop(old, None)
+            self._layouts[old] = (self._seq_first, self._layout_layers)
+        self._token_root = mid
+        kept = self._layouts.pop(mid, None)
+        if kept is None:
             self._layout_layers = seq_first_layers(module)
             self._seq_first = bool(self._layout_layers)
+        else:
+            self._seq_first, self._layout_layers = kept
 
     def _probe_layout(self, root: Any, layers: list[Any], args: Any, kwargs: Any, counts: BatchCounts) -> bool:
         """The first call of a model whose RNN and attention layers are all seq-first: its input is
@@ -531,6 +552,7 @@ class _ThroughputMethods(Collector):
             self._roots.pop(mid, None)
             self._hits.pop(mid, None)
             self._dtype_keys.pop(mid, None)
+            self._layouts.pop(mid, None)
             if self._token_root == mid:
                 self._token_root = None
             forget = getattr(self.cache, "forget", None)
