@@ -112,7 +112,10 @@ def loggable(v: Any) -> Any:
             x = v.item()
         except (RuntimeError, ValueError, TypeError):  # several values: not one number
             return _NotOneNumber(v)
-        return x if type(x) is float else to_float(x)
+        if type(x) is float:
+            return x
+        f = to_float(x)
+        return x if f is None else f  # a complex: as it is, counted as null off the hot path
     if hasattr(v, "detach") and hasattr(v, "is_cuda"):
         if _TENSOR[0] is None:
             import torch
@@ -120,7 +123,12 @@ def loggable(v: Any) -> Any:
             _TENSOR[0] = torch.Tensor
         if not v.is_cuda:
             f = to_float(v)
-            return _NotOneNumber(v) if f is None and v.numel() != 1 else f
+            if f is None and v.numel() == 1:  # a complex: as it is, counted as null off the hot path
+                try:
+                    return v.detach().item()
+                except (RuntimeError, ValueError, TypeError):  # no value to read (a meta tensor)
+                    return _NotOneNumber(v)
+            return _NotOneNumber(v) if f is None else f
         import torch
 
         if torch.cuda.is_current_stream_capturing():

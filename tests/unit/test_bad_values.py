@@ -63,3 +63,31 @@ def test_a_tensor_of_several_values_is_null_and_counted(sw, tmp_path, caplog, bo
     manifest = json.loads((run / "run.json").read_text())
     assert manifest["null_scalars"] == {"per_class_acc": 4, "empty": 4}
     assert any("per_class_acc" in r.getMessage() and "tensor of 2 values" in r.getMessage() for r in caplog.records)
+
+
+def test_a_complex_value_is_null_and_counted(sw, tmp_path, caplog, both_tracker_cores):
+    """``stepwatch.log(c=torch.tensor(1 + 2j))``: its ``item()`` is a Python complex, which no
+    float holds. It was read as None on the training thread (nothing logged): null with no line
+    and not in run.json's null_scalars, where a Python ``1 + 2j`` and a string were both."""
+    import logging
+
+    class Marked(torch.Tensor):
+        pass
+
+    stepwatch, mem, start = sw
+    run = tmp_path / "run"
+    start(dir=str(run))
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        for i in range(3):
+            m(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            stepwatch.log(ctensor=torch.tensor(1 + 2j), csub=torch.tensor(3 - 1j).as_subclass(Marked), cpy=1 + 2j,
+                          loss=torch.tensor(1.5))
+        stepwatch.shutdown()
+    assert all(r.scalars == {"ctensor": None, "csub": None, "cpy": None, "loss": 1.5} for r in mem.records)
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["null_scalars"] == {"ctensor": 3, "csub": 3, "cpy": 3}
+    assert any("ctensor" in r.getMessage() and "complex" in r.getMessage() for r in caplog.records)
