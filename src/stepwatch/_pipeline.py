@@ -26,7 +26,7 @@ from ._log import FailureLog, logger
 from .analysis.kinds import make_finding
 from .analysis.ratelimit import FindingLimiter
 from .context import RunContext
-from .cuda_ext import copy_to_host, event_done
+from .cuda_ext import Pending, copy_to_host, event_done
 from .exporters.base import Batch, Exporter
 from .exporters.builtin import ExporterSpec
 from .exporters.worker import ExporterWorker
@@ -45,21 +45,6 @@ _MAX_HOLD_S = 30.0
 SHUTDOWN_TIMEOUT_S = 1.5
 # Distinct scalar names counted in run.json's ``null_scalars`` (the rest under "<other>").
 _MAX_NULL_NAMES = 64
-
-
-class Pending:
-    """A scalar the training thread logged as a CUDA tensor: copied to host without blocking,
-    read by the background thread once its event says the copy is done."""
-
-    __slots__ = ("host", "event", "device")
-    # Set by the first one made: until then no record can hold one, and the pass does not look.
-    made = False
-
-    def __init__(self, host: Any, event: Any, device: int) -> None:
-        self.host = host
-        self.event = event
-        self.device = device
-        Pending.made = True
 
 
 def _step_order(f: Finding) -> float:
@@ -540,6 +525,14 @@ class Pipeline:
         return None
 
     def _ready(self, rec: StepRecord, *, force: bool) -> bool:
+        sk = rec.skipped
+        if type(sk) is Pending:  # a fused optimizer's found_inf under GradScaler (hooks/install.py)
+            if event_done(sk.event, sk.device):
+                rec.skipped = bool(to_float(sk.host))
+            elif force:
+                rec.skipped = False  # unread: as the step ran
+            else:
+                return False
         scalars = rec.scalars
         if not scalars or Pending not in map(type, scalars.values()):  # nearly every record: no CUDA scalar
             return True

@@ -122,6 +122,28 @@ def test_pending_device_scalars_wait_for_their_copy(monkeypatch):
     assert [r.scalars for r in out.records] == [{"loss": 1.5}]
 
 
+@pytest.mark.parametrize("found", [1.0, 0.0])
+def test_a_skip_read_from_the_device_waits_for_its_copy(monkeypatch, found):
+    """A fused optimizer's ``found_inf`` on a CUDA device (hooks/install.py ``_found_inf``)
+    reaches the record as a device copy: the record waits for it like a CUDA scalar, then says
+    ``skipped`` as the copy reads (the event is faked here: no GPU on this machine)."""
+    import torch
+
+    done = {"yes": False}
+    monkeypatch.setattr(pipeline_mod, "event_done", lambda event, device: done["yes"])
+    out = Recording()
+    p = make(inline=out)
+    r = raw(0)
+    r.skipped = Pending(host=torch.tensor(found), event=object(), device=0)
+    p.enqueue(r)
+    p.enqueue(raw(1))
+    p.run_pass()
+    assert out.records == []  # the second waits behind the first: records leave in order
+    done["yes"] = True
+    p.run_pass()
+    assert [(rec.step, rec.skipped) for rec in out.records] == [(0, found > 0), (1, False)]
+
+
 def test_each_enricher_runs_once_per_record_whether_it_waited_or_not():
     """Records that no enricher holds run every enricher once, in order, with no bookkeeping;
     one that waits keeps which ran (a failed one counts as run), and resumes after them, with

@@ -1527,3 +1527,36 @@ def test_two_models_trained_in_turn_each_count_their_batch(sw, optimizers):
     assert [r.samples for r in recs] == want
     assert all(r.flops is not None and r.flops > 0 for r in recs)
     _all_identity(recs)
+
+
+@pytest.mark.parametrize("boundary", ["auto", "explicit"])
+def test_a_fused_optimizer_that_the_scaler_skips_is_marked_skipped(sw, boundary):
+    """``Adam(fused=True)`` under GradScaler: the scaler hands the optimizer ``found_inf`` and
+    calls its step, which skips the update itself. An optimizer step ran, so the step was
+    recorded ``skipped: false`` where the same loop with a plain Adam says true (the usual fp16
+    setup on GPUs with a fused optimizer). The scaler's ``found_inf`` says, read here at once
+    (CPU) or through a device copy the pipeline reads (CUDA)."""
+    stepwatch, mem, start = sw
+    start(step_boundary=boundary)
+    torch.manual_seed(0)
+    m = nn.Linear(8, 1)
+    opt = torch.optim.Adam(m.parameters(), lr=0.01, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    weights = []
+    for i in range(5):
+        x = torch.randn(4, 8)
+        if i == 2:
+            x[0, 0] = float("inf")
+        scaler.scale(m(x).pow(2).mean()).backward()
+        before = m.weight.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        weights.append(torch.equal(before, m.weight.detach()))
+        opt.zero_grad()
+        if boundary == "explicit":
+            stepwatch.step()
+    stepwatch.shutdown()
+    assert weights == [False, False, True, False, False]  # the optimizer did skip step 2 itself
+    assert [(r.step, r.skipped) for r in mem.records if not r.tail] == [
+        (0, False), (1, False), (2, True), (3, False), (4, False)]
+    _all_identity([r for r in mem.records if not r.tail])

@@ -254,6 +254,22 @@ def event_done(event: Any, device: int) -> bool:
         return bool(event.query())
 
 
+class Pending:
+    """A value the training thread took from a CUDA tensor (a scalar logged as one; a fused
+    optimizer's found_inf under GradScaler): copied to host without blocking, read by the
+    background thread (stepwatch._pipeline) once its event says the copy is done."""
+
+    __slots__ = ("host", "event", "device")
+    # Set by the first one made: until then no record can hold one, and the pass does not look.
+    made = False
+
+    def __init__(self, host: Any, event: Any, device: int) -> None:
+        self.host = host
+        self.event = event
+        self.device = device
+        Pending.made = True
+
+
 def copy_to_host(t: Any) -> tuple[Any, Any, int]:
     """Start copying CUDA tensor ``t`` into pinned host memory without waiting for it:
     ``(host tensor, event, device)``. Read the host tensor once ``event_done(event, device)``.

@@ -132,9 +132,16 @@ class Instrumentation:
         def scaler_step(scaler: Any, *args: Any, **kwargs: Any) -> Any:
             t0 = tr.scaler_begin()
             try:
-                return orig_scaler_step(scaler, *args, **kwargs)
+                out = orig_scaler_step(scaler, *args, **kwargs)
             finally:
                 tr.scaler_end(t0)
+            optimizer = args[0] if args else kwargs.get("optimizer")
+            if getattr(optimizer, "_step_supports_amp_scaling", False):
+                try:
+                    tr.mark_skipped(_found_inf(scaler, optimizer))
+                except Exception as e:  # never raise into the training loop
+                    self._on_error("hooks.scaler_found_inf", e)
+            return out
 
         self._patch(scaler_cls, "step", scaler_step)
 
@@ -504,6 +511,27 @@ class Instrumentation:
             else:
                 object.__setattr__(m, "_compiled_call_impl", before)
         self._calls.clear()
+
+
+def _found_inf(scaler: Any, optimizer: Any) -> Any:
+    """Did ``scaler.step(optimizer)`` skip the update of an optimizer that skips it itself (fused
+    or capturable: ``_step_supports_amp_scaling``)? Its step ran either way, so the tracker saw no
+    skip; the scaler's ``found_inf`` per device (kept until ``scaler.update()``) says. CPU tensors
+    are read now (plain memory: the step is done); a CUDA one is summed on its device and copied
+    to host without blocking, read by the pipeline (``cuda_ext.Pending``). None: not known."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    found = state.get("found_inf_per_device") if isinstance(state, dict) else None
+    if not found:
+        return None  # a disabled scaler: nothing checked
+    values = list(found.values())
+    if not any(t.is_cuda for t in values):
+        return any(bool(t.item()) for t in values)
+    from ..cuda_ext import Pending, copy_to_host
+
+    total = values[0]
+    for t in values[1:]:
+        total = total + t.to(total.device, non_blocking=True)
+    return Pending(*copy_to_host(total))
 
 
 def _no_call() -> None:

@@ -668,6 +668,20 @@ class _Methods:
         except Exception as e:
             self._fail("resume_optimizer", e)
 
+    def mark_skipped(self, skipped: Any) -> None:
+        """After ``GradScaler.step`` of an optimizer that skips its own update (fused or
+        capturable Adam/AdamW/SGD: the scaler hands it ``found_inf`` and calls its step, so an
+        optimizer step ran whatever the gradients): whether it skipped, as a bool, or as a
+        device copy the pipeline reads (``cuda_ext.Pending``). It marks the step that optimizer
+        step ends (pending) or, under the explicit boundary, the one ``stepwatch.step()`` ends."""
+        if not self.enabled or skipped is None or skipped is False:
+            return
+        try:
+            if self._pending_end is not None or self.boundary == "explicit":
+                self._pending_skipped = skipped
+        except Exception as e:
+            self._fail("mark_skipped", e)
+
     def scaler_begin(self) -> int:
         if not self.enabled:
             return 0
