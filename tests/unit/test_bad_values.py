@@ -41,10 +41,9 @@ def test_values_too_big_for_a_float_are_null_and_counted(sw, tmp_path):
     assert manifest["internal_errors"] == {}
 
 
-def test_a_tensor_of_several_values_is_null_and_counted(sw, tmp_path, caplog, both_tracker_cores):
-    """``stepwatch.log(per_class_acc=torch.tensor([0.5, 0.7]))``: null in the record, as before,
-    and now counted in run.json's null_scalars with one line that says what it was (it was read
-    as None on the training thread, which counted as nothing logged)."""
+def _log_each_step(sw, tmp_path, caplog, steps, values):
+    """A session over ``steps`` training steps that each log ``values()`` (warnings captured):
+    its records and its run.json."""
     import logging
 
     stepwatch, mem, start = sw
@@ -53,14 +52,22 @@ def test_a_tensor_of_several_values_is_null_and_counted(sw, tmp_path, caplog, bo
     m = nn.Linear(4, 1)
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
-        for i in range(4):
+        for _ in range(steps):
             m(torch.randn(2, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-            stepwatch.log(per_class_acc=torch.tensor([0.5, 0.7]), empty=torch.zeros(0), loss=torch.tensor(1.5))
+            stepwatch.log(**values())
         stepwatch.shutdown()
-    assert all(r.scalars == {"per_class_acc": None, "empty": None, "loss": 1.5} for r in mem.records)
-    manifest = json.loads((run / "run.json").read_text())
+    return mem.records, json.loads((run / "run.json").read_text())
+
+
+def test_a_tensor_of_several_values_is_null_and_counted(sw, tmp_path, caplog, both_tracker_cores):
+    """``stepwatch.log(per_class_acc=torch.tensor([0.5, 0.7]))``: null in the record, as before,
+    and now counted in run.json's null_scalars with one line that says what it was (it was read
+    as None on the training thread, which counted as nothing logged)."""
+    records, manifest = _log_each_step(sw, tmp_path, caplog, 4, lambda: dict(
+        per_class_acc=torch.tensor([0.5, 0.7]), empty=torch.zeros(0), loss=torch.tensor(1.5)))
+    assert all(r.scalars == {"per_class_acc": None, "empty": None, "loss": 1.5} for r in records)
     assert manifest["null_scalars"] == {"per_class_acc": 4, "empty": 4}
     assert any("per_class_acc" in r.getMessage() and "tensor of 2 values" in r.getMessage() for r in caplog.records)
 
@@ -69,25 +76,13 @@ def test_a_complex_value_is_null_and_counted(sw, tmp_path, caplog, both_tracker_
     """``stepwatch.log(c=torch.tensor(1 + 2j))``: its ``item()`` is a Python complex, which no
     float holds. It was read as None on the training thread (nothing logged): null with no line
     and not in run.json's null_scalars, where a Python ``1 + 2j`` and a string were both."""
-    import logging
 
     class Marked(torch.Tensor):
         pass
 
-    stepwatch, mem, start = sw
-    run = tmp_path / "run"
-    start(dir=str(run))
-    m = nn.Linear(4, 1)
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    with caplog.at_level(logging.WARNING, logger="stepwatch"):
-        for i in range(3):
-            m(torch.randn(2, 4)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            stepwatch.log(ctensor=torch.tensor(1 + 2j), csub=torch.tensor(3 - 1j).as_subclass(Marked), cpy=1 + 2j,
-                          loss=torch.tensor(1.5))
-        stepwatch.shutdown()
-    assert all(r.scalars == {"ctensor": None, "csub": None, "cpy": None, "loss": 1.5} for r in mem.records)
-    manifest = json.loads((run / "run.json").read_text())
+    records, manifest = _log_each_step(sw, tmp_path, caplog, 3, lambda: dict(
+        ctensor=torch.tensor(1 + 2j), csub=torch.tensor(3 - 1j).as_subclass(Marked), cpy=1 + 2j,
+        loss=torch.tensor(1.5)))
+    assert all(r.scalars == {"ctensor": None, "csub": None, "cpy": None, "loss": 1.5} for r in records)
     assert manifest["null_scalars"] == {"ctensor": 3, "csub": 3, "cpy": 3}
     assert any("ctensor" in r.getMessage() and "complex" in r.getMessage() for r in caplog.records)

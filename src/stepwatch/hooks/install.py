@@ -517,15 +517,19 @@ def _found_inf(scaler: Any, optimizer: Any) -> Any:
     """Did ``scaler.step(optimizer)`` skip the update of an optimizer that skips it itself (fused
     or capturable: ``_step_supports_amp_scaling``)? Its step ran either way, so the tracker saw no
     skip; the scaler's ``found_inf`` per device (kept until ``scaler.update()``) says. CPU tensors
-    are read now (plain memory: the step is done); a CUDA one is summed on its device and copied
-    to host without blocking, read by the pipeline (``cuda_ext.Pending``). None: not known."""
+    are read now (plain memory: the step is done, no device to wait for); CUDA ones are summed on
+    a device and copied to host without blocking, read by the pipeline (``cuda_ext.Pending``).
+    None: not known (a disabled scaler; another device, whose read would wait for it)."""
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
     found = state.get("found_inf_per_device") if isinstance(state, dict) else None
     if not found:
         return None  # a disabled scaler: nothing checked
     values = list(found.values())
-    if not any(t.is_cuda for t in values):
+    kinds = {t.device.type for t in values}
+    if kinds == {"cpu"}:
         return any(bool(t.item()) for t in values)
+    if kinds != {"cuda"}:
+        return None
     from ..cuda_ext import Pending, copy_to_host
 
     total = values[0]

@@ -440,13 +440,10 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
             Py_DECREF(hit);
             if (may_open) { /* another root opens the step: the step's model now (tokens.py's _take_over) */
                 PyObject *its = TP_GET(self, _items);
-                int empty = its == NULL ? -1 : PyList_CheckExact(its) ? PyList_GET_SIZE(its) == 0 : !PyObject_IsTrue(its);
-                if (empty < 0 || (its != NULL && !PyList_CheckExact(its) && PyErr_Occurred())) {
+                int some = its == NULL ? -1 : PyObject_IsTrue(its); /* `not self._items` */
+                if (some <= 0) {
                     Py_DECREF(item);
-                    return NULL;
-                }
-                if (empty) {
-                    Py_DECREF(item);
+                    if (some < 0) return NULL;
                     goto full;
                 }
             }

@@ -16,7 +16,8 @@ Rules (docs/mfu.md repeats them for users), applied to the outermost module's ca
    its first such layer, at the model's first call, gets its batch from the input's dim 0 (a
    model that permutes its input itself; ``ThroughputCollector._probe_layout``). A
    ``PackedSequence`` (a tuple, but not one to unpack): samples = its sequences, tokens = its
-   data's rows when they are ids.
+   data's rows when they are ids. A list of tensors passed with a list of one dict per element
+   (torchvision's detection models, ``model(images, targets)``): samples = its length.
 3. Anything else: both unknown (None). Never a guess from an unrelated shape.
 
 Counting non-padding tokens needs a reduction over the mask; on a GPU it is queued on the device
