@@ -92,3 +92,41 @@ def test_a_loop_without_an_optimizer_is_told_at_the_first_backward(tmp_path, bot
         stepwatch.shutdown()
     with open(os.path.join(run_dir, "steps.rank0.jsonl")) as f:
         assert len([json.loads(l) for l in f]) == 3
+
+
+def test_a_model_built_after_init_without_loader_or_optimizer_starts_step_0_at_its_backward(tmp_path, both_tracker_cores):
+    """No DataLoader, no optimizer, the model built after init: its roots are found at the first
+    backward, so step 0's forward is in no step (README, "Phases", says so) and later steps
+    time theirs."""
+    import gc
+    import time
+
+    import stepwatch
+
+    class Slow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            time.sleep(0.03)
+            return self.lin(x).sum()
+
+    gc.collect()  # optimizers of earlier tests in this process would count as the loop's
+    s = stepwatch.init(dir=str(tmp_path), **FOUNDATION)
+    try:
+        m = Slow()
+        for _ in range(3):
+            m(torch.randn(2, 4)).backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        run_dir = s.ctx.run_dir
+    finally:
+        stepwatch.shutdown()
+    with open(os.path.join(run_dir, "steps.rank0.jsonl")) as f:
+        recs = [json.loads(l) for l in f]
+    assert len(recs) == 3
+    assert recs[0]["forward_s"] == 0 and recs[0]["step_s"] < 0.03
+    assert all(r["forward_s"] >= 0.03 for r in recs[1:])

@@ -278,6 +278,54 @@ class TinyLM(nn.Module):
         return self.head(self.emb(input_ids) * attention_mask.unsqueeze(-1)).mean()
 
 
+class KeywordInputModel(nn.Module):
+    """A Hugging Face-style model whose batch is a keyword argument other than input_ids:
+    ``pixel_values`` (ViT, ConvNeXt), ``input_values`` (wav2vec2), ``input_features`` (Whisper),
+    ``inputs_embeds`` (any LM fed embeddings), called as ``model(**batch)`` by Trainer and by
+    hand-written loops alike."""
+
+    def __init__(self, key):
+        super().__init__()
+        self.key = key
+        self.head = nn.LazyLinear(1)
+
+    def forward(self, labels=None, attention_mask=None, **inputs):
+        x = inputs[self.key].flatten(1)
+        if attention_mask is not None and self.key == "inputs_embeds":
+            x = x * attention_mask.repeat_interleave(inputs[self.key].shape[-1], dim=1)
+        return (self.head(x).squeeze(-1) - labels).square().mean()
+
+
+@pytest.mark.parametrize(
+    "key, shape, tokens",
+    [("pixel_values", (6, 3, 8, 8), None), ("input_values", (6, 400), None),
+     ("input_features", (6, 16, 30), None), ("inputs_embeds", (6, 10, 4), 6 * 7)],
+)
+def test_a_batch_passed_by_a_known_keyword_counts_its_samples(sw, key, shape, tokens):
+    """model(pixel_values=...), model(input_values=...), model(input_features=...) and
+    model(inputs_embeds=..., attention_mask=...) carry the batch in dim 0 as input_ids does:
+    samples were null in every record (only input_ids was read from keywords). inputs_embeds
+    are token positions (tokens: the mask's ones); the others' tokens stay unknown (pixels and
+    audio frames are not tokens)."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = KeywordInputModel(key)
+    m(**{key: torch.randn(*shape)}, labels=torch.zeros(shape[0]))  # materialise the lazy layer
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    mask = torch.ones(shape[0], 10, dtype=torch.long)
+    mask[:, 7:] = 0
+    for _ in range(3):
+        extra = {"attention_mask": mask} if key == "inputs_embeds" else {}
+        m(**{key: torch.randn(*shape)}, labels=torch.randn(shape[0]), **extra).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert [r.samples for r in recs[-3:]] == [6] * 3
+    assert [r.tokens for r in recs[-3:]] == [tokens] * 3
+
+
 def test_step_s_agrees_with_an_independent_optimizer_step_clock(sw):
     """The user's own clock, read right after each optimizer.step(): step_s must agree with
     it within 0.5% (median), i.e. stepwatch keeps none of the step's real time out of it."""

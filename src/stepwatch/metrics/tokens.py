@@ -6,7 +6,10 @@ Rules (docs/mfu.md repeats them for users), applied to the outermost module's ca
 1. ``input_ids`` among the keyword arguments, or a mapping (dict, HF ``BatchEncoding``) as the first
    positional argument holding ``input_ids``: samples = ``input_ids.shape[0]``; tokens = the number
    of ones in ``attention_mask`` when the mapping has one (padding excluded), else
-   ``input_ids.numel()`` (or the count of ids != ``pad_token_id`` when one is given).
+   ``input_ids.numel()`` (or the count of ids != ``pad_token_id`` when one is given). Else, the
+   same way, ``inputs_embeds`` ``[batch, seq, hidden]``: samples = dim 0, tokens = the mask's ones
+   or batch x seq; else ``pixel_values``, ``input_values`` or ``input_features`` (images, audio):
+   samples = dim 0, tokens unknown.
 2. Otherwise the first positional argument (or first element of a tuple/list passed first):
    an integer tensor of 2 dims ``[batch, seq]`` is token ids: tokens = numel (minus
    ``pad_token_id`` entries if given), samples = dim 0. Any other tensor (images, features):
@@ -17,7 +20,8 @@ Rules (docs/mfu.md repeats them for users), applied to the outermost module's ca
    model that permutes its input itself; ``ThroughputCollector._probe_layout``). A
    ``PackedSequence`` (a tuple, but not one to unpack): samples = its sequences, tokens = its
    data's rows when they are ids. A list of tensors passed with a list of one dict per element
-   (torchvision's detection models, ``model(images, targets)``): samples = its length.
+   (torchvision's detection models, ``model(images, targets)``): samples = its length. A mapping
+   passed first without rule 1's keys: its first tensor value, read as above.
 3. Anything else: both unknown (None). Never a guess from an unrelated shape.
 
 Counting non-padding tokens needs a reduction over the mask; on a GPU it is queued on the device
@@ -128,26 +132,68 @@ def _layer_batch(layer: Any, args: Any, kwargs: Any) -> int | None:
     return None
 
 
-def _rule_input(args: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, Any, bool]:
-    """What the rules read from a call: ``(input_ids, attention_mask, True)`` (rule 1), else
-    ``(the positional tensor or None, None, False)`` (rule 2)."""
+# Keyword arguments (or keys of a mapping passed first) other than input_ids that hold a batch in
+# dim 0, by Hugging Face's names: token positions (an LM fed embeddings), and inputs whose
+# elements are no tokens (images: ViT, ConvNeXt; audio: wav2vec2, Whisper).
+_EMBEDS = "inputs_embeds"
+_NOT_TOKENS = ("pixel_values", "input_values", "input_features")
+
+
+def _keyed(inputs: Mapping[str, Any]) -> tuple[Any, Any, str] | None:
+    """``(tensor, attention_mask, kind)`` from the first of input_ids (kind ``ids``),
+    inputs_embeds (``embeds``) or an image/audio key (``batch``) that holds a tensor; None when
+    none does."""
     import torch
 
-    if kwargs and isinstance(kwargs.get("input_ids"), torch.Tensor):
-        return kwargs["input_ids"], kwargs.get("attention_mask"), True
+    ids = inputs.get("input_ids")
+    if isinstance(ids, torch.Tensor):
+        return ids, inputs.get("attention_mask"), "ids"
+    embeds = inputs.get(_EMBEDS)
+    if isinstance(embeds, torch.Tensor):
+        return embeds, inputs.get("attention_mask"), "embeds"
+    for key in _NOT_TOKENS:
+        x = inputs.get(key)
+        if isinstance(x, torch.Tensor):
+            return x, None, "batch"
+    return None
+
+
+def _rule_input(args: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, Any, str]:
+    """What the rules read from a call: ``(tensor, attention_mask, kind)`` from a known keyword
+    (rule 1: kind ``ids``, ``embeds`` or ``batch``, see :func:`_keyed`), else ``(the positional
+    tensor or None, None, "")`` (rule 2)."""
+    import torch
+
+    if kwargs:
+        keyed = _keyed(kwargs)
+        if keyed is not None:
+            return keyed
     if not isinstance(args, (tuple, list)):
         args = (args,)
     first = args[0] if args else None
     if isinstance(first, (tuple, list)) and first and not _is_packed(first):
         first = first[0]
     if _is_packed(first):
-        return first, None, False
+        return first, None, ""
     if isinstance(first, Mapping):
-        ids = first.get("input_ids")
-        if isinstance(ids, torch.Tensor):
-            return ids, first.get("attention_mask"), True
+        keyed = _keyed(first)
+        if keyed is not None:
+            return keyed
         first = next((v for v in first.values() if isinstance(v, torch.Tensor)), None)
-    return (first if isinstance(first, torch.Tensor) else None), None, False
+    return (first if isinstance(first, torch.Tensor) else None), None, ""
+
+
+def _from_embeds(embeds: Any, mask: Any) -> BatchCounts:
+    """``inputs_embeds`` ``[batch, seq, hidden]``: samples = dim 0; tokens = the mask's ones when
+    a mask ``[batch, seq]`` comes with it, else batch x seq. Unbatched: both unknown."""
+    if embeds.dim() < 3:
+        return BatchCounts(None, None)
+    samples = int(embeds.shape[0])
+    if mask is not None and hasattr(mask, "shape") and tuple(mask.shape) == tuple(embeds.shape[:2]):
+        c = _count_nonzero(mask)
+        c.samples = samples
+        return c
+    return BatchCounts(samples, samples * int(embeds.shape[1]))
 
 
 def _per_sample_list(args: Any, kwargs: Mapping[str, Any] | None) -> int | None:
@@ -200,9 +246,13 @@ def infer_batch_counts(
     per_sample = _per_sample_list(args, kwargs)
     if per_sample is not None:
         return BatchCounts(per_sample, None)
-    first, mask, ids = _rule_input(args, kwargs)
-    if ids:
+    first, mask, kind = _rule_input(args, kwargs)
+    if kind == "ids":
         return _from_ids(first, mask, pad_token_id)
+    if kind == "embeds":
+        return _from_embeds(first, mask)
+    if kind == "batch":
+        return BatchCounts(int(first.shape[0]) if first.dim() >= 1 else None, None)
     if _is_packed(first):
         return _from_packed(first)
     if first is not None and first.dim() >= 1:
@@ -512,8 +562,8 @@ class _ThroughputMethods(Collector):
         (a square ``[n, n]`` input): the model's next new input shape is looked at instead."""
         from torch.nn.modules import module as torch_module
 
-        x, _, ids = _rule_input(args, kwargs)
-        if ids or not isinstance(x, _tensor_type()) or x.dim() < 2 or counts.samples is None:
+        x, _, keyed = _rule_input(args, kwargs)
+        if keyed or not isinstance(x, _tensor_type()) or x.dim() < 2 or counts.samples is None:
             return True  # nothing to learn from such calls
         if x.shape[0] == x.shape[1]:
             return False
