@@ -843,6 +843,27 @@ def test_anomaly_mode_leaves_the_fake_count_alone_and_stays_on():
     assert not torch.is_anomaly_enabled()
 
 
+@pytest.mark.parametrize("real", [False, True])
+def test_the_replay_leaves_the_users_saved_tensor_hooks_alone(real):
+    """A forward under the user's ``saved_tensors_hooks`` (activation offload to host memory):
+    the replay called the user's pack hook on its fakes, or on real copies, once more per new
+    input signature. Its count is the same with the hooks on, and the hooks stay the user's."""
+    m, x = mlp(), torch.randn(4, 64)
+    calls = []
+
+    def pack(t):
+        calls.append(type(t).__name__)
+        return t.detach().numpy().copy()
+
+    expected = count_step_flops(m, (x,), real=real).total
+    with torch.autograd.graph.saved_tensors_hooks(pack, torch.from_numpy):
+        fc = count_step_flops(m, (x,), real=real)
+        assert calls == []
+        m(x).sum().backward()  # the user's own forward still packs through their hook
+    assert fc.total == expected
+    assert calls and set(calls) == {"Tensor"}
+
+
 @pytest.fixture
 def tf32_switches():
     """torch's two TF32 switches, put back as they were after the test."""

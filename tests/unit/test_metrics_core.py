@@ -330,3 +330,25 @@ def test_both_takes_hand_over_the_same_step_untracked_and_start_a_fresh_list():
         assert step._flops is tokens._UNSET
         got.append((len(step.items), step.flops.total, step.micro_batches))
     assert got[0] == got[1] == (2, 2 * (8 + 7), 2)
+
+
+def test_a_root_call_that_raises_takes_back_what_it_added_in_both_collectors():
+    """A model call that raises (a malformed batch the loop skips) added its item before the call
+    ran: the exception observer takes it back, and only it. A grad-disabled call (phase 'eval')
+    or a call that added nothing leaves the step's items alone."""
+    m, loss_mod, x = nn.Linear(4, 4), nn.MSELoss(), torch.randn(2, 4)
+    for cls in (tokens.ThroughputCollector, tokens.PyThroughputCollector):
+        col = cls(cache=FlopCache(counter=_counter))
+        for _ in range(2):  # the second time on the hot path (a remembered signature)
+            col.on_forward(m, (x,), {})
+            col.on_forward(m, (torch.randn(2, 3),), {})  # raises in the real call
+            col.on_exception("forward", RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+            assert len(col._items) == 1, cls
+            col.on_forward(loss_mod, (x, x), {})
+            col.on_exception("forward", RuntimeError())  # the loss module raised: its item goes
+            assert len(col._items) == 1, cls
+            with torch.no_grad():
+                col.on_forward(m, (x,), {})  # adds nothing
+            col.on_exception("eval", RuntimeError())
+            col.on_exception("forward", RuntimeError())  # nothing of that call to take back
+            assert len(col._items) == 1 and col.take().counts[0].samples == 2, cls

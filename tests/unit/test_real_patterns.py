@@ -326,6 +326,31 @@ def test_a_batch_passed_by_a_known_keyword_counts_its_samples(sw, key, shape, to
     assert [r.tokens for r in recs[-3:]] == [tokens] * 3
 
 
+def test_a_forward_that_raises_adds_nothing_to_the_step(sw):
+    """A malformed batch makes model(x) raise; the loop catches it and goes on to the next batch
+    (the iteration merges into the next record, as documented). Its samples were counted in
+    that record (32 for 16) and its FLOPs made the record's null."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for i in range(5):
+        x = torch.randn(16, 31 if i in (1, 3) else 32)
+        try:
+            loss = m(x).pow(2).mean()
+        except RuntimeError:
+            continue
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert len(recs) == 3
+    assert [r.samples for r in recs] == [16] * 3
+    assert recs[0].flops and [r.flops for r in recs] == [recs[0].flops] * 3
+
+
 def test_step_s_agrees_with_an_independent_optimizer_step_clock(sw):
     """The user's own clock, read right after each optimizer.step(): step_s must agree with
     it within 0.5% (median), i.e. stepwatch keeps none of the step's real time out of it."""

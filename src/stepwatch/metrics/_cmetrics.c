@@ -361,6 +361,7 @@ OBJECT_TYPE(SigCore, SIG_FIELDS, "stepwatch.metrics._cmetrics.SigCore",
 typedef struct {
     PyObject_HEAD
     PyObject *_grad_enabled, *_replay, *_hits, *_items, *_any_call, *_recount;
+    char _appended; /* the last on_forward appended an item (a call that raises takes it back) */
 } ThroughputCore; /* no __dict__ of its own: tokens.py's ThroughputCollector, a subclass, has one */
 
 #define TP_FIELDS(X) X(_grad_enabled) X(_replay) X(_hits) X(_items) X(_any_call) X(_recount)
@@ -373,6 +374,7 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
         return NULL;
     }
     PyObject *module = argv[0], *args = argv[1], *kwargs = argv[2];
+    self->_appended = 0;
     PyObject *grad_enabled = TP_GET(self, _grad_enabled), *replay = TP_GET(self, _replay);
     if (grad_enabled == NULL || replay == NULL) return NULL;
     int t = call_truth(grad_enabled);
@@ -477,6 +479,7 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
             }
             Py_DECREF(item);
             if (rc < 0) return NULL;
+            self->_appended = 1;
             Py_RETURN_NONE;
         }
         Py_DECREF(hit);
@@ -540,7 +543,8 @@ static PyMethodDef ThroughputCore_methods[] = {
 };
 
 #define TP_MEMBER(f) MEMBER(ThroughputCore, f)
-static PyMemberDef ThroughputCore_members[] = {TP_FIELDS(TP_MEMBER){NULL}};
+static PyMemberDef ThroughputCore_members[] = {
+    TP_FIELDS(TP_MEMBER){"_appended", T_BOOL, offsetof(ThroughputCore, _appended), 0, NULL}, {NULL}};
 
 OBJECT_TYPE(ThroughputCore, TP_FIELDS, "stepwatch.metrics._cmetrics.ThroughputCore",
             "The FLOPs/tokens collector's hot path (metrics/tokens.py's _PyThroughputCore, in C).",

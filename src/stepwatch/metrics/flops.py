@@ -688,7 +688,8 @@ def count_step_flops(
     like the user's own backward failing. The user's dispatch modes (a ``FlopCounterMode`` of
     their own around the step) are set aside while it runs: they counted the replay too. What
     torch's fake-tensor logger says on this thread meanwhile is dropped: a forward that fails on
-    fakes (a malformed batch the loop catches) printed an ERROR traceback there.
+    fakes (a malformed batch the loop catches) printed an ERROR traceback there. So are the
+    user's ``saved_tensors_hooks`` (activation offload): the replay called their pack hook.
     """
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
@@ -696,12 +697,33 @@ def count_step_flops(
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     fake_log.addFilter(_QUIET_REPLAY)
     try:
-        with torch.autograd.set_detect_anomaly(False), _disable_current_modes():
+        with torch.autograd.set_detect_anomaly(False), _disable_current_modes(), _own_saved_tensors():
             return _in_autograd_node(
                 lambda: _count(module, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices, real=real)
             )
     finally:
         fake_log.removeFilter(_QUIET_REPLAY)
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _own_saved_tensors() -> Any:
+    """While the user's ``saved_tensors_hooks`` are in force, hooks of the replay's own on top of
+    them (the innermost pair is the one autograd calls): tensors saved as they are. Nothing to do
+    when there are none, or when the user disabled such hooks (pushing would raise)."""
+    import contextlib
+
+    import torch
+
+    auto = torch._C._autograd
+    try:
+        if auto._top_saved_tensors_default_hooks(True) is None or not auto._saved_tensors_hooks_is_enabled():
+            return contextlib.nullcontext()
+    except (AttributeError, TypeError):  # another torch: as before
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
 
 
 class _QuietReplay(logging.Filter):

@@ -344,9 +344,10 @@ class _PyThroughputCore:
     reference that metrics/_cmetrics.c's ``ThroughputCore`` translates line for line, and the
     one used where that extension was not built. Its state is ``ThroughputCollector``'s."""
 
-    __slots__ = ("_grad_enabled", "_replay", "_hits", "_items", "_any_call", "_recount")
+    __slots__ = ("_grad_enabled", "_replay", "_hits", "_items", "_any_call", "_recount", "_appended")
 
     def on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        self._appended = False
         if not self._grad_enabled() or (self._replay.active and self._replay.mine()):
             return
         if getattr(module, "training", True) is False:  # eval mode: evaluation or not, said later
@@ -361,6 +362,7 @@ class _PyThroughputCore:
             if item[1] is self._recount:
                 item = (item[0], self._batch_counts(args, kwargs))
             self._items.append(item)
+            self._appended = True
             return
         self._on_forward_full(module, args, kwargs)  # type: ignore[attr-defined]
 
@@ -436,6 +438,7 @@ class _ThroughputMethods(Collector):
         # what the call appended.
         self._hits: dict[int, tuple[Any, tuple[Any, Any]]] = {}  # (CallSig or _ANY_CALL, what it appended)
         self._items: list[tuple[Any, BatchCounts | None]] = []
+        self._appended = False  # the last on_forward appended (on_exception takes it back)
         self._again: tuple[list[Any], int] | None = None  # (the step's items, where a re-evaluation began)
         self._held: tuple[Any, list[Any] | None] | None = None  # (the step's items, an eval span's eval-mode calls)
         import torch
@@ -475,6 +478,16 @@ class _ThroughputMethods(Collector):
             self._hold((fc, counts))
             return
         self._items.append((fc, counts))
+        self._appended = True
+
+    def on_exception(self, phase: str, exc: BaseException) -> None:
+        """Training thread: a hooked call raised. A root call's observers ran before it, so what
+        the last ``on_forward`` appended is that call's (only the outermost call is observed):
+        a model call that raised on a malformed batch the loop skips processed no samples and
+        its FLOPs are no count. Taken back; a grad-disabled call (``eval``) appended nothing."""
+        if phase == "forward" and self._appended and self._items:
+            self._items.pop()
+        self._appended = False
 
     def _hold(self, item: tuple[Any, BatchCounts | None]) -> None:
         """A call of a root in eval mode with grad enabled opens an eval span (hooks/phases.py):
