@@ -941,3 +941,53 @@ def _step_six_times(m, opt, stepwatch, mem):
     stepwatch.shutdown()
     got = [r.grad_norm for r in mem.records if not r.tail]
     assert len(got) == 6 and all(rel(g, w) < 1e-5 for g, w in zip(got, want)), (got, want)
+
+
+class _Refuse(Exception):
+    pass
+
+
+class _GuardedSGD(torch.optim.SGD):
+    """An optimizer that refuses a step by raising (a NaN/OOM guard the loop catches)."""
+
+    refuse = False
+
+    def step(self, closure=None):
+        if self.refuse:
+            raise _Refuse("non-finite update refused")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("shape", ["stepped twice", "a step that raised"])
+def test_one_optimizer_probed_twice_in_a_record_reports_its_last_norm(sw, shape):
+    """The same optimizer probed twice before a record ends: stepped twice on the same
+    gradients (the two squares summed gave sqrt(2) times the norm), or a step that raised and was
+    skipped by the loop, merged into the next record (both iterations' squares summed). Also in
+    every record here: the subclass's step calls SGD.step, which torch wraps too once an SGD
+    exists (opt2), so the pre-hook ran twice a step. A record's norm is each optimizer's last
+    probe; two optimizers' (disjoint parameters) still add up."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m, other = nn.Linear(16, 4), nn.Linear(4, 1)
+    opt, opt2 = _GuardedSGD(m.parameters(), lr=0.01), torch.optim.SGD(other.parameters(), lr=0.01)
+    truth = []
+    for i in range(4):
+        opt.refuse = shape == "a step that raised" and i == 1
+        other(m(torch.randn(8, 16))).pow(2).mean().backward()
+        n = float(torch.nn.utils.get_total_norm([p.grad for p in (*m.parameters(), *other.parameters())]))
+        try:
+            opt.step()
+            if shape == "stepped twice":
+                opt.step()
+        except _Refuse:
+            opt.zero_grad()
+            other.zero_grad()
+            continue
+        opt2.step()
+        opt.zero_grad()
+        opt2.zero_grad()
+        truth.append(n)
+    stepwatch.shutdown()
+    got = [r.grad_norm for r in mem.records if not r.tail]
+    assert got == pytest.approx(truth, rel=1e-5)

@@ -1009,6 +1009,15 @@ class _GradNormMethods(Collector):
         (poll again); None when the step had no probe."""
         if not pendings:
             return None
+        if len(pendings) > 1:
+            # Each optimizer's last probe: one optimizer probed twice before the record ended (a
+            # subclass whose step calls super().step(), both wrapped by torch; an optimizer
+            # stepped twice; a step that raised and was skipped, merged into the next record)
+            # summed both squares. Several optimizers' (disjoint parameters) add up.
+            last = {}
+            for p in pendings:
+                last[p.optimizer_id] = p
+            pendings = list(last.values())
         results = []
         for p in pendings:
             r = GradNormProbe.resolve(p)
