@@ -351,6 +351,38 @@ def test_a_forward_that_raises_adds_nothing_to_the_step(sw):
     assert recs[0].flops and [r.flops for r in recs] == [recs[0].flops] * 3
 
 
+def test_optimizer_steps_inside_the_backward_are_optimizer_time_and_the_backward_ends_the_step(sw):
+    """PyTorch's "optimizer step in backward" recipe: one optimizer per parameter, stepped from
+    register_post_accumulate_grad_hook, no optimizer.step() outside loss.backward(). The steps'
+    time was in both backward_s and optimizer_s (the phases came to more than step_s) and the
+    step ended at the last parameter's step, inside the backward. Now the optimizer steps are
+    optimizer_s, the rest of the backward backward_s, and the step ends with the backward."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    opts = {p: torch.optim.Adam([p], lr=1e-3) for p in m.parameters()}
+
+    def hook(p):
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    ends = []
+    for _ in range(6):
+        m(torch.randn(32, 64)).pow(2).mean().backward()
+        ends.append(time.perf_counter_ns())
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6
+    _all_identity(recs)
+    assert all(r.optimizer_s > 0 and r.backward_s > 0 and r.forward_s > 0 for r in recs)
+    # each step ends when its backward returns: steps 1..5 together span the user's clock
+    span = (ends[-1] - ends[0]) * 1e-9
+    assert abs(sum(r.step_s for r in recs[1:]) - span) < 0.02 * span + 5e-4
+
+
 def test_step_s_agrees_with_an_independent_optimizer_step_clock(sw):
     """The user's own clock, read right after each optimizer.step(): step_s must agree with
     it within 0.5% (median), i.e. stepwatch keeps none of the step's real time out of it."""

@@ -41,7 +41,7 @@ static PyObject *clock_override = NULL; /* tests: a callable returning int ns */
 static PyObject *raw_step_cls = NULL;   /* stepwatch.record.RawStep, from _bind() */
 
 /* Interned names. */
-static PyObject *s_opt_stale, *s_pause_opt, *s_resume_opt, *s_fail, *s_push_step, *s_push_range, *s_pop_range,
+static PyObject *s_opt_stale, *s_pause_opt, *s_resume_opt, *s_pause_bwd, *s_resume_bwd, *s_fail, *s_push_step, *s_push_range, *s_pop_range,
     *s_forward, *s_eval, *s_training, *s_eval_open, *s_backward, *s_optimizer, *s_set_phase, *s_set_step, *s_begin, *s_end,
     *s_name, *s_take, *s_update, *s_backward_spans, *s_checkpoint_bytes, *s_explicit;
 
@@ -927,12 +927,16 @@ static PyObject *Core_backward_end(Core *self, PyObject *unused) {
             if (b == NULL) goto error;
             int is_bwd = PyObject_RichCompareBool(b, s_backward, Py_EQ);
             if (is_bwd < 0) goto error;
-            if (is_bwd) {
-                TRUTH(self, _opt_depth, od);
-                if (!od) {
-                    PUT_LL(self, _pending_end, t); /* no optimizer in this loop: the backward ends the step */
-                    put_obj(&self->_pending_skipped, Py_False);
-                }
+            TRUTH(self, _opt_depth, od);
+            if (is_bwd && !od) {
+                PUT_LL(self, _pending_end, t); /* no optimizer in this loop: the backward ends the step */
+                put_obj(&self->_pending_skipped, Py_False);
+            } else {
+                if (GET(self, _pending_end) == NULL) goto error;
+                int explicit = PyObject_RichCompareBool(b, s_explicit, Py_EQ);
+                if (explicit < 0) goto error;
+                /* its optimizer steps ran inside it (_pause_bwd): it ends the step */
+                if (self->_pending_end != Py_None && !explicit) PUT_LL(self, _pending_end, t);
             }
         }
     }
@@ -982,6 +986,10 @@ static PyObject *Core_optimizer_begin(Core *self, PyObject *unused) {
         put_obj(&self->_last_fetch_t0, Py_None);
         PUT_LL(self, _opt_t0, t);
         PUT_LL(self, _opt_paused, 0);
+        {
+            TRUTH(self, _bwd_depth, bd); /* an optimizer step in backward: phases.py's _pause_bwd */
+            if (bd && call_self_t(self, s_pause_bwd, t, NULL) < 0) goto error;
+        }
         if (device_begin(self, PH_OPTIMIZER, &self->_dslot_opt) < 0) goto error;
         if (nvtx_push(self, s_optimizer) < 0) goto error;
         if (set_phase(self, PH_OPTIMIZER) < 0) goto error;
@@ -1012,6 +1020,10 @@ static PyObject *Core_optimizer_end(Core *self, PyObject *const *args, Py_ssize_
         }
         if (nvtx_pop(self) < 0) goto error;
         if (set_phase(self, PH_OTHER) < 0) goto error;
+        {
+            TRUTH(self, _bwd_depth, bd);
+            if (bd && call_self_t(self, s_resume_bwd, t, NULL) < 0) goto error;
+        }
         PyObject *b = GET(self, boundary);
         if (b == NULL) goto error;
         int explicit = PyObject_RichCompareBool(b, s_explicit, Py_EQ);
@@ -1743,6 +1755,8 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_pause_opt, "_pause_opt");
     INTERN(s_opt_stale, "_opt_stale");
     INTERN(s_resume_opt, "_resume_opt");
+    INTERN(s_pause_bwd, "_pause_bwd");
+    INTERN(s_resume_bwd, "_resume_bwd");
     INTERN(s_fail, "_fail");
     INTERN(s_push_step, "push_step");
     INTERN(s_push_range, "push_range");

@@ -372,6 +372,8 @@ class _PyCore:
             elif self.boundary == "backward" and not self._opt_depth:
                 self._pending_end = t  # no optimizer in this loop: the backward ends the step
                 self._pending_skipped = False
+            elif self._pending_end is not None and self.boundary != "explicit":
+                self._pending_end = t  # its optimizer steps ran inside it (_pause_bwd): it ends the step
         except Exception as e:
             self._fail("backward_end", e)
 
@@ -400,6 +402,8 @@ class _PyCore:
             self._last_fetch_t0 = None
             self._opt_t0 = t
             self._opt_paused = 0
+            if self._bwd_depth:
+                self._pause_bwd(t)
             if self.device is not None:
                 self._dslot_opt = self.device.begin(PHASE_OPTIMIZER)
             if self._nvtx is not None:
@@ -427,6 +431,8 @@ class _PyCore:
                 self._nvtx.pop_range()
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
+            if self._bwd_depth:
+                self._resume_bwd(t)
             if self.boundary != "explicit":  # explicit: only stepwatch.step() ends a step
                 self._pending_end = t
                 self._pending_skipped = False
@@ -628,6 +634,23 @@ class _Methods:
                 self._nvtx.pop_range()
         self._opt_depth = 1
         return True
+
+    def _pause_bwd(self, t: int) -> None:
+        """An optimizer step begins inside an open backward (PyTorch's "optimizer step in backward":
+        one optimizer per parameter, stepped from ``register_post_accumulate_grad_hook``): the
+        backward's segment so far is backward time, the step optimizer time (it was both: the
+        phases came to more than ``step_s``). The backward that ran it ends the step."""
+        self._bwd += t - self._bwd_t0
+        self._bwd_spans.append((self._bwd_t0, t))
+        if self.device is not None:
+            self.device.end(self._dslot_bwd)
+
+    def _resume_bwd(self, t: int) -> None:
+        self._bwd_t0 = t
+        if self.device is not None:
+            self._dslot_bwd = self.device.begin(PHASE_BACKWARD)
+        if self.progress is not None:
+            self.progress.set_phase(PHASE_BACKWARD)
 
     def _pause_opt(self, t: int) -> bool:
         """A forward/backward starts inside the optimizer phase: close the optimizer's segment."""
