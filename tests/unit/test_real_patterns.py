@@ -1665,3 +1665,41 @@ def test_a_fused_optimizer_that_the_scaler_skips_is_marked_skipped(sw, boundary)
     assert [(r.step, r.skipped) for r in mem.records if not r.tail] == [
         (0, False), (1, False), (2, True), (3, False), (4, False)]
     _all_identity([r for r in mem.records if not r.tail])
+
+
+def test_an_optimizer_step_that_raises_inside_the_backward_counts_no_time_twice(sw):
+    """An optimizer step in backward that raises (a guard refusing a non-finite update): torch
+    runs no post-hook, the backward raises out, the loop skips the iteration. No time of that
+    backward is counted twice: the phases still add up to step_s in every record."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    refuse = [False]
+
+    class Guarded(torch.optim.SGD):
+        def step(self, closure=None):  # torch's wrapper ran the pre-hooks already
+            if refuse[0]:
+                time.sleep(0.01)
+                raise FloatingPointError("non-finite update refused")
+            return super().step(closure)
+
+    opts = {p: Guarded([p], lr=1e-3) for p in m.parameters()}
+
+    def hook(p):
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    for i in range(5):
+        refuse[0] = i == 2
+        try:
+            m(torch.randn(8, 16)).pow(2).mean().backward()
+        except FloatingPointError:
+            for p in m.parameters():
+                p.grad = None
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 4
+    _all_identity(recs)

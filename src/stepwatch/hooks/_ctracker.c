@@ -41,7 +41,7 @@ static PyObject *clock_override = NULL; /* tests: a callable returning int ns */
 static PyObject *raw_step_cls = NULL;   /* stepwatch.record.RawStep, from _bind() */
 
 /* Interned names. */
-static PyObject *s_opt_stale, *s_pause_opt, *s_resume_opt, *s_pause_bwd, *s_resume_bwd, *s_fail, *s_push_step, *s_push_range, *s_pop_range,
+static PyObject *s_opt_stale, *s_pause_opt, *s_resume_opt, *s_pause_bwd, *s_resume_bwd, *s_drop_opt, *s_fail, *s_push_step, *s_push_range, *s_pop_range,
     *s_forward, *s_eval, *s_training, *s_eval_open, *s_backward, *s_optimizer, *s_set_phase, *s_set_step, *s_begin, *s_end,
     *s_name, *s_take, *s_update, *s_backward_spans, *s_checkpoint_bytes, *s_explicit;
 
@@ -923,12 +923,18 @@ static PyObject *Core_backward_end(Core *self, PyObject *unused) {
             put_obj(&self->_bwd_paused_opt, Py_False);
             if (call_self_t(self, s_resume_opt, t, NULL) < 0) goto error;
         } else {
+            TRUTH(self, _opt_depth, od);
+            if (od) { /* a step that began inside it raised out of it: phases.py's _drop_opt */
+                PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, s_drop_opt);
+                if (r == NULL) goto error;
+                Py_DECREF(r);
+                Py_RETURN_NONE;
+            }
             PyObject *b = GET(self, boundary);
             if (b == NULL) goto error;
             int is_bwd = PyObject_RichCompareBool(b, s_backward, Py_EQ);
             if (is_bwd < 0) goto error;
-            TRUTH(self, _opt_depth, od);
-            if (is_bwd && !od) {
+            if (is_bwd) {
                 PUT_LL(self, _pending_end, t); /* no optimizer in this loop: the backward ends the step */
                 put_obj(&self->_pending_skipped, Py_False);
             } else {
@@ -1757,6 +1763,7 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_resume_opt, "_resume_opt");
     INTERN(s_pause_bwd, "_pause_bwd");
     INTERN(s_resume_bwd, "_resume_bwd");
+    INTERN(s_drop_opt, "_drop_opt");
     INTERN(s_fail, "_fail");
     INTERN(s_push_step, "push_step");
     INTERN(s_push_range, "push_range");

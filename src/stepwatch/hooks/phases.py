@@ -369,7 +369,9 @@ class _PyCore:
             if self._bwd_paused_opt:
                 self._bwd_paused_opt = False
                 self._resume_opt(t)
-            elif self.boundary == "backward" and not self._opt_depth:
+            elif self._opt_depth:
+                self._drop_opt()  # a step that began inside it raised out of it
+            elif self.boundary == "backward":
                 self._pending_end = t  # no optimizer in this loop: the backward ends the step
                 self._pending_skipped = False
             elif self._pending_end is not None and self.boundary != "explicit":
@@ -627,13 +629,20 @@ class _Methods:
         and no later step ended."""
         if nested_optimizer_step():
             return False
+        self._drop_opt()
+        self._opt_depth = 1
+        return True
+
+    def _drop_opt(self) -> None:
+        """The open optimizer phase is stale (see :meth:`_opt_stale`), or began inside the
+        backward ending now and raised out of it (torch runs no post-hook): it is dropped; in a
+        backward, its time is the backward's (:meth:`_pause_bwd`)."""
         if not self._opt_paused:
             if self.device is not None:
                 self.device.end(self._dslot_opt)
             if self._nvtx is not None:
                 self._nvtx.pop_range()
-        self._opt_depth = 1
-        return True
+        self._opt_depth = 0
 
     def _pause_bwd(self, t: int) -> None:
         """An optimizer step begins inside an open backward (PyTorch's "optimizer step in backward":
@@ -642,6 +651,7 @@ class _Methods:
         phases came to more than ``step_s``). The backward that ran it ends the step."""
         self._bwd += t - self._bwd_t0
         self._bwd_spans.append((self._bwd_t0, t))
+        self._bwd_t0 = t  # a step that raises never resumes the backward: its time is then the backward's, once
         if self.device is not None:
             self.device.end(self._dslot_bwd)
 
