@@ -1703,3 +1703,25 @@ def test_an_optimizer_step_that_raises_inside_the_backward_counts_no_time_twice(
     recs = [r for r in mem.records if not r.tail]
     assert len(recs) == 4
     _all_identity(recs)
+
+
+def test_a_user_phase_around_the_forward_leaves_out_stepwatchs_flop_count(sw):
+    """``with stepwatch.phase("fwd"): model(x)``: the FLOP count at a new input signature runs in
+    the root call, before the forward, and is kept out of step_s and forward_s; the user's phase
+    around the call took it in (a spike in that phase at every new shape)."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for i in range(6):
+        x = torch.randn(4 + i % 3, 64)  # three signatures: three counts
+        with stepwatch.phase("fwd"):
+            loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6 and all(r.flops for r in recs)
+    assert all(r.phases["fwd"] <= r.forward_s + 0.002 for r in recs), [(r.phases["fwd"], r.forward_s) for r in recs]

@@ -877,7 +877,8 @@ class _Methods:
         """Time stepwatch itself spent inside the step (one-off discovery): kept out of step_s.
         An iterator made before it does not start an eval span (that would count it twice). A
         step whose end is pending ended before this time began: it is final now, and the time is
-        kept out of the next step (an optimizer made between two models' loops scans).
+        kept out of the next step (an optimizer made between two models' loops scans). The user's
+        open phases (``stepwatch.phase``) leave it out too.
 
         The clock of an open eval span, and of the fetch a span opening next would start at,
         pauses for it (their times move on by ``ns``): an evaluation forward's FLOP count, between
@@ -895,6 +896,8 @@ class _Methods:
             self._eval_last += ns
         if self._last_fetch_t0 is not None:
             self._last_fetch_t0 += ns
+        for name in self._phase_t0:  # the user's open phases (a FLOP count inside "fwd")
+            self._phase_t0[name] += ns
         if self._prev_end is not None:
             self._own += ns
 
