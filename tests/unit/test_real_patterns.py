@@ -1725,3 +1725,35 @@ def test_a_user_phase_around_the_forward_leaves_out_stepwatchs_flop_count(sw):
     recs = [r for r in mem.records if not r.tail]
     assert len(recs) == 6 and all(r.flops for r in recs)
     assert all(r.phases["fwd"] <= r.forward_s + 0.002 for r in recs), [(r.phases["fwd"], r.forward_s) for r in recs]
+
+
+class _SlowStartLoader(DataLoader):
+    """A loader whose iterator takes 50 ms to make, as starting non-persistent workers does at
+    every epoch (``DataLoader.__iter__`` calls ``_get_iterator`` each time)."""
+
+    def _get_iterator(self):
+        time.sleep(0.05)
+        return super()._get_iterator()
+
+
+def test_an_epochs_iterator_start_is_data_wait(sw):
+    """``for x, y in loader:`` each epoch: the iterator's start (non-persistent workers start
+    there) is the loop waiting for data, as the first fetch is. It was other_s, so an epoch
+    start with slow workers did not read as data loading."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    loader = _SlowStartLoader(TransformData(8), batch_size=4)
+    loader.dataset.transform = nn.Identity()  # no 2 ms transforms here
+    for _ in range(3):
+        for x, y in loader:
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6
+    _all_identity(recs)
+    firsts = [recs[2], recs[4]]  # the first steps of epochs 2 and 3
+    assert all(r.data_wait_s >= 0.05 and r.other_s < 0.02 for r in firsts), [(r.data_wait_s, r.other_s) for r in firsts]

@@ -750,11 +750,13 @@ static PyObject *data_end(Core *self, PyObject *t0_obj, long how) {
             LL(self, _eval_pulled, pulled);
             PUT_LL(self, _eval_pulled, pulled + dur);
             PUT_LL(self, _eval_last, t);
-        } else {
+        } else { /* from the iterator's start, for its first fetch: the loop waited for its workers */
+            long long s0;
+            if (as_ll(start, &s0) < 0) goto error;
             LL(self, _data, data);
-            PUT_LL(self, _data, data + dur);
+            PUT_LL(self, _data, data + (t - s0));
             put_obj(&self->_last_fetch_t0, start);
-            PUT_LL(self, _last_fetch_ns, dur);
+            PUT_LL(self, _last_fetch_ns, t - s0);
         }
         if (set_phase(self, PH_OTHER) < 0) goto error;
     }

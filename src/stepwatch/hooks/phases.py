@@ -261,10 +261,10 @@ class _PyCore:
                     self._eval_pulls += 1
                 self._eval_pulled += d
                 self._eval_last = t
-            else:
-                self._data += d
+            else:  # from the iterator's start, for its first fetch: the loop waited for its workers
+                self._data += t - t0
                 self._last_fetch_t0 = t0
-                self._last_fetch_ns = d
+                self._last_fetch_ns = t - t0
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
         except Exception as e:
