@@ -1757,3 +1757,54 @@ def test_an_epochs_iterator_start_is_data_wait(sw):
     _all_identity(recs)
     firsts = [recs[2], recs[4]]  # the first steps of epochs 2 and 3
     assert all(r.data_wait_s >= 0.05 and r.other_s < 0.02 for r in firsts), [(r.data_wait_s, r.other_s) for r in firsts]
+
+
+class _SlowEndDataset(Dataset):
+    """12 samples; asking for the 13th index (the end) takes 40 ms, as a non-persistent
+    loader's workers shutting down at StopIteration does."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.randn(16), torch.randn(4)
+
+
+class _SlowEndSampler(torch.utils.data.Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        yield from range(self.n)
+        time.sleep(0.04)  # the iterator's end: after the last batch, before StopIteration
+
+
+def test_the_training_loaders_end_is_not_the_next_evaluations(sw):
+    """timm's and torchvision's epoch: train over the loader, then validate under no_grad. The
+    training loader's last fetch (StopIteration, grad enabled) came before the evaluation; it
+    was taken into eval_s as 'the fetch right before' the span."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    train = DataLoader(_SlowEndDataset(), batch_size=4, sampler=_SlowEndSampler(12))
+    val = DataLoader(_SlowEndDataset(), batch_size=4)
+    evals = []
+    for _ in range(2):
+        for x, y in train:
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        t = time.perf_counter()
+        with torch.no_grad():
+            for x, _ in val:
+                m(x)
+        evals.append(time.perf_counter() - t)
+    stepwatch.shutdown()
+    got = [r.eval_s for r in mem.records if r.eval_s > 0]
+    assert len(got) == 2
+    assert all(g < e + 0.02 for g, e in zip(got, evals)), (got, evals)
+    _all_identity([r for r in mem.records if not r.tail])

@@ -755,7 +755,8 @@ static PyObject *data_end(Core *self, PyObject *t0_obj, long how) {
             if (as_ll(start, &s0) < 0) goto error;
             LL(self, _data, data);
             PUT_LL(self, _data, data + (t - s0));
-            put_obj(&self->_last_fetch_t0, start);
+            /* a training loader's end (no batch) is no fetch an evaluation takes (_open_eval) */
+            put_obj(&self->_last_fetch_t0, how & FETCH_END ? Py_None : start);
             PUT_LL(self, _last_fetch_ns, t - s0);
         }
         if (set_phase(self, PH_OTHER) < 0) goto error;

@@ -263,7 +263,9 @@ class _PyCore:
                 self._eval_last = t
             else:  # from the iterator's start, for its first fetch: the loop waited for its workers
                 self._data += t - t0
-                self._last_fetch_t0 = t0
+                # a batch an evaluation may take (_open_eval); a training loader's end (no batch,
+                # its workers' shutdown) is the training's, whatever comes next
+                self._last_fetch_t0 = None if how & FETCH_END else t0
                 self._last_fetch_ns = t - t0
             if self.progress is not None:
                 self.progress.set_phase(PHASE_OTHER)
