@@ -942,10 +942,12 @@ static PyObject *Core_backward_end(Core *self, PyObject *unused) {
                 put_obj(&self->_pending_skipped, Py_False);
             } else {
                 if (GET(self, _pending_end) == NULL) goto error;
-                int explicit = PyObject_RichCompareBool(b, s_explicit, Py_EQ);
-                if (explicit < 0) goto error;
-                /* its optimizer steps ran inside it (_pause_bwd): it ends the step */
-                if (self->_pending_end != Py_None && !explicit) PUT_LL(self, _pending_end, t);
+                if (self->_pending_end != Py_None) { /* as phases.py: nearly every backward has none */
+                    int explicit = PyObject_RichCompareBool(b, s_explicit, Py_EQ);
+                    if (explicit < 0) goto error;
+                    /* its optimizer steps ran inside it (_pause_bwd): it ends the step */
+                    if (!explicit) PUT_LL(self, _pending_end, t);
+                }
             }
         }
     }
