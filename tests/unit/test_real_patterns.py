@@ -1808,3 +1808,81 @@ def test_the_training_loaders_end_is_not_the_next_evaluations(sw):
     assert len(got) == 2
     assert all(g < e + 0.02 for g, e in zip(got, evals)), (got, evals)
     _all_identity([r for r in mem.records if not r.tail])
+
+
+class _Wrapper(nn.Module):
+    """Stand-in for DDP (or any wrapper module) made after the optimizer, as nanoGPT does:
+    model -> configure_optimizers -> DDP(model). Its forward calls the model's."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *a, **k):
+        return self.module(*a, **k)
+
+
+@pytest.mark.parametrize("when", ["before init", "after init"])
+def test_a_wrapper_made_after_the_optimizer_counts_every_micro_batch_of_step_0(sw, when):
+    """The inner model is a root from the optimizer's scan and opens step 0; the wrapper is
+    found at the first backward. Its calls opened no step, so they did not take over, and step 0
+    counted the first micro-batch's samples only (8 of 32); later steps were right."""
+    stepwatch, mem, start = sw
+    if when == "after init":
+        start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    if when == "before init":
+        start()
+    _accumulate(_Wrapper(m), opt)
+    stepwatch.shutdown()
+    _every_micro_batch_counted(mem.records)
+
+
+class _Policy(nn.Module):
+    """pytorch/examples' actor_critic: called with one unbatched state, ``model(state)``, with
+    ``state`` of shape ``[4]``, once per environment step."""
+
+    def __init__(self):
+        super().__init__()
+        self.affine1 = nn.Linear(4, 32)
+        self.action_head = nn.Linear(32, 2)
+
+    def forward(self, x):
+        return torch.softmax(self.action_head(torch.relu(self.affine1(x))), dim=-1)
+
+
+class _ScalarRegressor(nn.Module):
+    """A batch of scalars ``[N]`` that the model turns into ``[N, 1]`` itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x.unsqueeze(1)).squeeze(1)
+
+
+@pytest.mark.parametrize("make, shape, per_call", [(_Policy, (4,), 1), (_ScalarRegressor, (4,), 4),
+                                                   (_ScalarRegressor, (7,), 7)],
+                         ids=["unbatched state", "batch of 4 scalars", "batch of 7 scalars"])
+def test_a_1d_input_is_one_sample_when_the_model_takes_it_unbatched(sw, make, shape, per_call):
+    """A 1-D float input was read as a batch along its only dim: an RL policy called with one
+    state of 4 features counted 4 samples a call. The model's first ``nn.Linear`` says which it
+    is: given the whole vector as its features, one sample; a batch of scalars the model reshapes
+    itself stays a batch."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = make()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    calls = [3, 5, 2, 4]
+    for n in calls:  # one episode a step: n environment steps, one call each
+        out = [m(torch.randn(*shape)).sum() for _ in range(n)]
+        torch.stack(out).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert [r.samples for r in recs] == [n * per_call for n in calls]
+    assert all(r.flops is not None and r.flops > 0 for r in recs)

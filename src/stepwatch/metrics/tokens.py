@@ -13,7 +13,9 @@ Rules (docs/mfu.md repeats them for users), applied to the outermost module's ca
 2. Otherwise the first positional argument (or first element of a tuple/list passed first):
    an integer tensor of 2 dims ``[batch, seq]`` is token ids: tokens = numel (minus
    ``pad_token_id`` entries if given), samples = dim 0. Any other tensor (images, features):
-   samples = dim 0, tokens unknown. A *sequence-first* model (every ``nn.RNNBase`` /
+   samples = dim 0, tokens unknown; except a 1-D float tensor ``[n]`` that the model's first
+   ``nn.Linear`` takes whole as its ``n`` features, at the first call of that shape: one unbatched
+   sample (an RL policy called with one state; ``ThroughputCollector._probe_unbatched``). A *sequence-first* model (every ``nn.RNNBase`` /
    ``nn.MultiheadAttention`` in it has ``batch_first=False``, torch's default, and it has at least
    one: ``[seq, batch]`` inputs, as word_language_model) reads samples from dim 1 instead, unless
    its first such layer, at the model's first call, gets its batch from the input's dim 0 (a
@@ -473,6 +475,8 @@ class _ThroughputMethods(Collector):
         if counts is not None and self._layout_layers and self._probe_layout(module, self._layout_layers, args,
                                                                              kwargs, counts):
             self._layout_layers = None
+        elif counts is not None and counts.samples is not None and counts.tokens is None:
+            self._probe_unbatched(module, args, kwargs, counts)
         self._remember(module, args, kwargs, fc, counts)
         if getattr(module, "training", True) is False:
             self._hold((fc, counts))
@@ -544,8 +548,22 @@ class _ThroughputMethods(Collector):
                 watch()
         except TypeError:  # not weak-referenceable: its id is kept, as before
             pass
-        if self._token_root is None or not self._items:
+        if self._token_root is None or not self._items or self._wraps_model(module):
             self._take_over(module, mid)
+
+    def _wraps_model(self, module: Any) -> bool:
+        """``module`` holds the model as a submodule: a wrapper made after the optimizer (nanoGPT's
+        ``DDP(model)`` after ``configure_optimizers``, whose scan found the inner model) and
+        first called within a step that the inner model opened. Its calls are the model's now
+        (the inner one's are no root calls any more), so it takes over mid-step."""
+        kept = self._roots.get(self._token_root) if self._token_root is not None else None
+        model = kept[0]() if kept is not None else None
+        if model is None or model is module:
+            return False
+        try:
+            return any(m is model for m in module.modules())
+        except Exception:  # noqa: BLE001 - a module whose tree cannot be walked: no take-over
+            return False
 
     def _take_over(self, module: Any, mid: int) -> None:
         """``module`` opens a step: it is the model, whose calls give the step's samples and
@@ -570,11 +588,9 @@ class _ThroughputMethods(Collector):
         """The first call of a model whose RNN and attention layers are all seq-first: its input is
         ``[seq, batch]`` (word_language_model) or ``[batch, seq]`` that it turns round itself (a
         hand-written encoder). The first such layer's input, within this call, says which, and
-        ``counts`` (this call's) is corrected. Global module hooks, for this one call only: a hook
-        on the model would go into a whole-model ``torch.save``. False when this call cannot tell
-        (a square ``[n, n]`` input): the model's next new input shape is looked at instead."""
-        from torch.nn.modules import module as torch_module
-
+        ``counts`` (this call's) is corrected (:func:`_first_layer_in_call`). False when this call
+        cannot tell (a square ``[n, n]`` input): the model's next new input shape is looked at
+        instead."""
         x, _, keyed = _rule_input(args, kwargs)
         if keyed or not isinstance(x, _tensor_type()) or x.dim() < 2 or counts.samples is None:
             return True  # nothing to learn from such calls
@@ -583,31 +599,34 @@ class _ThroughputMethods(Collector):
         outer = (int(x.shape[0]), int(x.shape[1]))
         wanted = {id(m) for m in layers}
         rid = id(root)
-        handles: list[Any] = []
 
-        def done() -> None:
-            while handles:
-                handles.pop().remove()
+        def found(module: Any, a: Any) -> None:
+            batch = _layer_batch(module, a, {})
+            if batch is not None and batch in outer and self._token_root == rid:
+                self._seq_first = batch == outer[1]
+                counts.samples = batch
 
-        def pre(module: Any, a: Any) -> None:
-            if id(module) not in wanted:
-                return
-            try:
-                done()
-                batch = _layer_batch(module, a, {})
-                if batch is not None and batch in outer and self._token_root == rid:
-                    self._seq_first = batch == outer[1]
-                    counts.samples = batch
-            except Exception:  # noqa: BLE001 - inside the user's forward: never raise there
-                pass
-
-        def post(module: Any, a: Any, out: Any) -> None:
-            if id(module) == rid:
-                done()  # no such layer ran in this call: the guess stands
-
-        handles.append(torch_module.register_module_forward_pre_hook(pre))
-        handles.append(torch_module.register_module_forward_hook(post, always_call=True))
+        _first_layer_in_call(root, lambda m: id(m) in wanted, found)
         return True
+
+    def _probe_unbatched(self, root: Any, args: Any, kwargs: Any, counts: BatchCounts) -> None:
+        """A 1-D float input passed first ``[n]``: a batch of n scalars that the model reshapes
+        itself, or one unbatched sample of n features (an RL policy called with one state,
+        pytorch/examples' actor_critic). The model's first ``nn.Linear`` within this call says
+        which: given a 1-D input of its ``in_features``, one sample, and ``counts`` (this call's,
+        which later calls of the same shape reuse) is corrected."""
+        import torch.nn as nn
+
+        x, _, kind = _rule_input(args, kwargs)
+        if kind or not isinstance(x, _tensor_type()) or x.dim() != 1 or not x.is_floating_point():
+            return
+
+        def found(module: Any, a: Any) -> None:
+            inner = a[0] if a else None
+            if isinstance(inner, _tensor_type()) and inner.dim() == 1 and inner.shape[0] == module.in_features:
+                counts.samples = 1
+
+        _first_layer_in_call(root, lambda m: isinstance(m, nn.Linear), found)
 
     def _forget(self, mid: int) -> None:
         """A root was freed (any thread, from its finalizer): drop what is kept under its id."""
@@ -695,6 +714,38 @@ class PyThroughputCollector(_ThroughputMethods, _PyThroughputCore):
     """``ThroughputCollector`` with the Python hot path always (tests compare the two)."""
 
     take = _PyThroughputCore.take
+
+
+def _first_layer_in_call(root: Any, is_layer: Callable[[Any], bool], found: Callable[[Any, Any], None]) -> None:
+    """Within ``root``'s call that is about to run, hand the first submodule call for which
+    ``is_layer(module)`` holds, with its positional arguments, to ``found`` (once). Global module
+    hooks, for this one call only (removed at that layer, or when ``root``'s call ends, raised or
+    not): a hook on the model would go into a whole-model ``torch.save``. ``found`` runs inside
+    the user's forward, where it must never raise: its errors are swallowed."""
+    from torch.nn.modules import module as torch_module
+
+    rid = id(root)
+    handles: list[Any] = []
+
+    def done() -> None:
+        while handles:
+            handles.pop().remove()
+
+    def pre(module: Any, a: Any) -> None:
+        try:
+            if not is_layer(module):
+                return
+            done()
+            found(module, a)
+        except Exception:  # noqa: BLE001 - inside the user's forward: never raise there
+            pass
+
+    def post(module: Any, a: Any, out: Any) -> None:
+        if id(module) == rid:
+            done()  # no such layer ran in this call: the guess stands
+
+    handles.append(torch_module.register_module_forward_pre_hook(pre))
+    handles.append(torch_module.register_module_forward_hook(post, always_call=True))
 
 
 def _tensor_type() -> Any:
