@@ -13,9 +13,9 @@ Rules (docs/mfu.md repeats them for users), applied to the outermost module's ca
 2. Otherwise the first positional argument (or first element of a tuple/list passed first):
    an integer tensor of 2 dims ``[batch, seq]`` is token ids: tokens = numel (minus
    ``pad_token_id`` entries if given), samples = dim 0. Any other tensor (images, features):
-   samples = dim 0, tokens unknown; except a 1-D float tensor ``[n]`` that the model's first
-   ``nn.Linear`` takes whole as its ``n`` features, at the first call of that shape: one unbatched
-   sample (an RL policy called with one state; ``ThroughputCollector._probe_unbatched``). A *sequence-first* model (every ``nn.RNNBase`` /
+   samples = dim 0, tokens unknown; except a 1-D float tensor ``[n]`` when the model's first
+   ``nn.Linear`` (registration order) has ``n`` input features: one unbatched
+   sample (an RL policy called with one state; ``ThroughputCollector._unbatched``). A *sequence-first* model (every ``nn.RNNBase`` /
    ``nn.MultiheadAttention`` in it has ``batch_first=False``, torch's default, and it has at least
    one: ``[seq, batch]`` inputs, as word_language_model) reads samples from dim 1 instead, unless
    its first such layer, at the model's first call, gets its batch from the input's dim 0 (a
@@ -476,7 +476,7 @@ class _ThroughputMethods(Collector):
                                                                              kwargs, counts):
             self._layout_layers = None
         elif counts is not None and counts.samples is not None and counts.tokens is None:
-            self._probe_unbatched(module, args, kwargs, counts)
+            self._unbatched(module, args, kwargs, counts)
         self._remember(module, args, kwargs, fc, counts)
         if getattr(module, "training", True) is False:
             self._hold((fc, counts))
@@ -594,6 +594,8 @@ class _ThroughputMethods(Collector):
         x, _, keyed = _rule_input(args, kwargs)
         if keyed or not isinstance(x, _tensor_type()) or x.dim() < 2 or counts.samples is None:
             return True  # nothing to learn from such calls
+        if _compiled(root):
+            return True  # a hook inside its call would break its graph: the guess (dim 1) stands
         if x.shape[0] == x.shape[1]:
             return False
         outer = (int(x.shape[0]), int(x.shape[1]))
@@ -609,24 +611,23 @@ class _ThroughputMethods(Collector):
         _first_layer_in_call(root, lambda m: id(m) in wanted, found)
         return True
 
-    def _probe_unbatched(self, root: Any, args: Any, kwargs: Any, counts: BatchCounts) -> None:
+    def _unbatched(self, root: Any, args: Any, kwargs: Any, counts: BatchCounts) -> None:
         """A 1-D float input passed first ``[n]``: a batch of n scalars that the model reshapes
         itself, or one unbatched sample of n features (an RL policy called with one state,
-        pytorch/examples' actor_critic). The model's first ``nn.Linear`` within this call says
-        which: given a 1-D input of its ``in_features``, one sample, and ``counts`` (this call's,
-        which later calls of the same shape reuse) is corrected."""
+        pytorch/examples' actor_critic). The model's first ``nn.Linear`` (in registration order)
+        says which: one of ``in_features == n`` takes the vector whole, so ``counts`` (this
+        call's, which later calls of the same shape reuse) is one sample. Read from the module
+        tree, not from the call (a hook inside a compiled model's call would break its graph)."""
         import torch.nn as nn
+
+        from .flops import unwrap_module
 
         x, _, kind = _rule_input(args, kwargs)
         if kind or not isinstance(x, _tensor_type()) or x.dim() != 1 or not x.is_floating_point():
             return
-
-        def found(module: Any, a: Any) -> None:
-            inner = a[0] if a else None
-            if isinstance(inner, _tensor_type()) and inner.dim() == 1 and inner.shape[0] == module.in_features:
-                counts.samples = 1
-
-        _first_layer_in_call(root, lambda m: isinstance(m, nn.Linear), found)
+        first = next((m for m in unwrap_module(root).modules() if isinstance(m, nn.Linear)), None)
+        if first is not None and first.in_features == x.shape[0]:
+            counts.samples = 1
 
     def _forget(self, mid: int) -> None:
         """A root was freed (any thread, from its finalizer): drop what is kept under its id."""
@@ -716,12 +717,27 @@ class PyThroughputCollector(_ThroughputMethods, _PyThroughputCore):
     take = _PyThroughputCore.take
 
 
+def _compiled(root: Any) -> bool:
+    """``root`` or a module in it runs through ``torch.compile`` (``torch.compile(model)``, or
+    ``model.compile()``: a ``_compiled_call_impl`` that is not stepwatch's root call around the
+    module's own ``_call_impl``). Walks the module tree: for one-off probes only."""
+    for m in root.modules():
+        if type(m).__name__ == "OptimizedModule":
+            return True
+        impl = m.__dict__.get("_compiled_call_impl")
+        if impl is not None and getattr(impl, "inner", impl) != m._call_impl:
+            return True
+    return False
+
+
 def _first_layer_in_call(root: Any, is_layer: Callable[[Any], bool], found: Callable[[Any, Any], None]) -> None:
     """Within ``root``'s call that is about to run, hand the first submodule call for which
     ``is_layer(module)`` holds, with its positional arguments, to ``found`` (once). Global module
     hooks, for this one call only (removed at that layer, or when ``root``'s call ends, raised or
-    not): a hook on the model would go into a whole-model ``torch.save``. ``found`` runs inside
-    the user's forward, where it must never raise: its errors are swallowed."""
+    not): a hook on the model would go into a whole-model ``torch.save``. Never for a compiled
+    model (:func:`_compiled`): dynamo traces global hooks, and their removal breaks its graph.
+    ``found`` runs inside the user's forward, where it must never raise: its errors are
+    swallowed."""
     from torch.nn.modules import module as torch_module
 
     rid = id(root)
