@@ -388,7 +388,7 @@ class Pipeline:
                         on_findings(findings)
                     except Exception as e:
                         self.report_error(f"feature.{type(f).__name__}", e)
-            self.steps_seen += len(records)
+            self.steps_seen += sum(1 for r in records if not r.tail)  # a tail record is no step
             batch = Batch(records=records, findings=findings, samples=samples)
             if not batch:
                 return

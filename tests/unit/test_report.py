@@ -698,3 +698,24 @@ def test_a_tail_record_counts_in_eval_and_checkpoint_totals_not_in_step_times(tm
     assert st.step_p[50] == pytest.approx(np.percentile(timed, 50), rel=1e-12)
     assert st.eval_total == pytest.approx(sum(r.eval_s for r in recs) + 20.0)
     assert st.checkpoint_total == pytest.approx(sum(r.checkpoint_s for r in recs) + 5.0)
+    # No training step: it counted as one (41 steps, range 0-40), and its zeros pulled the
+    # steps/s up and the phase and user-phase means down.
+    assert (st.steps, st.first_step, st.last_step) == (40, 0, 39)
+    assert st.steps_per_s == pytest.approx(40 / timed.sum(), rel=1e-12)
+    assert st.phase_mean["forward_s"] == pytest.approx(np.mean([r.forward_s for r in recs]), rel=1e-12)
+
+
+def test_a_tail_records_user_phase_is_no_steps(tmp_path):
+    """A user phase after the last step (``with stepwatch.phase("eval")`` after the loop) is in the
+    tail record: not a step's phase, so neither in the per-step mean nor in the share of step time."""
+    rng = np.random.default_rng(4)
+    recs = make_records(0, 10, rng, phases={"fwd_user": 0.002})
+    tail = StepRecord(step=10, rank=0, time=recs[-1].time + 5, step_s=0.0, eval_s=3.0, tail=True,
+                      phases={"fwd_user": 3.0})
+    write_jsonl(tmp_path / "steps.rank0.jsonl", recs + [tail])
+    write_manifest(tmp_path, 1)
+    s = summarize(load_run(str(tmp_path)))
+    st = s.per_rank[0]
+    assert st.steps == 10 and s.overall.steps == 10
+    assert st.user_phase_mean["fwd_user"] == pytest.approx(0.002)
+    assert st.user_phase_share["fwd_user"] == pytest.approx(0.02 / sum(r.step_s for r in recs))

@@ -128,3 +128,27 @@ def test_stale_boards_of_killed_trainers_are_removed_at_start_only_ours(sw, tmp_
         for p in paths.values():
             if os.path.lexists(p):
                 os.unlink(p)
+
+
+def test_a_checkpoint_after_the_last_step_is_no_step_in_the_manifest_or_the_console(tmp_path):
+    """The save after the loop goes to a tail record (README "What is measured"); run.json's
+    ``steps`` and the console's closing "done: N steps" counted it as one more step, and the
+    console's last line named its step and took its zero step time into p50 and steps/s."""
+    code = (
+        "import io, sys, torch, stepwatch\n"
+        "stepwatch.init(dir=sys.argv[1], console='on')\n"
+        "m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(6):\n"
+        "    m(torch.randn(8, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "torch.save(m, io.BytesIO())\n"
+        "stepwatch.shutdown()\n"
+    )
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", code, str(run)], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(x) for x in (run / "steps.rank0.jsonl").read_text().splitlines()]
+    assert [x.get("tail", False) for x in lines] == [False] * 6 + [True]  # the save is the tail
+    assert json.loads((run / "run.json").read_text())["steps"] == 6
+    done = [x for x in p.stderr.splitlines() if "done:" in x]
+    assert len(done) == 1 and done[0].endswith("done: 6 steps") and "| step 5 |" in done[0], done

@@ -33,6 +33,7 @@ def _ms(s: float) -> str:
 
 def format_line(window: list[StepRecord], device: str | None = None) -> str:
     """The console line for a window of records (also used by tests and the report)."""
+    window = [r for r in window if not r.tail]  # evaluation/checkpoints after the last step: no step
     if not window:
         return "stepwatch | waiting for the first step"
     live = [r for r in window if not r.skipped] or window
@@ -114,7 +115,7 @@ class ConsoleExporter(Exporter):
     def export(self, batch: Batch) -> None:
         self._drops = max(self._drops, batch.dropped)
         self.window.extend(batch.records)
-        self.total_steps += len(batch.records)
+        self.total_steps += sum(1 for r in batch.records if not r.tail)
         for f in batch.findings:
             self._write(f"stepwatch | {f.severity.upper()} {f.kind}: {f.summary} -> {f.action}")
         now = self.clock()

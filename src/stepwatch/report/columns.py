@@ -58,16 +58,19 @@ class Series:
 class RankColumns:
     """One rank's records ordered by time. Arrays are shared: read them, do not write them."""
 
-    __slots__ = ("step", "time", "skipped", "_floats", "grad_norm", "phases", "scalars",
+    __slots__ = ("step", "time", "skipped", "tail", "_floats", "grad_norm", "phases", "scalars",
                  "scalar_first", "mfu_dtypes")
 
     def __init__(self, step: np.ndarray, time: np.ndarray, skipped: np.ndarray,
                  floats: dict[str, np.ndarray | float], grad_norm: Series,
                  phases: dict[str, Series], scalars: dict[str, Series],
-                 scalar_first: dict[str, tuple], mfu_dtypes: frozenset[str]):
+                 scalar_first: dict[str, tuple], mfu_dtypes: frozenset[str],
+                 tail: np.ndarray | None = None):
         self.step = step  # int64
         self.time = time  # float64, unix seconds, non-decreasing
         self.skipped = skipped  # bool
+        # bool: a tail record (evaluation and checkpoints after the last step), no training step
+        self.tail = np.broadcast_to(np.False_, (len(time),)) if tail is None else tail  # None: none
         # A float column, or one float standing for every record: the field never changed.
         self._floats = floats
         self.grad_norm = grad_norm
@@ -102,7 +105,7 @@ class RankColumns:
 
     def nbytes(self) -> int:
         """Memory the columns hold (a one-value view counts one value)."""
-        arrays = [self.step, self.time, self.skipped, *self._floats.values()]
+        arrays = [self.step, self.time, self.skipped, self.tail, *self._floats.values()]
         for s in (self.grad_norm, *self.phases.values(), *self.scalars.values()):
             arrays += [s.values, s.recorded_nan, s.was_int]
         return sum(a.itemsize if a.strides == (0,) else a.nbytes
@@ -176,6 +179,10 @@ class PooledColumns:
     @property
     def skipped(self) -> np.ndarray:
         return self._pool([p.skipped for p in self.parts])
+
+    @property
+    def tail(self) -> np.ndarray:
+        return self._pool([p.tail for p in self.parts])
 
     def num(self, name: str) -> np.ndarray:
         return self._pool([p.num(name) for p in self.parts])

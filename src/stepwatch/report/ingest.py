@@ -183,6 +183,7 @@ class RankBuilder:
         self.step = array("q")
         self.time = array("d")
         self.skipped = bytearray()
+        self.tail = bytearray()  # evaluation/checkpoints after the last step: no training step
         self.rows: list[tuple] = []  # the chunk not yet converted: one tuple of _ROW per line
         self.floats = {k: _FloatColumn() for k in FLOAT_FIELDS}
         self.grad_norm = _SeriesBuilder()
@@ -216,6 +217,7 @@ class RankBuilder:
         if type(dt) is str and dt:  # another type cannot be shown as a dtype: unknown
             self.mfu_dtypes.add(dt)
         self.skipped.append(1 if get("skipped") else 0)
+        self.tail.append(1 if get("tail") is True else 0)
         self.step.append(step)
         self.time.append(t)
         self.n = i + 1
@@ -255,6 +257,7 @@ class RankBuilder:
             step=ordered(np.frombuffer(self.step, dtype=np.int64)),
             time=ordered(time),
             skipped=ordered(np.frombuffer(self.skipped, dtype=bool)),
+            tail=ordered(np.frombuffer(self.tail, dtype=bool)) if 1 in self.tail else None,
             floats={k: ordered(c.finish()) for k, c in self.floats.items()},
             grad_norm=series(self.grad_norm),
             phases={k: series(b) for k, b in self.phases.items()},

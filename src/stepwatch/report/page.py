@@ -249,7 +249,7 @@ def _job_series(s: Summary) -> tuple[np.ndarray, np.ndarray]:
     steps, times = [], []
     for c in s.run.columns.values():
         step_s = c.num("step_s")
-        ok = ~np.isnan(step_s) & ~c.skipped
+        ok = ~np.isnan(step_s) & ~c.skipped & ~c.tail  # a tail record is no step
         # Time order: a step run again after a restart replaces the earlier run, so keep each
         # step's last record (np.unique on the reversed steps finds the last first).
         st, v = c.step[ok][::-1], step_s[ok][::-1]

@@ -111,26 +111,37 @@ def _nansum(a: np.ndarray) -> float | None:
 
 
 def stats_for(c: Columns, rank: int | None) -> Stats:
-    """The statistics of records in time order (one rank's, or all ranks' pooled)."""
+    """The statistics of records in time order (one rank's, or all ranks' pooled).
+
+    A tail record (evaluation and checkpoints after the last step: ``tail``, ``step_s`` 0) is no
+    training step: it counts in the evaluation and checkpoint totals, the wall time and the last
+    logged values, and in nothing per step (step count and range, steps/s, means, shares)."""
     n = len(c)
-    s = Stats(rank=rank, steps=n)
+    tail = c.tail
+    keep = ~tail if tail.any() else None
+
+    def train(a: np.ndarray) -> np.ndarray:
+        return a if keep is None else a[keep]
+
+    s = Stats(rank=rank, steps=n - int(tail.sum()))
+    del tail
     if not n:
         s.step_p = {p: None for p in PERCENTILES}
         s.phase_share = {k: None for k in PHASES}
         s.phase_mean = {k: None for k in PHASES}
         return s
-    skipped = c.skipped
+    skipped = train(c.skipped)
     s.skipped = int(skipped.sum())
-    steps = c.step
-    s.first_step, s.last_step = int(steps.min()), int(steps.max())
+    steps = train(c.step)
+    if steps.size:
+        s.first_step, s.last_step = int(steps.min()), int(steps.max())
     times = c.time
     s.wall_s = float(times.max() - times.min()) if n > 1 else None
     del steps, times  # a pooled column is a copy: hold few at a time
 
-    step_s = c.num("step_s")
+    step_s = train(c.num("step_s"))
     # A skipped step did no optimizer work; its time is real but it is not a training step's
     # time, so it is counted but kept out of the distribution.
-    # A tail record (eval/checkpoints after the last step: `tail`, step_s 0) is no step either.
     timed = step_s[~skipped & ~np.isnan(step_s) & (step_s > 0)]
     del skipped
     if timed.size:
@@ -145,36 +156,36 @@ def stats_for(c: Columns, rank: int | None) -> Stats:
     s.step_total = _nansum(step_s)
 
     for k in PHASES:
-        s.phase_share[k], s.phase_mean[k] = _phase(c.num(k), step_s)
+        s.phase_share[k], s.phase_mean[k] = _phase(train(c.num(k)), step_s)
     total = s.step_total
     for name in sorted(c.phase_names):
-        v = _running_sum(c.phase(name))
-        if v is not None:
-            s.user_phase_mean[name] = v / n
+        v = _running_sum(c.phase(name), keep)
+        if v is not None and s.steps:
+            s.user_phase_mean[name] = v / s.steps
             s.user_phase_share[name] = v / total if total else None
     s.eval_total = _nansum(c.num("eval_s"))
     s.checkpoint_total = _nansum(c.num("checkpoint_s"))
 
     # Throughput over training time only: eval and checkpoint time are already out of step_s.
     if total and total > 0:
-        s.steps_per_s = n / total
-        tok = c.num("tokens")
+        s.steps_per_s = s.steps / total
+        tok = train(c.num("tokens"))
         known = ~np.isnan(tok) & ~np.isnan(step_s)
         if known.any() and _where(step_s, known).sum() > 0:
             s.tokens_per_s = float(_where(tok, known).sum() / _where(step_s, known).sum())
     del step_s
 
-    s.mfu_mean = _nanmean(c.num("mfu"))
+    s.mfu_mean = _nanmean(train(c.num("mfu")))
     s.mfu_dtypes = tuple(sorted(c.mfu_dtypes))
     peaks = c.num("peak_tflops")
     peaks = peaks[~np.isnan(peaks) & (peaks != 0)]  # unknown or 0: no peak to name
     s.peak_tflops = float(peaks[-1]) if peaks.size else None
-    s.hfu_mean = _nanmean(c.num("hfu"))
+    s.hfu_mean = _nanmean(train(c.num("hfu")))
     _grad_norm(s, c.grad_norm)
-    s.comm_mean = _nanmean(c.num("comm_s"))
-    s.comm_exposed_mean = _nanmean(c.num("comm_exposed_s"))
-    s.overlap_mean = _nanmean(c.num("overlap"))
-    s.allreduce_mean = _nanmean(c.num("allreduce_s"))
+    s.comm_mean = _nanmean(train(c.num("comm_s")))
+    s.comm_exposed_mean = _nanmean(train(c.num("comm_exposed_s")))
+    s.overlap_mean = _nanmean(train(c.num("overlap")))
+    s.allreduce_mean = _nanmean(train(c.num("allreduce_s")))
     mem = c.num("mem_peak_bytes")
     mem = mem[~np.isnan(mem)]
     s.mem_peak_max = int(mem.max()) if mem.size else None
@@ -201,13 +212,15 @@ def _phase(ph: np.ndarray, step_s: np.ndarray) -> tuple[float | None, float | No
     return share, _nanmean(ph)
 
 
-def _running_sum(ser: Series) -> float | None:
-    """The known values added one after another in record order.
+def _running_sum(ser: Series, keep: np.ndarray | None = None) -> float | None:
+    """The known values (of the records ``keep`` marks, if given) added one after another in
+    record order.
 
     Not numpy's pairwise sum, which rounds differently: a user phase's total stays the figure
     a running total gives.
     """
-    vals = ser.values[ser.known()]
+    known = ser.known()
+    vals = ser.values[known if keep is None else known & keep]
     if not vals.size:
         return None
     with np.errstate(invalid="ignore"):  # inf + -inf is NaN, without a warning, as in Python
