@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 
 class ConfigError(ValueError):
@@ -163,6 +163,35 @@ def _tensorboard_target(v: Any) -> Any:
     if callable(getattr(v, "add_scalar", None)) and callable(getattr(v, "add_text", None)):
         return v
     raise ValueError("expected a directory path or a SummaryWriter (an object with add_scalar and add_text)")
+
+
+def _exporters(v: Any) -> tuple[Any, ...]:
+    """Exporter instances: a ``stepwatch.Exporter``, or any object with ``export``,
+    ``force_flush`` and ``shutdown`` methods. One such object alone is taken as a list of one. A class, a function or a string would fail only at the first export,
+    on the background thread: refused here, by position."""
+    if v is None:
+        return ()
+    if _is_exporter(v):
+        return (v,)
+    if isinstance(v, (str, bytes)) or not isinstance(v, Iterable):
+        raise ValueError("expected a list of exporter instances (stepwatch.Exporter subclasses)")
+    out = tuple(v)
+    for i, e in enumerate(out):
+        if _is_exporter(e):
+            continue
+        if isinstance(e, type) and _is_exporter_class(e):
+            raise ValueError(f"item {i} is the class {e.__name__}, not an instance: did you mean {e.__name__}()?")
+        raise ValueError(f"item {i} ({e!r:.60}) is not an exporter: expected an instance of a stepwatch.Exporter "
+                         "subclass (an object with export(batch), force_flush(timeout_s) and shutdown())")
+    return out
+
+
+def _is_exporter(e: Any) -> bool:
+    return not isinstance(e, type) and _is_exporter_class(e)
+
+
+def _is_exporter_class(c: Any) -> bool:
+    return all(callable(getattr(c, m, None)) for m in ("export", "force_flush", "shutdown"))
 
 
 def _opt(env: str | None, doc: str, parse: Callable[[Any], Any]) -> dict[str, Any]:
@@ -662,7 +691,8 @@ class Config:
     )
     exporters: tuple[Any, ...] = field(
         default=(),
-        metadata=_opt(None, "Extra exporters (objects with `export`, `force_flush`, `shutdown`); argument only.", tuple),
+        metadata=_opt(None, "Extra exporters (objects with `export`, `force_flush`, `shutdown`); argument only.",
+                      _exporters),
     )
 
     @classmethod

@@ -81,3 +81,24 @@ def test_a_misspelled_variable_is_named_with_the_setting_it_resembles(caplog):
                for m in lines), lines
     assert any("STEPWATCH_ZZZ_TEST_UNLIKELY is not a stepwatch setting" in m for m in lines), lines
     assert not [m for m in lines if "STEPWATCH_RUN_ACTIVE" in m or "STEPWATCH_DIR" in m], lines
+
+
+def test_exporters_must_be_exporter_instances_named_by_position(sw):
+    """A class, a function or a string in ``exporters`` was accepted, then failed at the first
+    export on the background thread with an internal-error traceback. Refused at init, naming the
+    argument and the item; one exporter alone is a list of one."""
+    import stepwatch
+
+    stepwatch_mod, mem, start = sw
+
+    class S(stepwatch.Exporter):
+        def export(self, batch):
+            pass
+
+    for bad, says in [([S], "did you mean S()?"), ([print], "item 0"), ("x", "list of exporter instances"),
+                      ([mem, object()], "item 1")]:
+        with pytest.raises(stepwatch.ConfigError, match="exporters") as e:
+            start(exporters=bad)
+        assert says in str(e.value)
+    start(exporters=mem)  # one exporter, not in a list
+    stepwatch_mod.shutdown()
