@@ -47,6 +47,10 @@ class Manifest:
         self._rank_path: str | None = None
         self._run_path: str | None = None
 
+    def paths(self) -> list[str]:
+        """The manifests this process wrote (its rank file; on rank 0 the run's too)."""
+        return [p for p in (self._rank_path, self._run_path) if p is not None]
+
     def write(self, facts: RunFacts, *, final: bool) -> None:
         """Never raises for a file that cannot be written: one warning, the job goes on."""
         if not self.config.records:

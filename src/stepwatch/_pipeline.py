@@ -294,6 +294,11 @@ class Pipeline:
         out = [self._records] if self._records is not None else []
         return out + [w.exporter for w in self.workers if w.exporter is not None]
 
+    def records_paths(self) -> list[str]:
+        """The records exporter's files (steps, findings); none while it is not open."""
+        paths = getattr(self._records, "paths", None)
+        return list(paths()) if callable(paths) else []
+
     def total_dropped(self) -> int:
         """Records dropped on the bounded queue or by an exporter's queue, plus what exporters
         dropped themselves (e.g. OTLP down)."""

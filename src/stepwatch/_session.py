@@ -106,6 +106,7 @@ class Session:
         if self.config.step_boundary == "explicit":
             self.tracker.boundary = "explicit"  # only stepwatch.step() ends a step
         self.instrumentation = Instrumentation(self.tracker, self.report_error)
+        self.instrumentation.on_launch = self._stand_down_if_launcher
         try:
             self.instrumentation.install()
             self.log_convert = cpu_items(loggable)
@@ -179,6 +180,32 @@ class Session:
         # The exporters flush in parallel while the features stop.
         self.pipeline.shutdown(timeout_s, deadline=deadline, meanwhile=self._stop_features)
         self._write_manifest(final=True)
+
+    def _stand_down_if_launcher(self) -> None:
+        """``torch.multiprocessing.spawn`` (or ``start_processes``) is launching processes, and this
+        one has recorded no step: it is the launcher of the ranks, each of which starts its own
+        session when it makes its first optimizer (``_api._start_at_first_optimizer``), and no rank
+        itself. Its session ends here and removes the files it wrote, which sat beside rank 0's
+        as a second attempt of world size 1 (``stepwatch report`` showed the launcher's manifest).
+        A launcher that recorded a step, or whose files hold a record or a finding, keeps them."""
+        tr = self.tracker
+        if self._closed or self.pipeline.steps_seen or (tr is not None and tr.step != self.config.step_offset):
+            return
+        logger.info("stepwatch: this process launches the ranks (torch.multiprocessing) and has trained nothing: "
+                    "its session ends; each rank measures itself")
+        self.shutdown()
+        records = self.pipeline.records_paths()
+        if any(_size(p) for p in records):
+            return
+        for path in [*records, *self.manifest.paths()]:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        try:
+            os.rmdir(self.ctx.run_dir)  # only if empty: the ranks' files stay
+        except OSError:
+            pass
 
     def after_fork_in_child(self) -> None:
         """In a forked child (DataLoader worker): no threads, no hooks firing, no files."""
@@ -278,3 +305,14 @@ class Session:
             ),
             final=final,
         )
+
+
+def _size(path: str) -> int:
+    """The bytes of ``path`` and of its rotated segment (``.1``); a missing file is empty."""
+    n = 0
+    for p in (path, path + ".1"):
+        try:
+            n += os.path.getsize(p)
+        except OSError:
+            pass
+    return n

@@ -132,3 +132,49 @@ def test_spawned_pool_workers_start_no_session_and_a_spawned_trainer_does(tmp_pa
         with open(tmp_path / "stepwatch-runs" / d / "steps.rank0.jsonl") as f:
             counts.append(sum(1 for line in f if line.strip()))
     assert sorted(counts) == [3, 4], counts
+
+
+MP_SPAWN_SCRIPT = '''
+import stepwatch.auto  # noqa: F401  (the one line, in the launcher and in each rank)
+import os, torch, torch.nn as nn, torch.distributed as dist, torch.multiprocessing as mp
+
+def rank_main(rank, world):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(4):
+        model(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+    mp.spawn(rank_main, args=(2,), nprocs=2)
+'''
+
+
+def test_the_launcher_of_torch_multiprocessing_spawn_leaves_no_run_of_its_own(tmp_path):
+    """``mp.spawn(main, nprocs=2)`` under ``import stepwatch.auto``: the launcher, which trains
+    nothing, started a whole session and wrote its own manifest, rank file and empty steps file
+    in the job's directory (``run.1.json``...), which ``stepwatch report`` then showed as the run
+    (world size 1, "attempts 0, 1"). The launcher's session now ends when it launches the ranks,
+    and takes its files with it."""
+    import json
+    import socket
+
+    (tmp_path / "train.py").write_text(MP_SPAWN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env.update({"PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "STEPWATCH_CONSOLE": "off",
+                "STEPWATCH_DIR": str(tmp_path / "run"), "PORT": str(port), "STEPWATCH_FLUSH_INTERVAL": "0.2"})
+    r = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = sorted(f for f in os.listdir(tmp_path / "run") if not os.path.isdir(tmp_path / "run" / f))
+    assert [f for f in files if f.startswith(("run", "rank", "steps."))] == [
+        "rank0.json", "rank1.json", "run.json", "steps.rank0.jsonl", "steps.rank1.jsonl"], files
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["steps"] == 4
+    assert not (tmp_path / "stepwatch-runs").exists()

@@ -272,6 +272,10 @@ class RecordsExporter(Exporter):
         if batch.findings:
             self.findings.write_lines([dumps(f.to_dict()) for f in batch.findings])
 
+    def paths(self) -> list[str]:
+        """The files this exporter writes (a rotated segment, ``.1``, beside each when it exists)."""
+        return [self.steps.path, self.findings.path]
+
     def shutdown(self) -> None:
         self.steps.close()
         self.findings.close()

@@ -101,6 +101,9 @@ class Instrumentation:
         self.exception_observers: list[Callable[[str, BaseException], None]] = []
         # Modules a framework adapter declared not to be model calls (ids; see ``declare_roots``).
         self._not_roots: set[int] = set()
+        # Called (training thread) when this process launches processes with torch.multiprocessing's
+        # spawn/start_processes, before they start (the session's launcher stand-down).
+        self.on_launch: Callable[[], None] | None = None
 
     # -- install / uninstall ----------------------------------------------------------------
 
@@ -196,10 +199,34 @@ class Instrumentation:
             return out
 
         self._patch(torch.nn.Module, "compile", compile)
+        self._patch_launch()
         # A model (and its optimizer) built before stepwatch.init(): its roots are hooked now, so a
         # loop without a DataLoader times and counts step 0's first forward too (the scans at the
         # first optimizer, data fetch and backward come after that forward).
         self._scan("init")
+
+    def _patch_launch(self) -> None:
+        """``torch.multiprocessing.spawn`` calls its module's ``start_processes``, which the package
+        exports too: both are wrapped to tell ``on_launch`` first."""
+        mod = sys.modules.get("torch.multiprocessing.spawn")
+        orig = getattr(mod, "start_processes", None)
+        if orig is None:
+            return
+
+        @functools.wraps(orig)
+        def start_processes(*args: Any, **kwargs: Any) -> Any:
+            if self.on_launch is not None:
+                try:
+                    self.on_launch()
+                except Exception as e:
+                    self._on_error("hooks.launch", e)
+            return orig(*args, **kwargs)
+
+        import torch.multiprocessing as tmp
+
+        self._patch(mod, "start_processes", start_processes)
+        if getattr(tmp, "start_processes", None) is orig:
+            self._patch(tmp, "start_processes", start_processes)
 
     def _check_boundary(self) -> None:
         """First backward: find the roots if no scan ran yet, and whether the loop has a torch
