@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from .._files import write_private
 from .ptrace import find_pyspy
@@ -41,33 +41,65 @@ def _resume(pid: int) -> None:
         pass
 
 
+def _pdeathsig() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when the thread that started it dies
+    (Linux ``PR_SET_PDEATHSIG``; it survives the exec): a py-spy stuck on its target must not
+    outlive a watchdog sidecar that was killed while it waited. ``prctl`` is looked up here, so
+    the child runs no import between fork and exec. None where there is no such call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig, sigkill = 1, int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, sigkill, 0, 0, 0)
+
+    return preexec
+
+
+_DIE_WITH_PARENT = _pdeathsig()
+
+
 def dump(
     pyspy: str, pid: int, *, native: bool = False, nonblocking: bool = False, timeout_s: float = 10.0
 ) -> tuple[bool, str]:
     """One ``py-spy dump`` of ``pid``: (succeeded, output or the reason it failed).
     ``nonblocking`` reads without pausing the process (needed for a stopped or D-state one)."""
-    ok, text = _dump(pyspy, pid, native, nonblocking, timeout_s)
-    if not ok and not nonblocking:
-        _resume(pid)
+    ok, text, _ = _dump(pyspy, pid, native, nonblocking, timeout_s)
     return ok, text
 
 
-def _dump(pyspy: str, pid: int, native: bool, nonblocking: bool, timeout_s: float) -> tuple[bool, str]:
+def _dump(pyspy: str, pid: int, native: bool, nonblocking: bool, timeout_s: float) -> tuple[bool, str, bool]:
+    """``dump``'s (succeeded, text) and whether py-spy ran out of time (it is stuck on this
+    target: a retry would wait as long)."""
+    ok, text, timed_out = _run_dump(pyspy, pid, native, nonblocking, timeout_s)
+    if not ok and not nonblocking:
+        _resume(pid)
+    return ok, text, timed_out
+
+
+def _run_dump(pyspy: str, pid: int, native: bool, nonblocking: bool, timeout_s: float) -> tuple[bool, str, bool]:
     cmd = [pyspy, "dump", "--pid", str(pid)]
     if native:
         cmd.append("--native")
     if nonblocking:
         cmd.append("--nonblocking")
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
+                           preexec_fn=_DIE_WITH_PARENT)
     except subprocess.TimeoutExpired:
-        return False, f"py-spy dump{' --native' if native else ''} did not finish within {timeout_s:.0f} s"
+        return False, f"py-spy dump{' --native' if native else ''} did not finish within {timeout_s:.0f} s", True
     except OSError as e:
-        return False, f"cannot run {pyspy}: {e}"
+        return False, f"cannot run {pyspy}: {e}", False
     if r.returncode != 0 or "Thread" not in r.stdout:
         msg = (r.stderr or r.stdout).strip().splitlines()
-        return False, " ".join(msg[-3:]) or f"py-spy exited with code {r.returncode}"
-    return True, r.stdout
+        return False, " ".join(msg[-3:]) or f"py-spy exited with code {r.returncode}", False
+    return True, r.stdout, False
 
 
 def parse_threads(text: str) -> list[dict[str, Any]]:
@@ -142,9 +174,14 @@ def two_samples(
     """Two dumps ``gap_s`` apart; the second with native frames when that fits its budget.
 
     Returns ``{"ok", "text", "stuck", "top_frames", "native", "error"}``. ``stuck`` is True when
-    the main thread's Python frames did not move between the samples."""
+    the main thread's Python frames did not move between the samples. A first dump that runs out
+    of time ends it there: py-spy is stuck on this target, and each retry would wait its whole
+    budget too (the caller falls back to faulthandler while the hang still lasts)."""
     t0 = time.time()
-    ok1, out1 = dump(pyspy, pid, timeout_s=timeout_s)
+    ok1, out1, timed_out = _dump(pyspy, pid, False, False, timeout_s)
+    if timed_out:
+        return {"ok": False, "text": f"== sample 1 at {_ts(t0)} (py-spy dump) ==\n{out1}\n", "stuck": False,
+                "top_frames": [], "native": False, "error": out1}
     time.sleep(gap_s)
     t1 = time.time()
     ok2, out2 = dump(pyspy, pid, native=True, timeout_s=native_budget_s)
