@@ -113,13 +113,16 @@ def private_run_dir(path: str, *, warn: bool = True) -> str:
     """The directory to write a run into: ``path`` itself when it does not exist yet or is ours
     and writable by us alone; else (another user's, or group/world-writable: anyone there could
     plant or swap files) one warning and the private subfolder ``path/private-<uid>``, created
-    here; PermissionError when that name is taken by anything but a directory of ours."""
+    here; PermissionError when that name is taken by anything but a directory of ours, and
+    NotADirectoryError when ``path`` is a file (or anything but a directory)."""
     path = os.path.abspath(path)
     try:
         st = os.stat(path)  # a link the user made to their own directory is their choice
     except OSError:
         return path
-    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
+    if st.st_uid == os.getuid() and not st.st_mode & 0o022:
         return path
     sub = os.path.join(path, f"private-{os.getuid()}")
     why = "is owned by another user" if st.st_uid != os.getuid() else "is writable by other users"

@@ -55,11 +55,16 @@ class Session:
         self.config = config
         env = dict(os.environ if environ is None else environ)
         self.ctx: RunContext = from_env(env, run_dir=config.dir, run_id=config.run_id)
+        # False once the run directory is refused: no records file and no manifest (each would
+        # say the same again), the other exporters as configured.
+        self._files_ok = True
         if config.enabled:
             try:
                 self.ctx.run_dir = private_run_dir(self.ctx.run_dir, warn=self.ctx.rank == 0)
             except OSError as e:  # every writer refuses that directory: no files, the job goes on
-                logger.warning("cannot use the run directory %s (%s): going on without files", self.ctx.run_dir, e)
+                self._files_ok = False
+                logger.warning("cannot use the run directory %s (STEPWATCH_DIR or init(dir=...)): %s: going on "
+                               "without files", self.ctx.run_dir, e.strerror or e)
         self.pid = os.getpid()
         self.tracker: StepTracker | None = None
         self.log_convert = loggable  # stepwatch.log's converter (cpu_items' once the hooks are in)
@@ -256,7 +261,7 @@ class Session:
             "step_tracking": bool(tr is not None and tr.enabled) or self.steps_seen > 0,
             # On only when the ranges really go out (the nvtx package imported, a tool that can listen).
             "nvtx": bool(self._nvtx is not None and self._nvtx.enabled),
-            "records": self.config.records,
+            "records": self.config.records and self._files_ok,
             "console": self.config.console,
             "timing_clock": "device" if backend else "host",
             "timing_backend": backend or "host clock",
@@ -285,12 +290,14 @@ class Session:
         except Exception as e:
             self.report_error("exporter.start", e)
             specs = []
+        if not self._files_ok:
+            specs = [s for s in specs if s.name != "records"]
         # A feature that is also a sink (MLflow: it must see the training thread from init).
         return specs + [ExporterSpec(str(getattr(f, "name", type(f).__name__)), (lambda f=f: f))
                         for f in self.features_started if isinstance(f, Exporter)]
 
     def _write_manifest(self, *, final: bool) -> None:
-        if not self.config.records:
+        if not self.config.records or not self._files_ok:
             return
         p = self.pipeline
         self.manifest.write(

@@ -212,3 +212,26 @@ def test_a_fifo_planted_where_the_job_reads_other_ranks_files_does_not_hang_shut
     p = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads((run / "run.json").read_text())["steps"] == 3
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o600])
+def test_a_run_dir_that_is_a_file_gets_one_warning_that_says_so(sw, tmp_path, caplog, mode):
+    """``STEPWATCH_DIR`` naming a file: the first warning said the directory "is writable by other
+    users" (for a 0644 file), then the records file and the manifest (twice) each warned again:
+    four or five lines. One now, naming the setting and what is wrong; the file is untouched and
+    the exporters still get every record."""
+    stepwatch, mem, start = sw
+    f = tmp_path / "afile"
+    f.write_text("mine\n")
+    f.chmod(mode)
+    logging.getLogger("stepwatch").addHandler(caplog.handler)
+    try:
+        start(dir=str(f))
+        _train(3)
+        stepwatch.shutdown()
+    finally:
+        logging.getLogger("stepwatch").removeHandler(caplog.handler)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and str(f) in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "not a directory" in warned[0] and "STEPWATCH_DIR" in warned[0] and "writable" not in warned[0]
+    assert f.read_text() == "mine\n" and len(mem.records) == 3
