@@ -15,7 +15,8 @@ if not logger.handlers:
 
 
 class FailureLog:
-    """Counts internal failures per place; logs the first one of each place with its traceback."""
+    """Counts internal failures per place; logs the first one of each place with its traceback
+    (an ``OSError``, the machine's failure, in one line without it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -26,7 +27,11 @@ class FailureLog:
         with self._lock:
             n = self.counts.get(where, 0) + 1
             self.counts[where] = n
-        if n == 1:
+        if n == 1 and isinstance(exc, OSError):
+            # The machine's, not stepwatch's: a full disk, a path that is a file, no permission.
+            # One line that says which part and why; a traceback would point at stepwatch.
+            logger.warning("%s cannot go on (disabled; training continues): %s", where, exc)
+        elif n == 1:
             logger.warning(
                 "internal error in %s (disabled; training continues): %s: %s",
                 where,

@@ -159,7 +159,12 @@ def _tensorboard_target(v: Any) -> Any:
         return None
     if isinstance(v, (str, os.PathLike)):
         d = os.fspath(v)
-        return os.path.abspath(d) if d.strip() else None
+        if not d.strip():
+            return None
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise ValueError(f"{d} is a file, not a directory: give a directory for the event files "
+                             "(one rank<R> folder each), or empty for off")
+        return os.path.abspath(d)
     if callable(getattr(v, "add_scalar", None)) and callable(getattr(v, "add_text", None)):
         return v
     raise ValueError("expected a directory path or a SummaryWriter (an object with add_scalar and add_text)")

@@ -111,10 +111,48 @@ def test_tensorboard_writes_into_the_users_summary_writer_and_leaves_it_open(sw,
     assert len(loss) == 4
 
 
-def test_tensorboard_bad_argument_names_it(sw):
+def test_tensorboard_bad_argument_names_it(sw, tmp_path, monkeypatch):
     stepwatch, _, start = sw
     with pytest.raises(stepwatch.ConfigError, match="tensorboard=.*directory path or a SummaryWriter"):
         start(tensorboard=42)
+    # A file where the directory goes: it failed at the first export, as an internal error with a
+    # traceback through stepwatch.
+    f = tmp_path / "afile"
+    f.write_text("mine")
+    with pytest.raises(stepwatch.ConfigError, match="tensorboard=.*is a file, not a directory"):
+        start(tensorboard=str(f))
+    monkeypatch.setenv("STEPWATCH_TENSORBOARD", str(f))
+    with pytest.raises(stepwatch.ConfigError, match="STEPWATCH_TENSORBOARD=.*is a file, not a directory"):
+        start()
+    assert f.read_text() == "mine"
+
+
+def test_a_sink_the_machine_refuses_gets_one_line_without_a_traceback(sw, tmp_path, caplog):
+    """Its rank folder taken by a file (or a full disk, or no permission): an OSError is the
+    machine's, not stepwatch's; it was logged as an internal error with a traceback through
+    stepwatch. One line now, naming the sink and the reason; the job and the records go on."""
+    import logging
+
+    stepwatch, mem, start = sw
+    tb = tmp_path / "tb"
+    tb.mkdir()
+    (tb / "rank0").write_text("a file where the rank's folder goes")
+    logging.getLogger("stepwatch").addHandler(caplog.handler)
+    try:
+        start(tensorboard=str(tb))
+        m = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            m(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        stepwatch.shutdown()
+    finally:
+        logging.getLogger("stepwatch").removeHandler(caplog.handler)
+    said = [r for r in caplog.records if "tensorboard" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is None, [r.getMessage() for r in said]
+    assert "rank0" in said[0].getMessage() and "internal error" not in said[0].getMessage()
+    assert len(mem.records) == 3
 
 
 # -- MLflow ------------------------------------------------------------------------------------
