@@ -64,6 +64,30 @@ def test_rotation_keeps_a_rank_within_its_share_of_the_budget(tmp_path):
     assert last[-1]["step"] == 2999
 
 
+def test_a_batch_larger_than_the_share_still_keeps_the_rank_within_it(tmp_path):
+    """A long flush interval (or a slow pass) hands the file thousands of records at once: it
+    rotated only before a batch and wrote the whole batch into the new segment (2.7 MB against a
+    1 MiB budget). Each segment now rotates within the batch too; the oldest lines go, the newest
+    stay whole."""
+    budget = 64 * 1024
+    c = ctx(tmp_path, rank=0, world=1)
+    e = RecordsExporter(c, budget_bytes=budget)
+    for start in (0, 3000):  # two passes of 3000 records, each ~10x a segment's cap
+        e.export(Batch(records=[rec(s) for s in range(start, start + 3000)],
+                       findings=[Finding(1.0, s, 0, "data_loading", "warning", "s" * 50, "d", "a")
+                                 for s in range(start, start + 300)]))
+    e.shutdown()
+    run = tmp_path / "run"
+    sizes = {n: os.path.getsize(run / n) for n in os.listdir(run)}
+    assert sizes["steps.rank0.jsonl"] <= 0.35 * budget and sizes["steps.rank0.jsonl.1"] <= 0.35 * budget, sizes
+    assert sizes["findings.rank0.jsonl"] <= 0.10 * budget, sizes
+    assert sum(sizes.values()) <= 0.9 * budget, sizes
+    last = [json.loads(x) for x in (run / "steps.rank0.jsonl").read_text().splitlines()]
+    older = [json.loads(x) for x in (run / "steps.rank0.jsonl.1").read_text().splitlines()]
+    steps = [d["step"] for d in older + last]
+    assert steps == list(range(steps[0], 6000))  # whole lines, in order, up to the newest
+
+
 def test_non_finite_values_stay_valid_json(tmp_path):
     e = RecordsExporter(ctx(tmp_path), budget_bytes=1 << 20)
     e.export(Batch(records=[rec(0, grad_norm=float("inf"), scalars={"loss": float("nan")})]))

@@ -239,15 +239,40 @@ class _RotatingFile:
         self.size = 0
 
     def write_lines(self, lines: list[str]) -> None:
-        data = "\n".join(lines) + "\n" if lines else ""
-        if self.size and self.size + len(data) > self.cap:
-            self.f.close()
-            os.replace(self.path, self.path + ".1")
-            self.f = open_private(self.path)
-            self.size = 0
-        self.f.write(data)
+        """Append whole lines (ASCII JSON: a character is a byte), each segment within ``cap``:
+        the file rotates to ``.1`` whenever the next line would not fit, within a batch too (a
+        long flush interval hands over thousands of lines at once). Lines that the batch itself
+        would rotate out of both segments are not written at all; a single line longer than a
+        segment gets one of its own."""
+        if not lines:
+            return
+        sizes = [len(line) + 1 for line in lines]
+        start, kept = len(lines), 0
+        while start > 0 and kept + sizes[start - 1] <= 2 * self.cap:
+            start -= 1
+            kept += sizes[start]
+        start = min(start, len(lines) - 1)  # the newest line is always written
+        i = start
+        while i < len(lines):
+            room, j, used = self.cap - self.size, i, 0
+            while j < len(lines) and used + sizes[j] <= room:
+                used += sizes[j]
+                j += 1
+            if j == i:
+                if self.size:
+                    self._rotate()
+                    continue
+                j, used = i + 1, sizes[i]  # longer than a segment: alone in a new one
+            self.f.write("\n".join(lines[i:j]) + "\n")
+            self.size += used
+            i = j
         self.f.flush()
-        self.size += len(data)
+
+    def _rotate(self) -> None:
+        self.f.close()
+        os.replace(self.path, self.path + ".1")
+        self.f = open_private(self.path)
+        self.size = 0
 
     def close(self) -> None:
         self.f.close()
