@@ -51,7 +51,7 @@ def test_ddp_check_rehearsal_captures_a_trace_and_analyses_it(tmp_path):
     assert r.returncode == 0 and "gpu_check_ddp: PASS" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     seen = json.loads((tmp_path / "ddp.json").read_text())
     assert seen["failures"] == [] and seen["records"] == seen["steps"] >= 80
-    assert seen["features"]["CommFeature"]["ddp_models"] == 1
+    assert seen["features"]["comm"]["ddp_models"] == 1
     # the on-demand capture, and a step-time-spike capture too when the machine is busy
     assert list(tmp_path.glob("*.trace.json.gz")) and list(tmp_path.glob("*.analysis.json"))
     ranks = json.loads((tmp_path / "stepwatch_trace.json").read_text())

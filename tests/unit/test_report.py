@@ -719,3 +719,31 @@ def test_a_tail_records_user_phase_is_no_steps(tmp_path):
     assert st.steps == 10 and s.overall.steps == 10
     assert st.user_phase_mean["fwd_user"] == pytest.approx(0.002)
     assert st.user_phase_share["fwd_user"] == pytest.approx(0.02 / sum(r.step_s for r in recs))
+
+
+def test_the_run_table_names_every_feature_that_ran_and_why_one_did_not(tmp_path, capsys):
+    """``features on`` listed only the features whose run.json value is ``true``: a 2-rank DDP run
+    with the watchdog, captures, comm, memory and training metrics on showed
+    "step_tracking, records". A feature's status (a dict) says it ran unless it says it did not."""
+    make_run(tmp_path, ranks=1, n=20)
+    m = json.loads((tmp_path / "run.json").read_text())
+    m["features"] = {
+        "step_tracking": True, "nvtx": False, "records": True, "console": "off", "timing_clock": "host",
+        "root_modules": ["GPT"], "step_boundary": "optimizer", "module_scan_s": 0.2,
+        "gpu_telemetry": {"enabled": True, "running": False, "error": "NVIDIA driver not found"},
+        "training_metrics": {"device": "cpu", "peak_tflops": None},
+        "comm": {"ddp_models": 1},
+        "memory": {"every": 10, "ooms": 0},
+        "capture": {"hang_watchdog": {"enabled": True}, "captures": {"taken": 0}},
+        "mlflow": {"run_seen": False, "off": True},
+    }
+    (tmp_path / "run.json").write_text(json.dumps(m))
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    out = capsys.readouterr().out
+    on = next(line for line in out.splitlines() if "features on" in line)
+    for name in ("step_tracking", "records", "training_metrics", "comm", "memory", "capture"):
+        assert name in on, on
+    for name in ("nvtx", "gpu_telemetry", "mlflow", "console"):
+        assert name not in on, on
+    off = " ".join(line for line in out.splitlines() if "features off" in line or "NVIDIA" in line)
+    assert "gpu_telemetry" in off and "NVIDIA driver not found" in off, out

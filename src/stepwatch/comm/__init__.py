@@ -22,6 +22,8 @@ __all__ = ["CommFeature", "install"]
 class CommFeature:
     """What ``install`` started; ``stop()`` undoes the patches (called at shutdown)."""
 
+    name = "comm"  # its key in run.json's features (the config's name)
+
     def __init__(self) -> None:
         self.collector: Any = None
         self.ddp: Any = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from .._table import Table
 from . import fmt
@@ -29,8 +30,10 @@ def run_info(s: Summary) -> Table:
             rows.append(["command", " ".join(map(str, argv))])
         feats = m.get("features")
         if isinstance(feats, dict) and feats:
-            on = [k for k, v in feats.items() if v is True]
+            on, off = _features(feats)
             rows.append(["features on", ", ".join(on) or "none"])
+            if off:
+                rows.append(["features off", "; ".join(off)])
             if isinstance(feats.get("timing_clock"), str):
                 rows.append(["phase clock", feats["timing_clock"]])
         start, end = m.get("start_time"), m.get("end_time")
@@ -198,3 +201,22 @@ def comparison(rows: list[CompareRow], name_a: str, name_b: str) -> Table:
 
 def all_tables(s: Summary) -> list[Table]:
     return [run_info(s), overview(s), phases(s), per_rank(s), findings(s)]
+
+
+def _features(feats: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """run.json's ``features``: the names that ran, and those that were asked for but did not
+    (with the reason they gave). ``true`` is on; a feature's status (a dict) is on unless it says
+    otherwise (``enabled``/``running`` false, ``off`` true), and its ``error`` is the reason.
+    Facts that are no feature (the clock, the roots, the boundary, ``console``'s mode) are left
+    out."""
+    on, off = [], []
+    for name, v in feats.items():
+        if v is True:
+            on.append(name)
+        elif isinstance(v, dict):
+            if v.get("enabled") is False or v.get("running") is False or v.get("off") is True:
+                why = v.get("error")
+                off.append(f"{name} ({why})" if isinstance(why, str) and why else name)
+            else:
+                on.append(name)
+    return on, off
