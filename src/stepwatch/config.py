@@ -100,9 +100,21 @@ def _float_range(lo: float, hi: float, *, lo_open: bool = True, optional: bool =
     return parse
 
 
+_ON = ("true", "1", "yes")
+_OFF = ("false", "0", "no")
+
+
 def _choice(*options: str) -> Callable[[Any], str]:
+    """One of ``options``; where they are ``on`` and ``off``, a bool (``console=False``) and the
+    usual spellings of one (``1``/``0``, ``true``/``false``, ``yes``/``no``) say the same."""
+    switch = "on" in options and "off" in options
+
     def parse(s: Any) -> str:
+        if switch and isinstance(s, bool):
+            return "on" if s else "off"
         v = str(s).strip().lower()
+        if switch and v in _ON + _OFF:
+            return "on" if v in _ON else "off"
         if v not in options:
             raise ValueError(f"expected one of {', '.join(options)}")
         return v

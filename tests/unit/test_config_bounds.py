@@ -102,3 +102,13 @@ def test_exporters_must_be_exporter_instances_named_by_position(sw):
         assert says in str(e.value)
     start(exporters=mem)  # one exporter, not in a list
     stepwatch_mod.shutdown()
+
+
+def test_an_on_off_setting_takes_a_bool_and_its_usual_spellings():
+    """``init(console=False)`` was refused (only auto/on/off): the first thing a user tries."""
+    assert Config.from_env({}, console=False).console == "off"
+    assert Config.from_env({}, console=True).console == "on"
+    assert Config.from_env({"STEPWATCH_CONSOLE": "0"}).console == "off"
+    assert Config.from_env({"STEPWATCH_CONSOLE": "Yes"}).console == "on"
+    with pytest.raises(ConfigError, match="STEPWATCH_CONSOLE='maybe'.*auto, on, off"):
+        Config.from_env({"STEPWATCH_CONSOLE": "maybe"})
