@@ -112,3 +112,24 @@ def test_an_on_off_setting_takes_a_bool_and_its_usual_spellings():
     assert Config.from_env({"STEPWATCH_CONSOLE": "Yes"}).console == "on"
     with pytest.raises(ConfigError, match="STEPWATCH_CONSOLE='maybe'.*auto, on, off"):
         Config.from_env({"STEPWATCH_CONSOLE": "maybe"})
+
+
+def test_a_console_rank_the_job_does_not_have_is_said(sw, caplog):
+    """``STEPWATCH_CONSOLE_RANK`` at or above the world size: no console and no word about it."""
+    import logging
+
+    import torch
+
+    stepwatch, _, start = sw
+    logging.getLogger("stepwatch").addHandler(caplog.handler)
+    try:
+        start(console="on", console_rank=3)
+        m = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(torch.randn(2, 2)).sum().backward()
+        opt.step()
+        stepwatch.shutdown()
+    finally:
+        logging.getLogger("stepwatch").removeHandler(caplog.handler)
+    said = [r.getMessage() for r in caplog.records if "CONSOLE_RANK" in r.getMessage()]
+    assert len(said) == 1 and "1 rank(s)" in said[0], said

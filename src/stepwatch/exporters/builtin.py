@@ -36,6 +36,9 @@ def exporter_specs(config: "Config", ctx: "RunContext") -> list[ExporterSpec]:
         out.append(ExporterSpec("records", functools.partial(_records, config, ctx), inline=True))
     if config.console != "off" and ctx.rank == config.console_rank:
         out.append(ExporterSpec("console", functools.partial(_console, config, ctx)))
+    elif config.console != "off" and ctx.rank == 0 and config.console_rank >= ctx.world_size:
+        logger.warning("STEPWATCH_CONSOLE_RANK=%d, but this job has %d rank(s) (0 .. %d): no rank prints the "
+                       "live console", config.console_rank, ctx.world_size, ctx.world_size - 1)
     if otel_wanted(config):
         out.append(ExporterSpec("otel", functools.partial(_otel, config, ctx)))
     out.extend(_tracking_sinks(config, ctx))
