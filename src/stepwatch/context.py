@@ -44,7 +44,13 @@ def resolve_run_id(env: Mapping[str, str], explicit: str | None = None) -> str:
     process falls back to a timestamp and its pid.
     """
     if explicit:
-        return _safe(explicit)
+        safe = _safe(explicit)
+        if safe != explicit:
+            from ._log import warn_once
+
+            warn_once(f"run_id.{explicit}", "stepwatch: run id %r holds characters that cannot go in a folder name "
+                      "(only letters, digits, '-', '_', '.'): using %r", explicit, safe)
+        return safe
     rid = env.get("TORCHELASTIC_RUN_ID", "")
     if rid and rid.lower() != "none":
         return _safe(rid)

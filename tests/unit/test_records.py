@@ -174,3 +174,17 @@ def test_record_lines_are_byte_identical_to_json_dumps_and_survive_a_non_finite_
     for d in cases:
         assert dumps(d) == want(d)
     assert json.loads(dumps(cases[1])) == {"n": "nan", "c": {"i": "-inf"}}
+
+
+def test_a_run_id_that_cannot_be_a_folder_name_is_said(caplog):
+    """``STEPWATCH_RUN_ID="exp 1"`` silently became ``exp_1``: the user looks for the folder they named."""
+    import logging
+
+    logging.getLogger("stepwatch").addHandler(caplog.handler)
+    try:
+        assert resolve_run_id({}, explicit="exp 1/a") == "exp_1_a"
+        assert resolve_run_id({}, explicit="exp-2") == "exp-2"
+    finally:
+        logging.getLogger("stepwatch").removeHandler(caplog.handler)
+    said = [r.getMessage() for r in caplog.records if "run id" in r.getMessage()]
+    assert len(said) == 1 and "'exp 1/a'" in said[0] and "'exp_1_a'" in said[0], said
