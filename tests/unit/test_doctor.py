@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pynvml
 import pytest
@@ -98,6 +100,71 @@ def test_storage_measure_small(tmp_path):
         measure(str(tmp_path), block_bytes=1000)
     with pytest.raises(ValueError, match="--storage-jobs"):
         measure(str(tmp_path), size_bytes=1 << 20, block_bytes=1 << 20, jobs=0)
+
+
+@pytest.mark.parametrize("sig, rc", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)])
+def test_doctor_storage_stopped_by_a_signal_removes_its_files(tmp_path, sig, rc):
+    """The real command, signalled while its storage test writes: its files are removed, one line
+    is printed (no traceback), and it exits as the signal says (SIGTERM: dies of it, 143 in a
+    shell; Ctrl-C: 130)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "STEPWATCH_"))}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src")
+    p = subprocess.Popen([sys.executable, "-m", "stepwatch", "doctor", "--no-attach", "--storage", str(tmp_path),
+                          "--storage-size-mb", "1024", "--storage-seconds", "20"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.iterdir()) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert p.poll() is None and list(tmp_path.iterdir()), "the storage test did not start"
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert list(tmp_path.iterdir()) == [], err
+    assert p.returncode == rc, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "stopped by" in err and str(tmp_path) in err
+    assert out == ""
+
+
+def test_doctor_storage_jobs_are_bounded(tmp_path, capsys):
+    from stepwatch.cli import main
+
+    assert main(["doctor", "--no-attach", "--storage", str(tmp_path), "--storage-size-mb", "1",
+                 "--storage-jobs", "257"]) == 2
+    err = capsys.readouterr().err
+    assert "--storage-jobs must be between 1 and 256, got 257" in err
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="--storage-jobs must be between 1 and 256"):
+        measure(str(tmp_path), size_bytes=1 << 20, block_bytes=1 << 20, jobs=257)
+
+
+def test_storage_on_a_nearly_full_filesystem_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Less free space than twice one block per stream: refused before any file is made (it filled
+    the disk and reported [fail])."""
+    import shutil
+
+    real = shutil.disk_usage
+
+    def nearly_full(path):
+        u = real(path)
+        return type(u)(u.total, u.total - (1 << 19), 1 << 19)  # 512 KiB free
+
+    monkeypatch.setattr(shutil, "disk_usage", nearly_full)
+    with pytest.raises(ValueError, match="only 0.5 MiB free; the test needs at least 2 MiB free"):
+        measure(str(tmp_path), size_bytes=1 << 20, block_bytes=1 << 20)
+    assert list(tmp_path.iterdir()) == []
+
+    from stepwatch.cli import main
+
+    assert main(["doctor", "--no-attach", "--json", "--storage", str(tmp_path), "--storage-size-mb", "1"]) == 0
+    st = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["storage"]
+    assert st["status"] == "warn" and "not measured, nothing written" in st["summary"], st
+    assert "Free space" in st["action"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_storage_verdicts_follow_the_reference():

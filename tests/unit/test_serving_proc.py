@@ -190,6 +190,46 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "http" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("opt, value, says", [
+    ("--prometheus-port", "99999", "expected a TCP port 1-65535, got '99999'"),
+    ("--prometheus-port", "0", "expected a TCP port 1-65535, got '0'"),
+    ("--stall-timeout", "x", "expected a number > 0, got 'x'"),
+    ("--max-num-seqs", "0", "expected an integer > 0, got '0'"),
+    ("--kv-threshold", "2", "expected a number within (0, 1], got '2'"),
+    ("--windows", "a", "expected seconds like 60,300, got 'a'"),
+    ("--windows", "60,0", "expected positive seconds like 60,300, got '60,0'"),
+])
+def test_cli_bad_values_are_argparse_errors_naming_the_option_once(capsys, opt, value, says):
+    """Rejected while parsing (exit 2, before anything starts), in argparse's words plus what is
+    valid: the option named once ("argument --stall-timeout: --stall-timeout: ..." before; the port
+    was accepted, then warned about STEPWATCH_PROMETHEUS_PORT; --windows exited 1)."""
+    from stepwatch.cli import main
+
+    with pytest.raises(SystemExit) as ex:
+        main(["serve-vllm", opt, value])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"stepwatch serve-vllm: error: argument {opt}: {says}", err
+    assert "STEPWATCH_PROMETHEUS_PORT" not in err
+
+
+def test_cli_missing_server_command_is_one_line_and_127_as_stepwatch_run(tmp_path):
+    """A server command that cannot be started: one line and 127, the same as `stepwatch run`
+    (both through runner.cli.cannot_start); it was a FileNotFoundError traceback and 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src")
+    missing = str(tmp_path / "nonexist" / "vllm")
+    res = {}
+    for cmd in (["serve-vllm", "--run-dir", str(tmp_path / "run"), "--", missing], ["run", "--", missing]):
+        res[cmd[0]] = subprocess.run([sys.executable, "-m", "stepwatch", *cmd], env=env, capture_output=True,
+                                     text=True, timeout=60)
+    sv, rn = res["serve-vllm"], res["run"]
+    assert sv.returncode == 127 == rn.returncode, (sv.stderr, rn.stderr)
+    assert sv.stderr.strip() == f"stepwatch serve-vllm: cannot start {missing!r}: No such file or directory"
+    assert rn.stderr.strip() == f"stepwatch run: cannot start {missing!r}: No such file or directory"
+    assert sv.stdout == rn.stdout == ""
+
+
 def test_cli_attach_never_signals_the_server(tmp_path):
     port = free_port()
     srv = subprocess.Popen([sys.executable, FAKE, "--port", str(port), "--metrics",

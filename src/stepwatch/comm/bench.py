@@ -4,6 +4,10 @@ Columns and formulas follow nccl-tests (doc/PERFORMANCE.md): ``time`` is the mea
 AllReduce, averaged over the ranks (nccl-tests' default ``-a 1``), ``algbw = size / time`` and
 ``busbw = algbw * 2(n-1)/n`` for AllReduce, in GB/s with GB = 1e9 bytes. Sizes take K/M/G suffixes as powers of 1024 like
 nccl-tests' ``-b``/``-e``.
+
+Arguments, and the ``--json`` file's directory, are checked before anything is printed or started;
+a ``--json`` file that still cannot be written at the end is :class:`OutputError` (the table is
+printed by then).
 """
 
 from __future__ import annotations
@@ -20,6 +24,23 @@ from .spans import ALLREDUCE
 
 _SUFFIX = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 _DTYPES = {"float": "float32", "float32": "float32", "half": "float16", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+class OutputError(Exception):
+    """The sweep ran (its table is printed) but the ``--json`` file could not be written."""
+
+
+def check_writable(path: str, name: str = "--json") -> None:
+    """Before the sweep: ``path`` can be created (or, when it exists, written) by this user."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise ValueError(f"{name} {path!r} is a directory: give a file name")
+    d = os.path.dirname(full)
+    if not os.path.isdir(d):
+        raise ValueError(f"{name} {path!r}: the directory {d!r} does not exist")
+    target = full if os.path.exists(full) else d
+    if not os.access(target, os.W_OK):  # access(2) also says no on a read-only filesystem (EROFS)
+        raise ValueError(f"{name} {path!r}: {target!r} is not writable by this user")
 
 
 def parse_size(s: str, name: str = "size") -> int:
@@ -96,17 +117,23 @@ def run(
     out: Callable[[str], None] = print,
     json_path: str | None = None,
 ) -> list[Row]:
+    # Every argument is checked before anything is printed or started.
+    plan = sizes(begin, end, factor)
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype={dtype!r}: expected one of {', '.join(sorted(_DTYPES))}")
+
     import torch
     import torch.distributed as dist
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"--dtype={dtype!r}: expected one of {', '.join(sorted(_DTYPES))}")
     tdtype = getattr(torch, _DTYPES[dtype])
     if "RANK" not in os.environ and not dist.is_initialized():
         raise RuntimeError(
             "bench-comm runs one process per rank: start it under torchrun, e.g. "
             "`torchrun --nproc-per-node 8 -m stepwatch bench-comm -b 1M -e 1G -f 2`"
         )
+    rank0 = dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK", "0").strip() == "0"
+    if json_path and rank0:
+        check_writable(json_path)  # rank 0 writes it: said now, not after a sweep of minutes
     cuda = torch.cuda.is_available()
     own = not dist.is_initialized()
     if own:
@@ -122,7 +149,7 @@ def run(
         rows = []
         if rank == 0:
             out(header(world, dist.get_backend(), base))
-        for size in sizes(begin, end, factor):
+        for size in plan:
             n = max(size // elem, 1)
             buf = torch.ones(n, dtype=tdtype, device=device)
             for _ in range(warmup):
@@ -149,9 +176,13 @@ def run(
                 out(f"# verdict: {'healthy' if all(r.verdict == 'ok' for r in judged) else 'BELOW BASELINE'} "
                     f"(lowest busbw {worst.busbw:.1f} GB/s at {worst.size} B)")
             if json_path:
-                with open(json_path, "w", encoding="utf-8") as f:
-                    json.dump({"world": world, "backend": dist.get_backend(), "baseline": base,
-                               "rows": [asdict(r) for r in rows]}, f, indent=1)
+                try:
+                    with open(json_path, "w", encoding="utf-8") as f:
+                        json.dump({"world": world, "backend": dist.get_backend(), "baseline": base,
+                                   "rows": [asdict(r) for r in rows]}, f, indent=1)
+                except OSError as e:
+                    raise OutputError(f"--json {json_path!r}: the results were not written ({e.strerror or e}); "
+                                      "the table above has them") from e
         return rows
     finally:
         if own:

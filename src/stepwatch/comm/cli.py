@@ -24,12 +24,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations per size (default 5)")
     p.add_argument("-d", "--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     p.add_argument("--backend", default=None, help="nccl or gloo (default: nccl with CUDA, else gloo)")
-    p.add_argument("--json", default=None, help="also write the rows to this JSON file (rank 0)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the rows to this JSON file (rank 0; its directory is checked before the sweep)")
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    from .bench import parse_size, run
+    """0; 2 for bad arguments (nothing printed on stdout, nothing run) or no torchrun; 1 when the
+    sweep ran but its --json file could not be written."""
+    from .bench import OutputError, parse_size, run
 
     try:
         b = parse_size(args.minbytes, "-b/--minbytes")
@@ -37,6 +40,10 @@ def _main(args: argparse.Namespace) -> int:
         if args.iters < 1 or args.warmup_iters < 0:
             raise ValueError("-n/--iters must be >= 1 and -w/--warmup_iters >= 0")
         run(b, e, args.stepfactor, args.iters, args.warmup_iters, args.dtype, args.backend, json_path=args.json)
+    except OutputError as exc:
+        sys.stdout.flush()  # the table first, then the one line
+        print(f"stepwatch bench-comm: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, RuntimeError) as exc:
         print(f"stepwatch bench-comm: {exc}", file=sys.stderr)
         return 2

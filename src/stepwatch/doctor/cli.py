@@ -1,19 +1,24 @@
 """``stepwatch doctor``: check a node before or during a job, and say what to do.
 
 Exit status: 0 unless a check failed (a GPU with uncorrectable errors, a driver that is installed
-but does not answer); a machine without a GPU is not a failure.
+but does not answer); a machine without a GPU is not a failure; 2 for bad arguments. Ctrl-C or
+SIGTERM stop it, the storage test files removed first: one line, then exit 130 (Ctrl-C) or death
+by SIGTERM (143 in a shell).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import socket
 import sys
 import time
 from typing import Any
 
 from .checks import Check
+from .storage import MAX_JOBS
 
 
 def register(subparsers: Any) -> None:
@@ -31,7 +36,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--storage-seconds", type=float, default=10.0, metavar="S",
                    help="time limit per phase (write, read), seconds (default 10)")
     p.add_argument("--storage-jobs", type=int, default=1, metavar="N",
-                   help="parallel streams, one file each (default 1, not graded; the reference grades 16, as its fio)")
+                   help=f"parallel streams, one file and one thread each, 1-{MAX_JOBS} (default 1, not graded; the "
+                        "reference grades 16, as its fio)")
     p.add_argument("--no-attach", action="store_true", help="do not try a real py-spy attach")
     p.set_defaults(func=run)
 
@@ -54,13 +60,17 @@ def collect(args: argparse.Namespace) -> list[Check]:
 
 
 def storage_check(args: argparse.Namespace) -> Check:
-    from .storage import DEGRADED_GBPS, GRADED_JOBS, HEALTHY_GBPS, measure
+    from .storage import DEGRADED_GBPS, GRADED_JOBS, HEALTHY_GBPS, NotEnoughSpace, measure
 
     size = args.storage_size_mb * 1024 * 1024
     block = min(4 * 1024 * 1024, size)
     try:
         r = measure(args.storage, size_bytes=size, block_bytes=block, max_seconds=args.storage_seconds,
                     jobs=args.storage_jobs)
+    except NotEnoughSpace as e:
+        return Check("storage", "warn", str(e),
+                     "Free space on this filesystem (a checkpoint will not fit either), or measure another "
+                     "directory with --storage.")
     except OSError as e:
         return Check("storage", "fail", f"{args.storage}: I/O error during the benchmark: {e}",
                      "Check the mount and permissions.")
@@ -99,25 +109,62 @@ def render(checks: list[Check]) -> str:
 def _validate(args: argparse.Namespace) -> None:
     """Bad arguments fail before any check runs, naming the argument."""
     if args.storage is not None:
-        import os
-
         if not os.path.isdir(args.storage):
             raise ValueError(f"--storage {args.storage!r}: not an existing directory")
         if args.storage_size_mb < 1:
             raise ValueError(f"--storage-size-mb must be >= 1, got {args.storage_size_mb}")
-        if args.storage_jobs < 1:
-            raise ValueError(f"--storage-jobs must be >= 1, got {args.storage_jobs}")
+        if not 1 <= args.storage_jobs <= MAX_JOBS:
+            raise ValueError(f"--storage-jobs must be between 1 and {MAX_JOBS}, got {args.storage_jobs}")
         if not args.storage_seconds > 0:
             raise ValueError(f"--storage-seconds must be > 0, got {args.storage_seconds}")
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised on the main thread so that what a check started is undone on the way out."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up is not interrupted again
+    raise _Terminated()
+
+
+def _stopped(args: argparse.Namespace, why: str) -> None:
+    left = f"; no storage test files left in {args.storage}" if args.storage else ""
+    print(f"stepwatch doctor: stopped by {why} before the checks finished{left}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         _validate(args)
+    except ValueError as e:  # bad arguments: say which
+        print(f"stepwatch doctor: {e}", file=sys.stderr)
+        return 2
+    # SIGTERM's default action would end the process in the middle of the storage test and leave
+    # its files (up to --storage-size-mb each) behind: turned into an exception like Ctrl-C's.
+    caught = False
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # not when ignored, or someone else's
+            signal.signal(signal.SIGTERM, _on_sigterm)
+            caught = True
+    except ValueError:  # not the main thread (called from Python): left as it is
+        pass
+    try:
         checks = collect(args)
     except ValueError as e:  # bad arguments: say which
         print(f"stepwatch doctor: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        _stopped(args, "Ctrl-C (SIGINT)")
+        return 130  # 128 + SIGINT, as a shell reports it
+    except _Terminated:
+        _stopped(args, "SIGTERM")
+        sys.stdout.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # die of it, as the default action would have
+        return 128 + signal.SIGTERM  # not reached
+    finally:
+        if caught:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     code = 1 if any(c.status == "fail" for c in checks) else 0
     if args.json:
         print(json.dumps({"host": socket.gethostname(), "time": time.time(), "exit_code": code,

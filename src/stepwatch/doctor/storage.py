@@ -3,8 +3,10 @@
 fio-style (reference B.9: ``fio --rw=write --bs=4M --direct=1``): large blocks, direct I/O where
 the filesystem allows it (O_DIRECT with a page-aligned buffer; tmpfs and some FUSE mounts refuse
 it, then the page cache is flushed with fsync and dropped with POSIX_FADV_DONTNEED before
-reading), bounded by size and time, one file per job, removed afterwards. Judged against the
-reference's storage checklist: > 10 GB/s healthy, < 2 GB/s degraded.
+reading), bounded by size and time, one file per job, removed afterwards (also when interrupted:
+the streams are stopped first). At most half the free space is used; when even one block per job
+would take more, nothing is written (:class:`NotEnoughSpace`). Judged against the reference's
+storage checklist: > 10 GB/s healthy, < 2 GB/s degraded.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ DEGRADED_GBPS = 2.0  # reference B.9 storage checklist
 BLOCK = 4 * 1024 * 1024  # reference B.9 fio: --bs=4M
 GRADED_JOBS = 16  # reference B.9 fio: --numjobs=16; its thresholds are for that many streams
 _ALIGN = 4096  # O_DIRECT: offsets and sizes multiple of the logical block size (<= 4 KiB on Linux disks)
+# Parallel streams, each one file and one thread: 16x the reference's fio --numjobs=16, beyond
+# which more streams measure the machine's thread scheduling rather than the storage.
+MAX_JOBS = 256
+
+
+class NotEnoughSpace(ValueError):
+    """The test files would not fit in half the free space: nothing was written."""
 
 
 @dataclass
@@ -89,26 +98,36 @@ def measure(path: str, *, size_bytes: int = 1 << 30, block_bytes: int = BLOCK, m
         raise ValueError(f"block size must be a positive multiple of {_ALIGN} bytes, got {block_bytes}")
     if size_bytes < block_bytes:
         raise ValueError(f"--storage-size must be at least one block ({block_bytes} bytes), got {size_bytes}")
-    if jobs < 1:
-        raise ValueError(f"--storage-jobs must be >= 1, got {jobs}")
+    if not 1 <= jobs <= MAX_JOBS:
+        raise ValueError(f"--storage-jobs must be between 1 and {MAX_JOBS}, got {jobs}")
     if max_seconds <= 0:
         raise ValueError(f"--storage-seconds must be > 0, got {max_seconds}")
     result = StorageResult(path=os.path.abspath(path), direct=True, jobs=jobs, block_bytes=block_bytes)
     free = shutil.disk_usage(path).free
+    least = jobs * block_bytes  # one block per stream
+    if least > free // 2:  # never fill a shared checkpoint filesystem, nor a nearly full one
+        raise NotEnoughSpace(
+            f"{result.path}: only {free / 2**20:.1f} MiB free; the test needs at least {2 * least / 2**20:g} MiB "
+            f"free ({jobs} stream(s) of at least one {block_bytes / 2**20:g} MiB block, at most half the free "
+            "space): not measured, nothing written"
+        )
     if size_bytes * jobs > free // 2:  # never fill a shared checkpoint filesystem
         size_bytes = max(block_bytes, (free // 2 // jobs) // block_bytes * block_bytes)
         result.notes.append(f"size reduced to {size_bytes} bytes per job: only {free} bytes free")
     size_bytes = size_bytes // block_bytes * block_bytes
 
     names: list[str] = []
+    stop = threading.Event()
     try:
         for _ in range(jobs):
             fd, name = tempfile.mkstemp(prefix=".stepwatch-doctor-", dir=path)
-            os.close(fd)
             names.append(name)
-        _phase(result, names, size_bytes, block_bytes, max_seconds, write=True)
-        _phase(result, names, size_bytes, block_bytes, max_seconds, write=False)
+            os.close(fd)
+        _phase(result, names, size_bytes, block_bytes, max_seconds, stop, write=True)
+        _phase(result, names, size_bytes, block_bytes, max_seconds, stop, write=False)
     finally:
+        # Also on Ctrl-C or the doctor's SIGTERM: _phase stopped and joined its streams first (a
+        # file removed while a stream still writes it would hold its space until the stream ends).
         for name in names:
             try:
                 os.unlink(name)
@@ -117,7 +136,8 @@ def measure(path: str, *, size_bytes: int = 1 << 30, block_bytes: int = BLOCK, m
     return result
 
 
-def _phase(result: StorageResult, names: list[str], size: int, block: int, max_s: float, *, write: bool) -> None:
+def _phase(result: StorageResult, names: list[str], size: int, block: int, max_s: float, stop: threading.Event,
+           *, write: bool) -> None:
     done = [0] * len(names)
     errors: list[BaseException] = []
     deadline = time.monotonic() + max_s
@@ -135,7 +155,7 @@ def _phase(result: StorageResult, names: list[str], size: int, block: int, max_s
                 result.direct = False
             try:
                 n = 0
-                while n < size and time.monotonic() < deadline:
+                while n < size and time.monotonic() < deadline and not stop.is_set():
                     if write:
                         w = os.write(fd, buf)
                     else:
@@ -143,7 +163,7 @@ def _phase(result: StorageResult, names: list[str], size: int, block: int, max_s
                         if w == 0:
                             break
                     n += w
-                if write:
+                if write and not stop.is_set():
                     os.fsync(fd)  # the bytes are on storage, not in the page cache
                     if not direct and hasattr(os, "posix_fadvise"):
                         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # so reads hit storage
@@ -157,10 +177,20 @@ def _phase(result: StorageResult, names: list[str], size: int, block: int, max_s
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=job, args=(k,), name=f"stepwatch-storage-{k}") for k in range(len(names))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    started: list[threading.Thread] = []
+    try:
+        for t in threads:
+            t.start()
+            started.append(t)
+        for t in started:
+            t.join()
+    except BaseException:
+        # Interrupted on this thread (KeyboardInterrupt, a signal handler's exception): the
+        # streams stop after their current block, before the caller removes their files.
+        stop.set()
+        for t in started:
+            t.join()
+        raise
     elapsed = time.perf_counter() - t0
     if errors:
         raise errors[0]

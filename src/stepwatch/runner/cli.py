@@ -25,6 +25,16 @@ PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 # nsys profile options (Nsight Systems user guide, "CLI profile command switch options"):
 # record only between cudaProfilerStart/Stop, once per capture range, up to N ranges.
 NSYS_ARGS = ("profile", "--capture-range=cudaProfilerApi", "--trace=cuda,nvtx,osrt")
+# Exit status of a wrapper whose command could not be started (missing, not executable), as a
+# shell's "command not found".
+CANNOT_START = 127
+
+
+def cannot_start(prog: str, argv0: str, e: OSError) -> int:
+    """The one line a wrapper command prints when ``Popen`` could not start ``argv0``; returns
+    :data:`CANNOT_START`. Shared by ``stepwatch run`` and ``stepwatch serve-vllm``."""
+    print(f"stepwatch {prog}: cannot start {argv0!r}: {e.strerror or e}", file=sys.stderr)
+    return CANNOT_START
 
 
 def register(subparsers: Any) -> None:
@@ -106,8 +116,7 @@ def run_main(args: argparse.Namespace) -> int:
     try:
         proc = subprocess.Popen(argv, env=env)
     except OSError as e:
-        print(f"stepwatch run: cannot start {argv[0]!r}: {e}", file=sys.stderr)
-        return 127
+        return cannot_start("run", argv[0], e)
 
     def forward(signum: int, _frame: Any) -> None:
         try:

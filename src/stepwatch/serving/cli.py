@@ -5,7 +5,8 @@
 
 Launched: the server runs as a child in its own process group (``--enable-server-load-tracking``
 is added to a vLLM command); SIGINT/SIGTERM are forwarded to it, the whole process tree is stopped
-when it or the wrapper ends, and the wrapper exits with the server's exit code.
+when it or the wrapper ends, and the wrapper exits with the server's exit code (127 when the
+command cannot be started, as ``stepwatch run``; 2 for bad arguments).
 Findings go to ``D/findings.serve.jsonl`` and to stderr; stall dumps to ``D/stall-<n>/``; the
 ``stepwatch_serving_*`` metrics to a Prometheus endpoint (``--prometheus-port``) and/or OTLP
 (the standard ``OTEL_EXPORTER_OTLP_*`` variables).
@@ -24,30 +25,54 @@ from typing import Any
 from .._files import private_run_dir
 
 
-def _positive(kind: type, what: str):
+# argparse's message already names the option ("argument --grace: ..."): these say what is valid.
+
+
+def _positive(kind: type):
+    what = "an integer" if kind is int else "a number"
+
     def parse(s: str) -> Any:
         try:
             v = kind(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{what}: expected a number > 0, got {s!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {what} > 0, got {s!r}") from None
         if not v > 0:
-            raise argparse.ArgumentTypeError(f"{what}: expected a number > 0, got {s!r}")
+            raise argparse.ArgumentTypeError(f"expected {what} > 0, got {s!r}")
         return v
 
     return parse
 
 
-def _ratio(what: str):
-    def parse(s: str) -> float:
-        try:
-            v = float(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what}: expected a number within (0, 1], got {s!r}") from None
-        if not 0 < v <= 1:
-            raise argparse.ArgumentTypeError(f"{what}: expected a number within (0, 1], got {s!r}")
-        return v
+def _ratio(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number within (0, 1], got {s!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number within (0, 1], got {s!r}")
+    return v
 
-    return parse
+
+def _port(s: str) -> int:
+    """A TCP port to listen on, 1-65535 (as ``STEPWATCH_PROMETHEUS_PORT``; 0, "any free port",
+    would serve on a port nobody is told)."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 1-65535, got {s!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 1-65535, got {s!r}")
+    return v
+
+
+def _windows(s: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds like 60,300, got {s!r}") from None
+    if not out or any(not w > 0 for w in out):
+        raise argparse.ArgumentTypeError(f"expected positive seconds like 60,300, got {s!r}")
+    return out
 
 
 def register(subparsers: Any) -> None:
@@ -58,56 +83,47 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--run-dir", metavar="D", help="where findings and stall dumps go (default ./stepwatch-runs/serve-<time>)")
-    p.add_argument("--stall-timeout", type=_positive(float, "--stall-timeout"), default=60.0, metavar="S",
+    p.add_argument("--stall-timeout", type=_positive(float), default=60.0, metavar="S",
                    help="seconds without token progress, with requests in flight, that make a stall (default 60)")
-    p.add_argument("--interval", type=_positive(float, "--interval"), default=2.0, metavar="S",
+    p.add_argument("--interval", type=_positive(float), default=2.0, metavar="S",
                    help="seconds between scrapes (default 2)")
     p.add_argument("--attach", action="append", metavar="URL",
                    help="watch a running server instead of launching one (repeat for several API servers)")
     p.add_argument("--pid", type=int, metavar="PID", help="with --attach: the server's top process, for stall stacks")
     p.add_argument("--url", action="append", metavar="URL",
                    help="launched: scrape this URL instead of the one from the command's --host/--port (repeatable)")
-    p.add_argument("--ttft-slo", type=_positive(float, "--ttft-slo"), metavar="S",
+    p.add_argument("--ttft-slo", type=_positive(float), metavar="S",
                    help="TTFT P99 SLO in seconds: a finding when the P99 over --slo-window exceeds it (default off)")
-    p.add_argument("--e2e-slo", type=_positive(float, "--e2e-slo"), metavar="S",
+    p.add_argument("--e2e-slo", type=_positive(float), metavar="S",
                    help="end-to-end latency P99 SLO in seconds, over --slo-window (default off)")
-    p.add_argument("--itl-threshold", type=_positive(float, "--itl-threshold"), default=0.1, metavar="S",
+    p.add_argument("--itl-threshold", type=_positive(float), default=0.1, metavar="S",
                    help="inter-token latency (was TPOT) P99 above which a finding fires, seconds (default 0.1, reference B.6)")
-    p.add_argument("--max-num-seqs", type=_positive(int, "--max-num-seqs"), metavar="N",
+    p.add_argument("--max-num-seqs", type=_positive(int), metavar="N",
                    help="the server's max_num_seqs, for the batch-full finding (default: read from the launched "
                         "command's --max-num-seqs; attached: off unless given)")
-    p.add_argument("--queue-threshold", type=_positive(float, "--queue-threshold"), default=50.0, metavar="N",
+    p.add_argument("--queue-threshold", type=_positive(float), default=50.0, metavar="N",
                    help="requests waiting above which a queue_depth finding fires (default 50, reference B.6)")
-    p.add_argument("--kv-threshold", type=_ratio("--kv-threshold"), default=0.82, metavar="R",
+    p.add_argument("--kv-threshold", type=_ratio, default=0.82, metavar="R",
                    help="KV-cache usage (0-1) for the cascade finding (default 0.82, reference B.6)")
     p.add_argument("--kv-sustain", type=float, default=30.0, metavar="S",
                    help="seconds the KV-cache usage must stay above the threshold (default 30)")
-    p.add_argument("--spec-threshold", type=_ratio("--spec-threshold"), default=0.65, metavar="R",
+    p.add_argument("--spec-threshold", type=_ratio, default=0.65, metavar="R",
                    help="speculative-decoding acceptance below which a finding fires (default 0.65, reference B.6)")
-    p.add_argument("--error-threshold", type=_ratio("--error-threshold"), default=0.05, metavar="R",
+    p.add_argument("--error-threshold", type=_ratio, default=0.05, metavar="R",
                    help="share of failed requests that makes a serving_errors finding (default 0.05)")
-    p.add_argument("--slo-window", type=_positive(float, "--slo-window"), default=300.0, metavar="S",
+    p.add_argument("--slo-window", type=_positive(float), default=300.0, metavar="S",
                    help="window of the TTFT, spec-decode and error findings, seconds (default 300, as B.7's [5m])")
-    p.add_argument("--windows", default="60,300", metavar="S,S",
+    p.add_argument("--windows", type=_windows, default="60,300", metavar="S,S",
                    help="windows of the exported quantiles and rates, seconds (default 60,300)")
-    p.add_argument("--prometheus-port", type=int, metavar="PORT", help="serve the stepwatch_serving_* metrics here")
+    p.add_argument("--prometheus-port", type=_port, metavar="PORT",
+                   help="serve the stepwatch_serving_* metrics on this TCP port, 1-65535 (default off)")
     p.add_argument("--prometheus-host", default="127.0.0.1", metavar="HOST", help="(default 127.0.0.1)")
-    p.add_argument("--grace", type=_positive(float, "--grace"), default=20.0, metavar="S",
+    p.add_argument("--grace", type=_positive(float), default=20.0, metavar="S",
                    help="seconds the server gets to stop after SIGTERM before its tree is killed (default 20)")
     p.add_argument("--no-load-tracking", action="store_true",
                    help="do not add --enable-server-load-tracking to the vLLM command")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the server command")
     p.set_defaults(func=run)
-
-
-def _windows(s: str) -> tuple[float, ...]:
-    try:
-        out = tuple(float(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise SystemExit(f"stepwatch serve-vllm: --windows: expected seconds like 60,300, got {s!r}") from None
-    if not out or any(not w > 0 for w in out):
-        raise SystemExit(f"stepwatch serve-vllm: --windows: expected positive seconds like 60,300, got {s!r}")
-    return out
 
 
 def build_exporters(args: argparse.Namespace, run_id: str, run_dir: str) -> list[Any]:
@@ -179,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         urls = args.attach
     try:
         cfg = WatchConfig(urls=urls, run_dir=run_dir, interval_s=args.interval, stall_timeout_s=args.stall_timeout,
-                          windows_s=_windows(args.windows), slo_window_s=args.slo_window, thresholds=thresholds)
+                          windows_s=args.windows, slo_window_s=args.slo_window, thresholds=thresholds)
     except ValueError as e:
         print(f"stepwatch serve-vllm: {e}", file=sys.stderr)
         return 2
@@ -198,7 +214,14 @@ def run(args: argparse.Namespace) -> int:
     watcher = None
     try:
         if server is not None:
-            server.start()
+            try:
+                server.start()
+            except OSError as e:  # missing, not executable: one line, the shell's status
+                from ..runner.cli import cannot_start
+
+                for ex in exporters:
+                    ex.shutdown()
+                return cannot_start("serve-vllm", server.cmd[0], e)
             logger.info("serve-vllm: started pid %d: %s; watching %s; run dir %s", server.pid, " ".join(server.cmd), ", ".join(urls), run_dir)
         watcher = ServeWatcher(cfg, exporters=exporters, root_pid=(server.pid if server is not None else args.pid))
         t = threading.Thread(target=watcher.run, args=(stop,), name="stepwatch-serve-watch", daemon=True)
