@@ -1107,3 +1107,111 @@ def test_a_forward_that_fails_on_fakes_logs_no_torch_error():
         assert seen == ["the user's own line"] and not lg.filters
     finally:
         lg.removeHandler(h)
+
+
+class _OwnRngs(nn.Module):
+    """Draws from random-number generators it holds itself: a ``torch.Generator`` (noise), a
+    ``random.Random`` (LayerDrop), numpy's ``Generator`` and ``RandomState``, and one more
+    ``torch.Generator`` in a list. ``data_dependent`` adds an ``.item()`` to the forward, which
+    fake tensors cannot run (the count is then taken on real tensors)."""
+
+    def __init__(self, data_dependent):
+        import random
+
+        import numpy as np
+
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gen = torch.Generator().manual_seed(1234)
+        self.rng = random.Random(42)
+        self.np_gen = np.random.default_rng(7)
+        self.np_state = np.random.RandomState(7)
+        self.gens = [torch.Generator().manual_seed(99)]
+        self.data_dependent = data_dependent
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.data_dependent and h.mean().item() > -1e9:
+            h = h + torch.randn(h.shape, generator=self.gen) + torch.rand(h.shape, generator=self.gens[0])
+        if self.rng.random() < 2 and self.np_gen.random() < 2 and self.np_state.rand() < 2:
+            h = h * 2
+        return h
+
+    def draws(self):
+        return (self.gen.get_state(), self.gens[0].get_state(), self.rng.random(), self.np_gen.random(),
+                self.np_state.rand())
+
+
+@pytest.mark.parametrize("data_dependent", [False, True], ids=["fake replay", "real replay"])
+def test_the_replay_leaves_the_random_generators_a_module_holds_alone(data_dependent):
+    """A module that owns its generator (``self.gen = torch.Generator().manual_seed(1234)``, a
+    seeded ``random.Random`` for LayerDrop): the replay's forward drew from it, so the run's
+    noise, masks and dropped layers were not those of the same run without stepwatch (only the
+    default generators were saved and restored). Every generator a module holds as an
+    attribute (or in a list, tuple or dict attribute) is restored now."""
+    m = _OwnRngs(data_dependent)
+    want = _OwnRngs(data_dependent).draws()
+    fc = count_step_flops(m, (torch.randn(4, 8),), real=data_dependent)
+    assert fc.total > 0
+    got = m.draws()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[2:] == want[2:]
+
+
+def test_a_generator_that_cannot_be_saved_does_not_fail_the_count():
+    """``random.SystemRandom`` (no state to save: its getstate raises) held by a module: the
+    count goes on, and the generators that can be saved are restored."""
+    import random
+
+    m = _OwnRngs(False)
+    m.sys_rng = random.SystemRandom()
+    want = _OwnRngs(False).draws()
+    assert count_step_flops(m, (torch.randn(4, 8),)).total > 0
+    assert m.draws()[2:] == want[2:]
+
+
+def test_a_list_of_per_sample_tensors_counts_one_sample_per_tensor():
+    """A list passed first was read by its first element: a list of variable-length 1-D id
+    sequences (a collate_fn that leaves the padding to the model) counted the first sequence's
+    length as samples and no tokens; a list of per-sample images the first image's channels.
+    A list (or tuple) of tensors of one ndim, dtype and device whose batch dims differ cannot be
+    one collated batch: one sample per tensor, and 1-D ids are tokens."""
+    from stepwatch.metrics.tokens import infer_batch_counts
+
+    seqs = [torch.randint(1, 50, (n,)) for n in (5, 3, 7)]
+    for given in (seqs, tuple(seqs)):
+        c = infer_batch_counts((given,)).resolve()
+        assert (c.samples, c.tokens) == (3, 15)
+    seqs[0][3:] = 0
+    seqs[2][6:] = 0
+    c = infer_batch_counts((seqs,), pad_token_id=0).resolve()
+    assert (c.samples, c.tokens) == (3, 15 - 3)
+    feats = [torch.randn(n, 8) for n in (5, 3, 7, 2)]  # per-sample [length, features], floats
+    c = infer_batch_counts((feats,)).resolve()
+    assert (c.samples, c.tokens) == (4, None)
+    # Images share dim 0 (their channels): per-sample when that is the unbatched input of the
+    # model's first convolution (in_channels 3, [C, H, W]), which the collector reads off the model.
+    images = [torch.randn(3, 20 + 4 * i, 24) for i in range(5)]
+    c = infer_batch_counts((images,), conv_input=(3, 3)).resolve()
+    assert (c.samples, c.tokens) == (5, None)
+
+
+def test_a_collated_list_of_batch_tensors_still_counts_its_batch():
+    """What stays read by the list's first element: tensors that share the batch dim (inputs with
+    their lengths, mask or labels; two inputs of different widths; a seq-first model's source and
+    target, whose batch is dim 1), and anything whose ndim or dtype differ."""
+    from stepwatch.metrics.tokens import infer_batch_counts
+
+    def counts(first, **kw):
+        c = infer_batch_counts((first,), **kw).resolve()
+        return c.samples, c.tokens
+
+    assert counts([torch.randn(4, 5, 6), torch.full((4,), 5.0)]) == (4, None)
+    assert counts([torch.randn(4, 3), torch.randn(4, 7)]) == (4, None)
+    assert counts((torch.randint(0, 50, (4, 16)), torch.ones(4, 16, dtype=torch.long))) == (4, 64)
+    assert counts([torch.randint(0, 50, (7, 4)), torch.randint(0, 50, (5, 4))], seq_first=True) == (4, 28)
+    assert counts([torch.randn(5, 8), torch.randn(3, 8, dtype=torch.float64)]) == (5, None)
+    # [B, C, H, W] batches at two scales: not the unbatched input of a Conv2d(3, ...)
+    assert counts([torch.randn(2, 3, 32, 32), torch.randn(2, 3, 16, 16)], conv_input=(3, 3)) == (2, None)
+    # Shared dim 0 and no convolution that says otherwise: [3, H, W] reads as a batch of 3.
+    assert counts([torch.randn(3, 20, 24), torch.randn(3, 24, 24)]) == (3, None)

@@ -1712,7 +1712,7 @@ def test_a_user_phase_around_the_forward_leaves_out_stepwatchs_flop_count(sw):
     stepwatch, mem, start = sw
     start()
     torch.manual_seed(0)
-    m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(40)])  # a count takes ~100 ms
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     for i in range(6):
         x = torch.randn(4 + i % 3, 64)  # three signatures: three counts
@@ -1724,7 +1724,9 @@ def test_a_user_phase_around_the_forward_leaves_out_stepwatchs_flop_count(sw):
     stepwatch.shutdown()
     recs = [r for r in mem.records if not r.tail]
     assert len(recs) == 6 and all(r.flops for r in recs)
-    assert all(r.phases["fwd"] <= r.forward_s + 0.002 for r in recs), [(r.phases["fwd"], r.forward_s) for r in recs]
+    # 30 ms of slack: a loaded machine's pauses land in the phase (it holds the loss's ops too),
+    # and are well under the count they would hide.
+    assert all(r.phases["fwd"] <= r.forward_s + 0.03 for r in recs), [(r.phases["fwd"], r.forward_s) for r in recs]
 
 
 class _SlowStartLoader(DataLoader):
@@ -1886,3 +1888,122 @@ def test_a_1d_input_is_one_sample_when_the_model_takes_it_unbatched(sw, make, sh
     recs = [r for r in mem.records if not r.tail]
     assert [r.samples for r in recs] == [n * per_call for n in calls]
     assert all(r.flops is not None and r.flops > 0 for r in recs)
+
+
+class _NoisyOwnGenerator(nn.Module):
+    """Noise and a dropout mask drawn from a generator the module owns; the ``.item()`` makes the
+    FLOP count run on real tensors (fake ones have no values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.gen = torch.Generator().manual_seed(1234)
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        if h.mean().item() > -1e9:
+            h = h + 0.1 * torch.randn(h.shape, generator=self.gen)
+            h = h * (torch.rand(h.shape, generator=self.gen) > 0.1) / 0.9
+        return self.l2(h)
+
+
+class _LayerDropOwnRandom(nn.Module):
+    """LayerDrop with a seeded ``random.Random`` of its own (reproducible per model)."""
+
+    def __init__(self):
+        import random
+
+        super().__init__()
+        self.inp, self.out = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+        self.rng = random.Random(42)
+
+    def forward(self, x):
+        x = torch.relu(self.inp(x))
+        for layer in self.layers:
+            if self.rng.random() < 0.3:
+                continue
+            x = x + torch.relu(layer(x))
+        return self.out(x)
+
+
+@pytest.mark.parametrize("make", [_NoisyOwnGenerator, _LayerDropOwnRandom],
+                         ids=["torch.Generator, real count", "random.Random, fake count"])
+def test_a_model_drawing_from_its_own_generator_trains_the_same_with_stepwatch(sw, make):
+    """The FLOP count's replay runs the forward once more, and it drew from the generator the
+    model owns (the count restored only torch's, Python's and numpy's default ones): from step
+    0 on, the noise, the masks and the dropped layers were not those of the same run without
+    stepwatch, and the weights diverged. The weights are bit-identical now."""
+    stepwatch, mem, start = sw
+
+    def train():
+        torch.manual_seed(0)
+        m = make()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return m.state_dict()
+
+    plain = train()
+    start()
+    watched = train()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 4 and all(r.flops and r.flops > 0 for r in recs), [r.flops for r in recs]
+    assert all(torch.equal(plain[k], watched[k]) for k in plain)
+
+
+class _ListOfImages(nn.Module):
+    """Takes a list of per-sample ``[3, H, W]`` images of different sizes and pools each."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.out = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 5)
+
+    def forward(self, images):
+        return self.out(torch.cat([self.conv(im[None]).relu().mean((2, 3)) for im in images]))
+
+
+class _ListOfSequences(nn.Module):
+    """Takes a list of variable-length 1-D token id sequences and pads them itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(50, 8, padding_idx=0), nn.Linear(8, 5)
+
+    def forward(self, seqs):
+        x = nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+        keep = (x != 0).unsqueeze(-1).float()
+        return self.out((self.emb(x) * keep).sum(1) / keep.sum(1))
+
+
+@pytest.mark.parametrize("kind", ["images", "sequences"])
+def test_a_list_of_per_sample_tensors_counts_one_sample_per_tensor(sw, kind):
+    """``model([img_0, img_1, ...])`` with per-sample ``[3, H_i, W_i]`` images counted 3 samples a
+    step (the first image's channels); ``model([ids_0, ids_1, ...])`` with variable-length id
+    sequences counted the first one's length as samples and no tokens. Each tensor is a sample,
+    and the ids are the tokens."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = _ListOfImages() if kind == "images" else _ListOfSequences()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    sizes = [6, 7, 8, 6]
+    lengths = []
+    for step, n in enumerate(sizes):
+        if kind == "images":
+            batch = [torch.randn(3, 20 + 4 * ((i + step) % 3), 24) for i in range(n)]
+        else:
+            batch = [torch.randint(1, 50, (5 + (3 * i + step) % 11,)) for i in range(n)]
+        lengths.append(sum(len(b) for b in batch))
+        nn.functional.cross_entropy(m(batch), torch.randint(0, 5, (n,))).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert [r.samples for r in recs] == sizes
+    assert [r.tokens for r in recs] == ([None] * 4 if kind == "images" else lengths)

@@ -4,7 +4,8 @@ How it counts: the outermost module's forward is replayed under ``FakeTensorMode
 kernels) inside ``FlopCounterMode``, on fake copies of the parameters, buffers and inputs, then
 autograd runs backward from ``ones_like`` of the outputs (backward FLOPs do not depend on the
 seed's values). Nothing real is read or written: not the parameters, buffers, ``.grad``, nor the
-RNG state (saved and restored; a test checks all four).
+RNG state (saved and restored; a test checks all four): the default generators, and those the
+model's modules hold as attributes (``_held_rng_states``).
 
 What counts as model FLOPs (MFU), following PaLM (Chowdhery et al. 2022, appendix B):
 - matmul / conv / attention as FlopCounterMode's formulas (2*m*n*k per matmul);
@@ -566,6 +567,78 @@ class _NotInReplay:
         return self.hook(*args, **kwargs)
 
 
+def _rng_kinds() -> tuple[tuple[type, Callable[[Any], Any], Callable[[Any, Any], Any]], ...]:
+    """(class, get state, set state) of each random-number generator kind a module may hold:
+    ``torch.Generator`` (CPU or CUDA), ``random.Random``, and numpy's ``Generator`` and
+    ``RandomState`` where the job imported numpy (never imported here)."""
+    import random
+
+    import torch
+
+    def set_bits(g: Any, s: Any) -> None:
+        g.bit_generator.state = s
+
+    kinds: list[Any] = [(torch.Generator, lambda g: g.get_state(), lambda g, s: g.set_state(s)),
+                        (random.Random, lambda g: g.getstate(), lambda g, s: g.setstate(s))]
+    np_random = getattr(sys.modules.get("numpy"), "random", None)
+    gen_t, rs_t = getattr(np_random, "Generator", None), getattr(np_random, "RandomState", None)
+    if isinstance(gen_t, type):
+        kinds.append((gen_t, lambda g: g.bit_generator.state, set_bits))
+    if isinstance(rs_t, type):
+        kinds.append((rs_t, lambda g: g.get_state(), lambda g, s: g.set_state(s)))
+    return tuple(kinds)
+
+
+def _held_rng_states(modules: Any) -> list[tuple[Any, Callable[[Any, Any], Any], Any]]:
+    """``(generator, set state, its state)`` for every random-number generator (see
+    :func:`_rng_kinds`) that one of ``modules`` holds as an attribute, or as an element (a value)
+    of a list, tuple or dict attribute; each generator once. One that cannot give its state
+    (``random.SystemRandom``) is passed over: never an error (the caller runs inside the user's
+    forward)."""
+    try:
+        kinds = _rng_kinds()
+        types = tuple(k[0] for k in kinds)
+    except Exception:  # noqa: BLE001 - nothing to restore rather than a failed count
+        return []
+    out: list[tuple[Any, Callable[[Any, Any], Any], Any]] = []
+    seen: set[int] = set()
+
+    def keep(g: Any) -> None:
+        if id(g) in seen:
+            return
+        seen.add(id(g))
+        for t, get, put in kinds:
+            if isinstance(g, t):
+                try:
+                    out.append((g, put, get(g)))
+                except Exception:  # noqa: BLE001 - no state to save (SystemRandom): left as it is
+                    pass
+                return
+
+    for m in modules:
+        for v in m.__dict__.values():
+            if isinstance(v, types):
+                keep(v)
+            elif type(v) in (list, tuple):
+                for e in v:
+                    if isinstance(e, types):
+                        keep(e)
+            elif type(v) is dict:
+                for e in v.values():
+                    if isinstance(e, types):
+                        keep(e)
+    return out
+
+
+def _set_rng_states(saved: list[tuple[Any, Callable[[Any, Any], Any], Any]]) -> None:
+    """Put back what :func:`_held_rng_states` saved; a generator that refuses is left as it is."""
+    for g, put, state in saved:
+        try:
+            put(g, state)
+        except Exception:  # noqa: BLE001 - never raise where the user's forward runs
+            pass
+
+
 class _ModuleSnapshot:
     """Set aside distributed hooks and (unless ``user_hooks``) the user's own module hooks, and
     undo any attribute a module rebinds during the replay (a cache, a counter), so that no fake
@@ -601,6 +674,10 @@ class _ModuleSnapshot:
                         _replays_with(h, True) for k, h in d.items() if k not in keep)
                     self.hooks.append((m, attr, d))
                     object.__setattr__(m, attr, keep)
+        # The random-number generators the modules hold (a noise generator of their own, a
+        # LayerDrop's ``random.Random``): their states, put back after the replay, whose forward
+        # drew from them (the default generators are restored by ``_replay``).
+        self.rngs = _held_rng_states(m for m, _ in self.saved)
         if user_hooks:
             return
         for attr in self._GLOBAL_HOOK_DICTS:
@@ -630,6 +707,7 @@ class _ModuleSnapshot:
                         pass
 
     def restore(self) -> None:
+        _set_rng_states(self.rngs)
         for v, before in self.contents:
             if type(v) is list:
                 if len(v) != len(before) or any(a is not b for a, b in zip(v, before)):

@@ -22,8 +22,23 @@ Rules (docs/mfu.md repeats them for users), applied to the outermost module's ca
    model that permutes its input itself; ``ThroughputCollector._probe_layout``). A
    ``PackedSequence`` (a tuple, but not one to unpack): samples = its sequences, tokens = its
    data's rows when they are ids. A list of tensors passed with a list of one dict per element
-   (torchvision's detection models, ``model(images, targets)``): samples = its length. A mapping
-   passed first without rule 1's keys: its first tensor value, read as above.
+   (torchvision's detection models, ``model(images, targets)``): samples = its length. A list or
+   tuple passed first that holds *per-sample tensors* (``_per_sample_tensors``): samples = its
+   length; tokens = the elements of all of them (minus ``pad_token_id`` entries) when they are
+   1-D integer tensors (variable-length id sequences the model pads itself), else unknown. It
+   holds per-sample tensors when it holds at least two tensors, all of one ndim (>= 1), dtype
+   and device, whose shapes are not all equal, and either (a) their batch dims (dim 0; dim 1 of
+   2-D or wider tensors for a sequence-first model) are not all equal, so they cannot be one
+   collated batch, or (b) they are the unbatched input of the model's first convolution
+   (registration order; ``ThroughputCollector._conv_input``): floating, of ndim its spatial
+   dims + 1, dim 0 its ``in_channels`` (images ``[C, H_i, W_i]`` of different sizes). Anything
+   else passed in a list or tuple is a collated batch, read by its first element as above:
+   tensors sharing the batch dim (``(x, mask)``, ``[x, lengths]``, two inputs ``[B, d1]``,
+   ``[B, d2]``), tensors of different ndim or dtype. Ambiguous, and read as a collated batch:
+   per-sample tensors that all have one shape (equal-length sequences, same-sized images), and
+   per-sample tensors that share dim 0 with no convolution to say so (``[C, L_i]`` audio into
+   a model without a ``Conv1d`` first). A mapping passed first without rule 1's keys: its first
+   tensor value, read as above.
 3. Anything else: both unknown (None). Never a guess from an unrelated shape.
 
 Counting non-padding tokens needs a reduction over the mask; on a GPU it is queued on the device
@@ -160,10 +175,75 @@ def _keyed(inputs: Mapping[str, Any]) -> tuple[Any, Any, str] | None:
     return None
 
 
-def _rule_input(args: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, Any, str]:
+def _per_sample_tensors(first: Any, seq_first: bool = False, conv_input: tuple[int, int] | None = None) -> bool:
+    """``first`` (the first positional argument) is a list or tuple of per-sample tensors, one
+    sample each (rule 2 of the module docstring): at least two tensors of one ndim (>= 1), dtype
+    and device, whose shapes are not all equal, and either whose batch dims (dim 0; dim 1 of a
+    seq-first model's 2-D or wider tensors) are not all equal, so that they cannot be one
+    collated batch, or which are the unbatched input of the model's first convolution
+    (``conv_input``: its ``in_channels`` and the ndim of an unbatched input; floating tensors of
+    that ndim whose dim 0 is ``in_channels``: images ``[C, H, W]`` of different sizes)."""
+    import torch
+
+    if type(first) not in (list, tuple) or len(first) < 2:
+        return False
+    t0 = first[0]
+    if not isinstance(t0, torch.Tensor) or t0.dim() < 1:
+        return False
+    nd, dtype, device, shape = t0.dim(), t0.dtype, t0.device, t0.shape
+    same_shape = True
+    for t in first:
+        if not isinstance(t, torch.Tensor) or t.dim() != nd or t.dtype != dtype or t.device != device:
+            return False
+        same_shape = same_shape and t.shape == shape
+    if same_shape:
+        return False  # a collated batch, or per-sample tensors of one shape: ambiguous, read as a batch
+    bdim = 1 if seq_first and nd >= 2 else 0
+    if any(t.shape[bdim] != shape[bdim] for t in first):
+        return True
+    return (conv_input is not None and nd == conv_input[1] and t0.is_floating_point()
+            and int(shape[0]) == conv_input[0])
+
+
+def _from_per_sample(tensors: Any, pad_token_id: int | None) -> BatchCounts:
+    """Per-sample tensors (:func:`_per_sample_tensors`): one sample each; 1-D integer tensors
+    are token ids (their elements, less ``pad_token_id`` ones when given)."""
+    import torch
+
+    t0 = tensors[0]
+    n = len(tensors)
+    if t0.dim() != 1 or t0.is_floating_point() or t0.is_complex() or t0.dtype == torch.bool:
+        return BatchCounts(n, None)
+    if pad_token_id is None:
+        return BatchCounts(n, sum(int(t.numel()) for t in tensors))
+    c = _count_nonzero(torch.cat(tuple(tensors)) != pad_token_id)
+    c.samples = n
+    return c
+
+
+def _conv_input(module: Any) -> tuple[int, int] | None:
+    """``(in_channels, ndim of an unbatched input)`` of ``module``'s first convolution in
+    registration order (``Conv2d(3, ...)``: ``(3, 3)``, images ``[C, H, W]``), None without
+    one. Walks the module tree: once per model."""
+    import torch.nn as nn
+
+    from .flops import unwrap_module
+
+    try:
+        for m in unwrap_module(module).modules():
+            if isinstance(m, nn.modules.conv._ConvNd):
+                return int(m.in_channels), len(m.kernel_size) + 1
+    except Exception:  # noqa: BLE001 - a module tree that cannot be walked: no convolution known
+        pass
+    return None
+
+
+def _rule_input(args: Any, kwargs: Mapping[str, Any] | None, seq_first: bool = False,
+                conv_input: tuple[int, int] | None = None) -> tuple[Any, Any, str]:
     """What the rules read from a call: ``(tensor, attention_mask, kind)`` from a known keyword
-    (rule 1: kind ``ids``, ``embeds`` or ``batch``, see :func:`_keyed`), else ``(the positional
-    tensor or None, None, "")`` (rule 2)."""
+    (rule 1: kind ``ids``, ``embeds`` or ``batch``, see :func:`_keyed`), ``(the list, None,
+    "samples")`` for a list or tuple of per-sample tensors passed first
+    (:func:`_per_sample_tensors`), else ``(the positional tensor or None, None, "")`` (rule 2)."""
     import torch
 
     if kwargs:
@@ -174,6 +254,8 @@ def _rule_input(args: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, Any, 
         args = (args,)
     first = args[0] if args else None
     if isinstance(first, (tuple, list)) and first and not _is_packed(first):
+        if _per_sample_tensors(first, seq_first, conv_input):
+            return first, None, "samples"
         first = first[0]
     if _is_packed(first):
         return first, None, ""
@@ -240,15 +322,20 @@ def infer_batch_counts(
     *,
     pad_token_id: int | None = None,
     seq_first: bool = False,
+    conv_input: tuple[int, int] | None = None,
 ) -> BatchCounts:
     """Samples and tokens of one call ``model(*args, **kwargs)`` (training thread, no sync).
-    ``seq_first``: a positional input is ``[seq, batch, ...]`` (see :func:`is_seq_first`)."""
+    ``seq_first``: a positional input is ``[seq, batch, ...]`` (see :func:`is_seq_first`).
+    ``conv_input``: the model's first convolution's ``in_channels`` and the ndim of its unbatched
+    input (see :func:`_conv_input`), which tells a list of per-sample images passed first."""
     import torch
 
     per_sample = _per_sample_list(args, kwargs)
     if per_sample is not None:
         return BatchCounts(per_sample, None)
-    first, mask, kind = _rule_input(args, kwargs)
+    first, mask, kind = _rule_input(args, kwargs, seq_first, conv_input)
+    if kind == "samples":
+        return _from_per_sample(first, pad_token_id)
     if kind == "ids":
         return _from_ids(first, mask, pad_token_id)
     if kind == "embeds":
@@ -426,7 +513,8 @@ class _ThroughputMethods(Collector):
         self._token_root: int | None = None
         self._seq_first = False
         self._layout_layers: list[Any] | None = None  # a new model's seq-first layers, until its first call is probed
-        self._layouts: dict[int, tuple[bool, list[Any] | None]] = {}  # the same two, per model not in use now
+        self._conv_input: tuple[int, int] | None = None  # the model's first convolution (_conv_input)
+        self._layouts: dict[int, tuple[bool, list[Any] | None, Any]] = {}  # the same three, per model not in use now
         self._known: set[int] = set()  # ids of the live roots this collector has seen called
         # Per root (by id): a weak reference and which of its parameters required grad (recheck).
         self._roots: dict[int, tuple[Any, tuple[bool, ...]]] = {}
@@ -575,14 +663,15 @@ class _ThroughputMethods(Collector):
         old = self._token_root
         if old is not None:
             self._hits.pop(old, None)
-            self._layouts[old] = (self._seq_first, self._layout_layers)
+            self._layouts[old] = (self._seq_first, self._layout_layers, self._conv_input)
         self._token_root = mid
         kept = self._layouts.pop(mid, None)
         if kept is None:
             self._layout_layers = seq_first_layers(module)
             self._seq_first = bool(self._layout_layers)
+            self._conv_input = _conv_input(module)
         else:
-            self._seq_first, self._layout_layers = kept
+            self._seq_first, self._layout_layers, self._conv_input = kept
 
     def _probe_layout(self, root: Any, layers: list[Any], args: Any, kwargs: Any, counts: BatchCounts) -> bool:
         """The first call of a model whose RNN and attention layers are all seq-first: its input is
@@ -591,7 +680,7 @@ class _ThroughputMethods(Collector):
         ``counts`` (this call's) is corrected (:func:`_first_layer_in_call`). False when this call
         cannot tell (a square ``[n, n]`` input): the model's next new input shape is looked at
         instead."""
-        x, _, keyed = _rule_input(args, kwargs)
+        x, _, keyed = _rule_input(args, kwargs, self._seq_first, self._conv_input)
         if keyed or not isinstance(x, _tensor_type()) or x.dim() < 2 or counts.samples is None:
             return True  # nothing to learn from such calls
         if _compiled(root):
@@ -622,7 +711,7 @@ class _ThroughputMethods(Collector):
 
         from .flops import unwrap_module
 
-        x, _, kind = _rule_input(args, kwargs)
+        x, _, kind = _rule_input(args, kwargs, self._seq_first, self._conv_input)
         if kind or not isinstance(x, _tensor_type()) or x.dim() != 1 or not x.is_floating_point():
             return
         first = next((m for m in unwrap_module(root).modules() if isinstance(m, nn.Linear)), None)
@@ -704,7 +793,8 @@ class _ThroughputMethods(Collector):
         return key
 
     def _batch_counts(self, args: Any, kwargs: Any) -> BatchCounts:
-        return infer_batch_counts(args, kwargs, pad_token_id=self.pad_token_id, seq_first=self._seq_first)
+        return infer_batch_counts(args, kwargs, pad_token_id=self.pad_token_id, seq_first=self._seq_first,
+                                  conv_input=self._conv_input)
 
 class ThroughputCollector(_ThroughputMethods, _ThroughputCore):  # type: ignore[misc,valid-type]
     __doc__ = _ThroughputMethods.__doc__  # its hot path: C where metrics/_cmetrics.c was built
