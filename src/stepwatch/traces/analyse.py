@@ -19,6 +19,9 @@ Definitions follow HolisticTraceAnalysis 0.5.0 (``hta/common/trace*.py``,
 * Idle time per stream (kernel, memcpy and memset events, in start order): the gap before each
   is *host wait* when its launch came after the previous one ended (the queue was empty), *kernel
   wait* when shorter than 30 µs (HTA's ``consecutive_kernel_delay``), else *other*.
+* Host syncs (stepwatch's, not HTA's): a blocking call is one only where the trace shows device
+  work it waits on (a GPU row, or CUDA/HIP runtime calls), and only a GPU gap is named by one; a
+  CPU job's trace (no GPU row: its gaps are the training thread's time without an op) has none.
 
 One pass over the file. Memory: per GPU event five numbers in typed arrays (and three per
 runtime call with a correlation id), the merged busy intervals of ``aten::`` ops per thread, the
@@ -48,6 +51,7 @@ TINY_US = 50.0  # B.2: "Many tiny kernels (< 50 µs each)"
 KERNEL_WAIT_US = 30.0  # HTA get_idle_time_breakdown's consecutive_kernel_delay default
 KERNEL_CATS = frozenset(("kernel", "Kernel", "gpu_memset", "Memset", "gpu_memcpy", "Memcpy", "mtia_ccp_events"))
 DEVICE_SYNC_NAMES = frozenset(("Event Sync", "Context Sync"))  # HTA: on stream -1, still GPU events
+RUNTIME_CATS = frozenset(("cuda_runtime", "cuda_driver"))  # the host side of device work (CUDA and HIP)
 CPU_CATS = frozenset(("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver"))
 # Calls that block the host until the device catches up (CUDA and HIP runtime, and the aten ops
 # that copy a device value to the host).
@@ -60,6 +64,7 @@ SYNC_NAMES = frozenset((
 DATA_RE = re.compile(r"DataLoader|_next_data|__next__|dataloader|collate|fetch", re.I)
 STEP_RE = re.compile(r"^(?:ProfilerStep\s*#\s*|stepwatch_step_)(\d+)")
 _LIBRARY = re.compile(r"(^|/)(torch|site-packages|dist-packages|threading\.py|<built-in)|^<|^built-in|^torch/")
+RANK_NAME_RE = re.compile(r"rank[-_.]?(\d+)")  # a trace's rank in its file name (when the trace has none)
 MAX_RANGES = 100_000
 LONG_US = 500.0
 MAX_CPU_KEPT = 2_000_000  # bound on the CPU events kept to name gaps (16 bytes + ids each)
@@ -135,6 +140,7 @@ class _Pass1:
         self.aten_sorted: dict[Any, bool] = {}
         self.syncs: dict[str, list[Any]] = {}  # name -> [count, total_us, longest (ts, dur, tid)]
         self.cpu_seen = False
+        self.runtime_seen = False  # a CUDA/HIP runtime or driver call: the process drove a device
         # CPU events that can name a gap (long ones, blocking calls): start, duration, ids.
         self.c_ts, self.c_dur, self.c_name, self.c_tid, self.c_cat = (array("d"), array("d"), array("l"),
                                                                      array("l"), array("l"))
@@ -184,6 +190,8 @@ class _Pass1:
             return
         tid = e.get("tid")
         self.cpu_seen = True
+        if cat in RUNTIME_CATS:
+            self.runtime_seen = True
         if corr != -1 and not gf:
             self.r_corr.append(corr)
             self.r_ts.append(ts)
@@ -252,7 +260,8 @@ class _Namer:
             gs, ge = g["_s"], g["_e"]
             if ts > ge or end < gs - 5.0:
                 continue
-            if name in SYNC_NAMES and end >= gs - 5.0:
+            if name in SYNC_NAMES and g["where"] == "gpu" and end >= gs - 5.0:
+                # Only a GPU gap has a host sync: the CPU waited on the device, which then idled.
                 cur = self.sync[i]
                 if cur is None or end > cur[2]:
                     self.sync[i] = (dur, name, end, ts)
@@ -289,7 +298,7 @@ def _rank_of(meta: dict[str, Any], path: str) -> int | None:
     di = meta.get("distributedInfo")
     if isinstance(di, dict) and isinstance(di.get("rank"), int):
         return di["rank"]
-    m = re.search(r"rank[-_.]?(\d+)", os.path.basename(path))
+    m = RANK_NAME_RE.search(os.path.basename(path))
     return int(m.group(1)) if m else None
 
 
@@ -313,6 +322,11 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS) -> 
             launch[c] = ceil(ts)
             launch_tids.add(tid)
     p1.r_corr = p1.r_ts = p1.r_tid = array("q")  # done with: the memory goes back before the sort
+    # A blocking call is a host sync only where the trace shows device work it waits on: a GPU row,
+    # or CUDA/HIP runtime calls. In a CPU job's trace aten::item and the like wait on nothing.
+    device = len(p1.k_ts) > 0 or p1.runtime_seen
+    if not device:
+        p1.syncs = {}
     drop = len(p1.prof_names) >= 2 and p1.prof_last is not None
     last_start = ceil(p1.prof_last) if drop else None
     ev: list[tuple[float, float, int, int, int, int]] = []  # ts, end, stream, name, corr, cat

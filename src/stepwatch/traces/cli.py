@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+ENDED_POLL_S = 1.0  # how often `stepwatch capture` checks whether the job has ended while it waits
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -29,7 +31,8 @@ def register(subparsers) -> None:
         description=("Drop a request in RUN_DIR/requests/; rank 0 of the running job picks it up within "
                      "a second, every rank profiles the same N steps, writes its trace to RUN_DIR/captures/ "
                      "and analyses it. Waits for the analyses and prints them. The job must run with "
-                     "captures on (under `stepwatch run` or with several ranks, or STEPWATCH_CAPTURE=on)."),
+                     "captures on (under `stepwatch run` or with several ranks, or STEPWATCH_CAPTURE=on); "
+                     "a job that has ended (run.json's end_time, or no rank process left) is said at once."),
     )
     c.add_argument("run_dir", metavar="RUN_DIR", help="the live job's run directory")
     c.add_argument("--steps", type=int, default=3, help="steps to capture, 1-100 (default 3)")
@@ -40,25 +43,31 @@ def register(subparsers) -> None:
 
 
 def _print(summaries: list[dict], as_json: bool) -> None:
+    """Print the summaries; the ranks are compared only within one capture (``capture_groups``),
+    and each group's ``trace_rank_idle`` goes to that group's file of the rank it names."""
     from ..record import Finding
-    from .findings import across_ranks
+    from .findings import across_ranks, capture_groups
 
-    joined = across_ranks(summaries)
+    groups = capture_groups(summaries)
+    joined: list[tuple[Finding, list[dict]]] = []
+    for label, group in groups:
+        for f in across_ranks(group, label=label if len(groups) > 1 else None, context={"group": label}):
+            joined.append((f, group))
     if as_json:
+        for f, group in joined:
+            for s in group:
+                if s.get("rank") == f.rank:
+                    s["findings"].append(f.to_dict())
         for s in summaries:
             s.pop("_capture", None)
-        if joined:
-            for s in summaries:
-                if s.get("rank") == joined[0].rank:
-                    s["findings"].append(joined[0].to_dict())
         json.dump(summaries, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return
     from .. import _terminal as terminal
     from .tables import all_tables
 
-    fs = [Finding.from_dict(f) for s in summaries for f in s.get("findings", [])] + joined
-    terminal.render(all_tables(summaries, fs))
+    fs = [Finding.from_dict(f) for s in summaries for f in s.get("findings", [])] + [f for f, _ in joined]
+    terminal.render(all_tables(summaries, fs, files=True))
 
 
 def run_trace(args: argparse.Namespace) -> int:
@@ -77,7 +86,8 @@ def run_trace(args: argparse.Namespace) -> int:
         try:
             out.append(analyse_with_findings(p))
         except (TraceFormatError, OSError, EOFError) as e:
-            print(f"stepwatch trace: error: {p}: {e}", file=sys.stderr)
+            msg = str(e) if str(e).startswith(p) else f"{p}: {e}"  # TraceFormatError names the file
+            print(f"stepwatch trace: error: {msg}", file=sys.stderr)
             rc = 1
     if out:
         _print(out, args.json)
@@ -94,6 +104,8 @@ def run_capture(args: argparse.Namespace) -> int:
         err = f"--timeout must be > 0 seconds, got {args.timeout}"
     elif not os.path.isfile(os.path.join(args.run_dir, "run.json")):
         err = f"RUN_DIR {args.run_dir!r} is not a stepwatch run directory (no run.json)"
+    else:
+        err = rundir.run_ended(args.run_dir)  # a finished job takes no request: say so now, not after --timeout
     if err:
         print(f"stepwatch capture: error: {err}", file=sys.stderr)
         return 2
@@ -106,19 +118,29 @@ def run_capture(args: argparse.Namespace) -> int:
     d = rundir.request_dir(args.run_dir)
     deadline = time.monotonic() + args.timeout
     taken = os.path.join(d, f"capture-{rid}.taken.json")
-    answer = None
+    answer = ended = None
+    checked = time.monotonic()
     while time.monotonic() < deadline:
         answer = rundir._read(taken)
         if answer is not None:
             break
+        if time.monotonic() - checked >= ENDED_POLL_S:
+            checked = time.monotonic()
+            ended = rundir.run_ended(args.run_dir)
+            if ended:
+                answer = rundir._read(taken)  # taken just before the end: go on with it
+                break
         time.sleep(0.2)
     if answer is None:
         try:
             os.unlink(os.path.join(d, f"capture-{rid}.json"))
         except OSError:
             pass
-        print(f"stepwatch capture: error: no rank took the request within {args.timeout:.0f} s: is the job "
-              "running, with captures on (STEPWATCH_CAPTURE=on, or `stepwatch run`)?", file=sys.stderr)
+        if ended:
+            print(f"stepwatch capture: error: {ended}, before any rank took the request", file=sys.stderr)
+        else:
+            print(f"stepwatch capture: error: no rank took the request within {args.timeout:.0f} s: is the job "
+                  "running, with captures on (STEPWATCH_CAPTURE=on, or `stepwatch run`)?", file=sys.stderr)
         return 1
     if "refused" in answer:
         print(f"stepwatch capture: the job refused the capture: {answer['refused']}", file=sys.stderr)
@@ -130,15 +152,22 @@ def run_capture(args: argparse.Namespace) -> int:
         got = rundir.capture_analyses(args.run_dir).get(k, [])
         if len(got) >= world:
             break
+        if time.monotonic() - checked >= ENDED_POLL_S:
+            checked = time.monotonic()
+            # Once the job is gone, only an analysis process still running can add a rank's summary.
+            ended = rundir.run_ended(args.run_dir)
+            if ended and not rundir.analyses_pending(args.run_dir, k):
+                got = rundir.capture_analyses(args.run_dir).get(k, [])
+                break
         time.sleep(0.5)
+    within = f"({ended})" if ended and len(got) < world else f"within {args.timeout:.0f} s"
     if not got:
-        print(f"stepwatch capture: error: capture {k} not analysed within {args.timeout:.0f} s", file=sys.stderr)
+        print(f"stepwatch capture: error: capture {k} not analysed {within}", file=sys.stderr)
         return 1
     for s in got:
         s.pop("_capture", None)
     _print(got, args.json)
     if len(got) < world:
-        print(f"stepwatch capture: only {len(got)} of {world} ranks analysed within {args.timeout:.0f} s",
-              file=sys.stderr)
+        print(f"stepwatch capture: only {len(got)} of {world} ranks analysed {within}", file=sys.stderr)
         return 1
     return 0

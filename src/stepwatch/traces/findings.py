@@ -4,21 +4,42 @@ One summary gives at most one finding per kind: the dense GPU row (healthy), idl
 (by cause: data loading, host sync, or launch overhead / CPU work), communication not hidden
 behind compute (overlap below the 80% target: the ``allreduce_not_overlapped`` kind the live
 comm analysis uses too), many tiny kernels, and a host sync inside the step. ``across_ranks``
-joins the summaries of one capture's ranks: which rank's GPU idled while the others computed.
+joins the summaries of one capture's ranks (``capture_groups`` says which files are one
+capture): which rank's GPU idled while the others computed.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import statistics
 from typing import Any
 
 from ..analysis.kinds import make_finding
 from ..record import Finding
+from .analyse import RANK_NAME_RE
 
 DENSE_IDLE_PCT = 10.0
 OVERLAP_TARGET_PCT = 80.0  # B.2 'Measure overlap fraction -- target > 80%'
 TINY_SHARE_PCT = 50.0
 RANK_IDLE_POINTS = 10.0
+# A CPU job's trace (no GPU row): its gaps are the training thread running no op, so the kinds'
+# GPU wording (CUDA Graphs, pin_memory) does not apply; these replace the kind's text there.
+CPU_TEXT = {
+    "trace_idle_gaps": (
+        "The training thread runs no op for more than 1 ms at a time inside the captured steps (a CPU "
+        "job's trace: no GPU row): Python work between ops (logging, I/O, a sleep, host-side "
+        "preprocessing) or an op too short to be named; the summary names the op or annotation "
+        "spanning the largest gap, if any.",
+        "Find that Python work (profile with with_stack=True for the call site, or py-spy) and move it "
+        "off the step, or do it every N steps.",
+    ),
+    "trace_data_stall": (
+        "The captured steps wait on data loading: the training thread runs no op while it is "
+        "inside the DataLoader (a CPU job's trace).",
+        "Increase num_workers (and prefetch_factor), or move decoding off the critical path.",
+    ),
+}
 
 
 def _fmt_us(us: float) -> str:
@@ -47,11 +68,15 @@ def findings_for(summary: dict[str, Any], *, step: int | None = None, when: floa
     ctx.setdefault("trace", summary.get("trace"))
     out: list[Finding] = []
 
-    def add(kind: str, text: str, data: dict[str, Any], at: int | None = None, severity: str | None = None) -> None:
-        out.append(make_finding(kind, rank=rank, step=at if at is not None else step, when=when,
-                                summary=text, data={**ctx, **data}, severity=severity))
-
     gpu = summary.get("temporal") is not None
+
+    def add(kind: str, text: str, data: dict[str, Any], at: int | None = None, severity: str | None = None) -> None:
+        f = make_finding(kind, rank=rank, step=at if at is not None else step, when=when,
+                         summary=text, data={**ctx, **data}, severity=severity)
+        if not gpu and kind in CPU_TEXT:
+            f.diagnosis, f.action = CPU_TEXT[kind]
+        out.append(f)
+
     gaps = summary.get("gaps") or []
     big = [g for g in gaps if g["dur_us"] > 1000.0]
     over = summary.get("gaps_over_1ms") or {}
@@ -99,20 +124,66 @@ def findings_for(summary: dict[str, Any], *, step: int | None = None, when: floa
     return out
 
 
+CAPTURE_NAME_RE = re.compile(r"^(capture-\d+-steps-?\d+--?\d+)\.rank\d+\.trace\.json(?:\.gz)?$")
+
+
+def group_key(path: str) -> tuple[str, str]:
+    """Which traces are one capture's ranks (compared by ``across_ranks``): (directory, label).
+
+    * stepwatch's ``capture-<n>-steps<a>-<b>.rank<R>.trace.json[.gz]``: capture n of steps a-b;
+    * another name with a rank in it (``rank<N>``, ``rank-<N>``, ... as the rank is read):
+      the name with that number replaced by ``*`` (``job-rank0.json``, ``job-rank1.json``);
+    * a name without one (the rank in ``distributedInfo`` only, as torch's
+      tensorboard_trace_handler writes ``<host>_<pid>.<ms>.pt.trace.json``): every such file of
+      the directory, as HTA reads a trace directory as one run's ranks.
+
+    Files in different directories are never one group."""
+    d, name = os.path.split(os.path.abspath(path))
+    m = CAPTURE_NAME_RE.match(name)
+    if m:
+        return d, m.group(1)
+    m = RANK_NAME_RE.search(name)
+    if m:
+        return d, name[:m.start(1)] + "*" + name[m.end(1):]
+    return d, "*"
+
+
+def capture_groups(summaries: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The summaries grouped by ``group_key`` of their trace, in the order first seen; each
+    group's label (the label alone when every group is in one directory, else with it)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for s in summaries:
+        groups.setdefault(group_key(str(s.get("trace", ""))), []).append(s)
+    one_dir = len({d for d, _ in groups}) <= 1
+    return [(lab if one_dir else os.path.join(d, lab), g) for (d, lab), g in groups.items()]
+
+
 def across_ranks(summaries: list[dict[str, Any]], *, step: int | None = None, when: float | None = None,
-                 context: dict[str, Any] | None = None) -> list[Finding]:
-    """Which rank's GPU idled while the others computed (same captured steps, several ranks)."""
-    idle = {s["rank"]: s["temporal"]["idle_pct"] for s in summaries
-            if s.get("temporal") and s["temporal"].get("idle_pct") is not None and isinstance(s.get("rank"), int)}
+                 context: dict[str, Any] | None = None, label: str | None = None) -> list[Finding]:
+    """Which rank's GPU idled while the others computed; ``summaries`` are one capture's ranks
+    (the same steps: ``capture_groups``). Nothing when a rank comes twice (which of its traces
+    covers the others' steps is unknown) or fewer than two ranks have a GPU row. ``label`` (the
+    group's) leads the summary."""
+    idle: dict[int, float] = {}
+    trace: dict[int, Any] = {}
+    for s in summaries:
+        r = s.get("rank")
+        if not isinstance(r, int) or not s.get("temporal") or s["temporal"].get("idle_pct") is None:
+            continue
+        if r in idle:
+            return []
+        idle[r] = s["temporal"]["idle_pct"]
+        trace[r] = s.get("trace")
     if len(idle) < 2:
         return []
     worst = max(idle, key=lambda r: idle[r])
     others = statistics.median(v for r, v in idle.items() if r != worst)
     if idle[worst] - others < RANK_IDLE_POINTS:
         return []
+    lead = f"{label}: " if label else ""
     return [make_finding(
         "trace_rank_idle", rank=worst, step=step, when=when,
-        summary=(f"rank {worst}'s GPU idled {idle[worst]:.1f}% of the captured span while the other "
+        summary=(f"{lead}rank {worst}'s GPU idled {idle[worst]:.1f}% of the captured span while the other "
                  f"{len(idle) - 1} rank(s) idled {others:.1f}% (median)"),
-        data={**(context or {}), "idle_pct": idle},
+        data={"trace": trace[worst], **(context or {}), "idle_pct": idle},
     )]

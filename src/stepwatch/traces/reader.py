@@ -6,6 +6,8 @@ whole. The text is read in chunks and each event is decoded alone with the stand
 scanner (``json.scanner``): memory holds one chunk and one event. The other top-level keys
 (``distributedInfo``, ``deviceProperties``, ...) are small and kept in ``meta``; they may come
 before or after the events. The Chrome "JSON array" form (a bare list of events) is read too.
+Any other JSON (an object without ``traceEvents``, a list holding no event object) is not a
+trace: ``TraceFormatError``, like a file that is not JSON.
 """
 
 from __future__ import annotations
@@ -139,24 +141,35 @@ class EventReader:
             c = self._skip_ws()
             if c == "[":
                 self._pos += 1
+                others = 0
                 for ev in self._array():
                     if isinstance(ev, dict):
                         self.events += 1
                         yield ev
+                    else:
+                        others += 1
+                if others and not self.events:
+                    raise TraceFormatError(f"{self.path}: not a profiler trace: a JSON list of {others} "
+                                           "value(s) and no event object")
                 return
             self._expect("{")
-            if self._skip_ws() == "}":
-                return
-            while True:
-                key = self._value()
-                self._expect(":")
-                if key == "traceEvents":
-                    self._expect("[")
-                    for ev in self._array():
-                        if isinstance(ev, dict):
-                            self.events += 1
-                            yield ev
-                else:
-                    self.meta[str(key)] = self._value()
-                if self._expect(",}") == "}":
-                    return
+            seen = False
+            if self._skip_ws() != "}":
+                while True:
+                    key = self._value()
+                    self._expect(":")
+                    if key == "traceEvents":
+                        seen = True
+                        self._expect("[")
+                        for ev in self._array():
+                            if isinstance(ev, dict):
+                                self.events += 1
+                                yield ev
+                    else:
+                        self.meta[str(key)] = self._value()
+                    if self._expect(",}") == "}":
+                        break
+            if not seen:
+                keys = ", ".join(sorted(self.meta)[:5]) or "none"
+                raise TraceFormatError(f"{self.path}: not a profiler trace: a JSON object without a "
+                                       f"traceEvents list (its keys: {keys})")

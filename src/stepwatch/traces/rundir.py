@@ -24,6 +24,7 @@ from . import ANALYSIS_SUFFIX
 
 REQUESTS = "requests"
 _ANALYSIS_RE = re.compile(r"^capture-(\d+)-steps(-?\d+)-(-?\d+)\.rank(\d+)" + re.escape(ANALYSIS_SUFFIX) + "$")
+_TRACE_RE = re.compile(r"^(capture-(\d+)-steps-?\d+--?\d+\.rank\d+)\.trace\.json(?:\.gz)?$")
 _REQUEST_RE = re.compile(r"^capture-([A-Za-z0-9_-]{1,64})\.json$")
 MAX_STEPS = 100
 
@@ -120,6 +121,75 @@ def pending_requests(run_dir: str) -> list[tuple[str, int]]:
         if isinstance(steps, int) and 1 <= steps <= MAX_STEPS:
             out.append((m.group(1), steps))
     return out
+
+
+_RUN_RE = re.compile(r"^run(?:\.\d+)?\.json$")  # run.json, and run.<K>.json of a relaunch in the same directory
+_RANK_RE = re.compile(r"^rank\d+(?:\.\d+)?\.json$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # someone else's process, or a pid we cannot ask about: count it as running
+    return True
+
+
+def run_ended(run_dir: str) -> str | None:
+    """Why no rank of the job in ``run_dir`` can take a request any more, or None when one may.
+
+    Ended when every run manifest (``run.json``, and ``run.<K>.json`` of a relaunch in the same
+    directory) has its ``end_time`` (written at the job's shutdown), or when every rank file
+    (``rank<R>.json``, ``rank<R>.<K>.json``) names a process of this host that no longer exists
+    (a job killed before its shutdown). A rank on another host, or a pid now taken by another
+    process, counts as running."""
+    try:
+        names = os.listdir(run_dir)
+    except OSError as e:
+        return f"cannot read {run_dir}: {e}"
+    ends = []
+    for n in sorted(names):
+        if _RUN_RE.match(n):
+            m = _read(os.path.join(run_dir, n))
+            ends.append(m.get("end_time") if isinstance(m, dict) else None)
+    if ends and all(isinstance(e, (int, float)) for e in ends):
+        import time
+
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(max(ends)))
+        return f"the run in {run_dir} has ended (run.json: end_time {at})"
+    import socket
+
+    host = socket.gethostname()
+    pids = []
+    for n in sorted(names):
+        if not _RANK_RE.match(n):
+            continue
+        m = _read(os.path.join(run_dir, n))
+        if not isinstance(m, dict) or m.get("host") != host or not isinstance(m.get("pid"), int):
+            return None  # another host's rank (or an unreadable file): it may be running
+        if _pid_alive(m["pid"]):
+            return None
+        pids.append(f"rank {m.get('rank')} pid {m['pid']}")
+    if pids:
+        return f"the run in {run_dir} has ended: no rank's process is running ({', '.join(pids)})"
+    return None
+
+
+def analyses_pending(run_dir: str, capture: int) -> bool:
+    """Whether a rank wrote its trace of ``capture`` and its analysis is not there yet (the
+    analysis process goes on after its job ends)."""
+    d = os.path.join(run_dir, "captures")
+    try:
+        names = set(os.listdir(d))
+    except OSError:
+        return False
+    for n in names:
+        m = _TRACE_RE.match(n)
+        if m and int(m.group(2)) == capture and m.group(1) + ANALYSIS_SUFFIX not in names:
+            return True
+    return False
 
 
 def _mtime(p: str) -> float:
