@@ -495,8 +495,9 @@ KINDS: dict[str, Kind] = {
             "A step took much longer than its neighbours: above the rolling median plus several "
             "MAD-sigmas (evaluation and checkpoint time excluded, and the steps stepwatch's own capture "
             "profiled).",
-            "Read the capture stepwatch took of the next steps (captures/*.trace.json.gz, open in "
-            "Perfetto) and the step's phase split: data wait, forward, backward, optimizer.",
+            "Read the step's phase split (data wait, forward, backward, optimizer); where captures "
+            "are on and one was taken of the next steps (captures/*.trace.json.gz; run.json's "
+            "features.capture lists them), open it in Perfetto or run stepwatch trace on it.",
             "stepwatch rule: robust outlier test, median + k x 1.4826 x MAD (Rousseeuw & Croux 1993)",
         ),
     )
