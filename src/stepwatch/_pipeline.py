@@ -274,17 +274,26 @@ class Pipeline:
             w.close(deadline)
         if meanwhile is not None:
             meanwhile()
-        if self._records is not None:
-            try:
-                self._records.shutdown()
-            except Exception as exc:
-                self.report_error("exporter.records", exc)
         for w in self.workers:
             if not w.join(deadline):
                 logger.warning(
                     "stepwatch: exporter %s did not finish within the %.1f s of shutdown; what it still held is "
                     "counted in run.json's exporter_drops", w.name, timeout_s,
                 )
+        if self._records is not None:
+            # What failed after the final pass was handed out (a sink on its thread, a feature's
+            # stop) left its internal_error finding for a pass that will not come: the records
+            # file takes it now.
+            late, self._internal_findings = self._internal_findings, []
+            try:
+                if late:
+                    self._records.export(Batch(records=[], findings=late))
+            except Exception as exc:
+                self.report_error("exporter.records", exc)
+            try:
+                self._records.shutdown()
+            except Exception as exc:
+                self.report_error("exporter.records", exc)
 
     # -- exporters ------------------------------------------------------------------------------
 

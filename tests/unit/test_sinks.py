@@ -449,3 +449,31 @@ def test_import_watch_fires_once_at_the_first_import_and_leaves_sys_meta_path(tm
         never.stop()
         sys.modules.pop("sw_watched_a", None)
         sys.modules.pop("sw_watched_b", None)
+
+
+def test_a_sink_that_fails_at_the_last_export_still_leaves_its_finding(sw, tmp_path):
+    """A sink fails on its thread after the job's final pass was handed out (a short job, a
+    shutdown): its internal_error finding was queued for a next pass that never came, so the
+    records file said nothing of it (run.json counted it)."""
+    import stepwatch
+
+    stepwatch_mod, mem, start = sw
+
+    class Broken(stepwatch.Exporter):
+        name = "broken"
+
+        def export(self, batch):
+            raise RuntimeError("the tracking server refused the write")
+
+    start(exporters=[Broken()], flush_interval_s=60)  # nothing exported before the shutdown
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(2):
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch_mod.shutdown()
+    run = tmp_path / "run"
+    found = [json.loads(x) for x in (run / "findings.rank0.jsonl").read_text().splitlines()]
+    assert [f["data"]["where"] for f in found if f["kind"] == "internal_error"] == ["exporter.broken"], found
+    assert list(json.loads((run / "run.json").read_text())["internal_errors"]) == ["exporter.broken"]
