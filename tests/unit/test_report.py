@@ -735,7 +735,7 @@ def test_the_run_table_names_every_feature_that_ran_and_why_one_did_not(tmp_path
         "comm": {"ddp_models": 1},
         "memory": {"every": 10, "ooms": 0},
         "capture": {"hang_watchdog": {"enabled": True}, "captures": {"taken": 0}},
-        "mlflow": {"run_seen": False, "off": True},
+        "mlflow": {"run_seen": False, "off": False},  # no active MLflow run: did nothing
     }
     (tmp_path / "run.json").write_text(json.dumps(m))
     assert cli(["report", str(tmp_path), "--no-html"]) == 0
@@ -745,5 +745,6 @@ def test_the_run_table_names_every_feature_that_ran_and_why_one_did_not(tmp_path
         assert name in on, on
     for name in ("nvtx", "gpu_telemetry", "mlflow", "console"):
         assert name not in on, on
+    assert "mlflow" not in out
     off = " ".join(line for line in out.splitlines() if "features off" in line or "NVIDIA" in line)
     assert "gpu_telemetry" in off and "NVIDIA driver not found" in off, out

@@ -214,6 +214,8 @@ def _features(feats: dict[str, Any]) -> tuple[list[str], list[str]]:
         if v is True:
             on.append(name)
         elif isinstance(v, dict):
+            if v.get("run_seen") is False:
+                continue  # a sink that waits for the job's own run (MLflow) and saw none: it did nothing
             if v.get("enabled") is False or v.get("running") is False or v.get("off") is True:
                 why = v.get("error")
                 off.append(f"{name} ({why})" if isinstance(why, str) and why else name)
