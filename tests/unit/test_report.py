@@ -748,3 +748,52 @@ def test_the_run_table_names_every_feature_that_ran_and_why_one_did_not(tmp_path
     assert "mlflow" not in out
     off = " ".join(line for line in out.splitlines() if "features off" in line or "NVIDIA" in line)
     assert "gpu_telemetry" in off and "NVIDIA driver not found" in off, out
+
+
+def _ddp_pair(n, *, slow_other_s=0.0, step0_wait=0.0):
+    """Two DDP ranks in lockstep: rank 1 does ``slow_other_s`` more work outside the phases each
+    step (other_s), which rank 0 waits out in the AllReduce (exposed comm in its backward).
+    ``step0_wait``: how long rank 0 waits in step 0 for rank 1's one-off work (a FLOP count,
+    which rank 1 keeps out of its own step)."""
+    out = {0: [], 1: []}
+    t = 1.7e9
+    for i in range(n):
+        base = 0.004
+        t += base + slow_other_s
+        for r in (0, 1):
+            extra = slow_other_s if r == 1 else 0.0
+            wait = slow_other_s - extra + (step0_wait if i == 0 and r == 0 else 0.0)
+            step = base + extra + wait
+            out[r].append(StepRecord(step=i, rank=r, time=t, step_s=step, data_wait_s=0.0001, forward_s=0.001,
+                                     backward_s=0.0015 + wait, optimizer_s=0.001,
+                                     other_s=step - 0.0001 - 0.001 - 0.0015 - wait - 0.001,
+                                     comm_s=0.001 + wait, comm_exposed_s=wait))
+    return out
+
+
+def test_a_straggler_whose_extra_work_is_outside_the_phases_is_marked(tmp_path, capsys):
+    """A rank slow in Python between the hooked phases (its time in other_s): the report's compute
+    (forward + backward + optimizer less exposed comm) left other_s out, so neither rank was
+    marked while the straggler finding named rank 1. The mark now judges what the straggler
+    detector does: step time less data wait and exposed comm, per step, its median."""
+    recs = _ddp_pair(120, slow_other_s=0.030)
+    for r, rs in recs.items():
+        write_jsonl(tmp_path / f"steps.rank{r}.jsonl", rs)
+    write_manifest(tmp_path, 2)
+    s = summarize(load_run(str(tmp_path)))
+    assert s.slowest_compute_rank == 1 and s.slowest_rank is None
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    assert "* rank 1: most work" in " ".join(capsys.readouterr().out.split())
+
+
+def test_step_0_alone_marks_no_rank(tmp_path):
+    """A balanced job whose rank 0 waited 55 ms in step 0 for rank 1's one-off work (kept out of
+    rank 1's own step): the mean step time with step 0 in it marked rank 0 as the slowest. Step 0
+    holds the ranks' start-up; the marks judge the steps after it."""
+    recs = _ddp_pair(120, step0_wait=0.055)
+    assert recs[0][0].step_s > 10 * recs[1][0].step_s
+    for r, rs in recs.items():
+        write_jsonl(tmp_path / f"steps.rank{r}.jsonl", rs)
+    write_manifest(tmp_path, 2)
+    s = summarize(load_run(str(tmp_path)))
+    assert (s.slowest_rank, s.slowest_compute_rank, s.most_data_wait_rank) == (None, None, None)

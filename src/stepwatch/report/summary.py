@@ -65,6 +65,12 @@ class Stats:
     allreduce_mean: float | None = None
     mem_peak_max: int | None = None
     scalars_last: dict[str, float] = field(default_factory=dict)
+    # What the per-rank marks judge (``_argmax``): the mean step time without the rank's first
+    # timed step (start-up: one-off work, and waits for the other ranks' one-off work), and the
+    # median over steps of the rank's own work, step time less data wait and exposed comm (the
+    # straggler detector's measure, comm/stragglers.py); None without exposed comm recorded.
+    steady_step_mean: float | None = None
+    work_p50: float | None = None
 
 
 @dataclass(slots=True)
@@ -87,7 +93,7 @@ class Summary:
     per_rank: dict[int, Stats]
     findings: list[FindingGroup]
     slowest_rank: int | None  # highest mean step time
-    slowest_compute_rank: int | None  # highest forward+backward+optimizer less exposed comm
+    slowest_compute_rank: int | None  # most work: step time less data wait and exposed comm (median)
     most_data_wait_rank: int | None
 
 
@@ -146,6 +152,7 @@ def stats_for(c: Columns, rank: int | None) -> Stats:
     del skipped
     if timed.size:
         s.step_mean, s.step_max = float(timed.mean()), float(timed.max())
+        s.steady_step_mean = float(timed[1:].mean()) if timed.size > 1 else s.step_mean
         # After the mean (it sums in array order): the percentiles may reorder the array, which
         # is this function's own copy, instead of copying it once more.
         pcts = np.percentile(timed, PERCENTILES, overwrite_input=True)
@@ -183,7 +190,10 @@ def stats_for(c: Columns, rank: int | None) -> Stats:
     s.hfu_mean = _nanmean(train(c.num("hfu")))
     _grad_norm(s, c.grad_norm)
     s.comm_mean = _nanmean(train(c.num("comm_s")))
-    s.comm_exposed_mean = _nanmean(train(c.num("comm_exposed_s")))
+    exposed = train(c.num("comm_exposed_s"))
+    s.comm_exposed_mean = _nanmean(exposed)
+    s.work_p50 = _work_p50(train(c.num("step_s")), train(c.num("data_wait_s")), exposed, train(c.skipped))
+    del exposed
     s.overlap_mean = _nanmean(train(c.num("overlap")))
     s.allreduce_mean = _nanmean(train(c.num("allreduce_s")))
     mem = c.num("mem_peak_bytes")
@@ -307,17 +317,18 @@ def _argmax(per_rank: dict[int, Stats], key) -> int | None:
     return max(vals)[1]
 
 
-def _compute_mean(s: Stats) -> float | None:
-    """forward + backward + optimizer less the communication the rank sat waiting in.
+def _work_p50(step_s: np.ndarray, data_wait: np.ndarray, exposed: np.ndarray, skipped: np.ndarray) -> float | None:
+    """The median over steps of step time less data wait less the communication the rank sat
+    waiting in: its own work, wherever it is (the phases, or Python between them: ``other_s``).
 
-    Without the exposed-communication figure this is unknown, not the plain sum: in DDP the
-    AllReduce wait lands in backward, so the fast rank, which waits for the slow one, would show
-    the longest "compute".
-    """
-    parts = [s.phase_mean.get(k) for k in ("forward_s", "backward_s", "optimizer_s")]
-    if any(p is None for p in parts) or s.comm_exposed_mean is None:
+    Only steps with the exposed-communication figure count, and none without it is this rank's
+    work, not the plain step: in DDP the AllReduce wait lands in backward, so the fast rank,
+    which waits for the slow one, would show the most."""
+    ok = ~skipped & ~np.isnan(step_s) & (step_s > 0) & ~np.isnan(exposed)
+    if not ok.any():
         return None
-    return sum(parts) - s.comm_exposed_mean
+    work = step_s[ok] - np.nan_to_num(data_wait[ok]) - exposed[ok]
+    return float(np.median(np.maximum(work, 0.0)))
 
 
 def summarize(run: Run) -> Summary:
@@ -328,8 +339,8 @@ def summarize(run: Run) -> Summary:
         overall=_overall(per_rank, pool(list(run.columns.values()))),
         per_rank=per_rank,
         findings=group_findings(run),
-        slowest_rank=_argmax(per_rank, lambda s: s.step_mean),
-        slowest_compute_rank=_argmax(per_rank, _compute_mean),
+        slowest_rank=_argmax(per_rank, lambda s: s.steady_step_mean),
+        slowest_compute_rank=_argmax(per_rank, lambda s: s.work_p50),
         most_data_wait_rank=_argmax(per_rank, lambda s: s.phase_mean.get("data_wait_s")),
     )
 

@@ -143,7 +143,7 @@ def per_rank(s: Summary) -> Table:
         if r == s.slowest_rank:
             marks.append("slowest step time")
         if r == s.slowest_compute_rank:
-            marks.append("most compute (forward+backward+optimizer less exposed comm)")
+            marks.append("most work (step time less data wait and exposed comm, per step)")
         if r == s.most_data_wait_rank:
             marks.append("most data wait")
         if marks:
