@@ -36,6 +36,9 @@ class RunFacts:
     exporter_drops: dict[str, dict[str, Any]] = field(default_factory=dict)
     null_scalars: dict[str, int] = field(default_factory=dict)
     internal_errors: dict[str, int] = field(default_factory=dict)
+    # At the final write: "shutdown" (stepwatch.shutdown() or the interpreter's exit), "SIGTERM",
+    # or "uncaught <exception type>: <message>"; None before.
+    ended_by: str | None = None
 
 
 class Manifest:
@@ -83,6 +86,7 @@ class Manifest:
                 "attempt": ctx.attempt,
                 "start_time": self.start_time,
                 "end_time": time.time() if final else None,
+                "ended_by": facts.ended_by,
                 "config": self.config.as_manifest(),
                 "features": facts.features,
                 "exporters": facts.exporters,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -79,6 +80,10 @@ class Session:
         self._started = False
         self._closed = False
         self._sigterm = SigtermFinisher(self._shutdown_quietly)
+        # How the job ended, for run.json's ``ended_by``: SIGTERM, an uncaught exception (seen by
+        # ``_excepthook``), else a shutdown (stepwatch.shutdown(), or the interpreter's exit).
+        self.ended_by: str | None = None
+        self._prev_excepthook: Any = None
         self.pipeline = Pipeline(
             self.ctx,
             queue_size=config.queue_size,
@@ -129,6 +134,8 @@ class Session:
         if otel_wanted(self.config):
             threading.Thread(target=preload, args=(self.config,), name="stepwatch-preload", daemon=True).start()
         self._started = True
+        self._prev_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook
         atexit.register(self.shutdown)
         # SIGTERM skips atexit: finish the run directory first (see _sigterm.py)
         self._sigterm.install()
@@ -153,7 +160,20 @@ class Session:
             except Exception as exc:
                 self.report_error(f"feature.{type(f).__name__}.stop", exc)
 
+    def _excepthook(self, t: Any, v: Any, tb: Any) -> None:
+        """The job dies of an uncaught exception (its atexit shutdown comes next): said in
+        run.json's ``ended_by``; then the previous hook prints it as before."""
+        try:
+            if self.ended_by is None and os.getpid() == self.pid:
+                first = str(v).strip().splitlines()
+                self.ended_by = f"uncaught {getattr(t, '__name__', t)}" + (f": {first[0][:200]}" if first else "")
+        except Exception:  # noqa: BLE001 - the user's traceback must still be printed
+            pass
+        (self._prev_excepthook or sys.__excepthook__)(t, v, tb)
+
     def _shutdown_quietly(self, timeout_s: float) -> None:
+        if self.ended_by is None:
+            self.ended_by = "SIGTERM"
         try:
             self.shutdown(timeout_s=timeout_s)
         except Exception:  # SIGTERM: dying anyway, nothing left to report to
@@ -172,6 +192,8 @@ class Session:
         try:
             atexit.unregister(self.shutdown)
             self._sigterm.uninstall()
+            if sys.excepthook == self._excepthook:
+                sys.excepthook = self._prev_excepthook
         except Exception:
             pass
         if self.tracker is not None:
@@ -309,6 +331,7 @@ class Session:
                 exporter_drops=describe_drops(p.workers),
                 null_scalars=p.null_scalars,
                 internal_errors=dict(p.failures.counts),
+                ended_by=(self.ended_by or "shutdown") if final else None,
             ),
             final=final,
         )

@@ -63,6 +63,7 @@ def test_sigterm_writes_the_final_manifest_and_still_dies_of_sigterm(tmp_path, h
     assert took < 15  # a stuck rank still ends within seconds, as it did without stepwatch
     m = json.loads((run / "run.json").read_text())
     assert m["end_time"] is not None and m["steps"] == 7
+    assert m["ended_by"] == "SIGTERM"  # stopped, not finished: the report says so
     assert len((run / "steps.rank0.jsonl").read_text().splitlines()) == 7
 
 
@@ -152,3 +153,32 @@ def test_a_checkpoint_after_the_last_step_is_no_step_in_the_manifest_or_the_cons
     assert json.loads((run / "run.json").read_text())["steps"] == 6
     done = [x for x in p.stderr.splitlines() if "done:" in x]
     assert len(done) == 1 and done[0].endswith("done: 6 steps") and "| step 5 |" in done[0], done
+
+
+@pytest.mark.parametrize("how", ["finished", "raised"])
+def test_the_manifest_says_how_the_job_ended(tmp_path, how):
+    """A rank that died of an uncaught exception wrote the same end_time as one that finished:
+    the report showed "ended <time>" for a crashed job. run.json's ``ended_by`` says which, and
+    the report shows it beside the end time."""
+    code = (
+        "import sys, torch, stepwatch\n"
+        "stepwatch.init(dir=sys.argv[1], console='off')\n"
+        "m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for i in range(5):\n"
+        "    if sys.argv[2] == 'raised' and i == 3:\n"
+        "        raise RuntimeError('bad batch at step 3')\n"
+        "    m(torch.randn(8, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+    )
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", code, str(run), how], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert (p.returncode != 0) == (how == "raised"), p.stderr
+    m = json.loads((run / "run.json").read_text())
+    assert m["end_time"] is not None
+    want = "shutdown" if how == "finished" else "uncaught RuntimeError: bad batch at step 3"
+    assert m["ended_by"] == want
+    r = subprocess.run([sys.executable, "-m", "stepwatch", "report", str(run), "--no-html"], env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    ended = next(line for line in r.stdout.splitlines() if line.strip().startswith("ended"))
+    assert ("RuntimeError" in ended) == (how == "raised"), ended
+

@@ -40,7 +40,9 @@ def run_info(s: Summary) -> Table:
         if _is_time(start):
             rows.append(["started", _utc(start)])
         if _is_time(end):
-            rows.append(["ended", _utc(end)])
+            how = m.get("ended_by")
+            stopped = isinstance(how, str) and how and how != "shutdown"
+            rows.append(["ended", _utc(end) + (f" ({how}: stopped, not finished)" if stopped else "")])
         elif "end_time" in m:
             rows.append(["ended", "no end time: still running, or it crashed"])
     rows.append(["ranks with records", ", ".join(map(str, run.ranks)) or "none"])
