@@ -127,11 +127,13 @@ def test_comm_wait_uses_the_fastest_rank_as_transfer_floor():
     e = CommEnricher(window=10)
     e.global_floor_s = 0.004  # the last rank to arrive needed 4 ms
     r = rec()
-    e.enrich(r, {"comm": {"spans": [span(ALLREDUCE, 0, 30 * MS)]}, "backward_spans": [(0, 5 * MS)]}, force=False)
+    # (The backward returns after DDP waited for its bucket: 0-31 ms, not 0-5 ms, which the span
+    # cannot outlast.)
+    e.enrich(r, {"comm": {"spans": [span(ALLREDUCE, 0, 30 * MS)]}, "backward_spans": [(0, 31 * MS)]}, force=False)
     assert r.comm_wait_s == pytest.approx(0.026)
     e2 = CommEnricher()  # no exchange verdict yet: unknown, not guessed
     r2 = rec()
-    e2.enrich(r2, {"comm": {"spans": [span(ALLREDUCE, 0, 30 * MS)]}, "backward_spans": [(0, 5 * MS)]}, force=False)
+    e2.enrich(r2, {"comm": {"spans": [span(ALLREDUCE, 0, 30 * MS)]}, "backward_spans": [(0, 31 * MS)]}, force=False)
     assert r2.allreduce_s == pytest.approx(0.030) and r2.comm_wait_s is None
 
 
@@ -626,3 +628,33 @@ def test_take_of_a_step_without_collectives_allocates_nothing():
     got = c.take()
     assert got == {"spans": [span], "fwd_end_ev": None} and c._buf is not buf and c._buf == []
     assert c.take() is None
+
+
+def test_a_ddp_bucket_span_is_cut_at_the_end_of_the_backward_that_waited_for_it():
+    # gloo's completion callback ran 30 ms after the backward returned (it waits for the GIL);
+    # DDP had waited for the bucket before the backward (0-50 ms) returned.
+    e = CommEnricher()
+    r = rec()
+    e.enrich(r, {"comm": {"spans": [span(ALLREDUCE, 40 * MS, 80 * MS, 1_000_000)]}, "backward_spans": [(0, 50 * MS)]},
+             force=False)
+    assert r.comm_s == pytest.approx(0.010) and r.allreduce_s == pytest.approx(0.010)
+    assert r.algbw_gbps == pytest.approx(1e6 / 0.010 / 1e9)
+    # An optimizer step inside the backward splits it: the cut is the last segment's end.
+    r = rec()
+    e.enrich(r, {"comm": {"spans": [span(ALLREDUCE, 20 * MS, 90 * MS)]},
+                 "backward_spans": [(0, 30 * MS), (40 * MS, 60 * MS)]}, force=False)
+    assert r.comm_s == pytest.approx(0.040)
+
+
+def test_spans_the_backward_did_not_wait_for_are_not_cut():
+    e = CommEnricher()
+    # Issued after the backward (a joined rank's shadow AllReduce), or not DDP's (FSDP's
+    # reduce-scatter, waited for later): their ends stand.
+    r = rec()
+    spans = [span(ALLREDUCE, 60 * MS, 80 * MS), span(ALL_GATHER, 10 * MS, 70 * MS)]
+    e.enrich(r, {"comm": {"spans": spans}, "backward_spans": [(0, 50 * MS)]}, force=False)
+    assert r.comm_s == pytest.approx(0.070) and r.allreduce_s == pytest.approx(0.020)
+    # No backward seen: nothing to cut at.
+    r = rec()
+    e.enrich(r, {"comm": {"spans": [span(ALLREDUCE, 40 * MS, 80 * MS)]}}, force=False)
+    assert r.comm_s == pytest.approx(0.040)

@@ -124,6 +124,28 @@ def test_a_cpu_trace_names_no_host_sync_and_no_cuda_action(tmp_path, capsys):
     assert "aten::item" not in text and "CUDA Graphs" not in text.replace("\n", " ")
 
 
+def test_a_cpu_gap_spent_waiting_on_gloos_allreduce_is_communication(capsys):
+    # Rank 1 of a real 2-rank gloo DDP capture (torchrun, steps 157-159): the training thread runs no
+    # op while DDP waits for its bucket; the AllReduce runs on gloo's thread (gloo:all_reduce,
+    # 4.14-5.98 ms and 7.97-14.50 ms), which the gap naming did not look at: "python", and an action
+    # to move Python work off the step.
+    trace = os.path.join(ROOT, "tests", "unit", "data", "gloo_ddp_cpu_capture.rank1.trace.json.gz")
+    got = analyse_with_findings(trace)
+    gaps = {round(g["start_us"] / 1000, 2): g for g in got["gaps"]}
+    for at, dur in ((4.0, 2.0), (7.9, 3.4)):
+        g = gaps[at]
+        assert round(g["dur_us"] / 1000, 1) == dur and g["where"] == "cpu", g
+        assert g["cause"] == "communication" and g["cpu_op"] == "gloo:all_reduce", g
+    # 11.86 ms, after the optimizer step: the thread already had that AllReduce's result (DDP copied
+    # the bucket back at 11.38 ms); the range goes on (gloo's completion callbacks), the wait does not.
+    assert gaps[11.86]["cause"] == "python", gaps[11.86]
+    (f,) = [f for f in got["findings"] if f["kind"] == "trace_idle_gaps" and f["data"]["gap"]["cause"] == "communication"]
+    assert "3.4 ms in step 159 while the CPU waited on gloo:all_reduce (communication)" in f["summary"]
+    assert "Python" not in f["action"] and "off the step" not in f["action"] and "communication" in f["diagnosis"]
+    assert main(["trace", trace]) == 0
+    assert "communication" in capsys.readouterr().out
+
+
 def test_a_json_file_that_is_not_a_trace_is_an_error_naming_it(tmp_path, capsys):
     obj = tmp_path / "a.json"
     obj.write_text('{"a": 1}')

@@ -3,6 +3,8 @@
 Definitions (per step, per rank):
 
 - ``comm_s``: length of the union of the step's collective spans (overlapping buckets count once).
+  Host clock: a DDP bucket issued inside a backward ends by that backward's return at the latest
+  (DDP waits for it there; gloo's completion callback can run later): ``clip_to_backward``.
 - ``allreduce_s``: sum of the DDP AllReduce spans' durations (buckets in flight together count
   each time).
 - ``comm_exposed_s``: the part of the AllReduce union that lies outside this rank's backward
@@ -22,6 +24,8 @@ Definitions (per step, per rank):
 """
 
 from __future__ import annotations
+
+import sys
 
 from typing import Any
 
@@ -83,6 +87,37 @@ def compute_intervals(backward: list[tuple[int, int]], issues: list[float]) -> l
     return out
 
 
+def clip_to_backward(iv: list[tuple[float, float]], spans: list, backward: list[tuple[int, int]]) -> list[tuple[float, float]]:
+    """Host clock: a DDP bucket's span (``ALLREDUCE``, issued by DDP's comm hook) that was issued
+    inside a backward ends, at the latest, when that backward returned: DDP waits for every
+    bucket's future before ``loss.backward()`` returns (reducer ``finalize_backward``). The
+    completion callback that closes the span runs on gloo's worker after the waiter was woken, and
+    needs the GIL, which the training thread holds as it runs on: it can run milliseconds late.
+    Such an end is cut at the end of the step's last backward interval (an optimizer step run
+    inside the backward splits it in two; the last end is the backward's return or later, so the
+    cut never shortens a span that really ran on). Spans issued outside a backward (a joined rank's
+    shadow AllReduce), and the other ops (FSDP's, waited for later), are left as they are."""
+    if not backward:
+        return iv
+    last = float(max(b1 for _, b1 in backward))
+    out = []
+    for (a, b), s in zip(iv, spans):
+        if s.op == ALLREDUCE and b > last and any(b0 <= a <= b1 for b0, b1 in backward):
+            b = max(a, last)
+        out.append((a, b))
+    return out
+
+
+def _cuda_in_use() -> bool:
+    """CUDA is initialized in this process: a host-timed span may be NCCL's, whose backward does
+    not wait on the host for it (``clip_to_backward`` holds for host waits: gloo's)."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - unknown: do not cut
+        return True
+
+
 class CommEnricher:
     """Background thread: fills the comm fields of a record from ``extras["comm"]``."""
 
@@ -109,9 +144,12 @@ class CommEnricher:
             spans = timed
             iv, compute = self._device_intervals(spans, c.get("fwd_end_ev"))
         else:
+            bwd = extras.get("backward_spans") or []
             iv = [(float(s.t0), float(s.t1)) for s in spans]
+            if not _cuda_in_use():  # NCCL's wait is the stream's: its backward returns before the end
+                iv = clip_to_backward(iv, spans, bwd)
             issues = [float(s.t0) for s in spans if s.op == ALLREDUCE]
-            compute = compute_intervals(extras.get("backward_spans") or [], issues) if issues else None
+            compute = compute_intervals(bwd, issues) if issues else None
         ns = 1e-9
         rec.comm_s = length(union(iv)) * ns
         ar = [x for x, s in zip(iv, spans) if s.op == ALLREDUCE]

@@ -22,6 +22,9 @@ Definitions follow HolisticTraceAnalysis 0.5.0 (``hta/common/trace*.py``,
 * Host syncs (stepwatch's, not HTA's): a blocking call is one only where the trace shows device
   work it waits on (a GPU row, or CUDA/HIP runtime calls), and only a GPU gap is named by one; a
   CPU job's trace (no GPU row: its gaps are the training thread's time without an op) has none.
+* A CPU gap covered at least half by a collective (``gloo:``/``nccl:`` ranges, ``c10d::`` ops), on
+  any thread of the process, is a wait on communication (gloo runs the AllReduce on its own
+  thread); a collective names at most one gap per thread, the first (``_comm_waits``).
 
 One pass over the file. Memory: per GPU event five numbers in typed arrays (and three per
 runtime call with a correlation id), the merged busy intervals of ``aten::`` ops per thread, the
@@ -62,6 +65,9 @@ SYNC_NAMES = frozenset((
     "aten::tolist", "aten::unique", "aten::_unique2", "aten::masked_select",
 ))
 DATA_RE = re.compile(r"DataLoader|_next_data|__next__|dataloader|collate|fetch", re.I)
+# A collective: the backends' ranges (gloo:all_reduce on gloo's thread, nccl:all_reduce, ...), the
+# c10d ops (c10d::allreduce_, c10d::barrier) and the profiler's record_param_comms range.
+COMM_RE = re.compile(r"^(?:gloo|nccl|rccl|mpi|ucc|xccl):|^c10d::|^record_param_comms$")
 STEP_RE = re.compile(r"^(?:ProfilerStep\s*#\s*|stepwatch_step_)(\d+)")
 _LIBRARY = re.compile(r"(^|/)(torch|site-packages|dist-packages|threading\.py|<built-in)|^<|^built-in|^torch/")
 RANK_NAME_RE = re.compile(r"rank[-_.]?(\d+)")  # a trace's rank in its file name (when the trace has none)
@@ -244,6 +250,8 @@ class _Namer:
         self.gaps = gaps
         self.tids = tids
         self.cover: list[tuple[float, str, str] | None] = [None] * len(gaps)  # innermost covering >= 50%
+        # A CPU gap's collectives on any thread of the process covering >= 50% of it: (ts, dur, name, cat, tid).
+        self.comm: list[list[tuple[float, float, str, str, Any]]] = [[] for _ in gaps]
         self.sync: list[tuple[float, str, float, float] | None] = [None] * len(gaps)
         self.stacks: list[list[tuple[float, float, str]]] = [[] for _ in gaps]  # python frames at the gap start
         self.sync_target = sync
@@ -254,6 +262,13 @@ class _Namer:
         st = self.sync_target
         if cat == "python_function" and st is not None and st[2] == tid and ts <= st[0] and end >= st[0] + st[1]:
             self.sync_stack.append((ts, dur, name))
+        if COMM_RE.match(name):
+            # The training thread of a CPU job waits on a collective that runs on another thread
+            # (gloo's): the gap is that wait, whichever thread the collective's range is on.
+            for i, g in enumerate(self.gaps):
+                gs, ge = g["_s"], g["_e"]
+                if g["where"] == "cpu" and min(end, ge) - max(ts, gs) >= 0.5 * (ge - gs):
+                    self.comm[i].append((ts, dur, name, cat, tid))
         if self.tids is not None and tid not in self.tids:
             return
         for i, g in enumerate(self.gaps):
@@ -272,6 +287,23 @@ class _Namer:
                 cur = self.cover[i]
                 if cur is None or dur < cur[0]:
                     self.cover[i] = (dur, name, cat)
+
+
+def _comm_waits(gaps: list[dict[str, Any]], cands: list[list[tuple[float, float, str, str, Any]]]) -> list[tuple | None]:
+    """Per gap, the collective it waited on, or None. A thread waits on a collective once: after
+    the wait it runs on (DDP copies the bucket back), and a collective whose range goes on past
+    that (gloo's completion callbacks run on its thread) explains no later gap of that thread. So
+    the gaps are taken in time order, each with the shortest candidate no earlier gap of its
+    thread took."""
+    out: list[tuple | None] = [None] * len(gaps)
+    used: set[tuple[Any, tuple]] = set()
+    for i in sorted(range(len(gaps)), key=lambda i: gaps[i]["_s"]):
+        tid = gaps[i].get("_tid")
+        free = [c for c in cands[i] if (tid, c) not in used]
+        if free:
+            out[i] = min(free, key=lambda c: c[1])
+            used.add((tid, out[i]))
+    return out
 
 
 def _call_site(frames: list[tuple[float, float, str]], inside: tuple[float, float] | None = None) -> str | None:
@@ -376,7 +408,7 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS) -> 
         big = [g for g in gaps if g["dur_us"] > GAP_MS * 1000.0]
         out["gaps_over_1ms"] = {"count": len(big), "total_us": round(sum(g["dur_us"] for g in big), 1)}
         if gaps:
-            tids = {g.pop("_tid") for g in gaps}
+            tids = {g["_tid"] for g in gaps}
     longest_sync = None
     for name, (n, tot, inst) in p1.syncs.items():
         if longest_sync is None or inst[1] > longest_sync[1][1]:
@@ -390,6 +422,7 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS) -> 
             p2.add(cat_of[cid], names[nid], tid_of[tid], ts, dur)
     if p1.c_dropped:
         out["cpu_events_not_kept"] = p1.c_dropped
+    comm = _comm_waits(gaps, p2.comm) if p2 else [None] * len(gaps)
     for i, g in enumerate(gaps):
         g["start_us"] = round(g["_s"] - origin, 1) if origin is not None else None
         cover = p2.cover[i] if p2 else None
@@ -406,12 +439,18 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS) -> 
         elif cover and cover[1].startswith(("cudaLaunch", "hipLaunch", "cuLaunch", "hipExtModuleLaunch")):
             g["cause"] = "launch"
             g["call_site"] = None
+        elif comm[i] is not None:
+            # A CPU gap the thread spent waiting on a collective (on gloo's thread, or its own).
+            g["cause"] = "communication"
+            g["cpu_op"], g["cpu_cat"] = comm[i][2], comm[i][3]
+            g["call_site"] = _call_site(p2.stacks[i]) if p2 else None
         else:
             # No kept op over it: a gap of 1 ms or more is Python between ops (any op covering half
             # of it would have been kept); a shorter one stays unnamed (null).
             g["cause"] = "cpu" if cover else ("python" if g["dur_us"] >= 2 * LONG_US else None)
             g["call_site"] = _call_site(p2.stacks[i]) if p2 else None
         del g["_s"], g["_e"]
+        g.pop("_tid", None)
     out["gaps"] = gaps
     syncs = []
     for name, (n, tot, inst) in sorted(p1.syncs.items(), key=lambda kv: -kv[1][1]):

@@ -1,8 +1,8 @@
 """Findings from a trace summary (analyse.py), with the reference sheet's diagnosis and action.
 
 One summary gives at most one finding per kind: the dense GPU row (healthy), idle gaps > 1 ms
-(by cause: data loading, host sync, or launch overhead / CPU work), communication not hidden
-behind compute (overlap below the 80% target: the ``allreduce_not_overlapped`` kind the live
+(by cause: data loading, host sync, a wait on a collective, or launch overhead / CPU work),
+communication not hidden behind compute (overlap below the 80% target: the ``allreduce_not_overlapped`` kind the live
 comm analysis uses too), many tiny kernels, and a host sync inside the step. ``across_ranks``
 joins the summaries of one capture's ranks (``capture_groups`` says which files are one
 capture): which rank's GPU idled while the others computed.
@@ -41,6 +41,19 @@ CPU_TEXT = {
     ),
 }
 
+# A gap the training thread spent waiting on a collective (cause ``communication``: a gloo/NCCL
+# range or a c10d op covers it, on any thread of the process): not Python work to move off the step.
+COMM_TEXT = (
+    "The training thread runs no op for more than 1 ms at a time while a collective (named) runs: it "
+    "waits on communication (DDP's gradient AllReduce, or a collective of yours), not on Python work. "
+    "A wait that is long on one rank only means it waits for a slower rank; long on every rank, the "
+    "transfer itself.",
+    "Compare the ranks' step and communication times (stepwatch report: a straggler makes the others "
+    "wait); otherwise overlap the communication with backward (DDP bucket_cap_mb, "
+    "gradient_as_bucket_view=True) or send less (gradient accumulation with no_sync, fp16/bf16 "
+    "compression hooks).",
+)
+
 
 def _fmt_us(us: float) -> str:
     return f"{us / 1000:.1f} ms" if us >= 1000 else f"{us:.0f} µs"
@@ -50,7 +63,9 @@ def _gap_text(g: dict[str, Any]) -> str:
     where = f"step {g['step']}" if g.get("step") is not None else "the trace"
     op = g.get("host_sync") if g.get("cause") == "host_sync" else g.get("cpu_op")
     s = f"{_fmt_us(g['dur_us'])} in {where}"
-    if op:
+    if op and g.get("cause") == "communication":
+        s += f" while the CPU waited on {op} (communication)"
+    elif op:
         s += f" while the CPU was in {op}"
     elif g.get("cause") == "python":
         s += " while the CPU ran no op (Python)"
@@ -70,10 +85,13 @@ def findings_for(summary: dict[str, Any], *, step: int | None = None, when: floa
 
     gpu = summary.get("temporal") is not None
 
-    def add(kind: str, text: str, data: dict[str, Any], at: int | None = None, severity: str | None = None) -> None:
+    def add(kind: str, text: str, data: dict[str, Any], at: int | None = None, severity: str | None = None,
+            why: tuple[str, str] | None = None) -> None:
         f = make_finding(kind, rank=rank, step=at if at is not None else step, when=when,
                          summary=text, data={**ctx, **data}, severity=severity)
-        if not gpu and kind in CPU_TEXT:
+        if why is not None:
+            f.diagnosis, f.action = why
+        elif not gpu and kind in CPU_TEXT:
             f.diagnosis, f.action = CPU_TEXT[kind]
         out.append(f)
 
@@ -101,6 +119,8 @@ def findings_for(summary: dict[str, Any], *, step: int | None = None, when: floa
             add("trace_data_stall", head + _gap_text(g) + ": waiting on data loading", data, g.get("step"))
         elif cause == "host_sync":
             add("trace_host_sync", head + _gap_text(g) + ": a host sync", data, g.get("step"))
+        elif cause == "communication":
+            add("trace_idle_gaps", head + _gap_text(g), data, g.get("step"), why=COMM_TEXT)
         else:
             add("trace_idle_gaps", head + _gap_text(g), data, g.get("step"))
     ov = summary.get("comm_comp_overlap_pct")
