@@ -186,8 +186,9 @@ def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["serve-vllm", "--stall-timeout", "0", "--attach", "http://127.0.0.1:1"])
     assert "--stall-timeout" in capsys.readouterr().err
-    assert main(["serve-vllm", "--attach", "127.0.0.1:1"]) == 2
-    assert "http" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve-vllm", "--attach", "127.0.0.1:1"])
+    assert "argument --attach: expected an http(s) URL" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("opt, value, says", [
@@ -198,6 +199,17 @@ def test_cli_rejects_bad_arguments(capsys):
     ("--kv-threshold", "2", "expected a number within (0, 1], got '2'"),
     ("--windows", "a", "expected seconds like 60,300, got 'a'"),
     ("--windows", "60,0", "expected positive seconds like 60,300, got '60,0'"),
+    ("--windows", "60,inf", "expected positive seconds like 60,300, got '60,inf'"),
+    # accepted before: inf killed the watcher thread (OverflowError), nan read as 0, -1 as a pid
+    ("--interval", "inf", "expected a finite number > 0, got 'inf'"),
+    ("--grace", "nan", "expected a finite number > 0, got 'nan'"),
+    ("--pid", "-1", "expected an integer > 0, got '-1'"),
+    ("--pid", "0", "expected an integer > 0, got '0'"),
+    ("--kv-sustain", "nan", "expected a finite number >= 0, got 'nan'"),
+    ("--kv-sustain", "-5", "expected a finite number >= 0, got '-5'"),  # was "kv_sustain_s must be >= 0"
+    ("--attach", "localhost:8000", "expected an http(s) URL like http://127.0.0.1:8000, got 'localhost:8000'"),
+    ("--url", "localhost:1", "expected an http(s) URL like http://127.0.0.1:8000, got 'localhost:1'"),
+    ("--attach", "http://", "expected an http(s) URL like http://127.0.0.1:8000, got 'http://'"),
 ])
 def test_cli_bad_values_are_argparse_errors_naming_the_option_once(capsys, opt, value, says):
     """Rejected while parsing (exit 2, before anything starts), in argparse's words plus what is
@@ -205,8 +217,9 @@ def test_cli_bad_values_are_argparse_errors_naming_the_option_once(capsys, opt, 
     was accepted, then warned about STEPWATCH_PROMETHEUS_PORT; --windows exited 1)."""
     from stepwatch.cli import main
 
+    # With --attach also a command: had the URL passed, run() returns 2 at once instead of watching.
     with pytest.raises(SystemExit) as ex:
-        main(["serve-vllm", opt, value])
+        main(["serve-vllm", opt, value] + (["--", "true"] if opt == "--attach" else []))
     assert ex.value.code == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == f"stepwatch serve-vllm: error: argument {opt}: {says}", err
@@ -276,6 +289,40 @@ def test_a_killed_wrapper_takes_the_server_down_with_it(tmp_path):
     try:
         assert not procs.alive(server.pid, server.starttime)  # PR_SET_PDEATHSIG: SIGTERM
     finally:
+        for t in tree:
+            if procs.alive(t.pid, t.starttime):
+                os.kill(t.pid, signal.SIGKILL)
+
+
+def test_cli_shutdown_is_bounded_by_grace_when_the_api_server_hangs(tmp_path):
+    """The API server SIGSTOPped: the watcher sits in a 10 s HTTP call. SIGTERM to the wrapper
+    stopped the server only after joining the watcher (its scrape and /load timeouts, ~20 s);
+    the server is stopped first now, within --grace."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    w = subprocess.Popen(
+        [sys.executable, "-m", "stepwatch", "serve-vllm", "--run-dir", str(tmp_path), "--interval", "0.2",
+         "--stall-timeout", "300", "--grace", "1", "--", sys.executable, FAKE, "--port", str(port), "--exit-code", "5",
+         "--metrics", os.path.join(FIX, "metrics-0.32.0-idle-after-load.txt")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        tree = wait_tree(w.pid, 4)  # wrapper -> api -> engine -> worker
+        time.sleep(0.8)  # a few scrapes answered
+        os.kill(tree[1].pid, signal.SIGSTOP)
+        time.sleep(0.6)  # the next scrape now waits on the stopped server
+        t0 = time.monotonic()
+        os.kill(w.pid, signal.SIGTERM)
+        rc = w.wait(40)
+        took = time.monotonic() - t0
+        out = w.stdout.read().decode()
+        assert took < 6.0, (took, out)
+        assert rc == 5, out
+        assert not [t.pid for t in tree if procs.alive(t.pid, t.starttime)]
+    finally:
+        if w.poll() is None:
+            os.killpg(w.pid, signal.SIGKILL)
+            w.wait()
         for t in tree:
             if procs.alive(t.pid, t.starttime):
                 os.kill(t.pid, signal.SIGKILL)

@@ -133,7 +133,7 @@ def test_errors_by_finished_reason():
 
 
 @pytest.mark.parametrize("kw,msg", [({"kv_cache": 1.5}, "kv_cache"), ({"ttft_p99_s": 0}, "ttft_p99_s"),
-                                    ({"queue_depth": -1}, "queue_depth")])
+                                    ({"queue_depth": -1}, "queue_depth"), ({"kv_sustain_s": float("nan")}, "kv_sustain_s")])
 def test_bad_thresholds_name_the_field(kw, msg):
     with pytest.raises(ValueError, match=msg):
         Thresholds(**kw)
@@ -234,7 +234,7 @@ def test_without_load_endpoint_falls_back_to_running_plus_waiting(standin, tmp_p
 
 def test_stall_without_pid_is_a_finding_without_dumps(standin, tmp_path):
     standin.metrics = text("metrics-0.32.0-midflight.txt")
-    standin.load = 5
+    standin.load = 40  # more than the engine's 8 running + 24 waiting: /load is the count
     w = ServeWatcher(WatchConfig(urls=[standin.url], run_dir=str(tmp_path), stall_timeout_s=0.3, interval_s=0.1))
     import time
 
@@ -245,7 +245,7 @@ def test_stall_without_pid_is_a_finding_without_dumps(standin, tmp_path):
     b = w.tick()
     stall = [f for f in b.findings if f.kind == "stall"]
     assert len(stall) == 1 and stall[0].severity == "critical"
-    assert stall[0].data["in_flight"] == 5.0 and stall[0].data["dumped"] == 0
+    assert stall[0].data["in_flight"] == 40.0 and stall[0].data["dumped"] == 0
     assert not list(tmp_path.glob("stall-*"))
 
 
@@ -263,7 +263,9 @@ def test_exporter_failure_does_not_stop_the_loop(standin, tmp_path):
 
 
 @pytest.mark.parametrize("kw,msg", [({"urls": []}, "urls"), ({"urls": ["localhost:8000"]}, "http"),
-                                    ({"interval_s": 0}, "interval_s"), ({"windows_s": (0,)}, "windows_s")])
+                                    ({"interval_s": 0}, "interval_s"), ({"windows_s": (0,)}, "windows_s"),
+                                    ({"interval_s": float("inf")}, "interval_s"), ({"stall_timeout_s": float("nan")}, "stall_timeout_s"),
+                                    ({"urls": ["http://"]}, "http")])
 def test_bad_watch_config_names_the_field(kw, msg, tmp_path):
     args = {"urls": ["http://127.0.0.1:1"], "run_dir": str(tmp_path), **kw}
     with pytest.raises(ValueError, match=msg):
@@ -394,3 +396,174 @@ def test_max_num_seqs_is_read_from_the_launched_command():
     assert max_num_seqs(["python", "-m", "vllm.entrypoints.openai.api_server", "--max-num-seqs", "8"]) == 8
     assert max_num_seqs(["vllm", "serve", "m", "--max-num-seqs=32"]) == 32
     assert max_num_seqs(["vllm", "serve", "m"]) is None
+
+
+# -- fixes: in-flight without load tracking, a gone server, a silent URL -------------------------
+
+
+def test_load_zero_without_load_tracking_falls_back_to_the_engine_count_and_stalls(standin, tmp_path):
+    """vLLM 0.32 answers /load with 200 {"server_load": 0} even without
+    --enable-server-load-tracking: that 0 must not hide the 8 running + 24 waiting of a frozen
+    engine (it did: in-flight read 0 and no stall ever fired)."""
+    import time
+
+    standin.metrics = text("metrics-0.32.0-midflight.txt")  # frozen: the counters never move
+    standin.load = 0
+    mem = InMemoryExporter()
+    w = ServeWatcher(WatchConfig(urls=[standin.url], run_dir=str(tmp_path), stall_timeout_s=0.3, interval_s=0.1,
+                                 thresholds=Thresholds(queue_depth=1000)), exporters=[mem])
+    w.tick()
+    time.sleep(0.4)
+    b = w.tick()
+    assert [s[N.OUT_IN_FLIGHT] for s in mem.samples if N.OUT_IN_FLIGHT in s] == [32.0, 32.0]
+    assert [f.kind for f in b.findings] == ["stall"] and b.findings[0].data["in_flight"] == 32.0
+    # /load above the engine's count (an engine whose gauges froze at 0) still wins: the larger one
+    standin.load = 40
+    w.tick()
+    assert [s[N.OUT_IN_FLIGHT] for s in mem.samples if N.OUT_IN_FLIGHT in s][-1] == 40.0
+
+
+def _refused_url() -> str:
+    """A loopback URL where nothing listens (connection refused)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_server_that_went_away_is_one_message_not_a_stall(tmp_path, caplog):
+    """Attached with --pid, the server exits: connection refused and its pid dead. That was a
+    critical "engine stalled: None request(s) in flight" with an empty stall dump; it is one
+    warning that the server is gone, no finding, no stall-<n>/."""
+    import subprocess
+    import sys
+    import time
+
+    srv = StandIn()
+    srv.metrics = text("metrics-0.32.0-idle-after-load.txt")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    w = ServeWatcher(WatchConfig(urls=[srv.url], run_dir=str(tmp_path), stall_timeout_s=0.2, interval_s=0.1),
+                     root_pid=dead.pid)
+    w.tick()
+    srv.close()  # gone: nothing listens there any more
+    caplog.set_level("WARNING", logger="stepwatch.serving")
+    findings = []
+    for _ in range(4):
+        time.sleep(0.1)
+        findings += w.tick().findings
+    assert findings == [] and w.stalls == 0
+    assert not list(tmp_path.glob("stall-*"))
+    gone = [r.getMessage() for r in caplog.records if "gone" in r.getMessage()]
+    assert len(gone) == 1, caplog.text
+    assert srv.url in gone[0] and f"pid {dead.pid}" in gone[0]
+    assert "None" not in caplog.text
+
+
+def test_stall_detector_does_not_count_an_unreachable_server_as_busy():
+    s = StallDetector(1.0)
+    assert not s.update(0, in_flight=3, progress=(1, 1, 1))
+    assert not s.update(5, in_flight=None, progress=None, unreachable=True)  # refused: gone, not stuck
+    assert not s.update(10, in_flight=None, progress=None, unreachable=True)
+    assert not s.update(20, in_flight=None, progress=None)  # answers nothing, not refused: busy from here
+    assert s.update(21.5, in_flight=None, progress=None)  # ... and stuck
+
+
+def test_stall_summary_never_prints_none():
+    from stepwatch.serving.stall import summary
+
+    text_ = summary({"in_flight": None, "seconds_without_progress": 61.0, "stuck": None, "dumped": 0})
+    assert "None" not in text_ and "in flight" in text_
+    assert summary({"in_flight": 32.0, "seconds_without_progress": 61.0, "stuck": None}).startswith(
+        "engine stalled: 32 request(s) in flight")
+
+
+def test_a_url_that_never_answers_is_warned_about_once(tmp_path, caplog):
+    """Attached to a port where nothing listens (or a launched server that never gets ready):
+    there was no message at all. One warning naming the URL and the error, after a bounded
+    time, and not on every scrape."""
+    import time
+
+    url = _refused_url()
+    caplog.set_level("WARNING", logger="stepwatch.serving")
+    w = ServeWatcher(WatchConfig(urls=[url], run_dir=str(tmp_path), interval_s=0.05, silent_warn_s=0.2))
+    w.tick()
+    assert not caplog.records  # not at once: a server loading its model is silent for a while
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        w.tick()
+        time.sleep(0.02)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1, msgs
+    assert url in msgs[0] and "refused" in msgs[0]
+
+
+def test_a_huge_interval_does_not_kill_the_watch_loop(tmp_path):
+    """--interval 1e300 (finite, so accepted) made stop.wait() raise OverflowError and ended the
+    watcher thread; the wait is capped."""
+    import threading
+
+    w = ServeWatcher(WatchConfig(urls=[_refused_url()], run_dir=str(tmp_path), interval_s=1e300))
+    stop = threading.Event()
+    t = threading.Thread(target=w.run, args=(stop,), daemon=True)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()
+    stop.set()
+    t.join(5)
+    assert not t.is_alive()
+
+
+# -- the finding limiter: servers, engines and episodes apart ------------------------------------
+
+
+def test_two_servers_findings_are_not_merged_by_the_limiter(standin, tmp_path):
+    """Both servers have 60 waiting: each gets its queue_depth finding at once (the second one's
+    was held back as part of the first's episode and appeared only at shutdown)."""
+    other = StandIn()
+    try:
+        standin.metrics = other.metrics = text("metrics-v0-oldnames-t1.txt")
+        w = ServeWatcher(WatchConfig(urls=[standin.url, other.url], run_dir=str(tmp_path),
+                                     thresholds=Thresholds(kv_sustain_s=1000)))
+        b = w.tick()
+        assert sorted(f.data["server"] for f in b.findings if f.kind == "queue_depth") == sorted([standin.url, other.url])
+        assert all(f.data["subject"].startswith(f.data["server"]) for f in b.findings)
+    finally:
+        other.close()
+
+
+def test_engines_are_apart_in_the_limiter():
+    from stepwatch.analysis.ratelimit import FindingLimiter
+
+    two = text("metrics-v0-oldnames-t1.txt")
+    two += two.replace('model_name="opt-125m"', 'model_name="opt-125m",engine="1"')
+    d = Detectors(Thresholds(kv_sustain_s=1000))
+    w = Window(None, Scrape(0.0, 0.0, parse_metrics(two)))
+    q = [f for f in d.check("http://a", w, w) if f.kind == "queue_depth"]
+    assert len(q) == 2
+    lim = FindingLimiter(300.0, 20, position=lambda f: f.time, unit="s")
+    assert len(lim.filter(q, now=0.0)) == 2
+
+
+def test_a_new_episode_after_a_healthy_stretch_is_reported_live():
+    """max_num_seqs_saturated bad -> good -> bad: the second episode is its own finding (it was
+    held back by the limiter for its whole window); episodes that start again within the
+    cooldown (a), a minute, are counted in the one before, not dropped."""
+    from stepwatch.analysis.ratelimit import FindingLimiter
+
+    mid = parse_metrics(text("metrics-0.32.0-midflight.txt"))  # 8 running, 24 waiting
+    idle = parse_metrics(text("metrics-0.32.0-idle-after-load.txt"))
+    d = Detectors(Thresholds(max_num_seqs=8, queue_depth=1000, kv_sustain_s=1000))
+    lim = FindingLimiter(300.0, 20, position=lambda f: f.time, unit="s")
+    out = []
+    prev = None
+    for t, smp in [(0, mid), (30, idle), (70, mid), (75, idle), (80, mid), (90, mid)]:
+        cur = Scrape(float(t), float(t), smp)
+        fs = [f for f in d.check("http://a", Window(prev, cur), Window(prev, cur)) if f.kind == "max_num_seqs_saturated"]
+        out += [(t, f) for f in lim.filter(fs, now=float(t))]
+        prev = cur
+    assert [t for t, _ in out] == [0, 70]
+    closing = lim.flush()
+    assert len(closing) == 1 and closing[0].data["episode"]["count"] == 2  # the one at 80, counted
+    assert out[0][1].data["subject"] != out[1][1].data["subject"]

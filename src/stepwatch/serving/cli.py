@@ -15,6 +15,7 @@ Findings go to ``D/findings.serve.jsonl`` and to stderr; stall dumps to ``D/stal
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -29,6 +30,8 @@ from .._files import private_run_dir
 
 
 def _positive(kind: type):
+    """An int > 0, or a finite float > 0 (``inf`` as --interval killed the watcher thread:
+    no wait is that long; ``nan`` compares false with everything)."""
     what = "an integer" if kind is int else "a number"
 
     def parse(s: str) -> Any:
@@ -36,11 +39,39 @@ def _positive(kind: type):
             v = kind(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what} > 0, got {s!r}") from None
+        if kind is float and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s!r}")
         if not v > 0:
             raise argparse.ArgumentTypeError(f"expected {what} > 0, got {s!r}")
         return v
 
     return parse
+
+
+def _seconds_or_zero(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {s!r}")
+    return v
+
+
+def _url(s: str) -> str:
+    """An http(s) URL with a host (``localhost:8000`` has no scheme: urllib would not fetch it)."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(s)
+        ok = u.scheme in ("http", "https") and bool(u.hostname)
+        if ok:
+            u.port  # noqa: B018  (raises ValueError on a port out of range or not a number)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected an http(s) URL like http://127.0.0.1:8000, got {s!r}")
+    return s
 
 
 def _ratio(s: str) -> float:
@@ -70,7 +101,7 @@ def _windows(s: str) -> tuple[float, ...]:
         out = tuple(float(x) for x in s.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds like 60,300, got {s!r}") from None
-    if not out or any(not w > 0 for w in out):
+    if not out or any(not (w > 0 and math.isfinite(w)) for w in out):
         raise argparse.ArgumentTypeError(f"expected positive seconds like 60,300, got {s!r}")
     return out
 
@@ -87,10 +118,10 @@ def register(subparsers: Any) -> None:
                    help="seconds without token progress, with requests in flight, that make a stall (default 60)")
     p.add_argument("--interval", type=_positive(float), default=2.0, metavar="S",
                    help="seconds between scrapes (default 2)")
-    p.add_argument("--attach", action="append", metavar="URL",
+    p.add_argument("--attach", action="append", type=_url, metavar="URL",
                    help="watch a running server instead of launching one (repeat for several API servers)")
-    p.add_argument("--pid", type=int, metavar="PID", help="with --attach: the server's top process, for stall stacks")
-    p.add_argument("--url", action="append", metavar="URL",
+    p.add_argument("--pid", type=_positive(int), metavar="PID", help="with --attach: the server's top process, for stall stacks")
+    p.add_argument("--url", action="append", type=_url, metavar="URL",
                    help="launched: scrape this URL instead of the one from the command's --host/--port (repeatable)")
     p.add_argument("--ttft-slo", type=_positive(float), metavar="S",
                    help="TTFT P99 SLO in seconds: a finding when the P99 over --slo-window exceeds it (default off)")
@@ -105,7 +136,7 @@ def register(subparsers: Any) -> None:
                    help="requests waiting above which a queue_depth finding fires (default 50, reference B.6)")
     p.add_argument("--kv-threshold", type=_ratio, default=0.82, metavar="R",
                    help="KV-cache usage (0-1) for the cascade finding (default 0.82, reference B.6)")
-    p.add_argument("--kv-sustain", type=float, default=30.0, metavar="S",
+    p.add_argument("--kv-sustain", type=_seconds_or_zero, default=30.0, metavar="S",
                    help="seconds the KV-cache usage must stay above the threshold (default 30)")
     p.add_argument("--spec-threshold", type=_ratio, default=0.65, metavar="R",
                    help="speculative-decoding acceptance below which a finding fires (default 0.65, reference B.6)")
@@ -212,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     watcher = None
+    t: threading.Thread | None = None
     try:
         if server is not None:
             try:
@@ -234,14 +266,20 @@ def run(args: argparse.Namespace) -> int:
                     break
                 reap_zombies_safe(server)
             stop.wait(0.5)
-        stop.set()
-        t.join(cfg.http_timeout_s * 2 + 60)
     finally:
         stop.set()
         rc = 0
+        # The server first: the watcher may sit in a 10 s HTTP call to a hung server (or in a
+        # stall dump), and joining it first made shutdown take far longer than --grace.
         if server is not None:
             rc = server.stop(got[-1] if got else signal.SIGTERM, grace_s=args.grace)
             reap_zombies()
+        if watcher is not None and t is not None:
+            # Once the server is gone its calls fail at once; attached, a hung server's call
+            # gets --grace to end. A daemon thread still in a call is left to the exit.
+            t.join(args.grace)
+            if t.is_alive():
+                logger.info("serve-vllm: the watcher is still in a call to the server; not waiting for it")
         if watcher is not None:
             watcher.close()
         for s, h in old.items():

@@ -5,7 +5,8 @@ Thresholds come from the reference sheet's B.6 table (``profiling-quick-referenc
 marked as stepwatch's own default. Each (kind, server, engine series) fires at most once per
 ``cooldown_s``, so a server that stays over a threshold does not flood the findings file; the
 inter-token latency, e2e, batch-full and prefill-rate rows fire once per episode (again only after
-a scrape showed the condition gone).
+a scrape showed the condition gone). ``data["subject"]`` (the server, its engine, and for the
+episode rows the episode) is what the watcher's finding limiter keeps apart.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Thresholds:
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{name} must be within (0, 1], got {v!r}")
         for name in ("kv_sustain_s", "queue_depth", "spec_min_draft_tokens", "error_min_requests", "cooldown_s"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:  # nan too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.ttft_p99_s is not None and not self.ttft_p99_s > 0:
             raise ValueError(f"ttft_p99_s must be > 0 seconds (or None for off), got {self.ttft_p99_s!r}")
@@ -79,8 +80,15 @@ class Thresholds:
             raise ValueError(f"prefill_min_intervals must be >= 2, got {self.prefill_min_intervals!r}")
 
 
+def _subject(server: str, key: Labels) -> str:
+    """What the finding limiter (analysis/ratelimit.py) keeps apart within a kind: the server and
+    the engine (and the HTTP source of the 5xx ratio)."""
+    d = dict(key)
+    return " ".join([server] + [f"{k}={d[k]}" for k in ("engine", "source") if k in d])
+
+
 def _series_data(server: str, key: Labels) -> dict[str, Any]:
-    return {"server": server, **dict(key)}
+    return {"server": server, **dict(key), "subject": _subject(server, key)}
 
 
 def _who(server: str, key: Labels) -> str:
@@ -99,6 +107,8 @@ class Detectors:
         self._episodes: set[tuple[str, str, Labels]] = set()
         # (server, series) -> (mono, prompt tokens/s) of the scrape intervals of the prefill window.
         self._prompt_rates: dict[tuple[str, Labels], deque[tuple[float, float]]] = {}
+        # (kind, server, series) -> (number, mono it began) of the episode findings' limiter group.
+        self._groups: dict[tuple[str, str, Labels], tuple[int, float]] = {}
 
     def _episode(self, kind: str, server: str, key: Labels, bad: bool) -> bool:
         """True when a bad episode starts now; a healthy reading ends it."""
@@ -110,6 +120,20 @@ class Detectors:
             return False
         self._episodes.add(k)
         return True
+
+    def _episode_data(self, kind: str, server: str, key: Labels, now: float) -> dict[str, Any]:
+        """The series data of a finding that opens an episode, with a subject of its own, so the
+        finding limiter reports it at once instead of counting it in the previous episode; an
+        episode that begins less than ``cooldown_s`` after the previous one began (a condition
+        that flaps) shares its subject: the limiter counts it there, and says so when it ends."""
+        k = (kind, server, key)
+        n, began = self._groups.get(k, (0, -float("inf")))
+        if now - began >= self.th.cooldown_s:
+            n, began = n + 1, now
+            self._groups[k] = (n, began)
+        data = _series_data(server, key)
+        data["subject"] = f"{data['subject']} episode {n}"
+        return data
 
     def _may_fire(self, kind: str, server: str, key: Labels, now: float) -> bool:
         last = self._last_fired.get((kind, server, key))
@@ -184,7 +208,7 @@ class Detectors:
                     out.append(make_finding(
                         kind, rank=0, step=None, when=wall,
                         summary=f"{what} P99 {p99 * 1e3:.0f} ms > {limit * 1e3:g} ms over the last {slo.seconds:.0f} s on {_who(server, key)}",
-                        data={**_series_data(server, key), "p99_s": p99, "threshold_s": limit, "window_s": round(slo.seconds, 1),
+                        data={**self._episode_data(kind, server, key, now), "p99_s": p99, "threshold_s": limit, "window_s": round(slo.seconds, 1),
                               "running": latest.gauge(N.RUNNING).get(key), "waiting": latest.gauge(N.WAITING).get(key),
                               "kv_cache_usage": latest.gauge(N.KV_USAGE).get(key)},
                     ))
@@ -199,7 +223,7 @@ class Detectors:
                         "max_num_seqs_saturated", rank=0, step=None, when=wall,
                         summary=(f"{running:.0f} requests running = max_num_seqs {th.max_num_seqs} while {waiting:.0f} wait "
                                  f"(KV-cache usage {latest.gauge(N.KV_USAGE).get(key, float('nan')):.2f}) on {_who(server, key)}"),
-                        data={**_series_data(server, key), "running": running, "waiting": waiting,
+                        data={**self._episode_data("max_num_seqs_saturated", server, key, now), "running": running, "waiting": waiting,
                               "max_num_seqs": th.max_num_seqs, "kv_cache_usage": latest.gauge(N.KV_USAGE).get(key)},
                     ))
 
@@ -226,7 +250,7 @@ class Detectors:
                         summary=(f"prompt tokens {rate:.0f}/s over the last {latest.seconds:.0f} s, < {th.prefill_drop:.0%} of "
                                  f"their median {med:.0f}/s over {now - hist[0][0]:.0f} s, while {waiting:.0f} requests wait, "
                                  f"on {_who(server, key)}"),
-                        data={**_series_data(server, key), "prompt_tokens_per_s": rate, "median_per_s": med,
+                        data={**self._episode_data("prefill_rate_drop", server, key, now), "prompt_tokens_per_s": rate, "median_per_s": med,
                               "threshold_share": th.prefill_drop, "waiting": waiting, "intervals": len(hist),
                               "preemptions_total": preempt_total.get(key)},
                     ))
@@ -261,7 +285,7 @@ class Detectors:
                     out.append(make_finding(
                         "serving_errors", rank=0, step=None, when=wall,
                         summary=f"{bad:.0f} of {total:.0f} HTTP responses were 5xx ({bad / total:.1%} > {th.error_ratio:.0%}) over {slo.seconds:.0f} s on {server}",
-                        data={"server": server, "source": "http", "errors": bad, "finished": total, "ratio": bad / total,
+                        data={"server": server, "source": "http", "subject": _subject(server, (("source", "http"),)), "errors": bad, "finished": total, "ratio": bad / total,
                               "threshold": th.error_ratio, "window_s": round(slo.seconds, 1)},
                     ))
         return out

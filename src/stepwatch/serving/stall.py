@@ -2,8 +2,9 @@
 
 vLLM's ``/health`` stays 200 while the engine is frozen (it reports only a dead engine), and every
 ``vllm:*`` metric freezes with it (``num_requests_running`` can read 0 with requests in flight;
-shared/vllm/README.md). So the in-flight count comes from the API server's ``/load`` (vLLM counts
-requests there only with ``--enable-server-load-tracking``), and progress from the counters that
+shared/vllm/README.md). So the in-flight count is the larger of the API server's ``/load`` (vLLM
+counts requests there only with ``--enable-server-load-tracking``) and the engine's running +
+waiting, and progress comes from the counters that
 move whenever the engine steps: ``generation_tokens_total``, ``prompt_tokens_total`` and the
 ``iteration_tokens`` histogram's count.
 
@@ -53,11 +54,18 @@ class StallDetector:
         last = self.state.last_progress_mono
         return None if last is None else max(0.0, now - last)
 
-    def update(self, now: float, *, in_flight: float | None, progress: tuple[float, ...] | None) -> bool:
+    def update(self, now: float, *, in_flight: float | None, progress: tuple[float, ...] | None,
+               unreachable: bool = False) -> bool:
         """``in_flight``: requests in flight (None = unknown: the server did not answer);
-        ``progress``: the progress counters (None = not read this time). True = a stall began."""
+        ``progress``: the progress counters (None = not read this time); ``unreachable``: the
+        server refused the connection (nothing listens: it is gone or restarting, not stuck).
+        True = a stall began."""
         st = self.state
         st.in_flight = in_flight
+        if in_flight is None and unreachable:
+            # Not busy, and not idle either: no stall clock runs until it answers again.
+            st.busy_since_mono = None
+            return False
         if progress is not None and progress != st.progress:
             moved = st.progress is not None
             st.progress = progress
@@ -261,10 +269,10 @@ def capture_stall(
 
 def summary(report: dict[str, Any]) -> str:
     s = report.get("stuck")
-    base = (
-        f"engine stalled: {report.get('in_flight', '?')} request(s) in flight, no token progress for "
-        f"{report.get('seconds_without_progress', 0):.0f} s"
-    )
+    n = report.get("in_flight")
+    busy = (f"{n:g} request(s) in flight" if isinstance(n, (int, float)) else
+            "the server does not answer (requests in flight unknown)")
+    base = f"engine stalled: {busy}, no token progress for {report.get('seconds_without_progress') or 0:.0f} s"
     if not s:
         return base + f"; dumped {report.get('dumped', 0)} process(es), no single stuck process found"
     where = (s.get("where") or {}).get("frames") or ["?"]

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
@@ -59,23 +61,29 @@ class WatchConfig:
     http_timeout_s: float = 10.0
     max_stall_dumps: int = 5
     pyspy: str | None = None  # None: found next to this Python or on PATH
+    # A URL that has never answered is warned about after this long (a server loading its model
+    # is silent for a while), one that answered and stopped at once; either again at most every
+    # ``silent_repeat_s`` while it stays silent.
+    silent_warn_s: float = 30.0
+    silent_repeat_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.urls:
             raise ValueError("urls: need at least one server URL (http://host:port)")
         for u in self.urls:
-            if not u.startswith(("http://", "https://")):
+            if not (u.startswith(("http://", "https://")) and urllib.parse.urlsplit(u).hostname):
                 raise ValueError(f"urls: {u!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
-        if not self.interval_s > 0:
-            raise ValueError(f"interval_s must be > 0, got {self.interval_s!r}")
-        if not self.stall_timeout_s > 0:
-            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s!r}")
-        if not self.windows_s or any(not w > 0 for w in self.windows_s):
+        for name in ("interval_s", "stall_timeout_s", "slo_window_s"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        if not self.windows_s or any(not (w > 0 and math.isfinite(w)) for w in self.windows_s):
             raise ValueError(f"windows_s must be positive seconds, got {self.windows_s!r}")
-        if not self.slo_window_s > 0:
-            raise ValueError(f"slo_window_s must be > 0, got {self.slo_window_s!r}")
         if self.max_stall_dumps < 0:
             raise ValueError(f"max_stall_dumps must be >= 0, got {self.max_stall_dumps!r}")
+        for name in ("silent_warn_s", "silent_repeat_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)!r}")
 
 
 def _window_label(s: float) -> str:
@@ -89,6 +97,14 @@ class _Server:
         self.keep_s = keep_s
         self.ever_up = False
         self.load_supported: bool | None = None
+        # The current outage: since when (mono), the last error, whether the connection was
+        # refused (nothing listens: gone or restarting, not stuck); when it was last warned about.
+        self.down_since: float | None = None
+        self.error = ""
+        self.refused = False
+        self.warned_mono: float | None = None
+        self.outage_warned = False  # this outage was warned about (then its end is said too)
+        self.gone_warned = False
 
     def add(self, s: Scrape) -> None:
         self.history.append(s)
@@ -146,6 +162,7 @@ class ServeWatcher:
         self.findings_path = os.path.join(config.run_dir, "findings.serve.jsonl")
         self._findings_bytes = 0
         self._lock = threading.Lock()
+        self.last_error: BaseException | None = None  # why the last _get got no answer
         if config.pyspy is None:
             from .._os.ptrace import find_pyspy
 
@@ -156,6 +173,8 @@ class ServeWatcher:
     # -- HTTP ------------------------------------------------------------------------------------
 
     def _get(self, url: str) -> tuple[int, bytes] | None:
+        """(status, body), or None when no answer came (``self.last_error`` says why)."""
+        self.last_error = None
         try:
             with self._opener.open(url, timeout=self.cfg.http_timeout_s) as r:
                 return r.status, r.read(32 * 1024 * 1024)
@@ -163,7 +182,67 @@ class ServeWatcher:
             return e.code, b""
         except (OSError, ValueError) as e:  # refused, timeout, reset, bad URL
             log.debug("GET %s failed: %r", url, e)
+            self.last_error = e
             return None
+
+    @staticmethod
+    def _why(e: BaseException | None) -> tuple[str, bool]:
+        """(what went wrong in words, whether the connection was refused)."""
+        reason = e.reason if isinstance(e, urllib.error.URLError) and isinstance(e.reason, BaseException) else e
+        if isinstance(reason, ConnectionRefusedError):
+            return "connection refused", True
+        if isinstance(reason, TimeoutError):
+            return "no answer within the timeout", False
+        if isinstance(e, urllib.error.URLError):
+            return str(e.reason), False
+        return (str(e) or type(e).__name__) if e is not None else "no response", False
+
+    def _server_gone(self) -> int | None:
+        """The server's pid when it is known and has exited, else None."""
+        from .._os import procs
+
+        try:
+            pid = self.root_pid()
+        except Exception:  # a callable from the embedding code: never fatal here
+            return None
+        return pid if pid is not None and not procs.alive(pid) else None
+
+    def _down(self, srv: _Server, status: int | None) -> None:
+        """A scrape got no good answer: count it, and say so at most rarely."""
+        now = time.monotonic()
+        if status is None:
+            srv.error, srv.refused = self._why(self.last_error)
+        else:
+            srv.error, srv.refused = f"HTTP {status}", False
+        if srv.down_since is None:
+            srv.down_since = now
+        if srv.ever_up:
+            self.scrape_failures += 1
+        gone = self._server_gone() if srv.refused else None
+        if gone is not None:
+            if not srv.gone_warned:
+                srv.gone_warned = True
+                log.warning("stepwatch serve-vllm: the server at %s (pid %d) is gone: the connection is refused "
+                            "and the process has exited; no stall is reported for it (still watching the URL)",
+                            srv.url, gone)
+            return
+        if srv.warned_mono is not None and now - srv.warned_mono < self.cfg.silent_repeat_s:
+            return
+        silent_for = now - srv.down_since
+        if srv.ever_up:  # it answered before: say so at the first failure
+            srv.warned_mono, srv.outage_warned = now, True
+            log.warning("stepwatch serve-vllm: %s/metrics did not answer (%s)%s; counted in %s", srv.url, srv.error,
+                        f" for {silent_for:.0f} s" if silent_for > 0 else "", N.OUT_SCRAPE_ERRORS)
+        elif silent_for >= self.cfg.silent_warn_s:
+            srv.warned_mono, srv.outage_warned = now, True
+            log.warning("stepwatch serve-vllm: %s/metrics has not answered for %.0f s (%s): is the URL right, and "
+                        "is the server up? Still trying", srv.url, silent_for, srv.error)
+
+    def _up(self, srv: _Server) -> None:
+        if srv.down_since is not None and (srv.outage_warned or srv.gone_warned):
+            log.warning("stepwatch serve-vllm: %s answers again", srv.url)
+        srv.ever_up = True
+        srv.down_since, srv.error, srv.refused, srv.gone_warned, srv.outage_warned = None, "", False, False, False
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         warn_once(f"serving.{key}", msg, *args, log=log)
@@ -171,25 +250,26 @@ class ServeWatcher:
     def scrape(self, srv: _Server) -> Scrape | None:
         got = self._get(srv.url + "/metrics")
         if got is None or got[0] != 200:
-            if srv.ever_up:
-                self.scrape_failures += 1
-                self._warn_once(f"scrape:{srv.url}", "stepwatch serve-vllm: %s/metrics did not answer (%s); counted in %s",
-                                srv.url, "no response" if got is None else f"HTTP {got[0]}", N.OUT_SCRAPE_ERRORS)
+            self._down(srv, None if got is None else got[0])
             return None
-        srv.ever_up = True
+        self._up(srv)
         text = got[1].decode("utf-8", "replace")
         return Scrape(time.monotonic(), time.time(), parse_metrics(text, self.parse_errors))
 
     def in_flight(self, srv: _Server, scrape: Scrape | None) -> float | None:
-        """Requests in flight at this API server: ``/load`` (needs --enable-server-load-tracking),
-        else running + waiting from /metrics (these freeze with a frozen engine: a weaker signal)."""
+        """Requests in flight at this API server: the larger of ``/load`` and running + waiting
+        from /metrics when both are known, else whichever is. vLLM counts requests at ``/load``
+        only with --enable-server-load-tracking, yet 0.32 answers ``{"server_load": 0}`` without
+        it too, so a 0 there cannot be trusted over an engine that reports requests; and the
+        engine's gauges freeze with a frozen engine (a weaker signal), so they cannot be trusted
+        over a ``/load`` that counts more. None: unknown (the server did not answer)."""
+        load: float | None = None
         if srv.load_supported is not False:
             got = self._get(srv.url + "/load")
             if got is not None and got[0] == 200:
                 try:
-                    v = float(json.loads(got[1])["server_load"])
+                    load = float(json.loads(got[1])["server_load"])
                     srv.load_supported = True
-                    return v
                 except (ValueError, KeyError, TypeError):
                     pass
             if got is not None and got[0] == 404:
@@ -199,9 +279,10 @@ class ServeWatcher:
             elif got is None:
                 return None
         if scrape is None:
-            return None
+            return load
         w = Window(None, scrape)
-        return sum(w.gauge(N.RUNNING).values()) + sum(w.gauge(N.WAITING).values())
+        engine = sum(w.gauge(N.RUNNING).values()) + sum(w.gauge(N.WAITING).values())
+        return engine if load is None else max(load, engine)
 
     # -- one pass --------------------------------------------------------------------------------
 
@@ -210,9 +291,13 @@ class ServeWatcher:
         progress: list[float] = [0.0, 0.0, 0.0]
         progress_known = False
         in_flight: float | None = 0.0
+        counted = 0  # servers whose in-flight count is known, or unknown but not refused
         for srv in self.servers:
             sc = self.scrape(srv)
+            if sc is None and srv.refused:
+                continue  # nothing listens there: no requests in flight at it, and no /load to ask
             load = self.in_flight(srv, sc)
+            counted += 1
             in_flight = None if (in_flight is None or load is None) else in_flight + load
             if sc is None:
                 continue
@@ -228,9 +313,14 @@ class ServeWatcher:
             if latest is not None and slo is not None:
                 batch.findings.extend(self.detectors.check(srv.url, latest, slo))
         now = time.monotonic()
+        # Every server refused the connection: gone (or restarting), not stuck.
+        unreachable = counted == 0
+        if unreachable:
+            in_flight = None
         if not progress_known and not any(s.ever_up for s in self.servers):
             in_flight = 0.0  # still starting: nothing to stall
-        began = self.stall.update(now, in_flight=in_flight, progress=tuple(progress) if progress_known else None)
+        began = self.stall.update(now, in_flight=in_flight, progress=tuple(progress) if progress_known else None,
+                                  unreachable=unreachable)
         since = self.stall.seconds_since_progress(now)
         batch.samples.append({
             "source": "serving", "time": time.time(), "labels": {"server": ",".join(s.url for s in self.servers)},
@@ -252,7 +342,8 @@ class ServeWatcher:
             except Exception as e:  # the watcher must outlive any bug of its own
                 self._warn_once(f"tick:{type(e).__name__}", "stepwatch serve-vllm: a scrape pass failed: %r", e)
                 log.debug("tick failed", exc_info=True)
-            stop.wait(max(0.05, self.cfg.interval_s - (time.monotonic() - t0)))
+            # Capped: a wait longer than TIMEOUT_MAX raises OverflowError and would end the watch.
+            stop.wait(min(threading.TIMEOUT_MAX, max(0.05, self.cfg.interval_s - (time.monotonic() - t0))))
 
     def close(self) -> None:
         closing = self.limiter.flush()
