@@ -140,12 +140,7 @@ def test_a_sink_the_machine_refuses_gets_one_line_without_a_traceback(sw, tmp_pa
     logging.getLogger("stepwatch").addHandler(caplog.handler)
     try:
         start(tensorboard=str(tb))
-        m = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for _ in range(3):
-            m(torch.randn(2, 4)).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        _train(None, 3)
         stepwatch.shutdown()
     finally:
         logging.getLogger("stepwatch").removeHandler(caplog.handler)
@@ -466,12 +461,7 @@ def test_a_sink_that_fails_at_the_last_export_still_leaves_its_finding(sw, tmp_p
             raise RuntimeError("the tracking server refused the write")
 
     start(exporters=[Broken()], flush_interval_s=60)  # nothing exported before the shutdown
-    m = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    for _ in range(2):
-        m(torch.randn(2, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _train(None, 2)
     stepwatch_mod.shutdown()
     run = tmp_path / "run"
     found = [json.loads(x) for x in (run / "findings.rank0.jsonl").read_text().splitlines()]
