@@ -149,7 +149,10 @@ def stats_for(c: Columns, rank: int | None) -> Stats:
     # A skipped step did no optimizer work; its time is real but it is not a training step's
     # time, so it is counted but kept out of the distribution.
     timed = step_s[~skipped & ~np.isnan(step_s) & (step_s > 0)]
-    del skipped
+    exposed = train(c.num("comm_exposed_s"))
+    s.comm_exposed_mean = _nanmean(exposed)
+    s.work_p50 = _work_p50(step_s, train(c.num("data_wait_s")), exposed, skipped)
+    del skipped, exposed
     if timed.size:
         s.step_mean, s.step_max = float(timed.mean()), float(timed.max())
         s.steady_step_mean = float(timed[1:].mean()) if timed.size > 1 else s.step_mean
@@ -190,10 +193,6 @@ def stats_for(c: Columns, rank: int | None) -> Stats:
     s.hfu_mean = _nanmean(train(c.num("hfu")))
     _grad_norm(s, c.grad_norm)
     s.comm_mean = _nanmean(train(c.num("comm_s")))
-    exposed = train(c.num("comm_exposed_s"))
-    s.comm_exposed_mean = _nanmean(exposed)
-    s.work_p50 = _work_p50(train(c.num("step_s")), train(c.num("data_wait_s")), exposed, train(c.skipped))
-    del exposed
     s.overlap_mean = _nanmean(train(c.num("overlap")))
     s.allreduce_mean = _nanmean(train(c.num("allreduce_s")))
     mem = c.num("mem_peak_bytes")
