@@ -140,6 +140,13 @@ def test_accumulation_without_dataloader_counts_every_micro_batch_of_step_0(sw, 
     """Before init: the model and its optimizer exist before ``stepwatch.init()``, and no
     DataLoader fetch comes before the first forward; the roots are found at init (the first
     backward was too late for step 0's first micro-batch)."""
+    _accumulate_from_step_0(sw, built)
+
+
+def _accumulate_from_step_0(sw, built, wrap=lambda m: m):
+    """Three steps of accumulation, the model and its optimizer built before or after
+    ``stepwatch.init()``; ``wrap`` the model after its optimizer was made; every micro-batch
+    counted."""
     stepwatch, mem, start = sw
     if built == "after init":
         start()
@@ -147,7 +154,7 @@ def test_accumulation_without_dataloader_counts_every_micro_batch_of_step_0(sw, 
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     if built == "before init":
         start()
-    _accumulate(m, opt)
+    _accumulate(wrap(m), opt)
     stepwatch.shutdown()
     _every_micro_batch_counted(mem.records)
 
@@ -1829,16 +1836,7 @@ def test_a_wrapper_made_after_the_optimizer_counts_every_micro_batch_of_step_0(s
     """The inner model is a root from the optimizer's scan and opens step 0; the wrapper is
     found at the first backward. Its calls opened no step, so they did not take over, and step 0
     counted the first micro-batch's samples only (8 of 32); later steps were right."""
-    stepwatch, mem, start = sw
-    if when == "after init":
-        start()
-    m = _model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    if when == "before init":
-        start()
-    _accumulate(_Wrapper(m), opt)
-    stepwatch.shutdown()
-    _every_micro_batch_counted(mem.records)
+    _accumulate_from_step_0(sw, when, _Wrapper)
 
 
 class _Policy(nn.Module):

@@ -101,13 +101,25 @@ def test_subdir_refuses_a_link(tmp_path, victim):
     assert stat.S_IMODE(os.stat(_files.private_subdir(str(tmp_path / "hang-2"))).st_mode) == 0o700
 
 
+def _run_into(run_dir, steps, sw, caplog):
+    """A session with ``dir=run_dir`` trains ``steps`` steps and shuts down; stepwatch's log lines
+    go to ``caplog`` meanwhile."""
+    stepwatch, _, start = sw
+    logging.getLogger("stepwatch").addHandler(caplog.handler)
+    try:
+        start(dir=str(run_dir))
+        _train(steps)
+        stepwatch.shutdown()
+    finally:
+        logging.getLogger("stepwatch").removeHandler(caplog.handler)
+
+
 def _warnings(caplog):
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "private subfolder" in r.getMessage()]
 
 
 @pytest.mark.parametrize("kind", ["group-writable", "world-writable", "other-owner"])
 def test_a_shared_or_foreign_run_dir_gets_one_warning_and_a_private_subfolder(sw, tmp_path, caplog, kind):
-    stepwatch, mem, start = sw
     run = tmp_path / "shared"
     run.mkdir()
     if kind == "other-owner":
@@ -117,13 +129,7 @@ def test_a_shared_or_foreign_run_dir_gets_one_warning_and_a_private_subfolder(sw
         os.chown(run, 65534, 65534)
     else:
         run.chmod(0o770 if kind == "group-writable" else 0o777)
-    logging.getLogger("stepwatch").addHandler(caplog.handler)
-    try:
-        start(dir=str(run))
-        _train(2)
-        stepwatch.shutdown()
-    finally:
-        logging.getLogger("stepwatch").removeHandler(caplog.handler)
+    _run_into(run, 2, sw, caplog)
     sub = run / f"private-{os.getuid()}"
     assert len(_warnings(caplog)) == 1, _warnings(caplog)
     assert os.listdir(run) == [sub.name]
@@ -136,18 +142,12 @@ def test_a_shared_or_foreign_run_dir_gets_one_warning_and_a_private_subfolder(sw
 
 
 def test_a_planted_private_subfolder_is_refused_and_the_job_goes_on(sw, tmp_path, victim, caplog):
-    stepwatch, mem, start = sw
+    mem = sw[1]
     run = tmp_path / "shared"
     run.mkdir()
     run.chmod(0o777)
     os.symlink(victim.parent, run / f"private-{os.getuid()}")
-    logging.getLogger("stepwatch").addHandler(caplog.handler)
-    try:
-        start(dir=str(run))
-        _train(2)
-        stepwatch.shutdown()
-    finally:
-        logging.getLogger("stepwatch").removeHandler(caplog.handler)
+    _run_into(run, 2, sw, caplog)
     assert len(mem.records) == 2
     assert os.listdir(victim.parent) == ["victim.txt"]
     _unchanged(victim)
@@ -220,17 +220,11 @@ def test_a_run_dir_that_is_a_file_gets_one_warning_that_says_so(sw, tmp_path, ca
     users" (for a 0644 file), then the records file and the manifest (twice) each warned again:
     four or five lines. One now, naming the setting and what is wrong; the file is untouched and
     the exporters still get every record."""
-    stepwatch, mem, start = sw
+    mem = sw[1]
     f = tmp_path / "afile"
     f.write_text("mine\n")
     f.chmod(mode)
-    logging.getLogger("stepwatch").addHandler(caplog.handler)
-    try:
-        start(dir=str(f))
-        _train(3)
-        stepwatch.shutdown()
-    finally:
-        logging.getLogger("stepwatch").removeHandler(caplog.handler)
+    _run_into(f, 3, sw, caplog)
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and str(f) in r.getMessage()]
     assert len(warned) == 1, warned
     assert "not a directory" in warned[0] and "STEPWATCH_DIR" in warned[0] and "writable" not in warned[0]
