@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -319,6 +320,157 @@ def test_cli_shutdown_is_bounded_by_grace_when_the_api_server_hangs(tmp_path):
         assert took < 6.0, (took, out)
         assert rc == 5, out
         assert not [t.pid for t in tree if procs.alive(t.pid, t.starttime)]
+    finally:
+        if w.poll() is None:
+            os.killpg(w.pid, signal.SIGKILL)
+            w.wait()
+        for t in tree:
+            if procs.alive(t.pid, t.starttime):
+                os.kill(t.pid, signal.SIGKILL)
+
+
+# -- the watched server ends: attached with --pid, launched, and a --pid that is not running ------
+
+# Default --interval is 2 s: the watch must end within two polling intervals of the server's end.
+GONE_BOUND_S = 4.0
+
+
+def _watch_attached(tmp_path, url: str, pid: int, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "stepwatch", "serve-vllm", "--run-dir", str(tmp_path / "run"), *extra,
+         "--attach", url, "--pid", str(pid)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def _wait_bounded(w: subprocess.Popen, t0: float) -> tuple[int | None, float, str]:
+    """(exit status or None if still running after GONE_BOUND_S, seconds since t0, its output)."""
+    try:
+        rc = w.wait(max(0.0, GONE_BOUND_S - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        rc = None
+    took = time.monotonic() - t0
+    if rc is None:
+        os.killpg(w.pid, signal.SIGKILL)
+        w.wait()
+    return rc, took, w.stdout.read().decode()
+
+
+def test_cli_attached_watch_ends_when_the_pid_dies(tmp_path):
+    """Attached with --pid, the server crashes (its whole tree SIGKILLed): the watcher kept
+    scraping a refused URL forever. One line naming the pid, the findings on disk, exit status 3,
+    within two default polling intervals."""
+    port = free_port()
+    srv = subprocess.Popen([sys.executable, FAKE, "--port", str(port), "--metrics",
+                            os.path.join(FIX, "metrics-0.32.0-midflight.txt")],
+                           stdout=subprocess.DEVNULL, start_new_session=True)
+    w = None
+    try:
+        wait_tree(srv.pid, 3)
+        w = _watch_attached(tmp_path, f"http://127.0.0.1:{port}", srv.pid, "--queue-threshold", "10")
+        findings = tmp_path / "run" / "findings.serve.jsonl"
+        deadline = time.monotonic() + 30
+        while not findings.exists() and time.monotonic() < deadline and w.poll() is None:
+            time.sleep(0.05)
+        assert findings.exists(), w.poll()
+        os.killpg(srv.pid, signal.SIGKILL)
+        srv.wait()
+        rc, took, out = _wait_bounded(w, time.monotonic())
+        assert rc is not None, f"still watching {took:.1f} s after the server died:\n{out}"
+        assert rc == 3, out
+        assert took < GONE_BOUND_S, (took, out)
+        said = [line for line in out.splitlines() if f"--pid {srv.pid}" in line]
+        assert len(said) == 1 and "has exited" in said[0], out
+        assert "still watching" not in out
+        f = [json.loads(line) for line in findings.read_text().splitlines()]
+        assert [x["kind"] for x in f] == ["queue_depth"] and f[0]["data"]["waiting"] == 24.0
+    finally:
+        if w is not None and w.poll() is None:
+            os.killpg(w.pid, signal.SIGKILL)
+            w.wait()
+        if srv.poll() is None:
+            os.killpg(srv.pid, signal.SIGKILL)
+            srv.wait()
+
+
+def test_cli_attached_watch_ends_when_the_pid_dies_while_a_scrape_hangs(tmp_path):
+    """The --pid process exits but its URL still accepts connections and never answers (an
+    orphaned child holding the server's socket): the watcher sits in a 10 s scrape. It still ends
+    within the bound, not after the scrape timeout or --grace."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(16)  # connections complete in the backlog; nobody ever accepts or answers
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    w = None
+    try:
+        w = _watch_attached(tmp_path, f"http://127.0.0.1:{ls.getsockname()[1]}", victim.pid)
+        assert select.select([ls], [], [], 30)[0], "the watcher never scraped"  # it is in the call now
+        time.sleep(0.6)  # past at least one check of the pid while it was alive
+        assert w.poll() is None
+        victim.kill()
+        victim.wait()
+        rc, took, out = _wait_bounded(w, time.monotonic())
+        assert rc == 3, (rc, took, out)
+        assert took < GONE_BOUND_S, (took, out)
+        assert len([line for line in out.splitlines() if f"--pid {victim.pid}" in line]) == 1, out
+        assert "still in a call" not in out
+    finally:
+        if w is not None and w.poll() is None:
+            os.killpg(w.pid, signal.SIGKILL)
+            w.wait()
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+        ls.close()
+
+
+def test_cli_attach_with_a_pid_that_is_not_running_is_refused(tmp_path):
+    """--pid of no running process was accepted and watched forever (and later reported as a
+    server that "is gone"): one line naming --pid, exit status 2, no run directory made."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    try:
+        r = subprocess.run([sys.executable, "-m", "stepwatch", "serve-vllm", "--run-dir", str(tmp_path / "run"),
+                            "--attach", f"http://127.0.0.1:{free_port()}", "--pid", str(dead.pid)],
+                           env=env, capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"still running 20 s after start with --pid {dead.pid} (not running)") from e
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip() == (f"stepwatch serve-vllm: error: argument --pid: no process {dead.pid} is running "
+                                "(give the server's top process)"), r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_launched_server_that_dies_ends_the_watch_in_one_line(tmp_path):
+    """Launched, the API server SIGKILLed: the wrapper exits 137 (128 + 9) at once, its tree is
+    gone, and the end is one line naming the pid (it was "the server exited with 137" without the
+    pid, and often also the watcher's "(pid N) is gone ... (still watching the URL)")."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    w = subprocess.Popen(
+        [sys.executable, "-m", "stepwatch", "serve-vllm", "--run-dir", str(tmp_path), "--interval", "0.2",
+         "--queue-threshold", "10", "--", sys.executable, FAKE, "--port", str(port),
+         "--metrics", os.path.join(FIX, "metrics-0.32.0-midflight.txt")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    tree = []
+    try:
+        tree = wait_tree(w.pid, 4)  # wrapper -> api -> engine -> worker
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "findings.serve.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        api = tree[1].pid
+        os.kill(api, signal.SIGKILL)
+        rc, took, out = _wait_bounded(w, time.monotonic())
+        assert rc == 128 + signal.SIGKILL, (rc, took, out)
+        assert took < GONE_BOUND_S, (took, out)
+        said = [line for line in out.splitlines() if f"pid {api}" in line and "started" not in line]
+        assert len(said) == 1 and "exited with 137" in said[0], out
+        assert "still watching" not in out
+        assert not [t.pid for t in tree if procs.alive(t.pid, t.starttime)]
+        assert json.loads((tmp_path / "findings.serve.jsonl").read_text().splitlines()[0])["kind"] == "queue_depth"
     finally:
         if w.poll() is None:
             os.killpg(w.pid, signal.SIGKILL)

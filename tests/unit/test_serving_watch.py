@@ -567,3 +567,23 @@ def test_a_new_episode_after_a_healthy_stretch_is_reported_live():
     closing = lim.flush()
     assert len(closing) == 1 and closing[0].data["episode"]["count"] == 2  # the one at 80, counted
     assert out[0][1].data["subject"] != out[1][1].data["subject"]
+
+
+def test_on_gone_replaces_the_gone_warning(tmp_path, caplog):
+    """An owner that ends the watch itself (the CLI) is told once that the server is gone; the
+    watcher's own "is gone ... (still watching the URL)" line is not printed as well."""
+    import subprocess
+    import sys
+    import time
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    told = []
+    w = ServeWatcher(WatchConfig(urls=[_refused_url()], run_dir=str(tmp_path), stall_timeout_s=0.2, interval_s=0.1),
+                     root_pid=dead.pid, on_gone=lambda url, pid: told.append((url, pid)))
+    caplog.set_level("WARNING", logger="stepwatch.serving")
+    for _ in range(3):
+        w.tick()
+        time.sleep(0.05)
+    assert told == [(w.servers[0].url, dead.pid)]
+    assert "gone" not in caplog.text and w.stalls == 0

@@ -7,6 +7,9 @@ Launched: the server runs as a child in its own process group (``--enable-server
 is added to a vLLM command); SIGINT/SIGTERM are forwarded to it, the whole process tree is stopped
 when it or the wrapper ends, and the wrapper exits with the server's exit code (127 when the
 command cannot be started, as ``stepwatch run``; 2 for bad arguments).
+Attached with --pid, the watch ends when that process does: one line naming it, the findings
+written, exporters flushed, exit status 3 (its own exit code is not ours to read); a --pid with no
+running process is refused at start (2). Without --pid an attached watch runs until stopped.
 Findings go to ``D/findings.serve.jsonl`` and to stderr; stall dumps to ``D/stall-<n>/``; the
 ``stepwatch_serving_*`` metrics to a Prometheus endpoint (``--prometheus-port``) and/or OTLP
 (the standard ``OTEL_EXPORTER_OTLP_*`` variables).
@@ -24,6 +27,14 @@ import time
 from typing import Any
 
 from .._files import private_run_dir
+
+# The exit status of an attached watch whose --pid exited: neither 0 (stopped by SIGINT/SIGTERM),
+# 1 (a stepwatch error), 2 (bad arguments) nor 127 (cannot start), so a supervisor can tell.
+EXIT_SERVER_GONE = 3
+# Once the watched server is gone, how long the watcher's last pass may take: a pass against a
+# closed port ends at once; one in a call to a socket an orphan still holds would wait out the
+# 10 s HTTP timeout (or --grace) for an answer that cannot matter any more.
+GONE_JOIN_S = 1.0
 
 
 # argparse's message already names the option ("argument --grace: ..."): these say what is valid.
@@ -120,7 +131,8 @@ def register(subparsers: Any) -> None:
                    help="seconds between scrapes (default 2)")
     p.add_argument("--attach", action="append", type=_url, metavar="URL",
                    help="watch a running server instead of launching one (repeat for several API servers)")
-    p.add_argument("--pid", type=_positive(int), metavar="PID", help="with --attach: the server's top process, for stall stacks")
+    p.add_argument("--pid", type=_positive(int), metavar="PID",
+                   help="with --attach: the server's top process, for stall stacks; the watch ends (exit status 3) when it exits")
     p.add_argument("--url", action="append", type=_url, metavar="URL",
                    help="launched: scrape this URL instead of the one from the command's --host/--port (repeatable)")
     p.add_argument("--ttft-slo", type=_positive(float), metavar="S",
@@ -179,6 +191,7 @@ def build_exporters(args: argparse.Namespace, run_id: str, run_dir: str) -> list
 
 def run(args: argparse.Namespace) -> int:
     from .._log import logger
+    from .._os import procs
     from .detect import Thresholds
     from .watcher import ServeWatcher, WatchConfig
 
@@ -191,6 +204,13 @@ def run(args: argparse.Namespace) -> int:
     if args.pid is not None and not args.attach:
         print("stepwatch serve-vllm: --pid goes with --attach (a launched server's pid is known)", file=sys.stderr)
         return 2
+    watched = None  # the --pid process (its start time tells it from a later one with its pid)
+    if args.pid is not None:
+        watched = procs.read_stat(args.pid)
+        if watched is None or not procs.alive(watched.pid, watched.starttime):
+            print(f"stepwatch serve-vllm: error: argument --pid: no process {args.pid} is running "
+                  "(give the server's top process)", file=sys.stderr)
+            return 2
     run_id = time.strftime("serve-%Y%m%d-%H%M%S")
     try:
         run_dir = private_run_dir(args.run_dir or os.path.join("stepwatch-runs", run_id))
@@ -234,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     got: list[int] = []
+    server_gone = False  # the watch ended because the --pid process did
 
     def on_signal(signum: int, frame: Any) -> None:
         got.append(signum)
@@ -255,20 +276,30 @@ def run(args: argparse.Namespace) -> int:
                     ex.shutdown()
                 return cannot_start("serve-vllm", server.cmd[0], e)
             logger.info("serve-vllm: started pid %d: %s; watching %s; run dir %s", server.pid, " ".join(server.cmd), ", ".join(urls), run_dir)
-        watcher = ServeWatcher(cfg, exporters=exporters, root_pid=(server.pid if server is not None else args.pid))
+        # on_gone: the end of the server is found and said here, once (below), not also as the
+        # watcher's "is gone ... (still watching the URL)".
+        watcher = ServeWatcher(cfg, exporters=exporters, root_pid=(server.pid if server is not None else args.pid),
+                               on_gone=lambda url, pid: None)
         t = threading.Thread(target=watcher.run, args=(stop,), name="stepwatch-serve-watch", daemon=True)
         t.start()
         while not stop.is_set():
             if server is not None:
                 server.refresh_tree()
                 if server.poll() is not None:
-                    logger.info("serve-vllm: the server exited with %s", server.exit_code())
+                    logger.info("serve-vllm: the server (pid %d) exited with %s", server.pid, server.exit_code())
                     break
                 reap_zombies_safe(server)
+            elif watched is not None and not procs.alive(watched.pid, watched.starttime):
+                # The pid, not the scrapes: a server whose orphaned children still hold its socket
+                # leaves them hanging, not refused; the start time tells a re-used pid apart.
+                logger.warning("stepwatch serve-vllm: the watched server (--pid %d) has exited; stopping the watch "
+                               "(run dir %s; exit status %d)", watched.pid, run_dir, EXIT_SERVER_GONE)
+                server_gone = True
+                break
             stop.wait(0.5)
     finally:
         stop.set()
-        rc = 0
+        rc = EXIT_SERVER_GONE if server_gone else 0
         # The server first: the watcher may sit in a 10 s HTTP call to a hung server (or in a
         # stall dump), and joining it first made shutdown take far longer than --grace.
         if server is not None:
@@ -276,9 +307,10 @@ def run(args: argparse.Namespace) -> int:
             reap_zombies()
         if watcher is not None and t is not None:
             # Once the server is gone its calls fail at once; attached, a hung server's call
-            # gets --grace to end. A daemon thread still in a call is left to the exit.
-            t.join(args.grace)
-            if t.is_alive():
+            # gets --grace to end, and GONE_JOIN_S once its --pid has exited (an orphan may still
+            # hold the socket). A daemon thread still in a call is left to the exit.
+            t.join(min(args.grace, GONE_JOIN_S) if server_gone else args.grace)
+            if t.is_alive() and not server_gone:
                 logger.info("serve-vllm: the watcher is still in a call to the server; not waiting for it")
         if watcher is not None:
             watcher.close()

@@ -128,7 +128,10 @@ class _Server:
 
 class ServeWatcher:
     """Watches one or more API servers of one deployment. ``root_pid``: the server's top process
-    (an int or a callable returning it), whose whole tree is dumped on a stall."""
+    (an int or a callable returning it), whose whole tree is dumped on a stall. ``on_gone(url,
+    pid)``: called (from the watching thread, once per outage) instead of the "is gone" warning
+    when a URL refuses and ``root_pid`` has exited, for an owner that ends the watch and says so
+    itself; without it the watcher warns and keeps watching the URL."""
 
     def __init__(
         self,
@@ -137,10 +140,12 @@ class ServeWatcher:
         exporters: Sequence[Exporter] = (),
         root_pid: int | Callable[[], int | None] | None = None,
         opener: urllib.request.OpenerDirector | None = None,
+        on_gone: Callable[[str, int], None] | None = None,
     ) -> None:
         self.cfg = config
         self.exporters = list(exporters)
         self._root_pid = root_pid
+        self._on_gone = on_gone
         keep = max(max(config.windows_s), config.slo_window_s) + 2 * config.interval_s
         self.servers = [_Server(u, keep) for u in config.urls]
         self.detectors = Detectors(config.thresholds)
@@ -222,6 +227,12 @@ class ServeWatcher:
         if gone is not None:
             if not srv.gone_warned:
                 srv.gone_warned = True
+                if self._on_gone is not None:
+                    try:
+                        self._on_gone(srv.url, gone)
+                    except Exception as e:  # the embedding code's: never fatal here
+                        self._warn_once("on_gone", "stepwatch serve-vllm: on_gone failed: %r", e)
+                    return
                 log.warning("stepwatch serve-vllm: the server at %s (pid %d) is gone: the connection is refused "
                             "and the process has exited; no stall is reported for it (still watching the URL)",
                             srv.url, gone)
