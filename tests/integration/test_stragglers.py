@@ -105,3 +105,53 @@ def test_adaptive_windows_balanced_job_names_no_one(tmp_path):
     torchrun(ARGS, {"STEPWATCH_DIR": str(run), **env}, tmp_path)
     named = findings(run, 0, "straggler") + findings(run, 1, "straggler")
     assert not named, (named, window_compute(run))
+
+
+# A DDP job whose rank 1 turns slow at --slow-from and stays slow to the last step (a sleep in its
+# forward: compute, as the exchange measures it). Its own script: the shared job script's slow rank
+# is slow from the first step.
+LATE_JOB = r'''
+import stepwatch.auto  # noqa: F401  -- the one line
+import argparse, time
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=70)
+p.add_argument("--slow-from", type=int, default=48)
+p.add_argument("--slow-s", type=float, default=0.04)
+a = p.parse_args()
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1))
+model = DDP(net)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(a.steps):
+    x = torch.randn(32, 64)
+    if rank == 1 and step >= a.slow_from:
+        time.sleep(a.slow_s)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def test_rank_slow_only_after_the_last_exchange_is_named_at_shutdown(tmp_path):
+    """Windows of 8 steps, 3 in a row: rank 1 is slow from step 48 to the job's last step 69, in
+    windows 6 and 7 and the partial window 8 (steps 64-69) that no exchange follows. The leader
+    judges that last window at shutdown and names rank 1 (was: nobody, the job ended first)."""
+    job = tmp_path / "late.py"
+    job.write_text(LATE_JOB[1:])
+    run = tmp_path / "run"
+    r = torchrun(["--steps", "70", "--slow-from", "48"], {"STEPWATCH_DIR": str(run), **ENV}, tmp_path, script=str(job))
+    found = findings(run, 0, "straggler")
+    assert found, (f"no straggler finding on rank 0; window medians: {window_compute(run)}", r.stderr[-2000:])
+    assert [f["data"]["ranks"] for f in found] == [[1]], found
+    assert found[0]["data"]["window"] == 8 and found[0]["step"] == 69, found
+    assert found[0]["data"]["compute_s"]["1"] > 1.5 * found[0]["data"]["compute_s"]["0"]
+    assert not findings(run, 1, "straggler")
+    assert len(records(run, 0)) == 70 and len(records(run, 1)) == 70

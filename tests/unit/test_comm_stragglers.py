@@ -281,3 +281,125 @@ def test_plan_windows_bounds():
     assert S.plan_windows(0.05, 3) == (5, 4)  # 20 steps of 50 ms = 1 s
     assert S.plan_windows(1.0, 3) == (1, 3)
     assert S.plan_windows(30.0, 3) == (1, 1)  # one 30 s step of evidence, named within 60 s
+
+
+# ----------------------------------------------------------------------------- the last window
+
+
+def slow_from(first_slow, rank=1):
+    """rank ``rank`` computes 3x its peers from step ``first_slow`` on (only then)."""
+    return lambda r, step: 0.030 if r == rank and step >= first_slow else 0.010
+
+
+def run_steps(dets, steps, compute_of):
+    """Ranks in lockstep, rank 0 (the leader) first each step: its last look at the store comes
+    before the others' last parts, as when ranks' background passes drift."""
+    findings = []
+    for step in range(steps):
+        slowest = max(compute_of(r, step) for r in range(len(dets)))
+        for d in dets:
+            c = compute_of(d.rank, step)
+            findings += d.observe(rec(d.rank, step, c, wait=slowest - c))
+    return findings
+
+
+def finish_all(dets):
+    """Shutdown: the other ranks first (their last parts), then the leader."""
+    found = []
+    for d in reversed(dets):
+        found += d.finish()
+    return found
+
+
+def test_a_rank_slow_through_a_partial_last_window_is_named_at_finish(store):
+    """Windows of 4, 3 in a row: rank 1 is slow from step 20 (windows 5, 6) to the job's last
+    step 29, in the partial window 7 (steps 28-29) that no exchange followed. Was: never named."""
+    server, client = store
+    dets, _ = detectors(client, 2, every=4, windows=3)
+    assert run_steps(dets, 30, slow_from(20)) == []  # 2 slow windows judged: not yet 3
+    found = finish_all(dets)
+    assert [f.data["ranks"] for f in found] == [[1]], found
+    assert found[0].step == 29 and found[0].data["window"] == 7 and found[0].rank == 0
+    assert dets[0].exchange.pending == {}
+
+
+def test_a_last_window_published_after_the_leaders_last_look_is_judged_at_finish(store):
+    """The job's last step (31) ends window 7 exactly: every rank publishes it, but the leader
+    looked at the store before rank 1's part came, and no pass follows. Was: never judged."""
+    server, client = store
+    dets, _ = detectors(client, 2, every=4, windows=3)
+    assert run_steps(dets, 32, slow_from(20)) == []
+    assert 7 in dets[0].exchange.pending
+    found = finish_all(dets)
+    assert [f.data["ranks"] for f in found] == [[1]] and found[0].step == 31
+
+
+def test_a_last_window_of_less_than_half_a_window_is_not_judged(store):
+    """Steps 28-32 slow: window 8 holds one step (32), too few for a median; window 7 alone is
+    not 3 in a row. Nobody is named, and finish does not publish the stub."""
+    server, client = store
+    dets, _ = detectors(client, 2, every=4, windows=3)
+    found = run_steps(dets, 33, slow_from(28)) + finish_all(dets)
+    assert found == []
+    assert dets[0].verdicts[-1]["w"] == 7
+
+
+def test_balanced_job_names_no_one_at_finish(store):
+    server, client = store
+    dets, _ = detectors(client, 3, every=4, windows=3)
+    assert run_steps(dets, 30, lambda r, step: 0.010) + finish_all(dets) == []
+
+
+def test_finish_with_a_rank_gone_waits_at_most_finish_s(store):
+    """Rank 1 crashed before shutdown (no last part): the leader waits for it no longer than
+    FINISH_S and judges with what arrived: no one is compared, no one is named."""
+    import time
+
+    server, client = store
+    dets, _ = detectors(client, 2, every=4, windows=3)
+    run_steps(dets, 30, slow_from(20))
+    t0 = time.monotonic()
+    found = dets[0].finish()
+    took = time.monotonic() - t0
+    assert found == []
+    assert took <= S.FINISH_S + 0.3, took  # the bound, with slack for a loaded machine
+    assert dets[0].exchange.pending == {}
+    assert dets[0].finish() == []  # once
+
+
+def test_finish_never_hangs_on_a_store_that_does_not_answer(store):
+    """The store's host is gone or the network partitioned: every store call blocks. finish()
+    returns within FINISH_S (+ slack) with nothing judged; the job's exit is not held up."""
+    import threading
+    import time
+
+    server, client = store
+    dets, _ = detectors(client, 2, every=4, windows=3)
+    run_steps(dets, 30, slow_from(20))
+    release = threading.Event()
+
+    class Silent:
+        def __getattr__(self, name):
+            def call(*a, **k):
+                release.wait(60)  # released at the end of the test
+                raise RuntimeError("store timed out")
+
+            return call
+
+    try:
+        for d in dets:
+            d.exchange.store = Silent()
+        for d in dets:
+            t0 = time.monotonic()
+            assert d.finish() == []
+            took = time.monotonic() - t0
+            assert took <= S.FINISH_S + 0.3, (d.rank, took)
+    finally:
+        release.set()
+
+
+def test_finish_before_any_exchange_does_nothing():
+    d = StragglerDetector(every=4, margin=0.2, windows=3, rank=0, host="h", store_factory=lambda: None,
+                          namespace="x")
+    d.observe(rec(0, 0, 0.01))
+    assert d.finish() == [] and d.exchange is None

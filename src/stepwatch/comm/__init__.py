@@ -33,6 +33,7 @@ class CommFeature:
         self.overlap: Any = None
         self.busbw: Any = None
         self.nccl_log: Any = None
+        self.final_pass: Any = lambda: False  # the hub's: True during shutdown's last pass
 
     def stop(self) -> None:
         for part in (self.ddp, self.collectives):
@@ -54,9 +55,13 @@ class CommFeature:
         """Each background pass: NCCL's own warnings from the user's NCCL_DEBUG_FILE, if set."""
         # Only on passes that carry records: the pipeline opens its exporters with the first record,
         # and a finding of an earlier pass would have nowhere to go.
+        found: list[Any] = []
+        if self.stragglers is not None and self.final_pass():
+            # Shutdown: the straggler exchange's last window, bounded (comm/stragglers.py, finish).
+            found = self.stragglers.finish()
         if self.nccl_log is None or not records:
-            return [], []
-        return [], self.nccl_log.poll(records[-1].step)
+            return [], found
+        return [], found + self.nccl_log.poll(records[-1].step)
 
 
 def install(hub: "Hub") -> CommFeature | None:
@@ -79,6 +84,7 @@ def install(hub: "Hub") -> CommFeature | None:
     from .stragglers import StragglerDetector
 
     feat = CommFeature()
+    feat.final_pass = lambda: hub.final_pass
     # The progress board (the capture feature may set it after this) is read when a collective starts.
     # The collector joins the step tracker's at the first collective (or forward-end event).
     feat.collector = CommCollector(progress_getter=lambda: hub.progress,

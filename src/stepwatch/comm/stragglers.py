@@ -32,12 +32,26 @@ so the store traffic stays bounded by time, not by step rate.
 
 Ranks that disagree on the step only delay a window's verdict; nothing waits for them. Keys are
 namespaced by run id and attempt, so a restarted job never reads an old attempt's summaries.
+
+The last window (:meth:`StragglerDetector.finish`, at shutdown's final pass). A job's last steps
+rarely end a window where an exchange follows: the last window is partial (never published), or
+published while the leader's last look at the store came before the other ranks' parts (never
+judged), and a rank slow through it went unnamed. No collective runs at shutdown: ranks shut
+down at different times (one crashed, one left its loop early), and a collective there can
+hang. Instead every rank publishes its last window through the store as it does any window (a
+partial one if it holds at least half a window's steps; less is too few steps for a median),
+and the leader judges every window still pending, waiting for the others' parts at most until
+``FINISH_S`` (0.5 s) less ``FINISH_JUDGE_S``; what has not arrived then is judged without
+(a missing rank is not compared). The store operations run on a helper thread that shutdown
+joins for at most ``FINISH_S``: a store that does not answer (its host gone, a partitioned
+network) costs the job's exit 0.5 s at most, never a hang. The other ranks do not wait at all.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -68,6 +82,12 @@ EVIDENCE_S = 1.0
 EVIDENCE_MIN_STEPS = 3
 EVIDENCE_MAX_S = 50.0  # + the exchange's latency (a pass or two) stays within 60 s
 PRE_PLAN_RECORDS = 512  # records a rank keeps while it waits for the plan
+# Shutdown (finish): the most the final pass spends on the exchange (session shutdown has 1.5 s
+# in all, the exporters' flush included), of which the last FINISH_JUDGE_S are left to read the
+# windows and judge them; and how often the leader looks for the other ranks' last parts meanwhile.
+FINISH_S = 0.5
+FINISH_JUDGE_S = 0.1
+FINISH_POLL_S = 0.02
 
 
 def plan_windows(step_s: float, windows: int) -> tuple[int, int]:
@@ -185,12 +205,17 @@ class StragglerExchange:
         if self.rank == self.leader:
             self.pending[w] = time.monotonic()
 
-    def collect(self, latest: int) -> list[tuple[int, dict[int, Summary]]]:
-        """Leader: windows that are complete (or late enough to judge with what arrived)."""
+    def all_in(self) -> bool:
+        """Leader: every rank's part of every pending window has arrived."""
+        return all(self.store.add(self._k(w, "n"), 0) >= self.world for w in self.pending)
+
+    def collect(self, latest: int, *, force: bool = False) -> list[tuple[int, dict[int, Summary]]]:
+        """Leader: windows that are complete (or late enough to judge with what arrived; every
+        pending one with ``force``, at shutdown)."""
         ready = []
         now = time.monotonic()
         for w, since in sorted(self.pending.items()):
-            n = self.store.add(self._k(w, "n"), 0)
+            n = self.world if force else self.store.add(self._k(w, "n"), 0)
             if n < self.world and (latest - w < LATE_WINDOWS or now - since < LATE_S):
                 continue
             blob = self.store.get(self._k(w, "d"))  # exists: the leader appended to it itself
@@ -279,6 +304,8 @@ class StragglerDetector:
         # Leader: each rank's SM activity per window (GPU telemetry), for the B.4 straggler-GPU row.
         self._sm: dict[int, Any] = {}
         self._gpu_reported: frozenset[int] = frozenset()
+        self._finished = False
+        self._last_step = -1  # this rank's newest record: a partial last window ends there
 
     def _ensure(self) -> StragglerExchange | None:
         if self.exchange is None and not self._disabled:
@@ -292,7 +319,54 @@ class StragglerDetector:
             self.exchange = StragglerExchange(store, self.namespace, self.rank, world, self.host)
         return self.exchange
 
+    def finish(self, timeout_s: float = FINISH_S) -> list[Finding]:
+        """Shutdown's final pass, after the last record: publish this rank's last window and (the
+        leader) judge every window still pending; within ``timeout_s`` whatever the store does
+        (see the module's docstring). Once; the detector observes nothing after it."""
+        if self._finished:
+            return []
+        self._finished = True
+        if self.exchange is None and not self._buf:
+            return []  # never published: no exchange to finish (one rank, or no plan yet)
+        deadline = time.monotonic() + timeout_s
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["found"] = self._finish(deadline - min(FINISH_JUDGE_S, timeout_s / 2))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, who reports it
+                box["error"] = e
+
+        t = threading.Thread(target=work, name="stepwatch-straggler-finish", daemon=True)
+        t.start()
+        t.join(max(deadline - time.monotonic(), 0.0))
+        if "error" in box:
+            raise box["error"]
+        if "found" not in box:
+            from .._log import logger
+
+            logger.warning("stepwatch: the straggler exchange's last window did not finish within %.1f s at "
+                           "shutdown (the store did not answer); it is not judged", timeout_s)
+            return []
+        return box["found"]
+
+    def _finish(self, wait_until: float) -> list[Finding]:
+        if self._buf and len(self._buf) >= (self.every + 1) // 2:
+            self._close()
+        self._buf, self._win = [], None
+        ex = self.exchange
+        if ex is None or ex.rank != ex.leader or not ex.pending:
+            return []
+        while time.monotonic() < wait_until and not ex.all_in():
+            time.sleep(FINISH_POLL_S)
+        out: list[Finding] = []
+        for w, sums in ex.collect(self.latest, force=True):
+            out += self._judge(w, sums)
+        return out
+
     def observe(self, rec: StepRecord) -> list[Finding]:
+        if self._finished:
+            return []
         if self.adaptive and self.plan is None:
             self._pre.append(rec)
             del self._pre[:-PRE_PLAN_RECORDS]
@@ -343,6 +417,7 @@ class StragglerDetector:
     def _observe(self, rec: StepRecord) -> list[Finding]:
         if rec.step < self._start:
             return []
+        self._last_step = max(self._last_step, rec.step)
         w = (rec.step - self._start) // self.every
         out: list[Finding] = []
         if self._win is not None and w != self._win and self._buf:
@@ -403,7 +478,7 @@ class StragglerDetector:
         if len(self._sm) < 2:
             return []
         found = find_gpu_stragglers({r: list(d) for r, d in self._sm.items()}, rank=self.rank,
-                                    step=self._start + (w + 1) * self.every - 1)
+                                    step=self._window_end(w))
         named = frozenset(f.data["straggler_rank"] for f in found)
         if named == self._gpu_reported:
             return []
@@ -437,6 +512,11 @@ class StragglerDetector:
             return []
         self._reported_set, self._reported_at = key, w
         return [self._finding(w, sums, named, slow)]
+
+    def _window_end(self, w: int) -> int:
+        """The last step of window ``w``; of a partial last window (at shutdown), the last step."""
+        end = self._start + (w + 1) * self.every - 1
+        return min(end, self._last_step) if self._last_step >= self._start + w * self.every else end
 
     def _persistent(self, r: int) -> bool:
         """Fixed windows: ``windows`` slow windows in a row. Adaptive: slow for at least
@@ -473,7 +553,7 @@ class StragglerDetector:
         return make_finding(
             "straggler",
             rank=self.rank,
-            step=self._start + (w + 1) * self.every - 1,
+            step=self._window_end(w),
             summary=summary,
             data={
                 "ranks": named,

@@ -1,16 +1,22 @@
 """The cross-rank verdict on a hang: who is behind, in which collective, and ``report.json``.
 
 Input: one snapshot per rank (its progress board at detection plus the top frames of its stack
-dump). Two sources of evidence, best first:
+dump). Three sources of evidence, best first:
 
 1. Collectives (the comm hook writes them to the board): per process group, the collective the
    others wait in is the highest sequence number still open on some rank; the *laggards* are the
    ranks whose last entered sequence in that group is lower (they have not entered it). When every
    rank has entered it and it is open everywhere, no rank is behind: the collective itself does not
    complete, which points at the device or the network.
-2. Phases, when no rank published a collective: DDP's gradient AllReduce runs inside backward, so
-   ranks in ``backward`` of the newest step wait in it, and ranks still at an earlier step, or in
-   another phase of that step, are the laggards.
+2. Stacks, when no collective the comm hook times is open (a ``dist.all_reduce`` or a barrier of
+   the job's own, which nothing times, leaves the board with every rank at the same step and
+   phase): a rank whose innermost frames, below its own code, are in ``torch.distributed`` waits
+   in a collective; a rank whose main thread is in its own code (``time.sleep``, a busy loop), in
+   the standard library or elsewhere in torch, and not in backward, is in no collective: it is
+   the laggard. Judged only when the stacks show both kinds; a rank without frames is neither.
+3. Phases, when neither names anyone: DDP's gradient AllReduce runs inside backward, so ranks in
+   ``backward`` of the newest step wait in it, and ranks still at an earlier step, or in another
+   phase of that step, are the laggards.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import time
 from typing import Any
 
 from .._os.pyspy import call_site
+from ..hooks import progress
 
 
 def _last_per_group(snap: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -71,6 +78,74 @@ def _by_collectives(snaps: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+# torch.distributed's collectives and waits, as a Python frame names them (innermost first:
+# ``all_reduce (torch/distributed/distributed_c10d.py:3252)``, then its logging wrapper).
+_IN_DIST = "torch/distributed/"
+_IN_BACKWARD = ("torch/autograd/", "torch/_tensor.py")
+
+
+def _lib_frames(frames: list[str]) -> list[str]:
+    """The innermost frames below the job's own code (all of them when none is the job's)."""
+    site = call_site(frames)
+    return frames[:frames.index(site)] if site is not None else frames
+
+
+def _frame_path(frame: str) -> str:
+    return frame[frame.rfind("(") + 1:].rsplit(":", 1)[0].replace("\\", "/")
+
+
+def _collective_frame(frames: list[str]) -> str | None:
+    """The torch.distributed frame this stack waits in, or None when it is in no collective."""
+    dist = [f for f in _lib_frames(frames) if _IN_DIST in _frame_path(f)]
+    if not dist:
+        return None
+    for f in dist:  # the collective itself, not a wrapper around it
+        if progress.op_code(_op_name(f)) != 0:
+            return f
+    return dist[0]
+
+
+def _op_name(frame: str) -> str:
+    name = frame[:frame.rfind(" (")] if " (" in frame else frame
+    return name.rsplit(".", 1)[-1]
+
+
+def _by_stacks(snaps: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    waiting, laggards = [], []
+    coll_frame = None
+    for r in sorted(snaps):
+        s = snaps[r]
+        frames = s.get("top_frames") or []
+        if not frames:
+            continue  # no evidence either way
+        f = _collective_frame(frames)
+        if f is not None:
+            waiting.append(r)
+            coll_frame = coll_frame or (f, s)
+        elif not any(p in _frame_path(x) for x in _lib_frames(frames) for p in _IN_BACKWARD):
+            # In backward, DDP's AllReduce waits where Python shows no frame: not judged here.
+            laggards.append(r)
+    if not waiting or not laggards:
+        return None
+    f, s = coll_frame
+    name = _op_name(f)
+    code = progress.op_code(name)
+    return {
+        "verdict": "laggard",
+        "laggards": laggards,
+        "waiting": waiting,
+        "collective": {
+            "op": progress.OPS[code] if code else name,
+            "group": None,
+            "sequence": None,
+            "bytes": None,
+            "step": s.get("step"),
+            "source": "stacks (a collective stepwatch does not time: the waiting ranks' frames are in "
+                      "torch.distributed, the laggards' are not)",
+        },
+    }
+
+
 def _by_phases(snaps: dict[int, dict[str, Any]]) -> dict[str, Any]:
     newest = max(s["step"] for s in snaps.values())
     waiting = [r for r, s in sorted(snaps.items()) if s["step"] == newest and s["phase"] == "backward"]
@@ -103,7 +178,7 @@ def verdict(snaps: dict[int, dict[str, Any]], world_size: int) -> dict[str, Any]
     """Decide from the snapshots that arrived (missing ranks are named, never guessed)."""
     if not snaps:
         return {"verdict": "unknown", "laggards": [], "waiting": [], "collective": None}
-    v = _by_collectives(snaps) or _by_phases(snaps)
+    v = _by_collectives(snaps) or _by_stacks(snaps) or _by_phases(snaps)
     v["missing_ranks"] = [r for r in range(world_size) if r not in snaps]
     coll = v.get("collective")
     if coll is not None:
