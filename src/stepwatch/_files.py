@@ -135,6 +135,20 @@ def private_run_dir(path: str, *, warn: bool = True) -> str:
     return sub
 
 
+def job_dir(run_dir: str) -> str:
+    """The directory the job given ``run_dir`` wrote into: its private subfolder
+    ``run_dir/private-<uid>`` when there is one (the run directory was shared or another user's:
+    ``private_run_dir``), else ``run_dir`` itself. Only a real directory of this user counts
+    as that subfolder: a link or someone else's directory under that name in a shared directory
+    is none of the job's."""
+    sub = os.path.join(run_dir, f"private-{os.getuid()}")
+    try:
+        st = os.lstat(sub)
+    except OSError:
+        return run_dir
+    return sub if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() else run_dir
+
+
 def open_private(path: str, *, exclusive: bool = True, buffering: int = 1 << 16) -> IO[str]:
     """Open for appending, created 0600; ``exclusive`` refuses an existing file (never overwrite).
     Never through a link, never to anything but a regular file."""

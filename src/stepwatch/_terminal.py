@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 from typing import TextIO
 
@@ -77,9 +79,15 @@ def render(tables: list[Table], file: TextIO | None = None, width: int | None = 
         _render_plain(tables, out)
         return
 
-    console = Console(file=out, highlight=False, soft_wrap=False, width=width)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich would exit 1 here; a reader that has gone (`| head`) is the command line's to
+            # handle, the same for every command (cli.main).
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    console = _Console(file=out, highlight=False, soft_wrap=False, width=width)
     if not console.is_terminal:
-        console = Console(file=out, highlight=False, width=width or _PIPE_WIDTH, no_color=True)
+        console = _Console(file=out, highlight=False, width=width or _PIPE_WIDTH, no_color=True)
     for t in tables:
         headers, rows = _fold(t)
         plain_kv = all(h == "" for h in headers)

@@ -38,6 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        rc = _run(argv)
+        # What is still buffered goes out here, where a reader that has gone is caught (below),
+        # not in the interpreter's last flush (a traceback, and exit status 120).
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        if not _reader_gone():
+            raise  # another pipe than the command's own output: a real error
+        return READER_GONE
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -45,6 +58,40 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     return int(func(args) or 0)
+
+
+# `stepwatch report RUN | head` once head has its lines: the exit status of a command that
+# SIGPIPE's default action ended, as `git log | head` ends (128 + SIGPIPE, as a shell reports
+# it: the convention of the other commands for a signal), with nothing said.
+READER_GONE = 141
+
+
+def _reader_gone() -> bool:
+    """Whether stdout or stderr is a pipe whose reader has gone (``stepwatch ... | head``); each
+    such one is pointed at /dev/null, so that the interpreter's last flush of what is still
+    buffered does not fail again (Python's note on SIGPIPE, in the signal module's docs)."""
+    import os
+    import select
+
+    gone = False
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fd = stream.fileno()
+            if hasattr(select, "poll"):
+                poll = select.poll()
+                poll.register(fd, select.POLLOUT)
+                # A pipe's write end with no reader left polls POLLERR (a socket's, POLLHUP).
+                if not any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0)):
+                    continue
+            elif stream is not sys.stdout:  # no way to ask: the usual case, stdout
+                continue
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        except (AttributeError, OSError, ValueError):  # no such stream or no descriptor (in-process use)
+            continue
+        gone = True
+    return gone
 
 
 if __name__ == "__main__":  # pragma: no cover

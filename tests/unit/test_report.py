@@ -797,3 +797,82 @@ def test_step_0_alone_marks_no_rank(tmp_path):
     write_manifest(tmp_path, 2)
     s = summarize(load_run(str(tmp_path)))
     assert (s.slowest_rank, s.slowest_compute_rank, s.most_data_wait_rank) == (None, None, None)
+
+
+WARMUP_JOB = '''
+import stepwatch.auto  # noqa: F401
+import sys, time
+import torch, torch.nn as nn
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8 * int(sys.argv[1])
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(16, generator=g), torch.randn(1, generator=g)
+
+
+def slow_start(worker_id):  # rank 1's loader worker takes long to start (an import, a file index)
+    time.sleep(1.0)
+
+
+model = DDP(nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+loader = torch.utils.data.DataLoader(Data(), batch_size=8, num_workers=1,
+                                     worker_init_fn=slow_start if rank == 1 else None)
+for x, y in loader:
+    loss = ((model(x) - y) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    time.sleep(0.1)  # the rest of a step: the worker has the next batch ready long before
+dist.destroy_process_group()
+'''
+
+
+@needs_init
+def test_a_slow_first_batch_alone_marks_no_rank_for_data_wait(tmp_path):
+    """A real 2-rank gloo DDP job whose rank 1 waited a second for its DataLoader worker to start, in
+    step 0 only: its mean data wait, step 0 in it, stood out and the report marked rank 1 "most data
+    wait" although every later batch was ready at once. Step 0 holds the start-up; the data-wait
+    mark judges the steps after it, as the other marks do."""
+    import socket
+
+    steps = 40
+    (tmp_path / "train.py").write_text(WARMUP_JOB)
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env.update({"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "STEPWATCH_CONSOLE": "off",
+                "STEPWATCH_DIR": str(run), "STEPWATCH_GPU_TELEMETRY": "0"})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(port), "train.py", str(steps)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    # The job did what this test is about: rank 1's first batch came late, the others at once.
+    waits = {}
+    for rank in (0, 1):
+        recs = [json.loads(x) for x in (run / f"steps.rank{rank}.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in recs] == list(range(steps))
+        waits[rank] = [x["data_wait_s"] for x in recs]
+    assert waits[1][0] > 0.6 and waits[1][0] > waits[0][0] + 0.5, waits
+    assert np.median(waits[1][1:]) < 0.01 and np.median(waits[0][1:]) < 0.01, waits
+    s = summarize(load_run(str(run)))
+    dw = {r: st.phase_mean["data_wait_s"] for r, st in s.per_rank.items()}
+    spread = 0.05 * float(np.median([st.step_mean for st in s.per_rank.values()]))
+    assert dw[1] - dw[0] > spread  # with step 0 in the mean, rank 1 stands out
+    assert s.most_data_wait_rank is None, (dw, spread)
+    p = subprocess.run([sys.executable, "-m", "stepwatch", "report", str(run), "--no-html"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "Per rank" in p.stdout and "most data wait" not in p.stdout

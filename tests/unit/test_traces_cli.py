@@ -245,3 +245,39 @@ def test_capture_stops_waiting_when_every_rank_is_gone(tmp_path, capsys):
     # And asked again: at once.
     rc, took, err = _capture(run, capsys)
     assert rc == 2 and took < 5 and gone in err, (rc, took, err)
+
+
+def test_capture_finds_the_job_in_the_private_subfolder_of_a_shared_run_dir(tmp_path, capsys):
+    # A run dir others may write to: the job writes into RUN_DIR/private-<uid>/ (_files.private_run_dir),
+    # and `stepwatch capture RUN_DIR` -- the directory the user gave the job -- must find it there: its
+    # run.json, its world size, its ranks, its requests/ and captures/.
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o770)
+    proc, _ = _start(tmp_path, 100_000)
+    sub = run / f"private-{os.getuid()}"
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not ((sub / "rank0.json").exists() and (sub / "run.json").exists()):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.3)
+        assert sorted(os.listdir(run)) == [sub.name]
+        rc = main(["capture", str(run), "--steps", "2", "--json", "--timeout", "120"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        assert "on 1 rank(s)" in err
+        (got,) = json.loads(out)
+        assert got["rank"] == 0 and got["note"] == "no GPU kernels"
+        assert [p.name.endswith(".taken.json") for p in (sub / "requests").iterdir()] == [True]
+        assert sorted((sub / "captures").glob("capture-*.rank0.analysis.json"))
+        assert not (run / "requests").exists() and not (run / "captures").exists()
+        # A run.json left at the top by an earlier job (of 4 ranks, before the directory was shared):
+        # the live job's own manifest still gives the world size.
+        (run / "run.json").write_text(json.dumps({"run_id": "older", "world_size": 4, "end_time": None}))
+        rc = main(["capture", str(run), "--steps", "2", "--json", "--timeout", "120"])
+        out, err = capsys.readouterr()
+        assert rc == 0 and "on 1 rank(s)" in err, err
+        assert [s["rank"] for s in json.loads(out)] == [0]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)

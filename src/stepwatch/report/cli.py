@@ -50,9 +50,26 @@ def run_report(args: argparse.Namespace) -> int:
         print(f"stepwatch report: error: {e}", file=sys.stderr)
         return 2
 
+    # The page before the summary: a reader that stops early (`stepwatch report RUN | head`)
+    # ends the printing (cli.main), and the report.html written unasked must be this run's all the
+    # same, not missing or one of before.
+    path: str | None = None
+    html_error: OSError | None = None
+    if not args.no_html:
+        path = args.html or default_html_path(args.run_dir, args.compare)
+        text = page.render_html(a) if b is None else page.render_compare_html(a, b)
+        # Inside the run directory the report keeps the records' privacy (the writer makes them
+        # 0600): it holds the same command line and hosts. A path of the user's choice gets the
+        # usual umask. Atomic, never through a planted link (a reader never sees half a page).
+        try:
+            write_private(path, text, mode=0o666 if args.html else 0o600)
+        except OSError as e:
+            html_error = e
+
     if b is None:
-        terminal.render(tables.all_tables(a) + page.capture_tables(args.run_dir))
-        tl = page.comm_timeline(args.run_dir)
+        job = a.run.path  # where the records were read (a shared run dir's private-<uid>), as the page
+        terminal.render(tables.all_tables(a) + page.capture_tables(job))
+        tl = page.comm_timeline(job)
         if tl:
             print(tl + "\n")
     else:
@@ -64,18 +81,11 @@ def run_report(args: argparse.Namespace) -> int:
         # Run info first so A and B are named, then the side-by-side table, then the details.
         terminal.render([ta[0], tb[0], cmp, ta[3], tb[3], ta[4], tb[4]])
 
-    if args.no_html:
+    if path is None:
         return 0
-    path = args.html or default_html_path(args.run_dir, args.compare)
-    text = page.render_html(a) if b is None else page.render_compare_html(a, b)
-    # Inside the run directory the report keeps the records' privacy (the writer makes them
-    # 0600): it holds the same command line and hosts. A path of the user's choice gets the
-    # usual umask. Atomic, never through a planted link (a reader never sees half a page).
-    try:
-        write_private(path, text, mode=0o666 if args.html else 0o600)
-    except OSError as e:
+    if html_error is not None:
         print(f"stepwatch report: error: cannot write the HTML report to {path!r} "
-              f"({e.strerror}); choose another place with --html PATH or skip it with --no-html",
+              f"({html_error.strerror}); choose another place with --html PATH or skip it with --no-html",
               file=sys.stderr)
         return 1
     print(f"HTML report: {path}")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
+from .._files import job_dir
 from ..record import Finding
 from .columns import RankColumns
 from .ingest import RankBuilder, _is_num, add_step
@@ -197,8 +198,7 @@ def load_run(path: str) -> Run:
         raise ReportError(f"run directory {path!r} cannot be read: {e.strerror}") from None
 
     matched = [(n, m) for n in names if (m := _FILE_RE.match(n))]
-    private = os.path.join(path, f"private-{os.getuid()}")
-    if not matched and os.path.isdir(private):
+    if not matched and (private := job_dir(path)) != path:
         # a shared or foreign run dir: the job wrote into its private subfolder (_files.py)
         return load_run(private)
     if not matched:

@@ -66,10 +66,12 @@ class Stats:
     mem_peak_max: int | None = None
     scalars_last: dict[str, float] = field(default_factory=dict)
     # What the per-rank marks judge (``_argmax``): the mean step time without the rank's first
-    # timed step (start-up: one-off work, and waits for the other ranks' one-off work), and the
+    # timed step (start-up: one-off work, and waits for the other ranks' one-off work), the mean
+    # data wait without the rank's first step (start-up: the loader's workers starting), and the
     # median over steps of the rank's own work, step time less data wait and exposed comm (the
     # straggler detector's measure, comm/stragglers.py); None without exposed comm recorded.
     steady_step_mean: float | None = None
+    steady_data_wait_mean: float | None = None
     work_p50: float | None = None
 
 
@@ -151,8 +153,10 @@ def stats_for(c: Columns, rank: int | None) -> Stats:
     timed = step_s[~skipped & ~np.isnan(step_s) & (step_s > 0)]
     exposed = train(c.num("comm_exposed_s"))
     s.comm_exposed_mean = _nanmean(exposed)
-    s.work_p50 = _work_p50(step_s, train(c.num("data_wait_s")), exposed, skipped)
-    del skipped, exposed
+    data_wait = train(c.num("data_wait_s"))
+    s.work_p50 = _work_p50(step_s, data_wait, exposed, skipped)
+    s.steady_data_wait_mean = _nanmean(data_wait[1:] if data_wait.size > 1 else data_wait)
+    del skipped, exposed, data_wait
     if timed.size:
         s.step_mean, s.step_max = float(timed.mean()), float(timed.max())
         s.steady_step_mean = float(timed[1:].mean()) if timed.size > 1 else s.step_mean
@@ -340,7 +344,7 @@ def summarize(run: Run) -> Summary:
         findings=group_findings(run),
         slowest_rank=_argmax(per_rank, lambda s: s.steady_step_mean),
         slowest_compute_rank=_argmax(per_rank, lambda s: s.work_p50),
-        most_data_wait_rank=_argmax(per_rank, lambda s: s.phase_mean.get("data_wait_s")),
+        most_data_wait_rank=_argmax(per_rank, lambda s: s.steady_data_wait_mean),
     )
 
 

@@ -167,8 +167,9 @@ def per_rank(s: Summary) -> Table:
         )
     if len(s.per_rank) > 1:
         t.notes.append(
-            f"A rank is marked * where its mean exceeds the lowest rank's by more than "
-            f"{STANDOUT_SPREAD:.0%} of a step."
+            f"A rank is marked * where its mean step time or data wait (its first step, start-up, "
+            f"left out) or its work exceeds the lowest rank's by more than {STANDOUT_SPREAD:.0%} "
+            "of a step."
         )
     return t
 

@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 
-from .._files import private_subdir
+from .._files import job_dir, private_subdir
 from .._os import pyspy
 from ..capture import signals
 
@@ -100,9 +100,7 @@ def dump_pid(pid: int, *, native: bool, timeout_s: float) -> int:
 def dump_run_dir(run_dir: str, *, native: bool, timeout_s: float) -> int:
     if not os.path.isdir(run_dir):
         raise ValueError(f"RUN_DIR|PID: {run_dir!r} is neither a directory nor a pid")
-    private = os.path.join(run_dir, f"private-{os.getuid()}")
-    if os.path.isdir(private):  # a shared or foreign run dir: the job wrote into its private subfolder
-        run_dir = private
+    run_dir = job_dir(run_dir)  # a shared or foreign run dir: the job wrote into its private subfolder
     ranks = {r: p for r, p in _ranks(run_dir).items() if _alive(p)}
     if not ranks:
         raise ValueError(f"no running rank of {run_dir} on this host (read from its rank<R>.json files)")

@@ -95,27 +95,30 @@ def run_trace(args: argparse.Namespace) -> int:
 
 
 def run_capture(args: argparse.Namespace) -> int:
+    from .._files import job_dir
     from . import rundir
 
+    # Everything of the job -- its manifest, ranks, requests/, captures/ -- is where it wrote.
+    run_dir = job_dir(args.run_dir)
     err = None
     if not 1 <= args.steps <= rundir.MAX_STEPS:
         err = f"--steps must be between 1 and {rundir.MAX_STEPS}, got {args.steps}"
     elif not args.timeout > 0:
         err = f"--timeout must be > 0 seconds, got {args.timeout}"
-    elif not os.path.isfile(os.path.join(args.run_dir, "run.json")):
+    elif not os.path.isfile(os.path.join(run_dir, "run.json")):
         err = f"RUN_DIR {args.run_dir!r} is not a stepwatch run directory (no run.json)"
     else:
-        err = rundir.run_ended(args.run_dir)  # a finished job takes no request: say so now, not after --timeout
+        err = rundir.run_ended(run_dir)  # a finished job takes no request: say so now, not after --timeout
     if err:
         print(f"stepwatch capture: error: {err}", file=sys.stderr)
         return 2
     try:
-        with open(os.path.join(args.run_dir, "run.json"), encoding="utf-8") as f:
+        with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as f:
             world = int(json.load(f).get("world_size") or 1)
     except (OSError, ValueError, TypeError):
         world = 1
-    rid = rundir.request_capture(args.run_dir, args.steps)
-    d = rundir.request_dir(args.run_dir)
+    rid = rundir.request_capture(run_dir, args.steps)
+    d = rundir.request_dir(run_dir)
     deadline = time.monotonic() + args.timeout
     taken = os.path.join(d, f"capture-{rid}.taken.json")
     answer = ended = None
@@ -126,7 +129,7 @@ def run_capture(args: argparse.Namespace) -> int:
             break
         if time.monotonic() - checked >= ENDED_POLL_S:
             checked = time.monotonic()
-            ended = rundir.run_ended(args.run_dir)
+            ended = rundir.run_ended(run_dir)
             if ended:
                 answer = rundir._read(taken)  # taken just before the end: go on with it
                 break
@@ -149,15 +152,15 @@ def run_capture(args: argparse.Namespace) -> int:
     print(f"capture {k}: steps {answer['first_step']}-{answer['last_step']} on {world} rank(s)", file=sys.stderr)
     got: list[dict] = []
     while time.monotonic() < deadline:
-        got = rundir.capture_analyses(args.run_dir).get(k, [])
+        got = rundir.capture_analyses(run_dir).get(k, [])
         if len(got) >= world:
             break
         if time.monotonic() - checked >= ENDED_POLL_S:
             checked = time.monotonic()
             # Once the job is gone, only an analysis process still running can add a rank's summary.
-            ended = rundir.run_ended(args.run_dir)
-            if ended and not rundir.analyses_pending(args.run_dir, k):
-                got = rundir.capture_analyses(args.run_dir).get(k, [])
+            ended = rundir.run_ended(run_dir)
+            if ended and not rundir.analyses_pending(run_dir, k):
+                got = rundir.capture_analyses(run_dir).get(k, [])
                 break
         time.sleep(0.5)
     within = f"({ended})" if ended and len(got) < world else f"within {args.timeout:.0f} s"
