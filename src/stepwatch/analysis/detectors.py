@@ -6,6 +6,9 @@ one Python call a record per detector was a tenth of the background's cost). Eac
 non-overlapping windows of ``window`` steps, raises a finding when a window turns bad, and
 repeats it at most every ``repeat_windows`` windows while it stays bad, so a persistent
 problem is not log spam.
+
+``spike_finding`` builds the step-time spike's finding (the detector, with its rolling median, is
+capture/triggers.py's): it says whose time the spike was, this rank's or a peer's it waited for.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from __future__ import annotations
 from .._log import warn_once
 from ..record import Finding, StepRecord
 from .kinds import make_finding
+
+# A spike is another rank's, seen from here, when at least this share of its excess over the
+# median was spent standing in a collective ("most of it").
+WAIT_SHARE = 0.5
 
 
 class WindowedDetector:
@@ -139,3 +146,62 @@ class UnseenForwardCheck:
                 )
                 return []
         return []
+
+
+def collective_s(rec: StepRecord) -> float | None:
+    """Time the step stood in collectives outside its own compute: the exposed AllReduce
+    (``comm_exposed_s``: DDP's buckets outside backward compute), else the union of the step's
+    collectives (``comm_s``: other ops, FSDP's); None when no collective was measured."""
+    return rec.comm_exposed_s if rec.comm_exposed_s is not None else rec.comm_s
+
+
+def spike_finding(rec: StepRecord, *, median_s: float, mad_s: float, limit_s: float,
+                  collective_median_s: float | None) -> Finding:
+    """The ``step_time_spike`` of ``rec``, judged a spike against ``median_s`` (``limit_s``).
+
+    Whose time it was: the spike's excess over the median that the step spent standing in a
+    collective is ``collective_s(rec)`` minus its own rolling median (``collective_median_s``;
+    None, when no step before had one measured: ``median_s``, the most a normal step can hold,
+    so the wait is never overstated). When that is at least ``WAIT_SHARE`` of the excess, this
+    rank was not slow: it ran ahead and waited in the step's collective for a rank that arrived
+    late (rank 0 saving a checkpoint or running an evaluation that its peers do not, or a slow
+    step of its own there). That rank's own record shows it (checkpoint_s, eval_s, a straggler
+    finding, its own spike), and the time is not this rank's to fix, so the finding is ``info``,
+    and its summary says how much was waiting and where to look: the other ranks at this step
+    (every rank waiting at the same step points at the collective itself: the network). Its
+    ``data["subject"]`` keeps it in an episode of its own (analysis/ratelimit.py), so a peer's
+    periodic save never holds back this rank's own spike. Otherwise -- compute, data wait, the
+    optimizer, or the wait unmeasured -- it is the rank's own spike, a ``warning`` as ever.
+    ``data`` always carries the split: ``collective_wait_s`` (None when unmeasured), its
+    ``collective_wait_share`` of the excess, and ``cause`` (``"collective_wait"`` or
+    ``"this_rank"``)."""
+    x = rec.step_s
+    excess = x - median_s
+    stood = collective_s(rec)
+    wait = None
+    if stood is not None:
+        base = collective_median_s if collective_median_s is not None else median_s
+        wait = min(max(stood - base, 0.0), max(excess, 0.0))
+    share = wait / excess if wait is not None and excess > 0 else None
+    waited = share is not None and share >= WAIT_SHARE
+    summary = (f"rank {rec.rank} step {rec.step} took {x * 1e3:.1f} ms, {x / median_s:.1f}x the rolling "
+               f"median of {median_s * 1e3:.1f} ms (limit {limit_s * 1e3:.1f} ms)")
+    if waited:
+        summary += (f", {wait * 1e3:.1f} ms of it ({share:.0%} of the excess) waiting in a collective for "
+                    f"another rank: rank {rec.rank}'s own work was not slow -- look at the other ranks at step "
+                    f"{rec.step} (a checkpoint, an evaluation or a slow step there: their checkpoint_s, eval_s "
+                    "and step_s)")
+    return make_finding(
+        "step_time_spike",
+        rank=rec.rank,
+        step=rec.step,
+        when=rec.time,
+        severity="info" if waited else None,
+        summary=summary,
+        data={"step_s": x, "median_s": median_s, "mad_s": mad_s, "limit_s": limit_s,
+              "data_wait_s": rec.data_wait_s, "forward_s": rec.forward_s,
+              "backward_s": rec.backward_s, "optimizer_s": rec.optimizer_s, "other_s": rec.other_s,
+              "collective_wait_s": wait, "collective_wait_share": share,
+              "cause": "collective_wait" if waited else "this_rank",
+              **({"subject": "collective_wait"} if waited else {})},
+    )

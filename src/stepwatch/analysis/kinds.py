@@ -494,7 +494,8 @@ KINDS: dict[str, Kind] = {
             "warning",
             "A step took much longer than its neighbours: above the rolling median plus several "
             "MAD-sigmas (evaluation and checkpoint time excluded, and the steps stepwatch's own capture "
-            "profiled).",
+            "profiled). When most of the excess was spent waiting in a collective for another rank (its "
+            "checkpoint, evaluation or slow step), the finding is info and says so.",
             "Read the step's phase split (data wait, forward, backward, optimizer); where captures "
             "are on and one was taken of the next steps (captures/*.trace.json.gz; run.json's "
             "features.capture lists them), open it in Perfetto or run stepwatch trace on it.",

@@ -51,7 +51,7 @@ from .._files import private_subdir, private_tmp, read_json_private, write_json_
 from .._log import logger, warn_once
 from ..record import Finding, StepRecord
 from . import nsys as nsys_mod
-from .triggers import TRIGGER_KINDS
+from .triggers import triggers_capture
 
 if TYPE_CHECKING:
     from .._feature import Hub
@@ -161,7 +161,7 @@ class CaptureManager:
 
     def on_pass(self, findings: list[Finding]) -> None:
         """Each background pass, with the findings of that pass."""
-        reason = next((f.kind for f in findings if f.kind in TRIGGER_KINDS and f.rank == self.ctx.rank), None)
+        reason = next((f.kind for f in findings if triggers_capture(f) and f.rank == self.ctx.rank), None)
         store = self._get_store()
         rank = self.ctx.rank
         if rank == 0 and (store is not None or self.ctx.world_size < 2 or self._store_state in ("single", "failed")):

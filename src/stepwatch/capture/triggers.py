@@ -2,8 +2,10 @@
 
 ``StepTimeSpikeDetector`` judges each step's ``step_s`` against the rolling median and MAD of the
 steps before it. ``step_s`` already excludes evaluation and checkpoint time (hooks/phases.py), so
-an eval pass or a save is never a spike. The first ``min_history`` steps (warm-up, compilation)
-only fill the history.
+an eval pass or a save is never a spike -- on the rank that runs it. Its peers run ahead into the
+next step and wait in its collective: a spike most of whose excess is that wait is ``info``, and
+says so (analysis/detectors.py ``spike_finding``). The first ``min_history`` steps (warm-up,
+compilation) only fill the history.
 
 Findings that trigger a capture (``TRIGGER_KINDS``): the spike, the data-loading stall
 (``data_loading``, from analysis/detectors.py), ``mfu_drop`` and ``grad_norm_spike``.
@@ -15,10 +17,16 @@ import statistics
 from collections import deque
 from typing import Callable
 
-from ..analysis.kinds import make_finding
+from ..analysis.detectors import collective_s, spike_finding
 from ..record import Finding, StepRecord
 
 TRIGGER_KINDS = ("step_time_spike", "data_loading", "mfu_drop", "grad_norm_spike")
+
+
+def triggers_capture(f: Finding) -> bool:
+    """Whether ``f`` asks for a capture of the next steps. Not a spike that was waiting for
+    another rank: this rank's next steps are normal, the peer's are what to look at."""
+    return f.kind in TRIGGER_KINDS and f.data.get("cause") != "collective_wait"
 
 # MAD -> standard deviation for normal data (1 / Phi^-1(3/4); Rousseeuw & Croux 1993).
 MAD_TO_SIGMA = 1.4826
@@ -30,16 +38,25 @@ class StepTimeSpikeDetector:
 
     The second term keeps a very steady job (MAD near 0) from calling jitter a spike. At most one
     finding per ``hold`` steps: a burst of slow steps is one event. A step ``excluded(step)`` says
-    is ours (a capture's profiler slowed it) is neither judged nor kept in the history."""
+    is ours (a capture's profiler slowed it) is neither judged nor kept in the history.
+
+    A spike most of whose excess over the median the step spent waiting in a collective (exposed
+    AllReduce beyond its own rolling median) is another rank's -- a checkpoint, an evaluation or a
+    slow step there -- and is ``info``, its summary saying how much was waiting and to look at the
+    other ranks at that step; any other spike (compute, data, optimizer) is this rank's own,
+    a ``warning``. The two are held apart, so a peer's periodic save never holds off the rank's
+    own spike (``analysis.detectors.spike_finding`` decides)."""
 
     def __init__(self, window: int = 50, *, mads: float = 6.0, min_ratio: float = 2.0, min_history: int | None = None,
                  hold: int | None = None, excluded: Callable[[int], bool] | None = None) -> None:
         self.hist: deque[float] = deque(maxlen=max(window, 5))
+        self.comm_hist: deque[float] = deque(maxlen=self.hist.maxlen)  # collective_s, where measured
         self.mads = mads
         self.min_ratio = min_ratio
         self.min_history = min_history if min_history is not None else max(5, min(window, 20))
         self.hold = hold if hold is not None else max(window, 5)
         self._last_fire: int | None = None
+        self._last_wait: int | None = None  # the last spike that was waiting for a peer
         self.excluded = excluded
 
     def observe(self, rec: StepRecord) -> list[Finding]:
@@ -51,20 +68,19 @@ class StepTimeSpikeDetector:
             med = statistics.median(self.hist)
             mad = statistics.median(abs(v - med) for v in self.hist)
             limit = med + max(self.mads * MAD_TO_SIGMA * mad, (self.min_ratio - 1.0) * med)
-            if x > limit and (self._last_fire is None or rec.step - self._last_fire >= self.hold):
-                self._last_fire = rec.step
-                out.append(
-                    make_finding(
-                        "step_time_spike",
-                        rank=rec.rank,
-                        step=rec.step,
-                        when=rec.time,
-                        summary=(f"rank {rec.rank} step {rec.step} took {x * 1e3:.1f} ms, {x / med:.1f}x the rolling "
-                                 f"median of {med * 1e3:.1f} ms (limit {limit * 1e3:.1f} ms)"),
-                        data={"step_s": x, "median_s": med, "mad_s": mad, "limit_s": limit,
-                              "data_wait_s": rec.data_wait_s, "forward_s": rec.forward_s,
-                              "backward_s": rec.backward_s, "optimizer_s": rec.optimizer_s},
-                    )
-                )
+            if x > limit:
+                f = spike_finding(rec, median_s=med, mad_s=mad, limit_s=limit,
+                                  collective_median_s=statistics.median(self.comm_hist) if self.comm_hist else None)
+                waited = f.severity == "info"
+                last = self._last_wait if waited else self._last_fire
+                if last is None or rec.step - last >= self.hold:
+                    if waited:
+                        self._last_wait = rec.step
+                    else:
+                        self._last_fire = rec.step
+                    out.append(f)
         self.hist.append(x)
+        c = collective_s(rec)
+        if c is not None:
+            self.comm_hist.append(c)
         return out
