@@ -991,3 +991,40 @@ def test_one_optimizer_probed_twice_in_a_record_reports_its_last_norm(sw, shape)
     stepwatch.shutdown()
     got = [r.grad_norm for r in mem.records if not r.tail]
     assert got == pytest.approx(truth, rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [["nan", "inf"], ["inf"], ["nan"], ["inf", "inf"]])
+def test_a_nonfinite_grad_reads_as_torchs_own_norm_would(hooked, bad):
+    """The common probe queues each grad's norm and the norm is their root sum of squares, taken
+    where it is read: NaN and inf come out as torch's reduction of the stacked norms gives them
+    (NaN wins over inf there, as it does not in ``math.hypot``), and are marked non-finite."""
+    h = hooked()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = data(0)
+    nn.functional.mse_loss(m(x), y).backward()
+    for p, v in zip(m.parameters(), bad):
+        p.grad.view(-1)[0] = float(v)
+    grads = [p.grad for p in m.parameters()]
+    want = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0).item()
+    opt.step()
+    (r,) = h.values()
+    assert r.nonfinite
+    assert (math.isnan(r.norm) and math.isnan(want)) or r.norm == want == math.inf, (r.norm, want)
+
+
+def test_the_common_probe_matches_get_total_norm_in_float64_and_bfloat16(hooked):
+    """Each grad's norm in the probe's dtype (fp64 for fp64 grads, else fp32), the root sum of
+    squares on read: within fp32 (fp64) rounding of torch's own total norm."""
+    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 1e-5)):
+        h = hooked()
+        m = model().to(dtype)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x, y = data(0)
+        nn.functional.mse_loss(m(x.to(dtype)), y.to(dtype)).backward()
+        want = torch.nn.utils.get_total_norm([p.grad.float() if dtype == torch.bfloat16 else p.grad
+                                              for p in m.parameters()]).item()
+        opt.step()
+        (p,) = h.pending
+        assert p.per_tensor and p.values.dim() == 1 and p.values.numel() == len(list(m.parameters()))
+        assert rel(h.values()[0].norm, want) < tol, dtype

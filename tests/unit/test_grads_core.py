@@ -66,7 +66,7 @@ def _same(a: G.PendingGradNorm, b: G.PendingGradNorm, opt_a, opt_b) -> None:
     assert a.values.dtype == b.values.dtype and a.values.shape == b.values.shape
     assert torch.equal(a.values, b.values), (a.values, b.values)
     assert (a.host, a.event, a.device) == (b.host, b.event, b.device) == (None, None, -1)
-    assert (a.sharded, a.from_clip, a.skipped) == (b.sharded, b.from_clip, b.skipped)
+    assert (a.sharded, a.from_clip, a.skipped, a.per_tensor) == (b.sharded, b.from_clip, b.skipped, b.per_tensor)
     assert a.optimizer_id == id(opt_a) and b.optimizer_id == id(opt_b)
 
 

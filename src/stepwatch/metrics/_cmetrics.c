@@ -569,14 +569,15 @@ typedef struct {
 
 /* From _bind_grads(): the Python path, the tap (_TAP), the classes read here, torch's functions. */
 static PyObject *gn_full = NULL, *gn_tap = NULL, *gn_probe_cls = NULL, *gn_state_cls = NULL, *gn_pending_cls = NULL;
-static PyObject *gn_tensor_cls = NULL, *gn_foreach_norm = NULL, *gn_stack = NULL, *gn_vector_norm = NULL,
+static PyObject *gn_tensor_cls = NULL, *gn_foreach_norm = NULL, *gn_stack = NULL,
                 *gn_capturing = NULL, *gn_copy_to_host = NULL, *gn_kw_dtype = NULL, *gn_two = NULL;
 enum { OS_CALLS, OS_PARAMS, OS_SHAPE, OS_PLAIN, OS_FSDP1, OS_NORM_DTYPE, OS_SCALE_IN_DICT, OS_N };
 static const char *os_names[OS_N] = {"calls", "params", "shape", "plain", "fsdp1", "norm_dtype", "scale_in_dict"};
 static Py_ssize_t os_off[OS_N];
-enum { PG_VALUES, PG_HOST, PG_EVENT, PG_SHARDED, PG_FROM_CLIP, PG_SKIPPED, PG_OPTIMIZER_ID, PG_DEVICE, PG_N };
+enum { PG_VALUES, PG_HOST, PG_EVENT, PG_SHARDED, PG_FROM_CLIP, PG_SKIPPED, PG_OPTIMIZER_ID, PG_DEVICE, PG_PER_TENSOR,
+       PG_N };
 static const char *pg_names[PG_N] = {"values", "host", "event", "sharded", "from_clip", "skipped", "optimizer_id",
-                                     "device"};
+                                     "device", "per_tensor"};
 static Py_ssize_t pg_off[PG_N];
 static int gn_bound = 0; /* 1: everything above is bound and every offset is a plain slot */
 
@@ -735,8 +736,9 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
         Py_DECREF(st);
         return r;
     }
-    /* vector_norm(stack(_foreach_norm(grads, 2.0, dtype=st.norm_dtype)), 2.0): float32, float64 for
-     * float64 grads (read again: the grads' reads above could have run Python that replaced it) */
+    /* stack(_foreach_norm(grads, 2.0, dtype=st.norm_dtype)): each grad's norm, float32 (float64 for
+     * float64 grads; read again: the grads' reads above could have run Python that replaced it);
+     * their root sum of squares is taken where the background thread reads them (per_tensor) */
     norm_dtype = SLOT(st, os_off[OS_NORM_DTYPE]);
     if (norm_dtype == NULL || norm_dtype == Py_None) {
         Py_DECREF(grads);
@@ -751,13 +753,8 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
     Py_DECREF(grads);
     PyObject *values = NULL;
     if (norms != NULL) {
-        PyObject *stacked = PyObject_CallOneArg(gn_stack, norms);
+        values = PyObject_CallOneArg(gn_stack, norms);
         Py_DECREF(norms);
-        if (stacked != NULL) {
-            PyObject *vargs[2] = {stacked, gn_two};
-            values = PyObject_Vectorcall(gn_vector_norm, vargs, 2, NULL);
-            Py_DECREF(stacked);
-        }
     }
     if (values == NULL) {
         if (!is_torch_error()) goto error;
@@ -769,7 +766,7 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
         return r;
     }
     Py_DECREF(st);
-    /* PendingGradNorm(values, host, event, False, False, False, id(optimizer), device), filled as
+    /* PendingGradNorm(values, host, event, False, False, False, id(optimizer), device, True), filled as
      * its __init__ fills it; a value on the GPU is copied to the host without blocking (the
      * values' device, as _probe asks it: the first parameter's may differ) */
     PyObject *host = Py_None, *event = Py_None, *device = NULL, *hed = NULL;
@@ -810,6 +807,7 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
     SLOT(pending, pg_off[PG_SKIPPED]) = Py_NewRef(Py_False);
     SLOT(pending, pg_off[PG_OPTIMIZER_ID]) = oid;
     SLOT(pending, pg_off[PG_DEVICE]) = device;
+    SLOT(pending, pg_off[PG_PER_TENSOR]) = Py_NewRef(Py_True);
     Py_XDECREF(hed);
     /* tensors and numbers: it cannot be part of a cycle, and it waits in the queue (the buffer
      * read again: the torch calls above could have run Python that replaced it) */
@@ -914,11 +912,11 @@ static PyObject *mod_bind_grads(PyObject *m, PyObject *const *args, Py_ssize_t n
     return PyBool_FromLong(ok);
 }
 
-/* _bind_grads_torch(torch.Tensor, torch._foreach_norm, torch.stack, torch.linalg.vector_norm,
+/* _bind_grads_torch(torch.Tensor, torch._foreach_norm, torch.stack,
  * torch.cuda.is_current_stream_capturing, copy_to_host): once torch is imported. */
 static PyObject *mod_bind_grads_torch(PyObject *m, PyObject *const *args, Py_ssize_t n) {
-    if (n != 6 || !PyType_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "_bind_grads_torch(Tensor, _foreach_norm, stack, vector_norm, "
+    if (n != 5 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "_bind_grads_torch(Tensor, _foreach_norm, stack, "
                                          "is_current_stream_capturing, copy_to_host)");
         return NULL;
     }
@@ -927,9 +925,8 @@ static PyObject *mod_bind_grads_torch(PyObject *m, PyObject *const *args, Py_ssi
     Py_XSETREF(gn_tensor_cls, Py_NewRef(args[0]));
     Py_XSETREF(gn_foreach_norm, Py_NewRef(args[1]));
     Py_XSETREF(gn_stack, Py_NewRef(args[2]));
-    Py_XSETREF(gn_vector_norm, Py_NewRef(args[3]));
-    Py_XSETREF(gn_capturing, Py_NewRef(args[4]));
-    Py_XSETREF(gn_copy_to_host, Py_NewRef(args[5]));
+    Py_XSETREF(gn_capturing, Py_NewRef(args[3]));
+    Py_XSETREF(gn_copy_to_host, Py_NewRef(args[4]));
     gn_torch_bound = 1;
     gn_bound = gn_py_bound && gn_torch_bound;
     return PyBool_FromLong(gn_bound);
@@ -939,7 +936,7 @@ static PyMethodDef mod_methods[] = {
     {"_bind_grads", (PyCFunction)(void (*)(void))mod_bind_grads, METH_FASTCALL,
      "_bind_grads(full, tap, GradNormProbe, _OptState, PendingGradNorm) -> bool: whether the slots are plain."},
     {"_bind_grads_torch", (PyCFunction)(void (*)(void))mod_bind_grads_torch, METH_FASTCALL,
-     "_bind_grads_torch(Tensor, _foreach_norm, stack, vector_norm, capturing, copy_to_host) -> bool."},
+     "_bind_grads_torch(Tensor, _foreach_norm, stack, capturing, copy_to_host) -> bool."},
     {"_bind", mod_bind, METH_O, "_bind(globals): metrics/flops.py's globals (its _GETTERS and _state)."},
     {"_bind_take", (PyCFunction)(void (*)(void))mod_bind_take, METH_FASTCALL,
      "_bind_take(StepThroughput, unset) -> bool: the class take() builds; whether it fills its slots itself."},

@@ -44,7 +44,10 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class PendingGradNorm:
     """A norm queued on the device, not yet read. ``values`` = [sharded sum of squares,
-    norm of the non-sharded grads], both unscaled."""
+    norm of the non-sharded grads], both unscaled; or, ``per_tensor``, each grad's norm (the probe's
+    common case, ``_compute_plain``): their root sum of squares is the norm, taken where it is read
+    (``resolve``, off the training thread: a few float operations there instead of one more
+    reduction kernel on the training thread's side of every step)."""
 
     values: Any
     host: Any = None
@@ -54,6 +57,7 @@ class PendingGradNorm:
     skipped: bool = False
     optimizer_id: int = 0
     device: int = -1  # CUDA device of ``event``
+    per_tensor: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -645,6 +649,7 @@ class GradNormProbe:
         values = None
         sharded = False
         from_clip = False
+        per_tensor = False
         fsdp1 = st.fsdp1
         if clip is not None:
             values, sharded, from_clip = self._with_clips(clip, params, fsdp1)
@@ -666,17 +671,17 @@ class GradNormProbe:
                 return None
             values = self._compute_plain(st) if st.plain else None
             if values is not None:
-                sharded = False
+                sharded, per_tensor = False, True
             else:
                 values, sharded = self._compute(params)
             if values is None:
                 return None
         if isinstance(scale, torch.Tensor):
             s = scale.to(device=values.device, dtype=torch.float32)
-            values = values / s if values.dim() == 0 else values / torch.stack([s * s, s])
+            values = values / s if values.dim() == 0 or per_tensor else values / torch.stack([s * s, s])
         host, event, device = copy_to_host(values) if values.is_cuda else (None, None, -1)
         # Tensors and numbers: it cannot be part of a cycle, and it waits in the queue (see _ctracker.c).
-        return untracked(PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer), device))
+        return untracked(PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer), device, per_tensor))
 
     def _with_clips(self, clips: list[_Clip], params: list[Any], fsdp1: bool) -> tuple[Any, bool, bool]:
         """``(values, sharded, from_clip)`` of ``params``' grads before this thread's ``clips``:
@@ -802,8 +807,9 @@ class GradNormProbe:
     def _compute_plain(self, st: "_OptState") -> Any:
         """The common case in three kernels: every parameter a plain dense tensor (no DTensor,
         no FSDP1 flat parameter; learnt once per parameter list), so the grads need no sorting:
-        ``vector_norm(stack(_foreach_norm(grads)))`` as a 0-dim tensor of ``st.norm_dtype`` (its
-        sharded part is 0), the arithmetic of ``_local_norm``. None when there is no grad; a
+        ``stack(_foreach_norm(grads))``, each grad's norm as a 1-D tensor of ``st.norm_dtype`` (the
+        per-tensor norms of ``_local_norm``'s arithmetic; ``resolve`` takes their root sum of
+        squares, ``PendingGradNorm.per_tensor``). None when there is no grad; a
         sparse grad or grads on several devices make torch refuse, and this optimizer takes the
         general path (``_compute``) from then on."""
         torch = _TORCH or _torch()
@@ -814,7 +820,7 @@ class GradNormProbe:
             st.plain = False
             return None
         try:
-            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=st.norm_dtype)), 2.0)
+            return torch.stack(torch._foreach_norm(grads, 2.0, dtype=st.norm_dtype))
         except (RuntimeError, NotImplementedError, TypeError):
             st.plain = False
             return None
@@ -868,15 +874,26 @@ class GradNormProbe:
         if pending.event is not None:
             if not event_done(pending.event, pending.device):
                 return None
-            sq, rep = _pair(pending.host.tolist())
+            got = pending.host.tolist()
         else:
             v = pending.values
             # A CPU value is read as it is: each extra torch call here (detach, to) hands the
             # GIL to the training thread and back while it runs torch ops of its own.
-            sq, rep = _pair(v.tolist() if v.is_cpu else v.detach().to("cpu").tolist())
+            got = v.tolist() if v.is_cpu else v.detach().to("cpu").tolist()
+        sq, rep = (0.0, _root_sum_sq(got)) if pending.per_tensor else _pair(got)
         nonfinite = not (math.isfinite(sq) and math.isfinite(rep))
         norm = None if pending.sharded else rep
         return GradNormResult(norm, (sq, rep), pending.sharded, nonfinite, pending.skipped, pending.from_clip)
+
+
+def _root_sum_sq(norms: list[float]) -> float:
+    """The L2 norm of all the grads from each one's norm (float64; ``vector_norm`` of the stacked
+    norms gives the same to float32's precision), NaN when one is NaN as torch's reduction gives
+    it (``math.hypot`` says inf when another is inf)."""
+    n = math.hypot(*norms)
+    if math.isinf(n) and any(x != x for x in norms):
+        return math.nan
+    return n
 
 
 def _pair(v: Any) -> tuple[float, float]:
@@ -973,8 +990,8 @@ def _bind_torch() -> None:
     """What the C core calls of torch, once torch is imported (importing stepwatch does not)."""
     if _bind_grads_torch is not None:
         torch = _torch()
-        _bind_grads_torch(torch.Tensor, torch._foreach_norm, torch.stack, torch.linalg.vector_norm,
-                          torch.cuda.is_current_stream_capturing, copy_to_host)
+        _bind_grads_torch(torch.Tensor, torch._foreach_norm, torch.stack, torch.cuda.is_current_stream_capturing,
+                          copy_to_host)
 
 
 class _GradNormMethods(Collector):
