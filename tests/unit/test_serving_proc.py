@@ -44,6 +44,16 @@ def wait_tree(root: int, n: int, timeout: float = 20.0) -> list[procs.ProcStat]:
     raise AssertionError(f"tree of {root} never reached {n} processes: {procs.tree(root)}")
 
 
+def _kill_all(w: subprocess.Popen, tree: list[procs.ProcStat]) -> None:
+    """A test's cleanup: the wrapper's process group, then whatever of the server tree is left."""
+    if w.poll() is None:
+        os.killpg(w.pid, signal.SIGKILL)
+        w.wait()
+    for t in tree:
+        if procs.alive(t.pid, t.starttime):
+            os.kill(t.pid, signal.SIGKILL)
+
+
 def test_parse_real_pyspy_dump_of_a_stalled_enginecore():
     with open(os.path.join(FIX, "pyspy-0.4.3-stalled-enginecore.txt"), encoding="utf-8") as f:
         threads = parse_pyspy(f.read())
@@ -321,12 +331,7 @@ def test_cli_shutdown_is_bounded_by_grace_when_the_api_server_hangs(tmp_path):
         assert rc == 5, out
         assert not [t.pid for t in tree if procs.alive(t.pid, t.starttime)]
     finally:
-        if w.poll() is None:
-            os.killpg(w.pid, signal.SIGKILL)
-            w.wait()
-        for t in tree:
-            if procs.alive(t.pid, t.starttime):
-                os.kill(t.pid, signal.SIGKILL)
+        _kill_all(w, tree)
 
 
 # -- the watched server ends: attached with --pid, launched, and a --pid that is not running ------
@@ -472,9 +477,4 @@ def test_cli_launched_server_that_dies_ends_the_watch_in_one_line(tmp_path):
         assert not [t.pid for t in tree if procs.alive(t.pid, t.starttime)]
         assert json.loads((tmp_path / "findings.serve.jsonl").read_text().splitlines()[0])["kind"] == "queue_depth"
     finally:
-        if w.poll() is None:
-            os.killpg(w.pid, signal.SIGKILL)
-            w.wait()
-        for t in tree:
-            if procs.alive(t.pid, t.starttime):
-                os.kill(t.pid, signal.SIGKILL)
+        _kill_all(w, tree)
