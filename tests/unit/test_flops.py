@@ -1215,3 +1215,94 @@ def test_a_collated_list_of_batch_tensors_still_counts_its_batch():
     assert counts([torch.randn(2, 3, 32, 32), torch.randn(2, 3, 16, 16)], conv_input=(3, 3)) == (2, None)
     # Shared dim 0 and no convolution that says otherwise: [3, H, W] reads as a batch of 3.
     assert counts([torch.randn(3, 20, 24), torch.randn(3, 24, 24)]) == (3, None)
+
+
+class _WritesItsParameters(nn.Module):
+    """A forward that cannot run on fake tensors (``.item()``) and writes its own parameters in
+    place: a frozen one (a momentum copy, a running statistic) and, under ``no_grad``, one that
+    trains (a clamp; a scale through ``.data``)."""
+
+    def __init__(self, catch=False):
+        super().__init__()
+        self.f, self.g = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.ema = nn.Parameter(torch.zeros(32, 16), requires_grad=False)
+        self.catch = catch
+
+    def forward(self, x):
+        with torch.no_grad():
+            try:
+                self.ema.lerp_(self.f.weight, 0.1)
+                self.f.weight.clamp_(-0.1, 0.1)
+                self.g.weight.data.mul_(0.5)
+            except Exception:  # noqa: BLE001 - a forward that swallows errors, as some do
+                if not self.catch:
+                    raise
+        h = self.f(x).relu()
+        if h.sum().item() > 1e9:
+            h = h * 0
+        return self.g(h)
+
+
+def _params_of(m):
+    return {k: (v.detach().clone(), v._version) for k, v in m.named_parameters()}
+
+
+def _same_params(m, before):
+    assert all(torch.equal(v, before[k][0]) for k, v in m.named_parameters()), "a real parameter changed"
+    assert all(v._version == before[k][1] for k, v in m.named_parameters()), "a real parameter was written"
+
+
+def test_a_real_replay_never_writes_the_models_parameters():
+    """The real replay ran on detached aliases of the parameters: a write in place to a frozen
+    one, or to any one under ``no_grad`` or through ``.data``, landed in the real model (MoCo's
+    key encoder, a running statistic: training diverged from the run without stepwatch). The
+    write is stopped before it runs; the replay runs again on copies; the count is the real one."""
+    m = _WritesItsParameters()
+    before = _params_of(m)
+    x = torch.randn(4, 16)
+    fc = count_step_flops(m, (x,), real=True)
+    _same_params(m, before)
+    with FlopCounterMode(display=False) as truth:
+        m(x).sum().backward()
+    assert fc.total == truth.get_total_flops()
+
+
+def test_a_real_replay_without_room_for_copies_is_refused(monkeypatch):
+    from stepwatch.metrics import flops
+
+    monkeypatch.setattr(flops, "_free_bytes", lambda device: 0)
+    m = _WritesItsParameters()
+    before = _params_of(m)
+    with pytest.raises(flops.FlopCountRefused, match=r"writes 'ema' in place.*memory.*flops="):
+        count_step_flops(m, (torch.randn(4, 16),), real=True)
+    _same_params(m, before)
+    # In the cache: null, and said with this reason (not the fake replay's), not the fake error.
+    cache = FlopCache()
+    assert cache.get(m, (torch.randn(4, 16),)) is None
+    assert "writes 'ema' in place" in next(iter(cache._unsaid.values()))
+
+
+def test_a_forward_that_catches_the_stopped_write_still_gets_no_count_from_it():
+    """The forward swallows what the stopped write raised: the replay went on, but a count from
+    it would be of a forward that is not the user's. It runs again on copies."""
+    m = _WritesItsParameters(catch=True)
+    before = _params_of(m)
+    x = torch.randn(4, 16)
+    fc = count_step_flops(m, (x,), real=True)
+    _same_params(m, before)
+    with FlopCounterMode(display=False) as truth:
+        m(x).sum().backward()
+    assert fc.total == truth.get_total_flops()
+
+
+def test_a_real_replay_that_writes_nothing_copies_nothing(monkeypatch):
+    """Copies are made only for a forward that writes its parameters: a large model whose
+    forward only reads them is replayed on aliases (no memory), even with no room for a copy."""
+    from stepwatch.metrics import flops
+
+    monkeypatch.setattr(flops, "_free_bytes", lambda device: 0, raising=False)
+    m = mlp()
+    x = torch.randn(4, 64)
+    with FlopCounterMode(display=False) as truth:
+        m(x).sum().backward()
+    assert count_step_flops(m, (x,), real=True).total == truth.get_total_flops()

@@ -7,6 +7,22 @@ seed's values). Nothing real is read or written: not the parameters, buffers, ``
 RNG state (saved and restored; a test checks all four): the default generators, and those the
 model's modules hold as attributes (``_held_rng_states``).
 
+When the forward cannot run on fakes (an ``.item()``, ``int(tensor)``), the call is counted once
+on real tensors instead (``count_step_flops(real=True)``): a real forward and backward, on clones
+of the buffers and inputs and on detached *aliases* of the parameters, which share the real
+storage. Training first: a guard (a dispatch mode, ``_make_write_guard``) stops any op that would
+write into the storage of a real parameter or buffer *before* it runs, whatever tensor it goes
+through (the alias, ``.data``, a view, a reference kept in a list), so a forward that writes its
+own parameters (MoCo's momentum key encoder, a running statistic in a frozen ``nn.Parameter``, a
+clamp under ``no_grad``) never changes the model. Such a replay is abandoned and run again on
+copies of all the parameters, only if they fit in half the free memory of their device (the
+driver's free memory plus torch's cached, unused blocks; ``MemAvailable`` on CPU); else, or when
+the write goes through a reference no copy replaces, the FLOPs are null with one line that says
+why (``FlopCountRefused``). So memory is spent only for a forward that writes its parameters,
+once per input signature, never on the hot path; a version counter could not do this (it sees a
+write only after it landed, and misses ``.data``), nor could counting inside the user's own
+forward (a dispatch mode over the user's step, backward included, on the hot path).
+
 What counts as model FLOPs (MFU), following PaLM (Chowdhery et al. 2022, appendix B):
 - matmul / conv / attention as FlopCounterMode's formulas (2*m*n*k per matmul);
 - backward = what autograd runs: grad-input only where the input needs grad, grad-weight for
@@ -453,13 +469,124 @@ def _fake_state(root: Any, fake_mode: Any) -> dict[str, Any]:
     return state
 
 
-def _real_state(root: Any) -> dict[str, Any]:
+def _real_state(root: Any, copies: bool) -> dict[str, Any]:
+    """The real replay's parameters (detached aliases, or copies where ``copies``) and buffers
+    (always copies: BatchNorm's running stats update in place, never the real ones)."""
     state: dict[str, Any] = {}
     for name, p in root.named_parameters():
-        state[name] = p.detach().requires_grad_(p.requires_grad)
+        t = p.detach()
+        state[name] = (t.clone() if copies else t).requires_grad_(p.requires_grad)
     for name, b in root.named_buffers():
-        state[name] = b.clone()  # BatchNorm's running stats update in place: never the real ones
+        state[name] = b.clone()
     return state
+
+
+class _WroteRealTensor(FlopCountError):
+    """The real replay's forward tried to write a parameter or buffer of the user's model (the
+    write was stopped before it ran)."""
+
+    def __init__(self, name: str, parameter: bool) -> None:
+        super().__init__(f"the forward writes {name!r} in place")
+        self.name = name
+        self.parameter = parameter
+
+
+class FlopCountRefused(FlopCountError):
+    """Not counted, on purpose: counting would have changed the user's model (see
+    :func:`count_step_flops`); the message says why and what to do."""
+
+
+def _written_args(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument that the aten op ``func`` writes (``Tensor(a!)``:
+    in-place ops, ``out=``, ``_foreach_*_``)."""
+    try:
+        return tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                     if a.alias_info is not None and a.alias_info.is_write)
+    except AttributeError:  # not an aten op with a schema: nothing known to be written
+        return ()
+
+
+def _make_write_guard(root: Any) -> Any:
+    """A dispatch mode for the real replay that stops any op writing into the storage of one of
+    ``root``'s real parameters or buffers, before it runs: whichever tensor the write goes
+    through (the replay's detached alias, ``.data``, a view, or a reference to the real tensor
+    kept in a list). ``wrote`` is then ``(name, is_parameter)``. Costs a dict lookup per written
+    argument; reads nothing else (the replay runs once per input signature)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def where(t: Any) -> Any:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, AttributeError):  # no storage (sparse, nested)
+            return None
+        return (t.device, ptr) if ptr else None
+
+    protected: dict[Any, tuple[str, bool]] = {}
+    for name, t in root.named_parameters():
+        k = where(t)
+        if k is not None:
+            protected.setdefault(k, (name, True))
+    for name, t in root.named_buffers():
+        k = where(t)
+        if k is not None:
+            protected.setdefault(k, (name, False))
+
+    class _WriteGuard(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wrote: tuple[str, bool] | None = None
+            self._spots: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            spots = self._spots.get(func)
+            if spots is None:
+                spots = self._spots[func] = _written_args(func)
+            for i, name in spots:
+                v = args[i] if i < len(args) else kwargs.get(name)
+                for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                    hit = protected.get(where(t)) if isinstance(t, torch.Tensor) else None
+                    if hit is not None:
+                        self.wrote = hit  # kept: the forward may catch what we raise
+                        raise _WroteRealTensor(*hit)
+            return func(*args, **kwargs)
+
+    return _WriteGuard()
+
+
+def _free_bytes(device: Any) -> int | None:
+    """Memory free for a copy on ``device``: the driver's free memory plus what torch's caching
+    allocator holds unused (CUDA), ``MemAvailable`` (CPU, Linux); None where unknown."""
+    import torch
+
+    try:
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+        if device.type == "cpu":
+            with open("/proc/meminfo", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+    except (OSError, RuntimeError, ValueError, IndexError, AssertionError):
+        return None
+    return None
+
+
+def _no_room_for_copies(root: Any) -> str | None:
+    """None when a copy of each of ``root``'s parameters fits in half the free memory of its
+    device; else what does not fit, said for the user."""
+    need: dict[Any, int] = {}
+    for p in root.parameters():
+        need[p.device] = need.get(p.device, 0) + p.numel() * p.element_size()
+    for device, n in need.items():
+        free = _free_bytes(device)
+        if free is None or 2 * n > free:
+            have = "is unknown" if free is None else f"is {free / 2**30:.2f} GiB"
+            return (f"a copy of its parameters ({n / 2**30:.2f} GiB on {device}) may take at most half "
+                    f"of the memory free there, which {have}")
+    return None
 
 
 def _real_inputs(obj: Any) -> Any:
@@ -747,9 +874,12 @@ def count_step_flops(
     ``real=True`` replays on real tensors instead (the fallback when a fake replay cannot run:
     data-dependent ops such as ``nn.TransformerEncoder(..., mask=...)``'s nested-tensor check):
     one real forward and backward, on detached aliases of the parameters (their ``.grad`` and
-    autograd hooks untouched; an in-place write to a parameter that requires grad fails the
-    count), clones of the buffers and inputs, with the RNG state restored. It costs one extra
-    forward/backward of compute, once per input signature.
+    autograd hooks untouched), clones of the buffers and inputs, with the RNG state restored. It
+    costs one extra forward/backward of compute, once per input signature. A write into a real
+    parameter or buffer (by any tensor sharing its storage, under ``no_grad`` too) is stopped
+    before it runs; the replay then runs once more on copies of the parameters if they fit in
+    half the free memory of their device, else raises ``FlopCountRefused`` (see the module's
+    docstring), as it does when the write goes through a reference that no copy replaces.
 
     ``module`` may be wrapped in DDP / DataParallel / ``torch.compile``; FSDP2 (``fully_shard``)
     modules are counted on unsharded fakes of each parameter (in the mixed-precision
@@ -892,13 +1022,30 @@ def _count(
 
     if real and any(_is_dtensor(t) for t in (*root.parameters(), *root.buffers())):
         raise FlopCountError(f"could not count FLOPs of {type(root).__name__}: sharded parameters")
-    try:
-        return _replay(root, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices,
-                       real=real, user_hooks=False)
-    except _FailedWithoutHooks:
-        # A hook of the user's the forward needs (one that casts or moves the input): run them too.
-        return _replay(root, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices,
-                       real=real, user_hooks=True)
+    user_hooks = copies = False
+    while True:  # at most 4 tries: each failure below turns one flag on, or raises
+        try:
+            return _replay(root, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices,
+                           real=real, user_hooks=user_hooks, copies=copies)
+        except _FailedWithoutHooks:
+            if user_hooks:  # pragma: no cover - raised only while some hooks are set aside
+                raise
+            # A hook of the user's the forward needs (one that casts or moves the input): run them too.
+            user_hooks = True
+        except _WroteRealTensor as e:
+            # The forward writes its parameters (a momentum encoder, a running statistic, a clamp):
+            # stopped before it landed. Again on copies of the parameters, where they fit.
+            head = (f"FLOPs of {type(root).__name__} are not counted (training is untouched): it cannot "
+                    f"run on fake tensors, and its forward writes {e.name!r} in place")
+            tail = "Give the FLOPs yourself (stepwatch.init(flops=<number | callable(batch)>)) to get MFU."
+            if copies or not e.parameter:
+                raise FlopCountRefused(
+                    f"{head} through a reference that the replay cannot swap for a copy (a list or a "
+                    f"closure holding the real tensor). {tail}") from None
+            no_room = _no_room_for_copies(root)
+            if no_room is not None:
+                raise FlopCountRefused(f"{head}, so it may be replayed only on copies, and {no_room}. {tail}") from None
+            copies = True
 
 
 class _FailedWithoutHooks(FlopCountError):
@@ -915,6 +1062,7 @@ def _replay(
     lint_devices: tuple[str, ...],
     real: bool,
     user_hooks: bool,
+    copies: bool = False,
 ) -> FlopCount:
     import random
 
@@ -930,13 +1078,13 @@ def _replay(
     counter = _make_counter(tuple(lint_devices))
     snapshot = _ModuleSnapshot(root, user_hooks)
     stance = _force_eager()
+    guard: Any = None
     set_counting(True)
     try:
         if real:
-            import contextlib
-
-            fake_mode = contextlib.nullcontext()
-            state = _real_state(root)
+            # In place of the fake mode: no write reaches the user's parameters or buffers.
+            fake_mode = guard = _make_write_guard(root)
+            state = _real_state(root, copies)
             fargs = _real_inputs(args)
             fkwargs = _real_inputs(dict(kwargs))
             snapshot.swap_tensors(_real_inputs)
@@ -954,7 +1102,11 @@ def _replay(
         with stance, fake_mode, counter:
             functional_call(replay, {f"root.{k}": v for k, v in state.items()}, (fargs, fkwargs),
                             tie_weights=True, strict=False)
+        if guard is not None and guard.wrote is not None:
+            raise _WroteRealTensor(*guard.wrote)  # the forward caught ours: still no count
     except Exception as e:  # the user's forward can fail on fakes in many ways; report, never raise raw
+        if guard is not None and guard.wrote is not None:
+            raise _WroteRealTensor(*guard.wrote) from None
         raise (_FailedWithoutHooks if snapshot.user_hooks_set_aside else FlopCountError)(
             f"could not count FLOPs of {type(root).__name__} on {'real' if real else 'fake'} tensors: {type(e).__name__}: {e}. "
             "Give the FLOPs yourself (stepwatch.init(flops=<number | callable(batch)>)) to get MFU."
@@ -1320,6 +1472,8 @@ class FlopCache:
                     raise
                 try:
                     value = self._counter(module, args, kwargs, **kw, real=True)
+                except FlopCountRefused:
+                    raise
                 except FlopCountError:
                     raise fake_error from None
         except FlopCountNotReady:
