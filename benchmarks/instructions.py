@@ -24,6 +24,8 @@ detectors); each optional feature alone on the foundation; ``all`` (every featur
 ``--cache-sim`` also simulates the caches and branch predictor and prints, per variant, the
 first-level cache misses and mispredicted branches against off's: where the timing of a variant
 grows faster than its instructions, this says whether stalls are why.
+``--keep DIR`` keeps callgrind's dumps: ``callgrind_annotate DIR/cg.<2k+2>-01`` shows variant k's
+counted steps function by function (``off`` is variant 0), where a variant's extra goes.
 Needs ``valgrind`` (Debian: ``apt-get install valgrind``); ~1 minute per variant plus ~3 for
 torch's import under valgrind.
 """
@@ -31,6 +33,7 @@ torch's import under valgrind.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import glob
 import itertools
@@ -189,6 +192,8 @@ def main() -> None:
                    help="count overhead.py's whole tiny step (its hot 'all defaults' line) instead of the ~0.5 ms loop")
     p.add_argument("--cache-sim", action="store_true",
                    help="also simulate caches and branch prediction (callgrind): misses and mispredicts per step")
+    p.add_argument("--keep", metavar="DIR",
+                   help="keep callgrind's dumps in DIR (callgrind_annotate DIR/cg.<2k+2>-01: variant k's counted steps, function by function)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     variants = [v for v in a.variants.split(",") if v]
@@ -204,7 +209,11 @@ def main() -> None:
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         sys.exit("benchmarks/instructions.py needs valgrind on PATH (Debian: apt-get install valgrind)")
-    with tempfile.TemporaryDirectory(prefix="sw-callgrind-") as out:
+    if a.keep:
+        os.makedirs(a.keep, exist_ok=True)
+        if glob.glob(os.path.join(a.keep, "cg*")):
+            p.error(f"--keep: {a.keep!r} already holds callgrind dumps (cg*): give an empty or new folder")
+    with (contextlib.nullcontext(a.keep) if a.keep else tempfile.TemporaryDirectory(prefix="sw-callgrind-")) as out:
         cmd = [valgrind, "--tool=callgrind", "--separate-threads=yes", "--dump-before=getppid",
                *(["--cache-sim=yes", "--branch-sim=yes"] if a.cache_sim else []),
                f"--callgrind-out-file={os.path.join(out, 'cg')}", sys.executable, os.path.abspath(__file__),
