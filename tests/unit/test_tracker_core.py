@@ -282,6 +282,89 @@ def test_a_sequence_without_failures_hands_over_every_step(restore_clock):
         assert state["step"] == 7 and state["enabled"] is True
 
 
+def _validation_then(tr, at, closer):
+    """Step 0 ends at 1300; a validation of 5 fetches and calls (grad disabled) from 2000 to 3000;
+    its metric until 4000; then ``closer``."""
+    at(1000)
+    tr.forward_begin(True)
+    at(1100)
+    tr.forward_end()
+    tr.backward_begin()
+    at(1200)
+    tr.backward_end()
+    tr.optimizer_begin()
+    at(1300)
+    tr.optimizer_end()
+    at(2000)
+    for i in range(5):
+        t0 = tr.data_begin()
+        at(2000 + 200 * i + 100)
+        tr.data_end(t0, phases.FETCH_NO_GRAD)
+        tr.forward_begin(False)
+        at(2000 + 200 * i + 200)
+        tr.forward_end()
+    at(4000)  # the metric over the predictions: no hook runs
+    if closer == "fetch":  # the next training fetch (500 of data wait), its forward, ...
+        t0 = tr.data_begin()
+        at(4500)
+        tr.data_end(t0)
+        tr.forward_begin(True)
+    elif closer == "forward":  # a loop over tensors it holds: its next forward
+        tr.forward_begin(True)
+    elif closer == "checkpoint":
+        tr.checkpoint_end(tr.checkpoint_begin(), 10)
+        at(4100)
+        tr.forward_begin(True)
+    elif closer == "end_step":  # stepwatch.step() at the iteration's end
+        tr.end_step()
+        return
+    else:  # shutdown after the last step
+        tr.flush()
+        return
+    at(4700)
+    tr.forward_end()
+    tr.backward_begin()
+    tr.backward_end()
+    tr.optimizer_begin()
+    tr.optimizer_end()
+    tr.flush()
+
+
+@pytest.mark.parametrize("closer", ["fetch", "forward", "checkpoint", "end_step", "flush"])
+def test_an_eval_span_runs_to_where_the_next_training_work_starts(closer, restore_clock):
+    """The span ends where the next training work starts, the step's end or shutdown, on both
+    cores: the metric after its last call (3000 to 4000 here) is evaluation. It ended at its last
+    call or fetch (eval 1000): the metric was the next step's ``other_s``. A training fetch after
+    it is data wait, not the span's (the span ends at that fetch's start, not at the forward that
+    closes it): what ending at the last call protected."""
+    clock = [10**9]
+    base = clock[0]
+    now = lambda: clock[0]  # noqa: E731
+
+    def at(t):
+        clock[0] = base + t
+
+    phases._now = now
+    _ctracker._set_clock(now)
+    try:
+        for cls in (phases.StepTracker, phases.PyStepTracker):
+            recs = []
+            tr = cls(recs.append)
+            _validation_then(tr, at, closer)
+            assert [r.step for r in recs] == [0, 1], (cls, recs)
+            r = recs[1]
+            assert r.eval_ns == 2000, (cls, closer, r.eval_ns)
+            assert r.data_ns == (500 if closer == "fetch" else 0), (cls, closer, r.data_ns)
+            assert r.tail is (closer == "flush")
+            if closer == "end_step":
+                assert r.step_ns == 4000 - 1300 - 2000
+            if closer == "checkpoint":
+                assert r.checkpoint_ns == 0 and r.step_ns == 4700 - 1300 - 2000
+            assert tr.enabled
+    finally:
+        _ctracker._set_clock(None)
+
+
 def test_a_failing_collector_disables_both_the_same_way(restore_clock):
     ops = ["forward", "backward", "optimizer"] * 3
     for cls in (phases.StepTracker, phases.PyStepTracker):

@@ -54,7 +54,7 @@ typedef struct {
         *device, *_dslot_fwd, *_dslot_bwd, *_dslot_opt, *step, *boundary, *in_data, *_t_start,
         *_prev_end, *_pending_end, *_pending_skipped, *_step_open, *_fwd_depth, *_fwd_t0,
         *_fwd_grad, *_bwd_depth, *_bwd_t0, *_opt_depth, *_opt_t0, *_opt_paused, *_fwd_paused_opt,
-        *_bwd_paused_opt, *_ckpt_depth, *_ckpt_t0, *_eval_open, *_eval_t0, *_eval_last, *_eval_calls,
+        *_bwd_paused_opt, *_ckpt_depth, *_ckpt_t0, *_eval_open, *_eval_t0, *_eval_end, *_eval_calls,
         *_eval_pulls, *_eval_pulled, *_eval_fwd, *_span_judged, *_last_fetch_t0, *_last_fetch_ns, *_iter_t0, *_thread,
         *_in_scaler, *_scaler_fired, *_data, *_fwd, *_bwd, *_opt, *_eval, *_ckpt, *_own, *_ckpt_bytes, *_bwd_spans,
         *_phases, *_scalars;
@@ -66,7 +66,7 @@ typedef struct {
     X(device) X(_dslot_fwd) X(_dslot_bwd) X(_dslot_opt) X(step) X(boundary) X(in_data) X(_t_start)     \
     X(_prev_end) X(_pending_end) X(_pending_skipped) X(_step_open) X(_fwd_depth) X(_fwd_t0)            \
     X(_fwd_grad) X(_bwd_depth) X(_bwd_t0) X(_opt_depth) X(_opt_t0) X(_opt_paused) X(_fwd_paused_opt)   \
-    X(_bwd_paused_opt) X(_ckpt_depth) X(_ckpt_t0) X(_eval_open) X(_eval_t0) X(_eval_last)              \
+    X(_bwd_paused_opt) X(_ckpt_depth) X(_ckpt_t0) X(_eval_open) X(_eval_t0) X(_eval_end)               \
     X(_eval_calls) X(_eval_pulls) X(_eval_pulled) X(_eval_fwd) X(_span_judged)                         \
     X(_last_fetch_t0) X(_last_fetch_ns) X(_iter_t0) X(_thread) X(_in_scaler) X(_scaler_fired)          \
     X(_data) X(_fwd) X(_bwd)                                                                           \
@@ -297,13 +297,16 @@ static int span_judged(Core *self, PyObject *evaluation) {
     return 0;
 }
 
-static int close_eval(Core *self) {
+/* phases.py's _close_eval(t): the open span ends where the training fetch after it started
+ * (_eval_end), else at t (the work that closes it, the step's end, shutdown). */
+static int close_eval(Core *self, long long t) {
     TRUTH(self, _eval_open, open);
     if (open) {
         LL(self, _eval, ev);
-        LL(self, _eval_last, last);
+        LL(self, _eval_end, eend);
         LL(self, _eval_t0, t0);
-        PUT_LL(self, _eval, ev + (last - t0));
+        long long span = (eend ? eend : t) - t0;
+        PUT_LL(self, _eval, ev + (span > 0 ? span : 0));
         put_obj(&self->_eval_open, Py_False);
         if (span_judged(self, Py_True) < 0) goto error;
     }
@@ -313,8 +316,9 @@ error:
 }
 
 /* phases.py's _open_eval: an eval span is open (from t0, borrowed, if none was), and the fetch
- * right before it is the span's, as for a forward. */
+ * right before it is the span's, as for a forward. The span goes on: no training fetch ended it. */
 static int open_eval(Core *self, PyObject *t0) {
+    PUT_LL(self, _eval_end, 0);
     TRUTH(self, _eval_open, open);
     if (!open) {
         put_obj(&self->_eval_open, Py_True);
@@ -354,7 +358,7 @@ static PyObject *Core_open_eval(Core *self, PyObject *t0) {
  * reference model): its forwards go to _fwd, its fetch back to _data. Else it is evaluation. */
 #define IN_STEP_NO_GRAD_CALLS 4 /* phases.py's IN_STEP_NO_GRAD_CALLS (a test compares them) */
 
-static int close_eval_for_work(Core *self) {
+static int close_eval_for_work(Core *self, long long t) {
     LL(self, _eval_calls, calls);
     LL(self, _eval_pulls, pulls);
     if (GET(self, _last_fetch_t0) == NULL) goto error;
@@ -368,21 +372,25 @@ static int close_eval_for_work(Core *self) {
         put_obj(&self->_eval_open, Py_False);
         return span_judged(self, Py_False);
     }
-    return close_eval(self);
+    return close_eval(self, t);
 error:
     return -1;
 }
 
-static PyObject *Core_close_eval_for_work(Core *self, PyObject *unused) {
+static PyObject *Core_close_eval_for_work(Core *self, PyObject *t_obj) {
+    long long t;
+    if (as_ll(t_obj, &t) < 0) return NULL;
     TRUTH(self, _eval_open, open);
-    if (open && close_eval_for_work(self) < 0) return NULL;
+    if (open && close_eval_for_work(self, t) < 0) return NULL;
     Py_RETURN_NONE;
 error:
     return NULL;
 }
 
-static PyObject *Core_close_eval(Core *self, PyObject *unused) {
-    if (close_eval(self) < 0) return NULL;
+static PyObject *Core_close_eval(Core *self, PyObject *t_obj) {
+    long long t;
+    if (as_ll(t_obj, &t) < 0) return NULL;
+    if (close_eval(self, t) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -435,7 +443,7 @@ static int finalize(Core *self, PyObject *t_end_obj, PyObject *skipped) {
     if (get_ll(t_end_obj, "t_end", &t_end) < 0) goto error;
     {
         TRUTH(self, _eval_open, open);
-        if (open && close_eval(self) < 0) goto error;
+        if (open && close_eval(self, t_end) < 0) goto error;
     }
     put_obj(&self->_pending_end, Py_None);
     put_obj(&self->_pending_skipped, Py_False);
@@ -749,10 +757,17 @@ static PyObject *data_end(Core *self, PyObject *t0_obj, long how) {
             }
             LL(self, _eval_pulled, pulled);
             PUT_LL(self, _eval_pulled, pulled + dur);
-            PUT_LL(self, _eval_last, t);
         } else { /* from the iterator's start, for its first fetch: the loop waited for its workers */
             long long s0;
             if (as_ll(start, &s0) < 0) goto error;
+            {
+                /* training work after an open span: where it ends, unless it takes this fetch */
+                TRUTH(self, _eval_open, open);
+                if (open) {
+                    LL(self, _eval_end, eend);
+                    if (!eend) put_obj(&self->_eval_end, start);
+                }
+            }
             LL(self, _data, data);
             PUT_LL(self, _data, data + (t - s0));
             /* a training loader's end (no batch) is no fetch an evaluation takes (_open_eval) */
@@ -799,7 +814,7 @@ static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
         if (set_phase(self, g ? PH_FORWARD : PH_EVAL) < 0) goto error;
         if (g) {
             TRUTH(self, _eval_open, open);
-            if (open && close_eval_for_work(self) < 0) goto error;
+            if (open && close_eval_for_work(self, t) < 0) goto error;
             put_obj(&self->_last_fetch_t0, Py_None);
             if (device_begin(self, PH_FORWARD, &self->_dslot_fwd) < 0) goto error;
             Py_RETURN_NONE;
@@ -842,7 +857,6 @@ static PyObject *Core_forward_end(Core *self, PyObject *unused) {
             LL(self, _fwd_t0, t0);
             PUT_LL(self, _fwd, fwd + (t - t0));
         } else {
-            PUT_LL(self, _eval_last, t);
             LL(self, _eval_fwd, efwd);
             LL(self, _fwd_t0, t0);
             PUT_LL(self, _eval_fwd, efwd + (t - t0));
@@ -867,7 +881,7 @@ static PyObject *Core_backward_begin(Core *self, PyObject *unused) {
         if (begin_work(self, &t) < 0) goto error;
         {
             TRUTH(self, _eval_open, open);
-            if (open && close_eval_for_work(self) < 0) goto error;
+            if (open && close_eval_for_work(self, t) < 0) goto error;
         }
         put_obj(&self->_last_fetch_t0, Py_None);
         {
@@ -992,7 +1006,7 @@ static PyObject *Core_optimizer_begin(Core *self, PyObject *unused) {
         put_obj(&self->_pending_end, Py_None);
         {
             TRUTH(self, _eval_open, open);
-            if (open && close_eval_for_work(self) < 0) goto error;
+            if (open && close_eval_for_work(self, t) < 0) goto error;
         }
         put_obj(&self->_last_fetch_t0, Py_None);
         PUT_LL(self, _opt_t0, t);
@@ -1146,8 +1160,8 @@ static PyMemberDef Core_members[] = {FIELDS(MEMBER){NULL}};
 
 static PyMethodDef Core_methods[] = {
     {"_reset_step", (PyCFunction)Core_reset_step, METH_NOARGS, NULL},
-    {"_close_eval", (PyCFunction)Core_close_eval, METH_NOARGS, NULL},
-    {"_close_eval_for_work", (PyCFunction)Core_close_eval_for_work, METH_NOARGS, NULL},
+    {"_close_eval", (PyCFunction)Core_close_eval, METH_O, NULL},
+    {"_close_eval_for_work", (PyCFunction)Core_close_eval_for_work, METH_O, NULL},
     {"_open_eval", (PyCFunction)Core_open_eval, METH_O, NULL},
     {"_finalize", (PyCFunction)(void (*)(void))Core_finalize, METH_FASTCALL, NULL},
     {"_start_work", (PyCFunction)Core_start_work, METH_O, NULL},

@@ -25,10 +25,14 @@ passes ``grad_enabled`` False for it) opens an *eval span*, and so does
 a DataLoader fetch made with grad disabled (a training fetch runs with grad enabled; an evaluation
 through a child module, ``model.module(x)``, calls no root); the data fetch right before it and
 every fetch inside the span belong to it, the one that ends an iterator (StopIteration) too. The
-span closes at the next training work. Its length goes to ``eval_s``, never to ``step_s``; it
-starts at the creation of the DataLoader iterator its first fetch came from when nothing else ran
-between (``iterator_made``: a loader's workers start there). Checkpoint saves go to
-``checkpoint_s`` likewise.
+span closes at the next training work and runs to where that work starts: a training fetch (which
+is the step's data wait: the span ends at its start), a forward with grad, a backward, an optimizer
+step, a checkpoint; or to the step's end (``stepwatch.step()``), or to shutdown after the last
+step. So what an evaluation does after its last model call (a metric over the collected
+predictions) is evaluation too. Its length goes to ``eval_s``, never to ``step_s``; it starts at
+the creation of the DataLoader iterator its first fetch came from when nothing else ran between
+(``iterator_made``: a loader's workers start there). Checkpoint saves go to ``checkpoint_s``
+likewise.
 
 The training thread. The tracker belongs to the thread that made it (``stepwatch.init()``'s),
 and from the first backward on to that backward's thread (hooks/install.py): ``_thread``. The hooks of what another thread may run alongside the steps (a DataLoader fetch on a
@@ -89,7 +93,7 @@ _STATE = (
     "device", "_dslot_fwd", "_dslot_bwd", "_dslot_opt", "step", "boundary", "in_data", "_t_start",
     "_prev_end", "_pending_end", "_pending_skipped", "_step_open", "_fwd_depth", "_fwd_t0",
     "_fwd_grad", "_bwd_depth", "_bwd_t0", "_opt_depth", "_opt_t0", "_opt_paused", "_fwd_paused_opt",
-    "_bwd_paused_opt", "_ckpt_depth", "_ckpt_t0", "_eval_open", "_eval_t0", "_eval_last",
+    "_bwd_paused_opt", "_ckpt_depth", "_ckpt_t0", "_eval_open", "_eval_t0", "_eval_end",
     "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_span_judged", "_last_fetch_t0", "_last_fetch_ns",
     "_iter_t0", "_thread", "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
     "_opt", "_eval", "_ckpt", "_own", "_ckpt_bytes", "_bwd_spans", "_phases", "_scalars",
@@ -113,16 +117,23 @@ class _PyCore:
         self._phases: dict[str, int] | None = None  # user phases (ns): made by the first one to end
         self._scalars: dict[str, Any] = {}
 
-    def _close_eval(self) -> None:
+    def _close_eval(self, t: int) -> None:
+        """The open eval span ends where the training fetch after it started (``_eval_end``),
+        else at ``t``: where the work that closes it starts (a forward with grad, a backward, an
+        optimizer step, a checkpoint), the step's end, or shutdown. Not at its last call or
+        fetch: what an evaluation does after its last model call (its metric over the collected
+        predictions, ``on_validation_epoch_end``) is evaluation too (it was the next step's
+        ``other_s``, a slow step)."""
         if self._eval_open:
-            self._eval += self._eval_last - self._eval_t0
+            self._eval += max((self._eval_end or t) - self._eval_t0, 0)
             self._eval_open = False
             if self._span_judged is not None:
                 self._span_judged(True)
 
     def _open_eval(self, t0: int) -> None:
         """An eval span is open (from ``t0``, if none was), and the fetch right before it is the
-        span's, as for a forward."""
+        span's, as for a forward. The span goes on: no training fetch has ended it."""
+        self._eval_end = 0
         if not self._eval_open:
             self._eval_open = True
             self._eval_t0 = t0
@@ -135,8 +146,8 @@ class _PyCore:
             self._eval_pulled += self._last_fetch_ns
             self._last_fetch_t0 = None
 
-    def _close_eval_for_work(self) -> None:
-        """Training work begins (a forward with grad, a backward, an optimizer step) while a
+    def _close_eval_for_work(self, t: int) -> None:
+        """Training work begins at ``t`` (a forward with grad, a backward, an optimizer step) while a
         span of grad-disabled forwards is open. A span that fetched no batch of its own (at most
         the one fetched right before it, and none since its last forward) and made at most
         ``IN_STEP_NO_GRAD_CALLS`` calls is the step's own work on the step's batch: a teacher or
@@ -152,11 +163,11 @@ class _PyCore:
             if self._span_judged is not None:
                 self._span_judged(False)
         else:
-            self._close_eval()
+            self._close_eval(t)
 
     def _finalize(self, t_end: int, skipped: bool) -> None:
         if self._eval_open:
-            self._close_eval()
+            self._close_eval(t_end)
         self._pending_end = None
         self._pending_skipped = False
         prev = self._prev_end if self._prev_end is not None else t_end
@@ -260,8 +271,12 @@ class _PyCore:
                 if not how & FETCH_END:
                     self._eval_pulls += 1
                 self._eval_pulled += d
-                self._eval_last = t
             else:  # from the iterator's start, for its first fetch: the loop waited for its workers
+                if self._eval_open and not self._eval_end:
+                    # training work after an open span: where the span ends (a forward that closes
+                    # it comes after this fetch, which is data wait), unless the span takes this
+                    # fetch as its own (an evaluation's forward next: _open_eval)
+                    self._eval_end = t0
                 self._data += t - t0
                 # a batch an evaluation may take (_open_eval); a training loader's end (no batch,
                 # its workers' shutdown) is the training's, whatever comes next
@@ -292,7 +307,7 @@ class _PyCore:
                 self.progress.set_phase(PHASE_FORWARD if grad_enabled else PHASE_EVAL)
             if grad_enabled:
                 if self._eval_open:
-                    self._close_eval_for_work()
+                    self._close_eval_for_work(t)
                 self._last_fetch_t0 = None
                 if self.device is not None:
                     self._dslot_fwd = self.device.begin(PHASE_FORWARD)
@@ -320,7 +335,6 @@ class _PyCore:
                     self.device.end(self._dslot_fwd)
                 self._fwd += t - self._fwd_t0
             else:
-                self._eval_last = t
                 self._eval_fwd += t - self._fwd_t0
             if self._fwd_paused_opt:
                 self._fwd_paused_opt = False
@@ -339,7 +353,7 @@ class _PyCore:
                 return
             t = self._begin_work()
             if self._eval_open:
-                self._close_eval_for_work()
+                self._close_eval_for_work(t)
             self._last_fetch_t0 = None
             self._bwd_paused_opt = self._pause_opt(t) if self._opt_depth else False
             self._bwd_t0 = t
@@ -402,7 +416,7 @@ class _PyCore:
             # A pending end stays pending: a second optimizer in the same iteration extends it.
             self._pending_end = None
             if self._eval_open:
-                self._close_eval_for_work()
+                self._close_eval_for_work(t)
             self._last_fetch_t0 = None
             self._opt_t0 = t
             self._opt_paused = 0
@@ -599,7 +613,9 @@ class _Methods:
         # Eval span bookkeeping.
         self._eval_open = False
         self._eval_t0 = 0
-        self._eval_last = 0
+        # Where the training fetch after the open span started, its end (0: none yet, the span
+        # runs to the work that closes it).
+        self._eval_end = 0
         self._eval_calls = 0  # the open span's grad-disabled root calls
         self._eval_pulls = 0  # DataLoader fetches it took in (the one right before it, then its own)
         self._eval_pulled = 0  # their ns
@@ -760,7 +776,7 @@ class _Methods:
                 # does; its time is taken out of that step, so it must lie inside it.
                 self._start_work(t)
             if self._eval_open:
-                self._close_eval()
+                self._close_eval(t)
             self._ckpt_t0 = t
             if self.progress is not None:
                 self.progress.set_phase(PHASE_CHECKPOINT)
@@ -851,10 +867,11 @@ class _Methods:
         try:
             if self._pending_end is not None:
                 self._finalize(self._pending_end, self._pending_skipped)
+            t = _now()
             if self._eval_open:
-                self._close_eval()
+                self._close_eval(t)  # an evaluation after the last step runs to shutdown
             if self._eval or self._ckpt:
-                self._emit_tail(max(_now(), self._eval_last))
+                self._emit_tail(t)
             if self._step_open:
                 self._step_open = False
                 if self._nvtx is not None:
@@ -882,10 +899,10 @@ class _Methods:
         kept out of the next step (an optimizer made between two models' loops scans). The user's
         open phases (``stepwatch.phase``) leave it out too.
 
-        The clock of an open eval span, and of the fetch a span opening next would start at,
-        pauses for it (their times move on by ``ns``): an evaluation forward's FLOP count, between
-        its fetch and its call, was kept out of ``eval_s`` and out of ``step_s`` both, and the
-        step's parts came to more than ``step_s``."""
+        The clock of an open eval span (that no training fetch has ended yet), and of the fetch a
+        span opening next would start at, pauses for it (their times move on by ``ns``): an
+        evaluation forward's FLOP count, between its fetch and its call, was kept out of ``eval_s``
+        and out of ``step_s`` both, and the step's parts came to more than ``step_s``."""
         self._iter_t0 = None
         if self._pending_end is not None and not self._eval_open and self.enabled:
             try:
@@ -893,9 +910,8 @@ class _Methods:
             except Exception as e:  # never raise into the training loop
                 self._fail("exclude", e)
                 return
-        if self._eval_open:
+        if self._eval_open and not self._eval_end:  # after a training fetch ended it: not the span's
             self._eval_t0 += ns
-            self._eval_last += ns
         if self._last_fetch_t0 is not None:
             self._last_fetch_t0 += ns
         for name in self._phase_t0:  # the user's open phases (a FLOP count inside "fwd")

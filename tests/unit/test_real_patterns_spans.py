@@ -1,0 +1,309 @@
+"""Evaluation spans and checkpoint saves on the loop shapes real scripts use, each a small stand-in
+written here: a validation whose metric is computed after its last model call (sklearn, COCOeval,
+BLEU over the collected predictions; Lightning's ``on_validation_epoch_end``), and Hugging Face's
+checkpoint format (safetensors: ``save_pretrained``, the Trainer's and Accelerate's saves). Neither
+may look like a slow step. The phase identity must hold on every record."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset
+
+pytestmark = pytest.mark.usefixtures("both_tracker_cores")  # tests/conftest.py
+
+METRIC_S = 0.06  # the metric's CPU time, after the validation's last model call
+
+
+def _identity_holds(r, tol=1e-6):
+    parts = r.data_wait_s + r.forward_s + r.backward_s + r.optimizer_s + r.other_s
+    return abs(parts - r.step_s) <= tol
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+class _Samples(Dataset):
+    def __init__(self, n, sleep_s=0.0):
+        self.n, self.sleep_s = n, sleep_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(16, generator=g), torch.randn(4, generator=g)
+
+
+def _metric(preds, labels):
+    """A metric over the collected predictions (sklearn, COCOeval, BLEU): CPU work, no model call."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < METRIC_S:
+        pass
+    return float((torch.cat(preds) - torch.cat(labels)).abs().mean())
+
+
+def _validate(m, val):
+    """The validation and its metric; its wall time on the loop's clock, from before ``iter(val)``
+    to after the metric."""
+    t0 = time.perf_counter()
+    m.eval()
+    preds, labels = [], []
+    with torch.no_grad():
+        for x, y in val:
+            preds.append(m(x))
+            labels.append(y)
+    _metric(preds, labels)
+    m.train()
+    return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("where", ["mid-epoch", "epoch end"])
+def test_a_validations_metric_after_its_last_call_is_evaluation_not_the_next_step(sw, where):
+    """A validation every 4 steps (mid-epoch), or at each epoch's end (Lightning's loop; the next
+    epoch starts at ``iter(train)``), then its metric. The span ended at its last model call: the
+    metric's 60 ms were the next step's ``other_s`` (a step_time_spike) and ``eval_s`` had only
+    the model calls; after the last step the tail lost them. The span now runs to where the next
+    training work starts (the next training fetch), or to shutdown."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    train = DataLoader(_Samples(32), batch_size=4)  # 8 steps an epoch
+    val = DataLoader(_Samples(12), batch_size=4)
+    walls, after = [], []  # validation wall times; the index of the record after each
+    epochs = 1 if where == "mid-epoch" else 2
+    step = 0
+    for _ in range(epochs):
+        for x, y in train:
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if where == "mid-epoch" and step % 4 == 0:
+                walls.append(_validate(m, val))
+                after.append(step)
+        if where == "epoch end":
+            walls.append(_validate(m, val))
+            after.append(step)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    tail = [r for r in mem.records if r.tail]
+    assert len(recs) == 8 * epochs and len(tail) == 1, mem.records
+    assert all(_identity_holds(r) for r in recs), recs
+    for k, wall in zip(after, walls):
+        r = recs[k] if k < len(recs) else tail[0]  # the last validation comes after the last step
+        assert wall * 0.9 <= r.eval_s <= wall + 0.05, (k, wall, r)
+        if not r.tail:
+            assert r.other_s < METRIC_S / 2 and r.step_s < METRIC_S / 2, (k, r)
+    assert not [f for f in mem.findings if f.kind == "step_time_spike"], mem.findings
+
+
+def test_a_validations_metric_without_a_training_dataloader_is_evaluation(sw):
+    """A loop over tensors it holds (no training DataLoader): the training forward after the
+    validation and its metric is where the span ends."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    val = DataLoader(_Samples(12), batch_size=4)
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    walls = []
+    for i in range(6):
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i in (0, 2):  # the first: the session's first fetch scans for models (its own time)
+            walls.append(_validate(m, val))
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6 and all(_identity_holds(r) for r in recs), recs
+    walls, r = walls[1:], recs[3]
+    assert walls[0] * 0.9 <= r.eval_s <= walls[0] + 0.05, (walls, r)
+    assert r.other_s < METRIC_S / 2, r
+
+
+def test_a_validation_before_an_explicit_step_end_is_evaluation_to_that_end(sw):
+    """``stepwatch.step()`` at the iteration's end, the validation and its metric inside the
+    iteration: the span runs to the step's end (the metric was that step's ``other_s``)."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    train = DataLoader(_Samples(24), batch_size=4)
+    val = DataLoader(_Samples(12), batch_size=4)
+    walls = []
+    for i, (x, y) in enumerate(train):
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 2:
+            walls.append(_validate(m, val))
+        stepwatch.step()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6 and all(_identity_holds(r) for r in recs), recs
+    r = recs[2]
+    assert walls[0] * 0.9 <= r.eval_s <= walls[0] + 0.05, (walls, r)
+    assert r.other_s < METRIC_S / 2, r
+
+
+def test_the_training_fetch_after_a_validation_is_data_wait_not_evaluation(sw):
+    """What the span's old end (its last call or fetch) protected: the next training fetch, after
+    the metric, is the step's ``data_wait_s``. The span ends where that fetch starts; it must not
+    run on to the forward that closes it (the slow fetch would be counted twice, or as eval)."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    train = DataLoader(_Samples(24, 0.01), batch_size=4)  # 40 ms a fetch
+    val = DataLoader(_Samples(8), batch_size=4)
+    walls = []
+    for i, (x, y) in enumerate(train):
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 2:
+            walls.append(_validate(m, val))
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6 and all(_identity_holds(r) for r in recs), recs
+    r = recs[3]
+    assert walls[0] * 0.9 <= r.eval_s <= walls[0] + 0.02, (walls, r)
+    assert r.data_wait_s >= 0.04 * 0.9, r
+
+
+def _train_and_save(m, save, steps=6, at=3):
+    """A plain loop that saves after step ``at`` (the save is in the next step's record)."""
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    for i in range(steps):
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == at:
+            save(m)
+    return at + 1
+
+
+def _big_model():
+    """A model with a 16 MB buffer: a save that takes a few ms to write (made before the loop:
+    filling it is ms of page faults)."""
+    m = _model()
+    m.register_buffer("buf", torch.ones(4 << 20))
+    return m
+
+
+@pytest.mark.parametrize("how", ["save_file", "save_model", "a library's own name for save_file"])
+def test_a_safetensors_save_is_a_checkpoint_not_step_time(sw, tmp_path, how):
+    """Hugging Face's weights format: safetensors' ``save_file`` (``save_model`` calls it) was no
+    checkpoint: its time was the step's ``other_s`` (checkpoint_s 0, a slow step). A library that
+    imported it by name before stepwatch started (transformers' and accelerate's ``from
+    safetensors.torch import save_file as safe_save_file``) holds the function itself: its name
+    is timed too, and given back at shutdown."""
+    st = pytest.importorskip("safetensors.torch")
+    import types
+
+    lib = types.ModuleType("_lib_saving_with_safetensors")  # imported before init, as transformers is
+    exec("from safetensors.torch import save_file as safe_save_file", lib.__dict__)
+    sys.modules[lib.__name__] = lib
+    try:
+        stepwatch, mem, start = sw
+        start()
+        path = str(tmp_path / "model.safetensors")
+
+        def save(m):
+            if how == "save_file":
+                st.save_file(m.state_dict(), path)
+            elif how == "save_model":
+                st.save_model(m, path)
+            else:
+                lib.safe_save_file(m.state_dict(), path)
+
+        k = _train_and_save(_big_model(), save)
+        stepwatch.shutdown()
+        assert lib.safe_save_file is st.save_file and not hasattr(st.save_file, "__wrapped__")  # given back
+    finally:
+        del sys.modules[lib.__name__]
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6 and all(_identity_holds(r) for r in recs), recs
+    r = recs[k]
+    assert r.checkpoint_s > 0 and r.checkpoint_bytes == os.path.getsize(path), r
+    assert r.other_s < r.checkpoint_s, r
+    assert all(q.checkpoint_s == 0 for q in recs if q is not r), recs
+
+
+def test_save_pretrained_is_one_checkpoint_with_its_safetensors_bytes(sw, tmp_path):
+    """transformers' ``save_pretrained`` (the Trainer's weights too): the whole call is the
+    checkpoint (its first call spends most of its time renaming the weights back, before any
+    file is written), and its bytes are its safetensors files'. It was the step's ``other_s``
+    (75 ms of a GPT-2's step, a step_time_spike)."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    opt = torch.optim.AdamW(m.parameters(), 1e-3)
+    out = tmp_path / "ckpt"
+    for i in range(6):
+        ids = torch.randint(0, 64, (2, 8))
+        m(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 3:
+            m.save_pretrained(str(out))
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6 and all(_identity_holds(r) for r in recs), recs
+    r = recs[4]
+    weights = sum(os.path.getsize(p) for p in out.glob("*.safetensors"))
+    assert r.checkpoint_s > 0 and r.checkpoint_bytes == weights > 0, r
+    assert r.other_s < r.checkpoint_s, r
+
+
+def test_safetensors_imported_after_init_is_patched_and_never_imported_by_stepwatch(tmp_path, both_tracker_cores):
+    """A script that starts stepwatch first and imports safetensors after (before its optimizer):
+    stepwatch imports nothing of it, and its saves are checkpoints all the same (patched when the
+    optimizer is made, as torch.distributed.checkpoint's are)."""
+    pytest.importorskip("safetensors.torch")
+    if both_tracker_cores == "python":
+        pytest.skip("one process run is enough: the tracker's core plays no part here")
+    script = textwrap.dedent(f"""
+        import os, sys
+        import stepwatch
+        mem = stepwatch.InMemoryExporter()
+        stepwatch.init(dir={str(tmp_path / "run")!r}, console="off", exporters=[mem])
+        assert "safetensors" not in sys.modules, "stepwatch imported safetensors"
+        import torch
+        from safetensors.torch import save_file
+        m = torch.nn.Linear(256, 256)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        for i in range(4):
+            m(torch.randn(4, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                save_file({{"w": m.weight.detach().clone(), "buf": torch.ones(4 << 20)}}, {str(tmp_path / "m.st")!r})
+        stepwatch.shutdown()
+        r = [r for r in mem.records if not r.tail][2]
+        print("RESULT", r.checkpoint_s > 0, r.checkpoint_bytes == os.path.getsize({str(tmp_path / "m.st")!r}))
+    """)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "RESULT True True" in p.stdout, (p.stdout, p.stderr[-3000:])
