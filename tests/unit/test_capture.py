@@ -17,7 +17,7 @@ from stepwatch.capture import signals
 from stepwatch.hooks import progress
 from stepwatch.watchdog import verdict as hang
 from stepwatch.capture.profiler import CaptureManager
-from stepwatch.capture.triggers import StepTimeSpikeDetector
+from stepwatch.capture.triggers import MIN_SPIKE_EXCESS_S, StepTimeSpikeDetector
 from stepwatch.watchdog.sidecar import CAP_S, FLOOR_S, K, default_timeout
 from stepwatch.config import Config, ConfigError
 from stepwatch.hooks.phases import PHASE_BACKWARD, PHASE_FORWARD, StepTracker
@@ -933,3 +933,14 @@ def test_a_listener_that_removes_itself_runs_once_and_the_next_one_still_runs(sw
         opt.zero_grad()
     stepwatch.shutdown()
     assert calls[:3] == [("once", 0), ("every", 0), ("every", 1)], calls
+
+
+def test_a_sub_millisecond_blip_of_a_tiny_step_is_no_spike():
+    """0.4 ms steps, then one of 1.0 ms (cold caches after a CPU-heavy evaluation): 2.5x the median,
+    but 0.6 ms that no one can act on, and a capture of the next steps for it. A 30 ms one is."""
+    det = StepTimeSpikeDetector(window=20)
+    for i in range(25):
+        assert det.observe(_rec(i, 0.0004 + 0.00001 * (i % 3))) == []
+    assert det.observe(_rec(25, 0.0010)) == []
+    (f,) = det.observe(_rec(26, 0.030))
+    assert f.step == 26 and f.data["limit_s"] >= 0.0004 + MIN_SPIKE_EXCESS_S

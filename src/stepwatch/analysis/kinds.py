@@ -378,9 +378,11 @@ KINDS: dict[str, Kind] = {
             "cache, a loss or output kept with its graph (summed without .item()/.detach()). The "
             "summary gives the rate in MiB per step and the step at which the limit is reached.",
             "Find what is kept across steps: accumulate metrics with loss.item() or loss.detach(), "
-            "clear or bound caches, del per-step outputs; read oom-<n>/memory_snapshot.pickle (CUDA "
-            "allocation history, switched on by this finding) in https://pytorch.org/memory_viz; "
-            "for DataLoader workers, keep dataset state in numpy arrays, not Python lists of objects.",
+            "clear or bound caches, del per-step outputs. Each finding's action is for the memory that "
+            "grew: CUDA, read oom-<n>/memory_snapshot.pickle (CUDA allocation history, switched on by "
+            "this finding) in https://pytorch.org/memory_viz; the trainer's RSS, memray run --native "
+            "(torch's CPU tensors; tracemalloc sees only Python objects); DataLoader workers, keep "
+            "dataset state in numpy arrays, not Python lists of objects.",
             "stepwatch rule: least-squares rate over the growth window, quarter medians rising, R^2 >= 0.8",
         ),
         Kind(
@@ -493,7 +495,7 @@ KINDS: dict[str, Kind] = {
             "step_time_spike",
             "warning",
             "A step took much longer than its neighbours: above the rolling median plus several "
-            "MAD-sigmas (evaluation and checkpoint time excluded, and the steps stepwatch's own capture "
+            "MAD-sigmas, at least twice the median and 2 ms over it (evaluation and checkpoint time excluded, and the steps stepwatch's own capture "
             "profiled). When most of the excess was spent waiting in a collective for another rank (its "
             "checkpoint, evaluation or slow step), the finding is info and says so.",
             "Read the step's phase split (data wait, forward, backward, optimizer); where captures "

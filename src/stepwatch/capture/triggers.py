@@ -30,11 +30,16 @@ def triggers_capture(f: Finding) -> bool:
 
 # MAD -> standard deviation for normal data (1 / Phi^-1(3/4); Rousseeuw & Croux 1993).
 MAD_TO_SIGMA = 1.4826
+# A spike is at least this much over the median, whatever the ratio: a 0.4 ms step taking 1 ms
+# (cold caches after a CPU-heavy evaluation, a page fault) is nothing anyone can act on, and a
+# capture of the steps after it would profile normal steps.
+MIN_SPIKE_EXCESS_S = 0.002
 
 
 class StepTimeSpikeDetector:
-    """A step slower than ``median + max(mads x 1.4826 x MAD, (min_ratio - 1) x median)``: at least
-    ``min_ratio`` (2) times the median, so the jitter of a busy host is no spike.
+    """A step slower than ``median + max(mads x 1.4826 x MAD, (min_ratio - 1) x median,
+    MIN_SPIKE_EXCESS_S)``: at least ``min_ratio`` (2) times the median, so the jitter of a busy
+    host is no spike, and at least 2 ms over it, so neither is a tiny step's blip.
 
     The second term keeps a very steady job (MAD near 0) from calling jitter a spike. At most one
     finding per ``hold`` steps: a burst of slow steps is one event. A step ``excluded(step)`` says
@@ -67,7 +72,7 @@ class StepTimeSpikeDetector:
         if len(self.hist) >= self.min_history:
             med = statistics.median(self.hist)
             mad = statistics.median(abs(v - med) for v in self.hist)
-            limit = med + max(self.mads * MAD_TO_SIGMA * mad, (self.min_ratio - 1.0) * med)
+            limit = med + max(self.mads * MAD_TO_SIGMA * mad, (self.min_ratio - 1.0) * med, MIN_SPIKE_EXCESS_S)
             if x > limit:
                 f = spike_finding(rec, median_s=med, mad_s=mad, limit_s=limit,
                                   collective_median_s=statistics.median(self.comm_hist) if self.comm_hist else None)
