@@ -67,7 +67,7 @@ def _zero_or_at_least(lo: int, hi: int) -> Callable[[Any], int]:
     in_range = _int_range(lo, hi)
 
     def parse(s: Any) -> int:
-        if not isinstance(s, bool) and str(s).strip() == "0":
+        if not isinstance(s, bool) and (str(s).strip() == "0" or (isinstance(s, (int, float)) and s == 0)):
             return 0
         try:
             return in_range(s)
@@ -130,27 +130,28 @@ def _opt_str(s: Any) -> str | None:
     return v if v.strip() else None
 
 
+_port = _int_range(1, 65535)
+
+
 def _opt_port(s: Any) -> int | None:
-    """Optional TCP port: empty/None = off."""
+    """Optional TCP port: empty/None = off; otherwise parsed as every integer setting is."""
     if s is None or (isinstance(s, str) and s.strip() == ""):
         return None
-    if isinstance(s, bool):
-        raise ValueError("expected a TCP port 1-65535 (or empty for off)")
     try:
-        v = int(s)
-    except (TypeError, ValueError):
+        return _port(s)
+    except ValueError:
         raise ValueError("expected a TCP port 1-65535 (or empty for off)") from None
-    if not 1 <= v <= 65535:
-        raise ValueError("expected a TCP port 1-65535 (or empty for off)")
-    return v
 
 
 def _bool_value(s: Any) -> bool:
+    """A bool, the int 1 or 0 (the Valid column's spelling), or a string as in the environment."""
     if isinstance(s, bool):
         return s
+    if type(s) is int and s in (0, 1):
+        return bool(s)
     if isinstance(s, str):
         return _parse_bool(s)
-    raise ValueError("expected True or False")
+    raise ValueError("expected True or False, 1 or 0")
 
 
 _bool_value.valid = "`1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`"  # type: ignore[attr-defined]
@@ -257,7 +258,14 @@ class Config:
     )
     records: bool = field(
         default=True,
-        metadata=_opt("STEPWATCH_RECORDS", "Write `steps.rank<R>.jsonl` and `findings.rank<R>.jsonl`.", _bool_value),
+        metadata=_opt(
+            "STEPWATCH_RECORDS",
+            "Write `steps.rank<R>.jsonl` and `findings.rank<R>.jsonl`. `0`: no run directory is written at "
+            "all, no `run.json` and no `rank<R>.json` either, so `stepwatch report`, `stepwatch capture "
+            "RUN_DIR` and `stepwatch dump RUN_DIR` have nothing to read (`stepwatch dump PID` still works); "
+            "an OOM's `oom-<n>/` or a capture, when one happens, is still written there.",
+            _bool_value,
+        ),
     )
     disk_budget_mb: int = field(
         default=1024,
@@ -630,7 +638,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_SPIKE_MADS",
             "A step slower than the rolling median plus this many MAD-sigmas (and at least 2x the "
-            "median) is a `step_time_spike`.",
+            "median and 2 ms over it) is a `step_time_spike`.",
             _float_range(0.0, 1000.0),
         ),
     )

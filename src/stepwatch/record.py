@@ -100,7 +100,7 @@ class Finding:
 
     time: float
     step: int | None
-    rank: int
+    rank: int | None  # None: a trace of unknown rank (stepwatch trace on a file without distributedInfo)
     kind: str
     severity: str
     summary: str

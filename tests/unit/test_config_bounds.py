@@ -133,3 +133,41 @@ def test_a_console_rank_the_job_does_not_have_is_said(sw, caplog):
         logging.getLogger("stepwatch").removeHandler(caplog.handler)
     said = [r.getMessage() for r in caplog.records if "CONSOLE_RANK" in r.getMessage()]
     assert len(said) == 1 and "1 rank(s)" in said[0], said
+
+
+INTEGER = [f for f in dataclasses.fields(Config)
+           if f.metadata.get("env") and "int" in str(f.type) and "float" not in str(f.type)]
+
+
+@pytest.mark.parametrize("f", INTEGER, ids=lambda f: f.name)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), 8.5, 8080.7, True, False, "8.5"],
+                         ids=repr)
+def test_an_integer_argument_that_is_no_integer_is_refused_naming_it(f, bad):
+    """``init(prometheus_port=float('inf'))`` raised a bare OverflowError and ``8080.7`` became
+    8080, where ``queue_size=16.5`` was refused: every integer setting is parsed the same way."""
+    with pytest.raises(ConfigError) as e:
+        Config.from_env({}, **{f.name: bad})
+    assert f"{f.name}=" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("f", INTEGER, ids=lambda f: f.name)
+def test_an_integer_argument_given_as_a_whole_float_is_that_integer(f):
+    v = f.default if f.default is not None else 8080
+    got = getattr(Config.from_env({}, **{f.name: float(v)}), f.name)
+    assert got == v and type(got) is int
+
+
+ON_OFF = [f for f in dataclasses.fields(Config) if f.metadata.get("env")
+          and (str(f.type) == "bool" or {"`on`", "`off`"} <= set(valid_values(f.metadata["env"]).split()))]
+
+
+@pytest.mark.parametrize("f", ON_OFF, ids=lambda f: f.name)
+def test_every_on_off_argument_takes_1_and_0_as_its_valid_column_says(f):
+    """``init(memory=0)`` was refused ("expected True or False") while ``console=1`` was taken."""
+    assert len(ON_OFF) >= 15
+    assert getattr(Config.from_env({}, **{f.name: 1}), f.name) in (True, "on")
+    assert getattr(Config.from_env({}, **{f.name: 0}), f.name) in (False, "off")
+    for bad in (2, -1, 1.0, 0.0, 0.5):
+        with pytest.raises(ConfigError) as e:
+            Config.from_env({}, **{f.name: bad})
+        assert f"{f.name}=" in str(e.value), str(e.value)

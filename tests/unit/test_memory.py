@@ -59,7 +59,7 @@ def test_a_256_kib_per_step_leak_is_named_within_600_steps(sw):
     assert f.step <= 600 and f.data["series"] == "host"
     assert f.data["growth_mib_per_step"] == pytest.approx(0.25, rel=0.3)
     assert f.data["limit_bytes"] and f.data["limit_step"] > f.step
-    assert "MiB per step" in f.summary and f.action
+    assert "MiB per step" in f.summary and "memray" in f.action and "memory_snapshot" not in f.action
     rss = [r.host_rss_bytes for r in mem.records if r.host_rss_bytes is not None]
     assert len(rss) >= 55  # read every 10th step
 
@@ -106,6 +106,24 @@ def test_growth_names_the_step_the_device_limit_is_reached():
     f = found[0]
     assert f.data["series"] == "device" and f.data["growth_mib_per_step"] == pytest.approx(1.0)
     assert f.data["limit_step"] == f.step + 10 * 1024
+
+
+def test_the_growth_action_says_what_to_do_about_the_memory_that_grew():
+    """A CPU job's RSS growth was pointed at the CUDA memory_snapshot.pickle (no CUDA there)."""
+    def grow(field):
+        det = MemoryGrowthDetector(200, 16 * MiB)
+        found = []
+        for i in range(300):
+            found += det.observe(StepRecord(step=i, rank=0, time=float(i), step_s=0.01, **{field: G + i * MiB}))
+        return found[0]
+
+    device, host, workers = grow("mem_allocated_bytes"), grow("host_rss_bytes"), grow("workers_pss_bytes")
+    assert (device.data["series"], host.data["series"], workers.data["series"]) == ("device", "host", "workers")
+    assert "memory_snapshot.pickle" in device.action and "memory_viz" in device.action
+    for f in (host, workers):
+        assert "memory_snapshot" not in f.action and "CUDA" not in f.action, f.action
+    assert "memray" in host.action and "tracemalloc" in host.action and ".detach()" in host.action
+    assert "numpy" in workers.action and "memray" in workers.action
 
 
 class FakeCuda:

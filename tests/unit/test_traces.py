@@ -162,6 +162,24 @@ def test_cli_json_is_one_object_per_rank_with_the_documented_keys(capsys):
     assert sorted(o["rank"] for o in out if o["trace"].endswith(("rank0.json.gz", "rank1.json.gz"))) == [0, 0, 0, 1]
 
 
+@needs_traces
+def test_a_trace_of_unknown_rank_has_findings_of_unknown_rank_named_by_its_file(capsys):
+    """No distributedInfo and no rank in the name: the object said rank null while its findings
+    said rank 0 ("rank 0: ..."). They carry rank null and name the file instead."""
+    from stepwatch.record import Finding
+
+    name = "mi250-rocm62-toy-train.json.gz"
+    assert main(["trace", os.path.join(TRACES, name), "--json"]) == 0
+    o = json.loads(capsys.readouterr().out)[0]
+    assert o["rank"] is None and len(o["findings"]) >= 2
+    for f in o["findings"]:
+        assert f["rank"] is None and f["summary"].startswith(f"{name}: "), (f["rank"], f["summary"])
+        assert Finding.from_dict(f).rank is None
+    assert main(["trace", os.path.join(TRACES, name)]) == 0  # the terminal's tables take it too
+    out = capsys.readouterr().out
+    assert "trace_idle_gaps" in out and "rank 0" not in out
+
+
 def test_cli_errors_name_the_argument(tmp_path, capsys):
     assert main(["trace", str(tmp_path / "nope.json")]) == 2
     assert "PATH" in capsys.readouterr().err

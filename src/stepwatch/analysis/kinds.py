@@ -510,7 +510,7 @@ KINDS: dict[str, Kind] = {
 def make_finding(
     kind: str,
     *,
-    rank: int,
+    rank: int | None,
     step: int | None,
     summary: str,
     data: dict[str, Any] | None = None,

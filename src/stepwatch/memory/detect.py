@@ -41,6 +41,26 @@ GROWTH_SERIES = (
     ("workers_pss_bytes", "workers", "DataLoader workers' memory (PSS)"),
 )
 
+# The ``memory_growth`` action for the memory that grew: a CPU job's RSS has no CUDA snapshot to
+# read, and tracemalloc does not see torch's CPU tensors (torch allocates them outside Python's
+# allocator), so the host's tool is memray, which follows native allocations too.
+_KEPT = ("Find what is kept across steps: accumulate metrics with loss.item() or loss.detach(), "
+         "clear or bound caches, del per-step outputs")
+GROWTH_ACTION = {
+    "device": _KEPT + "; read oom-<n>/memory_snapshot.pickle (CUDA allocation history, switched on by "
+              "this finding), or one written now with torch.cuda.memory._dump_snapshot(path), in "
+              "https://pytorch.org/memory_viz.",
+    "host": _KEPT + " and batches. To see who holds it: memray run --native train.py (or memray attach "
+            "<pid> on the running job), then memray flamegraph --leaks on its output -- it sees torch's "
+            "CPU tensors, which tracemalloc does not; for Python objects piling up (lists, dicts), "
+            "tracemalloc snapshots some hundred steps apart, compared with snapshot.compare_to(old, "
+            "'traceback').",
+    "workers": "Keep the Dataset's state in numpy arrays or tensors, not Python lists or dicts of objects "
+               "(each worker's reads touch their reference counts and copy the pages it shares with the "
+               "trainer), and bound per-worker caches; memray run --follow-fork train.py records the "
+               "workers' allocations too.",
+}
+
 
 def _fit(pts: list[tuple[int, int]]) -> tuple[float, float]:
     """Least-squares slope (bytes per step) and R^2."""
@@ -140,12 +160,14 @@ class MemoryGrowthDetector:
             if free is not None:
                 data["limit_step"] = rec.step + int(max(free, 0) / rate)
                 tail = f"; at this rate it reaches the {kind} limit ({limit / 2**30:.1f} GiB) at step {data['limit_step']}"
-        return make_finding(
+        f = make_finding(
             "memory_growth", rank=rec.rank, step=rec.step, when=rec.time,
             summary=(f"rank {rec.rank}: {what} grows {mib:.3g} MiB per step over steps "
                      f"{pts[0][0]}-{pts[-1][0]} (now {pts[-1][1] / MiB:.0f} MiB){tail}"),
             data=data,
         )
+        f.action = GROWTH_ACTION[series]
+        return f
 
 
 class FragmentationDetector(WindowedDetector):

@@ -77,8 +77,10 @@ def _gap_text(g: dict[str, Any]) -> str:
 def findings_for(summary: dict[str, Any], *, step: int | None = None, when: float | None = None,
                  context: dict[str, Any] | None = None) -> list[Finding]:
     """The findings of one rank's summary; ``step`` for those not tied to one step (the capture's
-    first step), ``context`` merged into each finding's data (capture number, reason, trace)."""
-    rank = summary.get("rank") if isinstance(summary.get("rank"), int) else 0
+    first step), ``context`` merged into each finding's data (capture number, reason, trace).
+    A trace whose rank is unknown (``stepwatch trace`` on a file without ``distributedInfo`` or
+    a rank in its name) gives findings of rank None, whose summaries name the file instead."""
+    rank = summary.get("rank") if isinstance(summary.get("rank"), int) else None
     ctx = dict(context or {})
     ctx.setdefault("trace", summary.get("trace"))
     out: list[Finding] = []
@@ -98,7 +100,7 @@ def findings_for(summary: dict[str, Any], *, step: int | None = None, when: floa
     gaps = summary.get("gaps") or []
     big = [g for g in gaps if g["dur_us"] > 1000.0]
     over = summary.get("gaps_over_1ms") or {}
-    lead = f"rank {rank}: "
+    lead = f"rank {rank}: " if rank is not None else f"{os.path.basename(str(summary.get('trace') or 'trace'))}: "
     if gpu:
         t = summary["temporal"]
         if (t["idle_pct"] or 0) < DENSE_IDLE_PCT and not big:
