@@ -352,3 +352,92 @@ def test_a_root_call_that_raises_takes_back_what_it_added_in_both_collectors():
             col.on_exception("eval", RuntimeError())
             col.on_exception("forward", RuntimeError())  # nothing of that call to take back
             assert len(col._items) == 1 and col.take().counts[0].samples == 2, cls
+
+
+class _Transform(nn.Module):
+    """No parameters: a transform (a tokenizer, a normalization) called before the model."""
+
+    def forward(self, x):
+        return x
+
+
+def _counting(cls):
+    """``cls`` counting the calls that leave the hot path (its ``_on_forward_full``, which both
+    cores call back into)."""
+
+    class Counting(cls):
+        full = 0
+
+        def _on_forward_full(self, module, args, kwargs):
+            self.full += 1
+            return super()._on_forward_full(module, args, kwargs)
+
+    return Counting
+
+
+def test_a_root_without_trainable_parameters_leaves_the_model_role_to_the_model_in_both_collectors():
+    """A parameter-free root called first in every step, before the model: it took the model's
+    role for good (samples and tokens from its input). The model takes it at its first call; the
+    transform's call in that step counts no samples (its FLOPs stay), and from then on its calls
+    take the hot path (it never again looks like a root opening the step)."""
+    pre, model, loss_mod, x = _Transform(), nn.Linear(6, 6), nn.MSELoss(), torch.randn(3, 6)
+    cols = [_counting(cls)(cache=FlopCache(counter=_counter))
+            for cls in (tokens.ThroughputCollector, tokens.PyThroughputCollector)]
+    got = [[], []]
+    for _ in range(6):
+        for col, steps in zip(cols, got):
+            col.on_forward(pre, (x,), {})
+            col.on_forward(model, (x,), {})
+            col.on_forward(loss_mod, (x, x), {})
+            steps.append(_items(col))
+    assert got[0] == got[1]
+    assert got[0] == [[(18 + 7, None), (18 + 7, (3, None)), (36 + 7, None)]] * 6
+    # Three first calls, then the transform's first call as a follower; then the hot path only.
+    assert [col.full for col in cols] == [4, 4]
+
+
+def test_a_model_without_parameters_is_the_model_while_it_is_the_only_root_in_both_collectors():
+    model, loss_mod, x = _Transform(), nn.MSELoss(), torch.randn(3, 6)
+    for cls in (tokens.ThroughputCollector, tokens.PyThroughputCollector):
+        col = cls(cache=FlopCache(counter=_counter))
+        for _ in range(3):
+            col.on_forward(model, (x,), {})
+            col.on_forward(loss_mod, (x, x), {})
+            assert _items(col) == [(18 + 7, (3, None)), (36 + 7, None)], cls
+
+
+def test_a_new_model_after_the_last_ones_unstepped_micro_batch_has_the_step_in_both_collectors():
+    """A sweep's trial (or a run before a resume) that ended within an accumulation: the last
+    model's micro-batch that no step took is dropped when a new model is first called after it,
+    FLOPs with samples. Two models first called in the step that the first one opened (co-teaching,
+    a GAN) leave the role with the first."""
+    import gc
+
+    x, left = torch.randn(3, 6), torch.randn(2, 6)
+    got = []
+    classes = (tokens.ThroughputCollector, tokens.PyThroughputCollector)
+    for cls, freed in [(c, f) for c in classes for f in (False, True)]:
+        col = cls(cache=FlopCache(counter=_counter))
+        old, new = nn.Linear(6, 6), nn.Linear(6, 6)
+        col.on_forward(old, (x,), {})
+        first = _items(col)
+        col.on_forward(old, (left,), {})  # the trial's last micro-batch: never stepped
+        if freed:
+            del old
+            gc.collect()
+            assert col._token_root is None
+        col.on_forward(new, (x,), {})
+        col.on_forward(new, (x,), {})
+        after = _items(col)
+        a, b = nn.Linear(6, 6), nn.Linear(6, 6)
+        col.on_forward(a, (x,), {})
+        col.on_forward(b, (x,), {})  # a second network, first called in the step `a` opened
+        both = _items(col)
+        col.on_forward(a, (x,), {})
+        col.on_forward(b, (x,), {})
+        got.append((first, after, both, _items(col)))
+    assert got[0] == got[1] == got[2] == got[3]
+    first, after, both, again = got[0]
+    assert first == [(18 + 7, (3, None))]
+    assert after == [(18 + 7, (3, None))] * 2
+    assert both == again == [(18 + 7, (3, None)), (18 + 7, None)]

@@ -360,11 +360,11 @@ OBJECT_TYPE(SigCore, SIG_FIELDS, "stepwatch.metrics._cmetrics.SigCore",
 
 typedef struct {
     PyObject_HEAD
-    PyObject *_grad_enabled, *_replay, *_hits, *_items, *_any_call, *_recount;
+    PyObject *_grad_enabled, *_replay, *_hits, *_items, *_any_call, *_recount, *_followers;
     char _appended; /* the last on_forward appended an item (a call that raises takes it back) */
 } ThroughputCore; /* no __dict__ of its own: tokens.py's ThroughputCollector, a subclass, has one */
 
-#define TP_FIELDS(X) X(_grad_enabled) X(_replay) X(_hits) X(_items) X(_any_call) X(_recount)
+#define TP_FIELDS(X) X(_grad_enabled) X(_replay) X(_hits) X(_items) X(_any_call) X(_recount) X(_followers)
 
 #define TP_GET(self, f) ((self)->f ? (self)->f : unset("ThroughputCollector", #f))
 
@@ -443,10 +443,20 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
             if (may_open) { /* another root opens the step: the step's model now (tokens.py's _take_over) */
                 PyObject *its = TP_GET(self, _items);
                 int some = its == NULL ? -1 : PyObject_IsTrue(its); /* `not self._items` */
-                if (some <= 0) {
+                if (some == 0) { /* unless it has no parameters: `id(module) not in self._followers` */
+                    PyObject *followers = TP_GET(self, _followers), *mid = NULL;
+                    some = followers == NULL || (mid = PyLong_FromVoidPtr(module)) == NULL
+                               ? -1
+                               : PySequence_Contains(followers, mid);
+                    Py_XDECREF(mid);
+                    if (some == 0) {
+                        Py_DECREF(item);
+                        goto full;
+                    }
+                }
+                if (some < 0) {
                     Py_DECREF(item);
-                    if (some < 0) return NULL;
-                    goto full;
+                    return NULL;
                 }
             }
             if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 2) {

@@ -11,13 +11,15 @@ Rules (docs/mfu.md repeats them for users), applied to the outermost module's ca
    or batch x seq; else ``pixel_values``, ``input_values`` or ``input_features`` (images, audio):
    samples = dim 0, tokens unknown.
 2. Otherwise the first positional argument (or first element of a tuple/list passed first):
-   an integer tensor of 2 dims ``[batch, seq]`` is token ids: tokens = numel (minus
-   ``pad_token_id`` entries if given), samples = dim 0. Any other tensor (images, features):
-   samples = dim 0, tokens unknown; except a 1-D float tensor ``[n]`` when the model's first
-   ``nn.Linear`` (registration order) has ``n`` input features: one unbatched
-   sample (an RL policy called with one state; ``ThroughputCollector._unbatched``). A *sequence-first* model (every ``nn.RNNBase`` /
-   ``nn.MultiheadAttention`` in it has ``batch_first=False``, torch's default, and it has at least
-   one: ``[seq, batch]`` inputs, as word_language_model) reads samples from dim 1 instead, unless
+   an integer tensor of 2 dims ``[batch, seq]`` is token ids: tokens = the ones of an
+   ``attention_mask`` keyword of its shape (``model(ids, attention_mask=mask)``, Hugging Face's
+   common call), else numel (minus ``pad_token_id`` entries if given), samples = dim 0. Any
+   other tensor (images, features): samples = dim 0, tokens unknown; except a 1-D float tensor
+   ``[n]`` when the model's first ``nn.Linear`` (registration order) has ``n`` input features:
+   one unbatched sample (an RL policy called with one state; ``ThroughputCollector._unbatched``).
+   A *sequence-first* model (every ``nn.RNNBase`` / ``nn.MultiheadAttention`` in it has
+   ``batch_first=False``, torch's default, and it has at least one: ``[seq, batch]`` inputs, as
+   word_language_model) reads samples from dim 1 instead, unless
    its first such layer, at the model's first call, gets its batch from the input's dim 0 (a
    model that permutes its input itself; ``ThroughputCollector._probe_layout``). A
    ``PackedSequence`` (a tuple, but not one to unpack): samples = its sequences, tokens = its
@@ -243,13 +245,17 @@ def _rule_input(args: Any, kwargs: Mapping[str, Any] | None, seq_first: bool = F
     """What the rules read from a call: ``(tensor, attention_mask, kind)`` from a known keyword
     (rule 1: kind ``ids``, ``embeds`` or ``batch``, see :func:`_keyed`), ``(the list, None,
     "samples")`` for a list or tuple of per-sample tensors passed first
-    (:func:`_per_sample_tensors`), else ``(the positional tensor or None, None, "")`` (rule 2)."""
+    (:func:`_per_sample_tensors`), else ``(the positional tensor or None, the attention_mask
+    keyword or None, "")`` (rule 2: ``model(ids, attention_mask=mask)``, Hugging Face's common
+    call, whose ids are counted as rule 1 counts them)."""
     import torch
 
+    mask = None
     if kwargs:
         keyed = _keyed(kwargs)
         if keyed is not None:
             return keyed
+        mask = kwargs.get("attention_mask")
     if not isinstance(args, (tuple, list)):
         args = (args,)
     first = args[0] if args else None
@@ -264,7 +270,7 @@ def _rule_input(args: Any, kwargs: Mapping[str, Any] | None, seq_first: bool = F
         if keyed is not None:
             return keyed
         first = next((v for v in first.values() if isinstance(v, torch.Tensor)), None)
-    return (first if isinstance(first, torch.Tensor) else None), None, ""
+    return (first if isinstance(first, torch.Tensor) else None), mask, ""
 
 
 def _from_embeds(embeds: Any, mask: Any) -> BatchCounts:
@@ -348,7 +354,7 @@ def infer_batch_counts(
         batch_dim = 1 if seq_first and first.dim() >= 2 else 0
         samples = int(first.shape[batch_dim])
         if first.dim() == 2 and not first.is_floating_point() and not first.is_complex() and first.dtype != torch.bool:
-            c = _from_ids(first, None, pad_token_id)
+            c = _from_ids(first, mask, pad_token_id)  # a mask of another shape is not this one's: numel
             c.samples = samples
             return c
         return BatchCounts(samples, None)
@@ -433,7 +439,7 @@ class _PyThroughputCore:
     reference that metrics/_cmetrics.c's ``ThroughputCore`` translates line for line, and the
     one used where that extension was not built. Its state is ``ThroughputCollector``'s."""
 
-    __slots__ = ("_grad_enabled", "_replay", "_hits", "_items", "_any_call", "_recount", "_appended")
+    __slots__ = ("_grad_enabled", "_replay", "_hits", "_items", "_any_call", "_recount", "_followers", "_appended")
 
     def on_forward(self, module: Any, args: Any, kwargs: Any) -> None:
         self._appended = False
@@ -445,7 +451,8 @@ class _PyThroughputCore:
         hit = self._hits.get(id(module))
         if hit is not None and (hit[0] is self._any_call or hit[0].matches(args, kwargs)):
             item = hit[1]
-            if item[1] is None and hit[0] is not self._any_call and not self._items:
+            if (item[1] is None and hit[0] is not self._any_call and not self._items
+                    and id(module) not in self._followers):  # one without parameters never does
                 self._on_forward_full(module, args, kwargs)  # another root opens the step: the step's model now
                 return
             if item[1] is self._recount:
@@ -479,7 +486,9 @@ class _ThroughputMethods(Collector):
     loss module...), before its forward. FLOPs: the user's ``flops`` override (a number, or a
     callable of the batch) or ``FlopCache`` (counted once per input signature). Tokens and
     samples come from the first root that runs with grad enabled (the model, called before its
-    loss module). Eval forwards (grad disabled) and replays (``hooks.replay``) are ignored.
+    loss module), unless it has no parameters (a tokenizer module) and a root that has some is
+    called in the step (``_first_call``). Eval forwards (grad disabled) and replays
+    (``hooks.replay``) are ignored.
 
     The hot path (``on_forward``: metrics/_cmetrics.c's, or ``_PyThroughputCore``'s where that
     was not built) is one lookup: a module called as last time (same argument shapes, dtypes and
@@ -516,6 +525,10 @@ class _ThroughputMethods(Collector):
         self._conv_input: tuple[int, int] | None = None  # the model's first convolution (_conv_input)
         self._layouts: dict[int, tuple[bool, list[Any] | None, Any]] = {}  # the same three, per model not in use now
         self._known: set[int] = set()  # ids of the live roots this collector has seen called
+        # Ids of the live roots without parameters (a tokenizer or transform module, a loss
+        # module): they take the model's role only from one of their own (_first_call).
+        self._followers: set[int] = set()
+        self._opened: list[Any] | None = None  # the step's items when the model took its role
         # Per root (by id): a weak reference and which of its parameters required grad (recheck).
         self._roots: dict[int, tuple[Any, tuple[bool, ...]]] = {}
         # Called once, when a root with frozen parameters is first seen: its caller makes
@@ -542,7 +555,8 @@ class _ThroughputMethods(Collector):
         mid = id(module)
         if mid not in self._known:
             self._first_call(module, mid)
-        elif mid != self._token_root and not self._items and getattr(module, "training", True) is not False:
+        elif (mid != self._token_root and not self._items and getattr(module, "training", True) is not False
+              and mid not in self._followers):
             self._take_over(module, mid)
         is_model = mid == self._token_root
         if self.override is not None:
@@ -621,23 +635,74 @@ class _ThroughputMethods(Collector):
                 items[i] = (fc, None)
 
     def _first_call(self, module: Any, mid: int) -> None:
-        """A root's first call (grad enabled). The model (whose calls give the step's samples and
-        tokens) is the first root called in a step; a root never called before that opens a step
-        is a new model (the next fold, a model loaded from a checkpoint, the next in a sweep) and
-        takes over from the last one. When a root is freed, what was kept under its id goes with
-        it: a new module may get the same id."""
+        """A root's first call. The model (whose calls give the step's samples and tokens) is the
+        first root called in a step; a root never called before that opens a step is a new model
+        (the next fold, a model loaded from a checkpoint, the next in a sweep) and takes over from
+        the last one. Within a step that holds calls already, a root takes over when:
+
+        - it wraps the model (``_wraps_model``);
+        - it has parameters and the model has none (a *follower*: a tokenizer or transform
+          module called before the model, as torchtext's and torchvision's transforms are). The
+          follower's calls in the step count no samples (their FLOPs stay, as a loss module's). A
+          follower takes the role only when there is no model or the model is a follower too: a
+          model with nothing to train in it (its input trains) stays the model while it is the
+          only root. A frozen module has parameters: a frozen encoder called before a trained
+          head stays the model (its input is the batch: the head's are features);
+        - it has a parameter that trains and is called in training mode in a step whose calls
+          were opened by a model that was the model in an earlier step already: that model's
+          micro-batch that no optimizer step took (a sweep's trial, or a run before a resume, that
+          ended within an accumulation), which is no part of the new model's step. Its calls are
+          dropped, FLOPs with samples, so that the two agree. A second model first called in the
+          step that the first one opened (a GAN's other network, co-teaching's second network)
+          leaves the role where it is.
+
+        Which roots are followers is decided here, once per root. When a root is freed, what was
+        kept under its id goes with it: a new module may get the same id."""
         self._known.add(mid)
         try:
+            trainable: tuple[bool, ...] | None = _trainable(module)
+        except Exception:  # noqa: BLE001 - parameters() that fails: a model that trains, never rechecked
+            trainable = None
+        follower = trainable == ()
+        trains = trainable is None or any(trainable)
+        if follower:
+            self._followers.add(mid)
+        try:
             weakref.finalize(module, self._forget, mid).atexit = False
-            trainable = _trainable(module)
-            self._roots[mid] = (weakref.ref(module), trainable)
-            if self._watch_trainable is not None and not all(trainable):
-                watch, self._watch_trainable = self._watch_trainable, None
-                watch()
+            if trainable is not None:
+                self._roots[mid] = (weakref.ref(module), trainable)
+                if self._watch_trainable is not None and not all(trainable):
+                    watch, self._watch_trainable = self._watch_trainable, None
+                    watch()
         except TypeError:  # not weak-referenceable: its id is kept, as before
             pass
-        if self._token_root is None or not self._items or self._wraps_model(module):
+        token = self._token_root
+        if not self._items:
+            if not follower or token is None or token in self._followers:
+                self._take_over(module, mid)
+            return
+        if self._wraps_model(module):
             self._take_over(module, mid)
+            return
+        if follower:
+            if token is None:
+                self._take_over(module, mid)
+            return
+        if token is not None and token in self._followers:
+            self._uncount()
+        elif trains and getattr(module, "training", True) is not False and self._opened is not self._items:
+            self._items = []  # the last model's unstepped micro-batch
+        elif token is not None:
+            return
+        self._take_over(module, mid)
+
+    def _uncount(self) -> None:
+        """The step's calls so far count no samples or tokens (a follower's, whose role a model
+        takes): their FLOPs stay."""
+        items = self._items
+        for i, item in enumerate(items):
+            if item[1] is not None:
+                items[i] = (item[0], None)
 
     def _wraps_model(self, module: Any) -> bool:
         """``module`` holds the model as a submodule: a wrapper made after the optimizer (nanoGPT's
@@ -665,6 +730,7 @@ class _ThroughputMethods(Collector):
             self._hits.pop(old, None)
             self._layouts[old] = (self._seq_first, self._layout_layers, self._conv_input)
         self._token_root = mid
+        self._opened = self._items
         kept = self._layouts.pop(mid, None)
         if kept is None:
             self._layout_layers = seq_first_layers(module)
@@ -722,6 +788,7 @@ class _ThroughputMethods(Collector):
         """A root was freed (any thread, from its finalizer): drop what is kept under its id."""
         try:
             self._known.discard(mid)
+            self._followers.discard(mid)
             self._roots.pop(mid, None)
             self._hits.pop(mid, None)
             self._dtype_keys.pop(mid, None)
