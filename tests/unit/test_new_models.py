@@ -103,6 +103,36 @@ def test_a_sweep_over_widths_gets_each_models_own_flops(sw):
         assert _measured(recs[3 * i:3 * i + 3], _flops(_mlp(h))) == [], h
 
 
+def test_a_sweeps_models_are_freed_as_the_script_drops_them(sw):
+    """A sweep keeps one model at a time: each trial's model, optimizer and grads (GPU memory in a
+    real sweep) must be freed when the script drops them, with stepwatch on as off. Its hooks
+    held every hooked root until shutdown, so a sweep of N trials held N models: the model and
+    its loss module (a root without parameters) each."""
+    import weakref
+
+    stepwatch, mem, start = sw
+    start()
+    loader = _loader()
+    gone = []
+    for trial in range(3):
+        torch.manual_seed(trial)
+        model = _mlp(32 * (trial + 1))
+        lossf = nn.MSELoss()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for x, y in loader:
+            loss = lossf(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        gone.append((weakref.ref(model), weakref.ref(lossf), weakref.ref(model[0].weight)))
+        del model, lossf, opt, loss
+        gc.collect()
+        assert [r() is None for refs in gone for r in refs] == [True] * 3 * len(gone), trial
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 9 and all(r.samples == 8 for r in recs)
+
+
 def test_a_freed_modules_counts_are_dropped_and_their_budget_given_back():
     cache = FlopCache(max_misses=2)
     a, b = nn.Linear(4, 4), nn.Linear(4, 8)

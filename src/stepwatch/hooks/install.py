@@ -599,7 +599,11 @@ class Instrumentation:
         inner = before if before is not _MISSING and before is not None else m._call_impl
         call = _RootCall(self, m, inner)
         object.__setattr__(m, "_compiled_call_impl", call)
-        self._calls.append((weakref.ref(m), call, before))
+        # Weakly, the module and its call (which holds the module, and ``before`` as its
+        # ``inner``): the module holds the call, and a script that drops its model (a sweep's
+        # trial, a fold) gets its memory back as without stepwatch. What to put back is said,
+        # not held: nothing (_MISSING), None, or the call's inner (the compiled callable).
+        self._calls.append((weakref.ref(m), weakref.ref(call), before if before is _MISSING or before is None else _INNER))
 
     def _rewrap_compiled(self, m: Any) -> None:
         """``model.compile()`` on a root already hooked: time the new compiled callable."""
@@ -608,14 +612,14 @@ class Instrumentation:
             self._wrap_call(m)
 
     def _unwrap_calls(self) -> None:
-        for ref, call, before in reversed(self._calls):
-            m = ref()
-            if m is None or m.__dict__.get("_compiled_call_impl") is not call:
+        for ref, call_ref, before in reversed(self._calls):
+            m, call = ref(), call_ref()
+            if m is None or call is None or m.__dict__.get("_compiled_call_impl") is not call:
                 continue  # gone, or replaced since (a later compile(), another tool): left as is
             if before is _MISSING:
                 del m.__dict__["_compiled_call_impl"]
             else:
-                object.__setattr__(m, "_compiled_call_impl", before)
+                object.__setattr__(m, "_compiled_call_impl", call.inner if before is _INNER else before)
         self._calls.clear()
 
 
@@ -1114,3 +1118,4 @@ class _Missing:
 
 
 _MISSING = _Missing()
+_INNER = _Missing()  # _unwrap_calls: put back the call's inner (what was there before it)
