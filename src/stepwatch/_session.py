@@ -9,6 +9,7 @@ It measures nothing itself.
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import os
 import sys
@@ -16,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from ._excepthook import pass_on
 from ._feature import Hub
 from ._files import private_run_dir
 from ._log import FailureLog, logger
@@ -162,14 +164,15 @@ class Session:
 
     def _excepthook(self, t: Any, v: Any, tb: Any) -> None:
         """The job dies of an uncaught exception (its atexit shutdown comes next): said in
-        run.json's ``ended_by``; then the previous hook prints it as before."""
+        run.json's ``ended_by``; then the previous hook prints it as before (once: see
+        ``_excepthook.pass_on``)."""
         try:
             if self.ended_by is None and os.getpid() == self.pid:
                 first = str(v).strip().splitlines()
                 self.ended_by = f"uncaught {getattr(t, '__name__', t)}" + (f": {first[0][:200]}" if first else "")
         except Exception:  # noqa: BLE001 - the user's traceback must still be printed
             pass
-        (self._prev_excepthook or sys.__excepthook__)(t, v, tb)
+        pass_on(self._excepthook, self._prev_excepthook, t, v, tb)
 
     def _shutdown_quietly(self, timeout_s: float) -> None:
         if self.ended_by is None:
@@ -315,8 +318,19 @@ class Session:
         if not self._files_ok:
             specs = [s for s in specs if s.name != "records"]
         # A feature that is also a sink (MLflow: it must see the training thread from init).
-        return specs + [ExporterSpec(str(getattr(f, "name", type(f).__name__)), (lambda f=f: f))
-                        for f in self.features_started if isinstance(f, Exporter)]
+        specs = specs + [ExporterSpec(str(getattr(f, "name", type(f).__name__)), (lambda f=f: f))
+                         for f in self.features_started if isinstance(f, Exporter)]
+        return [ExporterSpec(s.name, functools.partial(self._bind_exit, s.build), s.inline) for s in specs]
+
+    def _bind_exit(self, build: Any) -> Exporter | None:
+        """An exporter as built, told the session's shutdown (``Exporter.exit_first``)."""
+        e = build()
+        if e is not None:
+            try:
+                e.exit_first = self.shutdown
+            except AttributeError:  # a sink of the user's with __slots__: it never asks for it
+                pass
+        return e
 
     def _write_manifest(self, *, final: bool) -> None:
         if not self.config.records or not self._files_ok:

@@ -182,3 +182,62 @@ def test_the_manifest_says_how_the_job_ended(tmp_path, how):
     ended = next(line for line in r.stdout.splitlines() if line.strip().startswith("ended"))
     assert ("RuntimeError" in ended) == (how == "raised"), ended
 
+
+
+CRASH = r"""
+import sys, torch
+order = sys.argv[2]
+
+def wrap():
+    # A hook installed after stepwatch's that only passes the exception on to the one it found,
+    # as sentry_sdk's ExcepthookIntegration does (sentry_sdk/integrations/excepthook.py).
+    prev = sys.excepthook
+    def hook(t, v, tb):
+        prev(t, v, tb)
+    sys.excepthook = hook
+
+def start_stepwatch():
+    import stepwatch
+    stepwatch.init(dir=sys.argv[1], console="off", memory=sys.argv[3] == "memory")
+
+if order == "wandb_first":
+    import wandb
+    wandb.init(project="p", mode="offline")
+    start_stepwatch()
+else:
+    start_stepwatch()
+    if order == "then_wandb":
+        import wandb
+        wandb.init(project="p", mode="offline")
+    elif order == "then_a_wrapper":
+        wrap()
+m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for i in range(5):
+    if i == 3:
+        raise RuntimeError("bad batch at step 3")
+    m(torch.randn(8, 4)).sum().backward(); opt.step(); opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("order, memory", [
+    *[(order, "no_memory") for order in ("alone", "then_wandb", "wandb_first", "then_a_wrapper")],
+    ("then_wandb", "memory"),
+])
+def test_a_crash_prints_its_traceback_once_whoever_hooks_after_stepwatch(tmp_path, order, memory):
+    """W&B's excepthook (real wandb, offline) prints the traceback and then calls the hook it
+    replaced; when that was stepwatch's (``import stepwatch.auto`` first, then ``wandb.init()``),
+    stepwatch's called Python's default printer: the user's traceback twice. A hook that only
+    passes the exception on (a stand-in shaped as sentry_sdk's) must still get it printed once;
+    and run.json says how the job ended, whatever the order."""
+    if order in ("then_wandb", "wandb_first"):
+        pytest.importorskip("wandb")
+    env = _env()
+    env = {k: v for k, v in env.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", CRASH, str(run), order, memory], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode != 0
+    assert p.stderr.count("RuntimeError: bad batch at step 3") == 1, p.stderr
+    assert p.stderr.count("Traceback (most recent call last)") == 1, p.stderr
+    assert json.loads((run / "run.json").read_text())["ended_by"] == "uncaught RuntimeError: bad batch at step 3"

@@ -93,6 +93,37 @@ def test_tensorboard_dir_gets_one_step_s_per_step_in_the_rank_folder(sw, tmp_pat
     assert any("data_loading" in t for t in texts), texts
 
 
+def test_tensorboard_finding_text_sits_at_each_findings_step(sw, tmp_path):
+    """docs/sinks.md: the text summary ``stepwatch/findings`` at the finding's step. Findings of
+    one background pass went into one text entry at the pass's last finding's step: a grad-norm
+    spike at step 30 showed at step 39. One entry per step now."""
+    stepwatch, mem, start = sw
+    tb = tmp_path / "tb"
+    start(records=False, tensorboard=str(tb), flush_interval_s=60)  # one pass, at shutdown
+    torch.manual_seed(0)
+    m = nn.Linear(8, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for i in range(40):
+        loss = m(torch.randn(4, 8)).pow(2).mean()
+        if i == 30:
+            loss = loss * 1e4
+        if i == 34:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    stepwatch.shutdown()
+    from stepwatch.exporters.tracking import finding_text
+
+    assert [f.step for f in mem.findings if f.kind == "grad_norm_spike"] == [30], mem.findings
+    assert len({f.step for f in mem.findings}) >= 3, mem.findings  # nonfinite, a step-time spike
+    acc, _ = _scalars(str(tb / "rank0"), "stepwatch/step_s")
+    entries = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors("stepwatch/findings/text_summary")]
+    for f in mem.findings:
+        assert {step for step, text in entries if finding_text(f) in text} == {f.step}, (f, entries)
+    assert len(entries) == len({f.step for f in mem.findings}), entries
+
+
 def test_tensorboard_writes_into_the_users_summary_writer_and_leaves_it_open(sw, tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
@@ -467,3 +498,71 @@ def test_a_sink_that_fails_at_the_last_export_still_leaves_its_finding(sw, tmp_p
     found = [json.loads(x) for x in (run / "findings.rank0.jsonl").read_text().splitlines()]
     assert [f["data"]["where"] for f in found if f["kind"] == "internal_error"] == ["exporter.broken"], found
     assert list(json.loads((run / "run.json").read_text())["internal_errors"]) == ["exporter.broken"]
+
+
+WANDB_EXIT_SCRIPT = r"""
+import sys, time
+import stepwatch
+stepwatch.init(dir=sys.argv[1], console="off", flush_interval_s=float(sys.argv[3]))
+import torch, wandb
+m = torch.nn.Linear(8, 1); opt = torch.optim.SGD(m.parameters(), lr=0.01)
+def train(n):
+    for i in range(n):
+        m(torch.randn(4, 8)).pow(2).mean().backward(); opt.step(); opt.zero_grad(); time.sleep(0.01)
+train(int(sys.argv[2]))  # before the W&B run: its records are not the run's
+run = wandb.init(project="p", mode="offline")
+print(run.dir, flush=True)
+train(30)
+# no wandb.finish(): W&B finishes the run itself at exit, as most scripts let it
+"""
+
+
+def _wandb_exit_run(tmp_path, before, flush_interval_s):
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPWATCH_", "WANDB_"))}
+    env.update(PYTHONPATH=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "src"),
+               WANDB_DIR=str(tmp_path), WANDB_SILENT="true", WANDB_MODE="offline")
+    r = subprocess.run([sys.executable, "-c", WANDB_EXIT_SCRIPT, str(tmp_path / "run"), str(before),
+                        str(flush_interval_s)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = glob.glob(os.path.join(os.path.dirname(r.stdout.strip().splitlines()[-1]), "run-*.wandb"))
+    assert len(files) == 1, files
+    rows, done = _wandb_rows(files[0])
+    assert done, "W&B did not finish the run at exit"
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    found = [json.loads(x) for x in (tmp_path / "run" / "findings.rank0.jsonl").read_text().splitlines()]
+    return r.stderr, manifest, found, [row["stepwatch/step"] for row in rows if "stepwatch/step_s" in row]
+
+
+def test_wandb_run_finished_by_wandb_at_exit_is_no_error(tmp_path):
+    """A script that never calls wandb.finish(): W&B finishes the run in its own atexit hook,
+    which runs before stepwatch's (registered earlier, at import), so stepwatch's last pass found
+    the connection gone: "exporter.wandb cannot go on", an internal_error finding and a counted
+    error on a clean run. Now the steps that came too late are dropped and counted, quietly."""
+    err, manifest, found, steps = _wandb_exit_run(tmp_path, before=0, flush_interval_s=0.25)
+    assert "cannot go on" not in err, err
+    assert manifest["internal_errors"] == {}, manifest
+    assert not [f for f in found if f["kind"] == "internal_error"], found
+    assert manifest["ended_by"] == "shutdown"
+    late = manifest["exporter_drops"].get("wandb", {}).get("points", 0)
+    assert steps == list(range(len(steps))) and len(steps) + late == 30, (steps, manifest["exporter_drops"])
+
+
+def test_wandb_run_finished_by_wandb_at_exit_gets_every_step(tmp_path):
+    _, manifest, _, steps = _wandb_exit_run(tmp_path, before=0, flush_interval_s=0.25)
+    assert steps == list(range(30)) and manifest["exporter_drops"] == {}, (steps, manifest["exporter_drops"])
+
+
+def test_wandb_run_that_wandb_finished_first_drops_the_rest_quietly(tmp_path, monkeypatch):
+    """The exporter never saw the run before the exit (a pass a minute, the run started after the
+    only pass): W&B's hook has finished the run when stepwatch's last records come. They are
+    dropped and counted, with one info line: no internal error, no finding."""
+    err, manifest, found, steps = _wandb_exit_run(tmp_path, before=3, flush_interval_s=60)
+    assert "cannot go on" not in err, err
+    assert manifest["internal_errors"] == {}, manifest
+    assert not [f for f in found if f["kind"] == "internal_error"], found
+    lines = [x for x in err.splitlines() if "W&B" in x and "finished" in x]
+    assert len(lines) == 1 and "INFO" in lines[0], err
+    assert manifest["exporter_drops"].get("wandb", {}).get("points", 0) >= 1, manifest
+    assert steps == [], steps

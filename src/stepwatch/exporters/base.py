@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..record import Finding, StepRecord
 
@@ -40,6 +40,11 @@ class Exporter(abc.ABC):
 
     #: Shown in logs and in ``run.json``'s feature list.
     name: str = "exporter"
+    #: Set by the session that runs this exporter: its exit shutdown. A sink whose library
+    #: finishes its work in an atexit hook of its own, registered after stepwatch's (W&B's
+    #: ``wandb.init``), registers this again once it sees that work begin, so that stepwatch's
+    #: last records reach the library before its hook closes it (atexit runs the last first).
+    exit_first: Callable[[], None] | None = None
 
     @abc.abstractmethod
     def export(self, batch: Batch) -> None:

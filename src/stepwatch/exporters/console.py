@@ -31,8 +31,12 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f}ms" if s < 10 else f"{s:.1f}s"
 
 
-def format_line(window: list[StepRecord], device: str | None = None) -> str:
-    """The console line for a window of records (also used by tests and the report)."""
+def format_line(
+    window: list[StepRecord], device: str | None = None, grad_norm: tuple[int, float] | None = None
+) -> str:
+    """The console line for a window of records (also used by tests and the report).
+    ``grad_norm``: (step, value) of the last known grad norm, for when no record of the window
+    has one (``STEPWATCH_GRAD_NORM_EVERY`` > the window)."""
     window = [r for r in window if not r.tail]  # evaluation/checkpoints after the last step: no step
     if not window:
         return "stepwatch | waiting for the first step"
@@ -62,9 +66,10 @@ def format_line(window: list[StepRecord], device: str | None = None) -> str:
         if last.peak_tflops:
             basis.append(f"peak {last.peak_tflops:,.4g} TFLOP/s")
         parts.append(f"MFU {sum(mfu) / len(mfu):.1%}" + (f" ({', '.join(basis)})" if basis else ""))
-    gn = last.grad_norm
-    if gn is not None:
-        parts.append(f"grad-norm {gn:.3g}")
+    # The latest known: with STEPWATCH_GRAD_NORM_EVERY > 1 most records have none.
+    known = next(((r.step, r.grad_norm) for r in reversed(window) if r.grad_norm is not None), grad_norm)
+    if known is not None:
+        parts.append(f"grad-norm {known[1]:.3g}" + (f" (step {known[0]})" if known[0] != last.step else ""))
     ov = [r.overlap for r in live if r.overlap is not None]
     if ov:
         parts.append(f"overlap {sum(ov) / len(ov):.0%}")
@@ -99,9 +104,11 @@ class ConsoleExporter(Exporter):
         # Records and metric points dropped anywhere (bounded queues, a collector that is down),
         # as the latest batch said; shown on the line when not zero.
         self._drops = 0
+        # (step, value) of the newest record with a grad norm: it may have left the window.
+        self._grad_norm: tuple[int, float] | None = None
 
     def _line(self) -> str:
-        line = format_line(list(self.window), self.ctx.device)
+        line = format_line(list(self.window), self.ctx.device, self._grad_norm)
         n = self._drops
         return line + (f" | {n:,} dropped" if n else "")
 
@@ -115,6 +122,9 @@ class ConsoleExporter(Exporter):
     def export(self, batch: Batch) -> None:
         self._drops = max(self._drops, batch.dropped)
         self.window.extend(batch.records)
+        for r in batch.records:
+            if r.grad_norm is not None:
+                self._grad_norm = (r.step, r.grad_norm)
         self.total_steps += sum(1 for r in batch.records if not r.tail)
         for f in batch.findings:
             self._write(f"stepwatch | {f.severity.upper()} {f.kind}: {f.summary} -> {f.action}")

@@ -19,6 +19,7 @@ from .tracking import PREFIX, FindingGate, RowLimiter, TrackingExporter, finding
 
 if TYPE_CHECKING:
     from ..context import RunContext
+    from ..record import Finding
 
 FINDINGS_TAG = PREFIX + "findings"
 # Seconds between the writer's own flushes to disk (torch's default is 120 s: a crash would lose
@@ -80,13 +81,21 @@ class TensorBoardExporter(TrackingExporter):
                     w.add_scalar(key, value, global_step=r.step, walltime=r.time)
             self._last_step = r.step
         shown = self.gate.admit(batch.findings)
-        if shown:
-            text = "\n\n".join(finding_text(f) for f in shown)
-            note = self.gate.note()
-            if note:
+        if not shown:
+            return
+        # One text entry per step, at the findings' own step (one with none: the latest step
+        # written); a pass's findings span its steps.
+        by_step: dict[int, list[Finding]] = {}
+        for f in shown:
+            by_step.setdefault(f.step if f.step is not None else self._last_step, []).append(f)
+        note = self.gate.note()
+        steps = sorted(by_step)
+        for step in steps:
+            found = by_step[step]
+            text = "\n\n".join(finding_text(f) for f in found)
+            if note and step == steps[-1]:
                 text += "\n\n" + note
-            step = shown[-1].step if shown[-1].step is not None else self._last_step
-            w.add_text(FINDINGS_TAG, text, global_step=step, walltime=shown[-1].time)
+            w.add_text(FINDINGS_TAG, text, global_step=step, walltime=found[-1].time)
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
         if self.writer is not None and not self.off:

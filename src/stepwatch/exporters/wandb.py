@@ -9,17 +9,24 @@ too (see docs/sinks.md for what that means for a script that passes ``step=`` it
 
 wandb is never imported here: a script that uses W&B has imported it, and one that has not has no
 run to log into. Runs on stepwatch's background thread only (``wandb.log`` costs ~1 ms).
+
+A script that never calls ``wandb.finish()`` lets W&B finish the run in its own atexit hook, which
+runs before stepwatch's shutdown (atexit runs the last registered first, and stepwatch registers
+at import): what comes for a run W&B has finished is dropped and counted, with one info line, not
+an error.
 """
 
 from __future__ import annotations
 
+import atexit
 import sys
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from .base import Batch
-from .tracking import PREFIX, STEP_KEY, FindingGate, RowLimiter, TrackingExporter, record_scalars
+from .tracking import PREFIX, STEP_KEY, FindingGate, RowLimiter, TrackingExporter, log, record_scalars
 
 if TYPE_CHECKING:
     from ..context import RunContext
@@ -56,37 +63,78 @@ class WandbExporter(TrackingExporter):
         self._findings: deque[list[Any]] = deque(maxlen=TABLE_ROWS)
         self._table_dirty = False
         self._table_at = -TABLE_EVERY_S
+        # The run W&B finished before stepwatch was done with it: the rest for it is dropped.
+        self._ended: Any = None
 
     def _active_run(self) -> Any:
         wandb = sys.modules.get("wandb")
-        run = getattr(wandb, "run", None) if wandb is not None else None
-        if run is not None and run is not self._run:
-            # A new run (the first, or one after wandb.finish()): our x-axis for our keys only.
-            run.define_metric(STEP_KEY)
-            run.define_metric(PREFIX + "*", step_metric=STEP_KEY)
-            self._findings.clear()
-            self._table_dirty = False
+        return getattr(wandb, "run", None) if wandb is not None else None
+
+    def _adopt(self, run: Any) -> None:
+        if run is self._run:
+            return
+        # A new run (the first, or one after wandb.finish()): our x-axis for our keys only.
+        run.define_metric(STEP_KEY)
+        run.define_metric(PREFIX + "*", step_metric=STEP_KEY)
+        self._findings.clear()
+        self._table_dirty = False
         self._run = run
-        return run
+        if self.exit_first is not None:  # after wandb.init's exit hook: runs before it
+            atexit.unregister(self.exit_first)
+            atexit.register(self.exit_first)
+
+    def _finished(self, run: Any, exc: Exception) -> bool:
+        """Whether ``exc`` from ``run`` says W&B has finished the run: its exit hook closed the
+        connection (the main thread has ended: the interpreter is exiting), or the script
+        finished it since this pass picked it up (``wandb.run`` is no longer it)."""
+        wandb = sys.modules.get("wandb")
+        errors = getattr(wandb, "errors", None)
+        kinds = (OSError, getattr(errors, "Error", OSError))
+        if not isinstance(exc, kinds):
+            return False
+        return not threading.main_thread().is_alive() or getattr(wandb, "run", None) is not run
+
+    def _drop(self, run: Any, n: int, exc: Exception | None) -> None:
+        """``n`` records not logged into ``run``, which W&B has finished: counted; one line."""
+        self._dropped += n
+        if exc is not None and self._ended is not run:
+            self._ended = run
+            log.info(
+                "stepwatch: the W&B run %s was finished (by W&B at exit, or by the script) before stepwatch's last "
+                "records reached it (%s: %s); what comes for it is dropped (every step is in steps.rank<R>.jsonl)",
+                getattr(run, "id", "?"), type(exc).__name__, exc,
+            )
 
     def _export(self, batch: Batch) -> None:
         run = self._active_run()
         if run is None:
             return
-        rows = self.rows.admit(batch.records)
-        for f in self.gate.admit(batch.findings):
-            self._add_finding(f)
-        last = len(rows) - 1
-        for i, r in enumerate(rows):
-            row: dict[str, Any] = {STEP_KEY: r.step, **record_scalars(r)}
-            if i == last:
-                self._maybe_table(row, final=False)
-            run.log(row)
-        if not rows and self._table_dirty and batch.findings:
-            row = {}
-            self._maybe_table(row, final=False)
-            if row:
+        if run is self._ended:
+            self._drop(run, len(batch.records), None)
+            return
+        pending = len(batch.records)  # not logged yet
+        try:
+            self._adopt(run)
+            rows = self.rows.admit(batch.records)
+            pending = len(rows)
+            for f in self.gate.admit(batch.findings):
+                self._add_finding(f)
+            last = len(rows) - 1
+            for i, r in enumerate(rows):
+                row: dict[str, Any] = {STEP_KEY: r.step, **record_scalars(r)}
+                if i == last:
+                    self._maybe_table(row, final=False)
                 run.log(row)
+                pending -= 1
+            if not rows and self._table_dirty and batch.findings:
+                row = {}
+                self._maybe_table(row, final=False)
+                if row:
+                    run.log(row)
+        except Exception as e:
+            if not self._finished(run, e):
+                raise
+            self._drop(run, pending, e)
 
     def _add_finding(self, f: "Finding") -> None:
         self._findings.append([f.step, f.rank, f.severity, f.kind, f.summary, f.action])
@@ -113,8 +161,16 @@ class WandbExporter(TrackingExporter):
         if self.off:
             return True
         run = self._active_run()
-        if run is not None and self._table_dirty:
-            row: dict[str, Any] = {}
-            self._maybe_table(row, final=True)
-            run.log(row)
+        if run is None or run is self._ended:
+            return True
+        try:
+            self._adopt(run)
+            if self._table_dirty:
+                row: dict[str, Any] = {}
+                self._maybe_table(row, final=True)
+                run.log(row)
+        except Exception as e:
+            if not self._finished(run, e):
+                raise
+            self._drop(run, 0, e)
         return True

@@ -23,6 +23,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from .._excepthook import pass_on
 from ..record import Finding, StepRecord
 from .detect import FragmentationDetector, MemoryGrowthDetector, NearLimitDetector, MiB
 from .host import HostLimit, parent_pid, smaps_rollup
@@ -115,7 +116,7 @@ class MemoryFeature:
                 self._on_exception(self.hub.phase_now(), v)
         except Exception as e:
             self._err("memory.excepthook", e)
-        self._prev_hook(t, v, tb)
+        pass_on(self._excepthook, self._prev_hook, t, v, tb)
 
     # -- background thread ----------------------------------------------------------------------
 

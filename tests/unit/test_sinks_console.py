@@ -1,0 +1,57 @@
+"""The live console's grad-norm: README "Live console" promises it "when known". With
+``STEPWATCH_GRAD_NORM_EVERY`` > 1 only every Nth record carries it, and the line read only the
+newest record: the grad norm was missing from most lines and from the final one."""
+
+import torch
+
+from stepwatch.config import Config
+from stepwatch.context import RunContext
+from stepwatch.exporters.base import Batch
+from stepwatch.exporters.console import ConsoleExporter
+from stepwatch.record import StepRecord
+
+
+def test_the_final_line_shows_the_last_known_grad_norm_with_grad_norm_every(sw, capfd):
+    stepwatch, mem, start = sw
+    start(console="on", grad_norm_every=7)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(20):
+        opt.zero_grad()
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    stepwatch.shutdown()
+    probed = [r for r in mem.records if r.grad_norm is not None]
+    assert [r.step for r in probed] == [0, 7, 14], [r.step for r in mem.records]
+    done = [line for line in capfd.readouterr().err.splitlines() if "done:" in line]
+    assert len(done) == 1 and "| step 19 |" in done[0], done
+    assert f"grad-norm {probed[-1].grad_norm:.3g} (step 14)" in done[0], done
+
+
+def test_the_grad_norm_outlives_the_window_and_is_shown_bare_when_current():
+    class Out:
+        text = ""
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            pass
+
+        def isatty(self):
+            return True
+
+    def rec(step, grad_norm=None):
+        return StepRecord(step=step, rank=0, time=0.0, step_s=0.1, grad_norm=grad_norm)
+
+    ctx = RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="r", run_dir="/nonexistent")
+    out, now = Out(), [0.0]
+    e = ConsoleExporter(Config(console_interval_s=1, window=5), ctx, stream=out, clock=lambda: now[0])
+    now[0] += 1
+    e.export(Batch(records=[rec(0, 2.5)] + [rec(i) for i in range(1, 20)]))  # step 0 left the window
+    line = out.text.splitlines()[-1]
+    assert "| step 19 |" in line and "grad-norm 2.5 (step 0)" in line, line
+    now[0] += 1
+    e.export(Batch(records=[rec(20, 0.75)]))
+    line = out.text.splitlines()[-1]
+    assert "| step 20 |" in line and line.endswith("grad-norm 0.75"), line
