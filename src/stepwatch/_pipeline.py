@@ -54,14 +54,15 @@ def _step_order(f: Finding) -> float:
 
 def to_float(v: Any) -> float | None:
     """A float, or None for what is not one number that fits (``10**400``, a tensor of several
-    values, a string). A one-value tensor is read with one call (``float``); no graph is kept."""
+    values, a string, a user's object whose ``__float__`` raises anything). A one-value tensor is
+    read with one call (``float``); no graph is kept."""
     if type(v) is float:
         return v
     try:
         if getattr(v, "requires_grad", False):
             v = v.detach()  # float() of a tensor in a graph warns in the user's job
         return float(v)
-    except (TypeError, ValueError, RuntimeError, OverflowError):  # OverflowError: 10**400
+    except Exception:  # noqa: BLE001 - OverflowError (10**400), TypeError, or whatever a user's value raises
         return None
 
 
@@ -167,6 +168,9 @@ class Pipeline:
         self._on_open = on_open
         self._step_of = step_of
         self._queue: collections.deque[RawStep] = collections.deque()
+        # Records the running pass has taken (off the queue, or out of ``_held``) and not yet
+        # handed out or held: what a pass stuck at shutdown loses besides the queue and ``_held``.
+        self._in_pass = 0
         self._cap = queue_size
         self._interval = flush_interval_s
         # [since, record, extras, enrichers done with it (None: none has run yet)], oldest first
@@ -267,7 +271,7 @@ class Pipeline:
             finally:
                 self.final_pass = False
         else:  # the pipeline is stuck in a pass: what it has not taken is lost, and counted
-            lost = len(self._queue) + len(self._held)
+            lost = len(self._queue) + len(self._held) + self._in_pass
             self.dropped += lost
             logger.warning("stepwatch: the background pass did not end in %.1f s; %d records not written", timeout_s, lost)
         for w in self.workers:  # they flush in parallel while ``meanwhile`` runs
@@ -369,6 +373,7 @@ class Pipeline:
             q = self._queue
             while q:
                 raws.append(q.popleft())
+            self._in_pass = len(raws)
             # Internal-error findings too: taken from the list below, they would be lost with no exporter open.
             if not self._opened and (raws or final or self._held or self._internal_findings):
                 self._opened = True
@@ -412,10 +417,15 @@ class Pipeline:
                     self._records.export(batch)
                 except Exception as exc:
                     self.report_error("exporter.records", exc)
+            # Each exporter its own lists (shallow copies: the records, findings and samples
+            # themselves are shared): one that consumes its batch in place costs no other.
             for w in self.workers:
-                w.submit(batch)
+                w.submit(Batch(records=list(records), findings=list(findings), samples=list(samples),
+                               dropped=batch.dropped))
         except Exception as e:  # the pipeline itself must never die silently
             self.report_error("pipeline", e)
+        finally:
+            self._in_pass = 0
 
     def _detect(self, records: list[StepRecord]) -> list[Finding]:
         """Every detector over the pass's records: ``observe_many(records)`` where it has one
@@ -480,16 +490,19 @@ class Pipeline:
                     rec = raw.to_record(rank, wall_ref, perf_ref, scalar)
             except Exception as e:  # one bad record never costs the others of the pass
                 self.dropped += 1
+                self._in_pass -= 1
                 self.report_error("pipeline.build", e)
                 continue
             if held or (Pending.made and not self._ready(rec, force=final)):
                 held.append([now, rec, raw.extras, None])
+                self._in_pass -= 1  # counted in ``_held`` now
                 continue
             done = self._enrich_new(rec, raw.extras, force=final)
             if done is None:
                 out.append(rec)
             else:
                 held.append([now, rec, raw.extras, done])
+                self._in_pass -= 1
         while drain and held:
             entry = held[0]
             since, rec, extras, _ = entry
@@ -497,6 +510,7 @@ class Pipeline:
             if (Pending.made and not self._ready(rec, force=force)) or not self._enrich(entry, force=force):
                 break
             held.popleft()
+            self._in_pass += 1
             out.append(rec)
         return out
 

@@ -81,6 +81,8 @@ class Session:
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
+        self._finishing = False  # a shutdown of the started session is under way (or done)
+        self._final_written = False
         self._sigterm = SigtermFinisher(self._shutdown_quietly)
         # How the job ended, for run.json's ``ended_by``: SIGTERM, an uncaught exception (seen by
         # ``_excepthook``), else a shutdown (stepwatch.shutdown(), or the interpreter's exit).
@@ -178,6 +180,13 @@ class Session:
         if self.ended_by is None:
             self.ended_by = "SIGTERM"
         try:
+            if self._finishing:
+                # SIGTERM during a shutdown already under way (its thread is the one the handler
+                # interrupted, or waits on an exporter): the final manifest now, as it stands; the
+                # records file was flushed by every pass. The process then dies of SIGTERM.
+                if not self._final_written:
+                    self._write_final_manifest()
+                return
             self.shutdown(timeout_s=timeout_s)
         except Exception:  # SIGTERM: dying anyway, nothing left to report to
             pass
@@ -192,9 +201,11 @@ class Session:
             self._closed = True
         if not self._started or os.getpid() != self.pid:
             return
+        self._finishing = True
         try:
+            # The SIGTERM handler stays until the final manifest is written (at the end): a SIGTERM
+            # during this shutdown still writes it (``_shutdown_quietly``), then ends the process.
             atexit.unregister(self.shutdown)
-            self._sigterm.uninstall()
             if sys.excepthook == self._excepthook:
                 sys.excepthook = self._prev_excepthook
         except Exception:
@@ -209,7 +220,17 @@ class Session:
                 self.report_error("hooks.uninstall", e)
         # The exporters flush in parallel while the features stop.
         self.pipeline.shutdown(timeout_s, deadline=deadline, meanwhile=self._stop_features)
+        self._write_final_manifest()
+        try:
+            self._sigterm.uninstall()
+        except Exception:
+            pass
+
+    def _write_final_manifest(self) -> None:
+        """The end of this shutdown, or a SIGTERM that came during it before the manifest was
+        written (no lock: the handler may have interrupted the thread that holds one)."""
         self._write_manifest(final=True)
+        self._final_written = True
 
     def _stand_down_if_launcher(self) -> None:
         """``torch.multiprocessing.spawn`` (or ``start_processes``) is launching processes, and this

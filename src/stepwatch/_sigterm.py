@@ -9,7 +9,8 @@ any state of the main thread) is watched by a small thread too: when the Python 
 started within a second, that thread finishes and ends the process itself.
 
 Installed only when the job has no SIGTERM handler of its own (one it installs later replaces
-this one) and the wakeup fd is free (asyncio uses it); only from the main thread.
+this one, and the watcher then leaves the signal to it) and the wakeup fd is free (asyncio uses
+it); only from the main thread.
 """
 
 from __future__ import annotations
@@ -131,6 +132,14 @@ class SigtermFinisher:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
+    def _ours(self) -> bool:
+        """Our handler is still SIGTERM's (a job may install its own after ``install``: then the
+        signal is the job's to handle, however long its handler takes to run)."""
+        try:
+            return signal.getsignal(signal.SIGTERM) == self._handler  # a bound method: ==, not is
+        except (ValueError, OSError):
+            return False
+
     def _watch(self) -> None:
         r, w = self._r, self._w
         try:
@@ -143,8 +152,12 @@ class SigtermFinisher:
                     return
                 if signal.SIGTERM not in data:
                     continue
+                if not self._ours():
+                    continue  # the job's own handler, installed after ours: left alone
                 if self._started.wait(_STUCK_S):
                     return  # the main thread runs the handler: it finishes and ends the process
+                if not self._ours():
+                    continue  # replaced while the signal was on its way: the job's handler runs it
                 self._finish_once()
                 _die(signal.SIGTERM)
         except OSError:

@@ -8,8 +8,10 @@ when used.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +33,12 @@ FR_ENTRIES = "2000"
 # with the umask's permissions; the private run directory instead, beside stepwatch's evidence.
 FR_FILE_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 FR_FILE = "nccl_flight_recorder.rank"
+
+# How long shutdown waits for the watchdog sidecar (within _pipeline.SHUTDOWN_TIMEOUT_S, which
+# it shares with the final pass and the exporters' flush, in parallel): first for it to see the
+# board's closed flag (it polls every 0.25 s), then, after SIGCONT + SIGTERM, for it to exit.
+SIDECAR_STOP_S = 0.4
+SIDECAR_TERM_S = 0.2
 
 if TYPE_CHECKING:
     from .._feature import Hub
@@ -72,6 +80,10 @@ class Feature:
         # once, and restarted once; a second death leaves the job without a watchdog, and says so.
         self.sidecar_restarts = 0
         self.sidecar_dead: str | None = None
+        # Why the watchdog is off although asked for (no progress board: /dev/shm full, say).
+        self.watchdog_off: str | None = None
+        # Set when shutdown left a sidecar that is mid-dump to finish on its own (see _stop_sidecar).
+        self.sidecar_left: str | None = None
         self._stopping = False
 
     # -- pieces -------------------------------------------------------------------------------
@@ -82,12 +94,24 @@ class Feature:
         ctx = self.hub.ctx
         for path in progress.clean_stale(ctx.run_dir):
             logger.info("removed the progress board %s of a trainer that was killed", path)
-        self.board = progress.Board(progress.default_path(ctx.run_id, ctx.rank, ctx.run_dir), ctx.rank)
+        path = progress.default_path(ctx.run_id, ctx.rank, ctx.run_dir)
+        try:
+            self.board = progress.Board(path, ctx.rank)
+        except OSError as e:
+            # A full /dev/shm (or disk): no board, so no sidecar; the job goes on, told once.
+            self.watchdog_off = f"cannot create the progress board {path}: {e}"
+            where = os.path.dirname(path) or "."
+            logger.warning("stepwatch: hang watchdog off on rank %d: cannot create its progress board %s (%s%s); "
+                           "training continues without the watchdog. Fix: free space in %s.", ctx.rank, path,
+                           e, " -- is %s full?" % where if getattr(e, "errno", None) == errno.ENOSPC else "", where)
+            return
         self.hub.set_progress(self.board)
 
     def start_sidecar(self) -> None:
         from .._os.ptrace import find_pyspy
 
+        if self.board is None:  # start_board said why
+            return
         ctx, cfg = self.hub.ctx, self.hub.config
         exe = sys.executable
         if not exe or not os.path.basename(exe).startswith("python"):
@@ -201,18 +225,44 @@ class Feature:
         if self.board is not None:
             self.board.close()  # sets the closed flag: the sidecar exits on its next poll
         if self.sidecar is not None:
-            try:
-                self.sidecar.wait(2.0)
-            except subprocess.TimeoutExpired:
-                self.sidecar.terminate()
-                try:
-                    self.sidecar.wait(2.0)
-                except subprocess.TimeoutExpired:
-                    self.sidecar.kill()
+            self._stop_sidecar(self.sidecar)
         if self.signal is not None:
             self.signal.uninstall()
         if self.dump_signal is not None:
             self.dump_signal.uninstall()
+
+    def _stop_sidecar(self, sc: subprocess.Popen) -> None:
+        """End the sidecar within SIDECAR_STOP_S + SIDECAR_TERM_S (shutdown's bound, README "Never
+        breaks the job"). It normally exits by itself at its next poll of the closed board. One
+        that does not gets SIGCONT (a stopped process acts on no signal but SIGKILL) and SIGTERM:
+        an idle sidecar exits at once. One still there is either held stopped (a debugger, a
+        frozen cgroup: SIGKILL) or inside a hang dump, which it finishes before it exits (its
+        py-spy runs are bounded, docs/hang.md): it is left to do so, after the trainer, which
+        does not wait for it."""
+        try:
+            sc.wait(SIDECAR_STOP_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            if _stopped(sc.pid):
+                os.kill(sc.pid, signal.SIGCONT)
+            sc.terminate()
+            sc.wait(SIDECAR_TERM_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        except OSError:  # it is gone
+            return
+        if _stopped(sc.pid) or sc.poll() is not None:
+            try:
+                sc.kill()
+            except OSError:
+                pass
+            return
+        self.sidecar_left = "finishing a hang dump after the trainer's shutdown"
+        logger.info("stepwatch: the hang watchdog sidecar (pid %d) is finishing a stack dump; it exits when done, "
+                    "on its own", sc.pid)
 
     def collect(self, records: list[Any]) -> tuple[list[Any], list[Any]]:
         """Each background pass: the sidecar's ``hang`` findings and the findings of finished
@@ -283,6 +333,8 @@ class Feature:
         out: dict[str, Any] = {
             "hang_watchdog": {
                 "enabled": self.sidecar is not None and self.sidecar_dead is None,
+                **({"off": self.watchdog_off} if self.watchdog_off else {}),
+                **({"left_running": self.sidecar_left} if self.sidecar_left else {}),
                 "restarts": self.sidecar_restarts,
                 **({"died": self.sidecar_dead} if self.sidecar_dead else {}),
                 "timeout_s": self.timeout if self.timeout else "adaptive",
@@ -297,6 +349,15 @@ class Feature:
         if self.captures is not None:
             out["captures"] = self.captures.manifest()
         return out
+
+
+def _stopped(pid: int) -> bool:
+    """``pid`` is stopped (SIGSTOP, a job-control stop, a tracer): state T or t in /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def pg_timeout_s() -> float | None:

@@ -48,7 +48,10 @@ class Exporter(abc.ABC):
 
     @abc.abstractmethod
     def export(self, batch: Batch) -> None:
-        """Consume one batch. Runs on the background thread."""
+        """Consume one batch. Runs on the exporter's own thread. The batch's lists (``records``,
+        ``findings``, ``samples``) are this exporter's own to consume or reorder; the
+        ``StepRecord`` s, findings and sample dicts in them are shared with every other exporter
+        and are read-only."""
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
         return True

@@ -35,6 +35,7 @@ offset type  field
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -146,17 +147,45 @@ def default_path(run_id: str, rank: int, run_dir: str) -> str:
     return os.path.join(run_dir, f".board.rank{rank}.{os.getpid()}")
 
 
+def reserve(fd: int, size: int) -> None:
+    """Back the first ``size`` bytes of ``fd`` with storage now, so that writing them through a
+    mapping cannot fail later. A sparse file (``ftruncate``) on a full tmpfs (``/dev/shm``) or
+    disk gets its pages only when first written through the mapping, and a page the file system
+    cannot back raises SIGBUS, which kills the trainer. ``posix_fallocate`` fails with ENOSPC
+    instead (OSError); a file system without it gets the bytes written (ENOSPC there too)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    except AttributeError:  # no posix_fallocate on this platform
+        pass
+    data = bytes(size)
+    done = 0
+    while done < size:
+        done += os.pwrite(fd, data[done:], done)
+
+
 class Board:
-    """The trainer's side: create the file (0600), map it, write progress. Every method is O(1)."""
+    """The trainer's side: create the file (0600), reserve its storage, map it, write progress.
+    Every method is O(1). OSError when the file cannot be made or backed (a full /dev/shm):
+    nothing is left behind, and the caller goes on without a board."""
 
     def __init__(self, path: str, rank: int) -> None:
         self.path = path
         fd = create_private(path)
         try:
-            os.ftruncate(fd, SIZE)
+            reserve(fd, SIZE)
             self._mm = mmap.mmap(fd, SIZE)
-        finally:
+        except BaseException:
             os.close(fd)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        os.close(fd)
         self._buf = self._mm
         _HEAD.pack_into(self._buf, 0, MAGIC, VERSION, os.getpid(), rank)
         self._step = 0

@@ -389,7 +389,9 @@ class Watchdog:
             self.report(n, mine, limit)
         elif self.a.action == "exit" and not self.wait_for_report(os.path.join(d, "report.json"), snap):
             return  # not a hang after all: back to watching
-        if self.a.action == "exit":
+        # Not when the trainer told us to stop meanwhile (it shut down, or is being stopped): it
+        # may be gone already, and its pid another process's.
+        if self.a.action == "exit" and not _term:
             self.end_trainer()
 
     def wait_for_report(self, report: str, snap: dict[str, Any]) -> bool:

@@ -1,0 +1,181 @@
+"""Faults around the job's end and the pipeline's hand-off, each with its bound: a SIGTERM handler
+the job installs after stepwatch's is left alone, a SIGTERM during stepwatch's own shutdown still
+writes the final manifest, a logged value whose ``float()`` raises anything is null (the record is
+kept), a stuck pass counts what it took, and an exporter that consumes its batch costs no other."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from stepwatch._pipeline import Pipeline, to_float
+from stepwatch.context import RunContext
+from stepwatch.exporters.base import Batch, Exporter, InMemoryExporter
+from stepwatch.exporters.builtin import ExporterSpec
+from stepwatch.record import RawStep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MS = 1_000_000
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _ctx() -> RunContext:
+    return RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="r", run_dir="/nonexistent")
+
+
+def _raw(step: int, scalars=None) -> RawStep:
+    return RawStep(step, 0, 100 * MS, 10 * MS, 20 * MS, 30 * MS, 15 * MS, 0, 0, {}, dict(scalars or {}), False, 0, {},
+                   False)
+
+
+def _make(*exporters: Exporter, inline: Exporter | None = None, **kw) -> Pipeline:
+    specs = [ExporterSpec("records", lambda: inline, inline=True)] if inline is not None else []
+    specs += [ExporterSpec(f"e{i}", (lambda e=e: e)) for i, e in enumerate(exporters)]
+    return Pipeline(_ctx(), sinks=lambda: specs, **kw)
+
+
+# -- SIGTERM ------------------------------------------------------------------------------------
+
+OWN_AFTER = r"""
+import os, sys, time, signal, threading, torch, stepwatch
+stepwatch.init(dir=sys.argv[1], console="off", watchdog="off", capture="off")
+stop = []
+signal.signal(signal.SIGTERM, lambda s, f: stop.append(1))   # the job's own, installed after init
+m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+threading.Thread(target=lambda: (time.sleep(0.5), os.kill(os.getpid(), signal.SIGTERM)), daemon=True).start()
+while not stop:
+    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad(); time.sleep(0.002)
+time.sleep(2.5)   # the job's graceful stop: a checkpoint, longer than stepwatch's 1 s "stuck in C" wait
+print("checkpoint saved", flush=True)
+"""
+
+
+def test_a_sigterm_handler_the_job_installs_after_init_is_left_alone(tmp_path):
+    r = subprocess.run([sys.executable, "-c", OWN_AFTER, str(tmp_path / "run")], env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "checkpoint saved", (r.returncode, r.stderr[-2000:])
+    m = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert m["end_time"] is not None and m["ended_by"] == "shutdown"  # the job's own exit, atexit
+
+
+DURING_SHUTDOWN = r"""
+import os, sys, time, signal, threading, torch, stepwatch
+class Blocked(stepwatch.Exporter):
+    name = "blocked"
+    def export(self, batch): threading.Event().wait()   # a sink stuck on its network
+stepwatch.init(dir=sys.argv[1], console="off", watchdog="off", capture="off", exporters=[Blocked()])
+m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(20):
+    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad(); time.sleep(0.002)
+def term():
+    time.sleep(0.5)
+    open(sys.argv[1] + ".sent", "w").write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGTERM)
+threading.Thread(target=term, daemon=True).start()
+stepwatch.shutdown()   # what atexit runs: it waits (bounded) on the blocked sink when SIGTERM lands
+print("not killed", flush=True)
+"""
+
+
+def test_a_sigterm_during_stepwatchs_shutdown_still_writes_the_final_manifest(tmp_path):
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-c", DURING_SHUTDOWN, str(run)], env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    ended = time.time()
+    assert r.returncode == -signal.SIGTERM, (r.returncode, r.stdout, r.stderr[-2000:])  # dies of it, as before
+    sent = float((tmp_path / "run.sent").read_text())
+    assert ended - sent < 3.0 + 1.0  # the 3 s bound (and the interpreter's teardown)
+    m = json.loads((run / "run.json").read_text())
+    assert m["end_time"] is not None and m["steps"] == 20 and m["ended_by"] == "SIGTERM"
+    assert m["end_time"] - sent < 3.0
+    assert len((run / "steps.rank0.jsonl").read_text().splitlines()) == 20
+
+
+# -- the pipeline -------------------------------------------------------------------------------
+
+
+class _Raises:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __float__(self) -> float:
+        raise self.exc
+
+
+def test_a_logged_value_whose_float_raises_anything_is_null_and_the_record_kept():
+    for exc in (ZeroDivisionError("no samples yet"), KeyError("k"), AttributeError("a"), LookupError("x")):
+        assert to_float(_Raises(exc)) is None
+    out = InMemoryExporter()
+    p = _make(inline=out)
+    for i in range(3):
+        p.enqueue(_raw(i, {"loss": 1.5, "acc": _Raises(ZeroDivisionError("no samples yet"))}))
+    p.run_pass()
+    assert [r.step for r in out.records] == [0, 1, 2]
+    assert all(r.scalars == {"loss": 1.5, "acc": None} for r in out.records)
+    assert p.null_scalars == {"acc": 3} and p.dropped == 0 and not p.failures.counts
+
+
+def test_a_pass_stuck_in_a_record_counts_the_records_it_took_as_dropped():
+    release, entered = threading.Event(), threading.Event()
+
+    class Stuck:
+        def __float__(self) -> float:
+            entered.set()
+            release.wait(30)
+            return 1.0
+
+    out = InMemoryExporter()
+    p = _make(inline=out, flush_interval_s=60.0)
+    p.start()
+    p.enqueue(_raw(0))  # the first record wakes the thread: exporters open, record 0 written
+    deadline = time.monotonic() + 10
+    while not out.records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.step for r in out.records] == [0]
+    # the next pass takes all six and is stuck on the third one's value
+    for i in range(1, 7):
+        p.enqueue(_raw(i, {"x": Stuck()} if i == 3 else None))
+    p._wake.set()
+    assert entered.wait(10)
+    for i in range(7, 10):
+        p.enqueue(_raw(i))  # still on the queue
+    try:
+        p.shutdown(0.3)
+    finally:
+        release.set()
+    assert p.steps_seen + p.dropped == 10  # every step written or counted: 1 + (6 taken + 3 queued)
+    assert p.dropped == 9
+
+
+def test_an_exporter_that_consumes_its_batch_in_place_costs_no_other():
+    class Consuming(Exporter):
+        name = "consuming"
+
+        def export(self, batch: Batch) -> None:
+            while batch.records:
+                batch.records.pop()
+            batch.findings.clear()
+            batch.samples.clear()
+
+    first, last = InMemoryExporter(), InMemoryExporter()
+    inline = InMemoryExporter()
+    p = _make(first, Consuming(), last, inline=inline)
+    for rnd in range(3):
+        for i in range(5):
+            p.enqueue(_raw(rnd * 5 + i))
+        p.run_pass()
+        assert p.drain(10)
+    p.shutdown(2.0)
+    for e in (inline, first, last):
+        assert [r.step for r in e.records] == list(range(15))
+    assert first.records[0] is last.records[0]  # the records themselves are shared: only the lists are copies
