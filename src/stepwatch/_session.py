@@ -206,6 +206,7 @@ class Session:
             # The SIGTERM handler stays until the final manifest is written (at the end): a SIGTERM
             # during this shutdown still writes it (``_shutdown_quietly``), then ends the process.
             atexit.unregister(self.shutdown)
+            atexit.unregister(self._exit_first)
             if sys.excepthook == self._excepthook:
                 sys.excepthook = self._prev_excepthook
         except Exception:
@@ -348,10 +349,18 @@ class Session:
         e = build()
         if e is not None:
             try:
-                e.exit_first = self.shutdown
+                e.exit_first = self._exit_first
             except AttributeError:  # a sink of the user's with __slots__: it never asks for it
                 pass
         return e
+
+    def _exit_first(self) -> None:
+        """``Exporter.exit_first``: the shutdown an exporter re-registers with ``atexit`` to run
+        ahead of its library's exit hook. A callable of its own, not ``self.shutdown``: an
+        exporter's ``atexit.unregister`` of it must never take out the session's own exit
+        shutdown (registered as ``self.shutdown``), as it did when the exporter first saw its
+        run while the interpreter was already running its exit hooks -- then no shutdown ran."""
+        self.shutdown()
 
     def _write_manifest(self, *, final: bool) -> None:
         if not self.config.records or not self._files_ok:
@@ -363,7 +372,7 @@ class Session:
                 exporters=p.exporter_names,
                 steps=p.steps_seen,
                 dropped_records=p.dropped,
-                exporter_drops=describe_drops(p.workers),
+                exporter_drops=describe_drops(p.workers, p.exporters),
                 null_scalars=p.null_scalars,
                 internal_errors=dict(p.failures.counts),
                 ended_by=(self.ended_by or "shutdown") if final else None,

@@ -241,3 +241,41 @@ def test_a_crash_prints_its_traceback_once_whoever_hooks_after_stepwatch(tmp_pat
     assert p.stderr.count("RuntimeError: bad batch at step 3") == 1, p.stderr
     assert p.stderr.count("Traceback (most recent call last)") == 1, p.stderr
     assert json.loads((run / "run.json").read_text())["ended_by"] == "uncaught RuntimeError: bad batch at step 3"
+
+
+ADOPT_AT_EXIT = r"""
+import atexit, sys, torch, stepwatch
+from stepwatch.exporters.base import Exporter
+
+class Late(Exporter):
+    name = "late"
+    def export(self, batch):
+        pass
+
+late = Late()
+stepwatch.init(dir=sys.argv[1], console="off", exporters=[late])
+m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for i in range(3):
+    m(torch.randn(8, 4)).sum().backward(); opt.step(); opt.zero_grad()
+
+def adopt():
+    # What the W&B sink does when it first sees its run (exporters/wandb.py): move stepwatch's
+    # exit shutdown ahead of the library's exit hook. Here it happens while the interpreter runs
+    # its exit hooks already (a run first seen at exit).
+    atexit.unregister(late.exit_first)
+    atexit.register(late.exit_first)
+
+atexit.register(adopt)
+"""
+
+
+def test_an_exporter_moving_the_exit_shutdown_while_exit_hooks_run_never_cancels_it(tmp_path):
+    """An exporter re-registering ``exit_first`` during interpreter exit took out the session's
+    own exit shutdown (the same bound method, unregistered): run.json had no end time, no steps,
+    no ended_by -- 1 crash run in ~5 under W&B, where the sink first saw its run at exit."""
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", ADOPT_AT_EXIT, str(run)], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    manifest = json.loads((run / "run.json").read_text())
+    assert manifest["end_time"] is not None and manifest["steps"] == 3 and manifest["ended_by"] == "shutdown", manifest

@@ -96,6 +96,47 @@ def _parse_resource_attributes(s: str) -> dict[str, str]:
     return out
 
 
+# The OTel SDK's OTLP exporters log every retry ("Transient error ... retrying") and every failed
+# export ("Failed to export ...") on these loggers: with the collector down, a line or more per
+# export interval for as long as it stays down. While stepwatch's own export runs (its reader's
+# thread, inside :meth:`_CountingExporter.export`), their lines are held back and counted; the
+# first failure's warning (stepwatch's, one line) says what the SDK said first. Anything else
+# logged there (the user's own OTel exporters, on their own calls) passes untouched.
+_SDK_EXPORT_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.grpc.metric_exporter",
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+    "opentelemetry.exporter.otlp.proto.http._common",
+    "opentelemetry.exporter.otlp.common.http",
+)
+_in_export = threading.local()
+
+
+class _OwnExportLogFilter(logging.Filter):
+    """Holds back the SDK exporter's lines logged inside stepwatch's export call; counts them on
+    that exporter (:attr:`_CountingExporter.sdk_lines_held`), keeps the first one's text."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        owner = getattr(_in_export, "owner", None)
+        if owner is None:
+            return True
+        try:
+            owner._held(record)
+        except Exception:  # noqa: BLE001 - a log filter must not raise
+            pass
+        return False
+
+
+_LOG_FILTER = _OwnExportLogFilter()
+
+
+def _install_log_filter() -> None:
+    for name in _SDK_EXPORT_LOGGERS:
+        lg = logging.getLogger(name)
+        if _LOG_FILTER not in lg.filters:
+            lg.addFilter(_LOG_FILTER)
+
+
 class _CountingExporter(MetricExporter):
     """Wraps the OTLP exporter: a failed or raising export counts its data points as dropped.
 
@@ -114,6 +155,15 @@ class _CountingExporter(MetricExporter):
         self.dropped_points = 0
         self.failed_exports = 0
         self._warned = False
+        self.sdk_lines_held = 0  # the SDK exporter's log lines held back (see _OwnExportLogFilter)
+        self._first_sdk_line: str | None = None
+        _install_log_filter()
+
+    def _held(self, record: logging.LogRecord) -> None:
+        with self._lock:
+            self.sdk_lines_held += 1
+            if self._first_sdk_line is None and record.levelno >= logging.WARNING:
+                self._first_sdk_line = record.getMessage()[:300]
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         if os.getpid() != self._pid:
@@ -121,11 +171,15 @@ class _CountingExporter(MetricExporter):
             # the child's metrics are a copy of the parent's under the parent's identity. Sending
             # them would double-count, so the child sends nothing.
             return MetricExportResult.SUCCESS
+        outer = getattr(_in_export, "owner", None)
+        _in_export.owner = self
         try:
             result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception as e:  # the reader thread must survive any exporter bug
             log.debug("stepwatch: OTLP export raised %r", e)
             result = MetricExportResult.FAILURE
+        finally:
+            _in_export.owner = outer
         if result is not MetricExportResult.SUCCESS:
             n = _count_points(metrics_data)
             with self._lock:
@@ -133,10 +187,13 @@ class _CountingExporter(MetricExporter):
                 self.failed_exports += 1
                 first = not self._warned
                 self._warned = True
+                said = self._first_sdk_line
             if first:
                 log.warning(
-                    "stepwatch: OTLP export failed (collector unreachable?); dropping %d data points. "
-                    "Training is unaffected; further drops are counted in stepwatch_exporter_dropped_total.",
+                    "stepwatch: OTLP export failed (collector unreachable?)%s; dropping %d data points. "
+                    "Training is unaffected; further drops are counted in stepwatch_exporter_dropped_total "
+                    "(the OTel SDK's own retry and failure lines for them are not shown).",
+                    f" [{said}]" if said else "",
                     n,
                 )
         return result

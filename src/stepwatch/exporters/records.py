@@ -9,13 +9,15 @@ budget. Written and flushed on every background pass: a crash loses at most one 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import operator
 import os
 from typing import Any
 
-from .._files import make_private_dir, open_private
+from .._files import _open_file, make_private_dir, open_private
+from .._log import logger
 from ..context import RunContext
 from ..record import STEP_FIELDS, StepRecord, c_to_record
 from .base import Batch, Exporter
@@ -232,50 +234,183 @@ def step_line(rec: StepRecord) -> str:
 
 
 class _RotatingFile:
+    """One file kind's live segment and its ``.1``. Written unbuffered (``os.write`` of whole
+    lines): a write the disk refuses (full, quota, an I/O error) is cut back to the last whole
+    line, and what it did not take is dropped and counted (:attr:`lost`), never held and appended
+    later. A line longer than a segment is dropped and counted too (the disk budget is a bound).
+    The live file gone (its directory deleted mid-run) is counted and made again on the next write."""
+
     def __init__(self, path: str, cap_bytes: int) -> None:
         self.path = path
         self.cap = max(cap_bytes, 4096)
-        self.f = open_private(path)
+        self.fd: int | None = _open_append(path, exclusive=True)
         self.size = 0
+        self.lines = 0  # lines in the live segment
+        self.lost = 0  # lines dropped: refused by the disk, too long, or written to a file since deleted
+        self.too_long = 0  # of which longer than a segment
+        self._losing = 0  # lines lost in the current run of failures (0: writing normally)
+        self._said = 0  # runs of failures logged (bounded: a disk that flaps says it a few times)
 
     def write_lines(self, lines: list[str]) -> None:
         """Append whole lines (ASCII JSON: a character is a byte), each segment within ``cap``:
         the file rotates to ``.1`` whenever the next line would not fit, within a batch too (a
         long flush interval hands over thousands of lines at once). Lines that the batch itself
-        would rotate out of both segments are not written at all; a single line longer than a
-        segment gets one of its own."""
+        would rotate out of both segments are not written at all; a line longer than a segment is
+        dropped and counted. Never raises for the disk: what is not written is counted in :attr:`lost`."""
         if not lines:
             return
         sizes = [len(line) + 1 for line in lines]
+        if max(sizes) > self.cap:
+            keep = [k for k, n in enumerate(sizes) if n <= self.cap]
+            n_long = len(lines) - len(keep)
+            self.lost += n_long
+            self.too_long += n_long
+            if self.too_long == n_long:
+                logger.warning("stepwatch: a record line of %d bytes is longer than a segment of %s (%d bytes, "
+                               "its share of disk_budget_mb): dropped, counted in run.json",
+                               max(sizes), os.path.basename(self.path), self.cap)
+            lines = [lines[k] for k in keep]
+            sizes = [sizes[k] for k in keep]
+            if not lines:
+                return
         start, kept = len(lines), 0
         while start > 0 and kept + sizes[start - 1] <= 2 * self.cap:
             start -= 1
             kept += sizes[start]
         start = min(start, len(lines) - 1)  # the newest line is always written
         i = start
-        while i < len(lines):
-            room, j, used = self.cap - self.size, i, 0
-            while j < len(lines) and used + sizes[j] <= room:
-                used += sizes[j]
-                j += 1
-            if j == i:
-                if self.size:
+        try:
+            self._check_live()
+            while i < len(lines):
+                room, j, used = self.cap - self.size, i, 0
+                while j < len(lines) and used + sizes[j] <= room:
+                    used += sizes[j]
+                    j += 1
+                if j == i:  # the next line does not fit (every line fits an empty segment)
                     self._rotate()
                     continue
-                j, used = i + 1, sizes[i]  # longer than a segment: alone in a new one
-            self.f.write("\n".join(lines[i:j]) + "\n")
-            self.size += used
-            i = j
-        self.f.flush()
+                i += self._write(lines[i:j], used)
+        except _PartlyWritten as e:
+            self._lose(len(lines) - i - e.kept, e.error)
+            return
+        except OSError as e:
+            self._lose(len(lines) - i, e)
+            return
+        if self._losing:
+            if self._said <= _LOSS_RUNS_SAID:
+                logger.warning("stepwatch: writing %s again; %d records were lost meanwhile (counted in run.json)",
+                               os.path.basename(self.path), self._losing)
+            self._losing = 0
+
+    def _write(self, lines: list[str], used: int) -> int:
+        """Write ``lines`` (``used`` bytes) at the end of the live segment; returns how many were
+        written. A short write or an error leaves only whole lines: the file is cut back to the
+        last newline written, and the error is raised with the count of lines it kept."""
+        data = ("\n".join(lines) + "\n").encode("ascii", "backslashreplace")
+        fd = self.fd
+        assert fd is not None
+        done = 0
+        try:
+            while done < len(data):
+                n = os.write(fd, data[done:] if done else data)
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+                done += n
+        except OSError as e:
+            whole = data.rfind(b"\n", 0, done) + 1  # bytes up to the last whole line written
+            try:
+                os.ftruncate(fd, self.size + whole)
+            except OSError:
+                pass
+            kept = data.count(b"\n", 0, whole)
+            self.size += whole
+            self.lines += kept
+            raise _PartlyWritten(kept, e) from None
+        self.size += used
+        self.lines += len(lines)
+        return len(lines)
+
+    def _check_live(self) -> None:
+        """The live file still there (not deleted with its directory), else the lines written to
+        it are counted as lost and a new one is opened (the directory made again)."""
+        if self.fd is not None:
+            try:
+                gone = os.fstat(self.fd).st_nlink == 0
+            except OSError:
+                gone = True
+            if not gone:
+                return
+            self._gone()
+        self._reopen()
+
+    def _gone(self) -> None:
+        if self.lines:
+            self._lose(self.lines, FileNotFoundError(errno.ENOENT, "deleted while being written", self.path))
+        self._close_fd()
+
+    def _reopen(self) -> None:
+        make_private_dir(os.path.dirname(self.path) or ".")
+        self.fd = _open_append(self.path, exclusive=False)
+        try:
+            self.size = os.fstat(self.fd).st_size
+        except OSError:
+            self.size = 0
+        self.lines = 0
 
     def _rotate(self) -> None:
-        self.f.close()
-        os.replace(self.path, self.path + ".1")
-        self.f = open_private(self.path)
+        """The live segment becomes ``.1``; a new live one is opened. The old file is closed only
+        once it is renamed: a rename that fails leaves it open (the next write tries again), a
+        live file deleted meanwhile is counted and made again."""
+        try:
+            os.replace(self.path, self.path + ".1")
+        except FileNotFoundError:
+            self._gone()
+            self._reopen()
+            return
+        self._close_fd()
         self.size = 0
+        self.lines = 0
+        self.fd = _open_append(self.path, exclusive=False)
+
+    def _lose(self, n: int, exc: BaseException) -> None:
+        if n <= 0:
+            return
+        self.lost += n
+        if not self._losing:
+            self._said += 1
+            if self._said <= _LOSS_RUNS_SAID:
+                logger.warning("stepwatch: records are being lost: %s not written (%s); counted in run.json "
+                               "until writing resumes", os.path.basename(self.path), exc)
+        self._losing += n
+
+    def _close_fd(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def close(self) -> None:
-        self.f.close()
+        self._close_fd()
+
+
+class _PartlyWritten(Exception):
+    """A write cut back to its last whole line: ``kept`` lines of it stay; ``error`` stopped it."""
+
+    def __init__(self, kept: int, error: OSError) -> None:
+        super().__init__(kept, error)
+        self.kept, self.error = kept, error
+
+
+# How many runs of lost records (disk full, then writing again) are logged; more are only counted.
+_LOSS_RUNS_SAID = 5
+
+
+def _open_append(path: str, *, exclusive: bool) -> int:
+    """An fd for appending to ``path``, created 0600, never through a link (:func:`open_private`)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_EXCL if exclusive else 0)
+    return _open_file(path, flags)
 
 
 class RecordsExporter(Exporter):
@@ -296,6 +431,16 @@ class RecordsExporter(Exporter):
             self.steps.write_lines([step_line(r) for r in batch.records])
         if batch.findings:
             self.findings.write_lines([dumps(f.to_dict()) for f in batch.findings])
+
+    def dropped(self) -> int:
+        """Step records not written (the disk refused them, a line longer than a segment, a file
+        deleted mid-run): the pipeline adds them to each batch's ``dropped``."""
+        return self.steps.lost
+
+    def drop_counts(self) -> dict[str, int]:
+        """``run.json``'s ``exporter_drops["records"]``: what this exporter lost (nonzero counts only)."""
+        d = {"records": self.steps.lost, "findings": self.findings.lost}
+        return {k: v for k, v in d.items() if v}
 
     def paths(self) -> list[str]:
         """The files this exporter writes (a rotated segment, ``.1``, beside each when it exists)."""

@@ -103,9 +103,12 @@ class ExporterWorker:
     # -- the worker's thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        # stepwatch's own thread: whatever an exporter raises (SystemExit from a library's
+        # sys.exit, KeyboardInterrupt, a cancellation too) is the exporter's failure, counted here;
+        # one that is not an Exception leaves the exporter off, and this thread ends quietly.
         try:
             exporter = self._build()
-        except Exception as e:  # noqa: BLE001 - any failure to start leaves this exporter off, alone
+        except BaseException as e:  # noqa: BLE001 - any failure to start leaves this exporter off, alone
             self._on_error(f"exporter.{self.name}.start", e)
             exporter = None
         if exporter is None:
@@ -115,7 +118,7 @@ class ExporterWorker:
         if self._on_built is not None:
             try:
                 self._on_built(exporter)
-            except Exception as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001
                 self._on_error(f"exporter.{self.name}.start", e)
         while True:
             with self._cv:
@@ -131,12 +134,20 @@ class ExporterWorker:
                 exporter.export(batch)
             except Exception as e:  # noqa: BLE001 - counted, logged once; the next batch is tried
                 self._on_error(f"exporter.{self.name}", e)
+            except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt: counted, this exporter off
+                self._on_error(f"exporter.{self.name}", e)
+                self._give_up(busy_too=True)
+                self._end(exporter)
+                return
             with self._cv:
                 self._busy = None
+        self._end(exporter)
+
+    def _end(self, exporter: Exporter) -> None:
         try:
             exporter.force_flush(max(self._deadline - time.monotonic(), 0.0))
             exporter.shutdown()
-        except Exception as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001
             self._on_error(f"exporter.{self.name}", e)
 
     def _give_up(self, busy_too: bool = False) -> None:
@@ -152,10 +163,23 @@ class ExporterWorker:
                 self._busy = None
 
 
-def describe_drops(workers: list[ExporterWorker]) -> dict[str, dict[str, Any]]:
+def describe_drops(workers: list[ExporterWorker], exporters: Any = ()) -> dict[str, dict[str, Any]]:
     """``run.json``'s ``exporter_drops``: per exporter, what it lost (nonzero counts only);
-    ``points`` are what the exporter itself could not deliver (e.g. OTLP with the collector down)."""
+    ``points`` are what the exporter itself could not deliver (e.g. OTLP with the collector down).
+    ``exporters``: any others (the records file, written on the pipeline's thread) whose
+    ``drop_counts()`` says what they lost."""
     out: dict[str, dict[str, Any]] = {}
+    mine = {id(w.exporter) for w in workers}
+    for e in exporters:
+        counts = getattr(e, "drop_counts", None)
+        if id(e) in mine or not callable(counts):
+            continue
+        try:
+            d = {k: int(v) for k, v in counts().items() if v}
+        except Exception:  # noqa: BLE001 - an exporter's counter must not break the manifest
+            continue
+        if d:
+            out[getattr(e, "name", type(e).__name__)] = d
     for w in workers:
         with w._cv:
             d = {k: v for k, v in w.dropped.items() if v}
