@@ -13,7 +13,9 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
+
+from test_steps import SleepyData as _Samples  # the same samples (16 -> 4); a fetch may sleep
 
 pytestmark = pytest.mark.usefixtures("both_tracker_cores")  # tests/conftest.py
 
@@ -28,20 +30,6 @@ def _identity_holds(r, tol=1e-6):
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
-class _Samples(Dataset):
-    def __init__(self, n, sleep_s=0.0):
-        self.n, self.sleep_s = n, sleep_s
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
-        g = torch.Generator().manual_seed(i)
-        return torch.randn(16, generator=g), torch.randn(4, generator=g)
 
 
 def _metric(preds, labels):
