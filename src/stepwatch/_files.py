@@ -152,9 +152,13 @@ def job_dir(run_dir: str) -> str:
 def open_private(path: str, *, exclusive: bool = True, buffering: int = 1 << 16) -> IO[str]:
     """Open for appending, created 0600; ``exclusive`` refuses an existing file (never overwrite).
     Never through a link, never to anything but a regular file."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_EXCL if exclusive else 0)
-    fd = _open_file(path, flags)
-    return os.fdopen(fd, "a", encoding="utf-8", buffering=buffering)
+    return os.fdopen(append_private_fd(path, exclusive=exclusive), "a", encoding="utf-8", buffering=buffering)
+
+
+def append_private_fd(path: str, *, exclusive: bool = True) -> int:
+    """:func:`open_private`'s file as a bare fd, for ``os.write`` of whole lines (no buffer that a
+    failed write would leave behind)."""
+    return _open_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_EXCL if exclusive else 0))
 
 
 def create_private(path: str) -> int:

@@ -16,7 +16,7 @@ import operator
 import os
 from typing import Any
 
-from .._files import _open_file, make_private_dir, open_private
+from .._files import append_private_fd, make_private_dir, open_private
 from .._log import logger
 from ..context import RunContext
 from ..record import STEP_FIELDS, StepRecord, c_to_record
@@ -243,7 +243,7 @@ class _RotatingFile:
     def __init__(self, path: str, cap_bytes: int) -> None:
         self.path = path
         self.cap = max(cap_bytes, 4096)
-        self.fd: int | None = _open_append(path, exclusive=True)
+        self.fd: int | None = append_private_fd(path, exclusive=True)
         self.size = 0
         self.lines = 0  # lines in the live segment
         self.lost = 0  # lines dropped: refused by the disk, too long, or written to a file since deleted
@@ -350,7 +350,7 @@ class _RotatingFile:
 
     def _reopen(self) -> None:
         make_private_dir(os.path.dirname(self.path) or ".")
-        self.fd = _open_append(self.path, exclusive=False)
+        self.fd = append_private_fd(self.path, exclusive=False)
         try:
             self.size = os.fstat(self.fd).st_size
         except OSError:
@@ -370,7 +370,7 @@ class _RotatingFile:
         self._close_fd()
         self.size = 0
         self.lines = 0
-        self.fd = _open_append(self.path, exclusive=False)
+        self.fd = append_private_fd(self.path, exclusive=False)
 
     def _lose(self, n: int, exc: BaseException) -> None:
         if n <= 0:
@@ -405,12 +405,6 @@ class _PartlyWritten(Exception):
 
 # How many runs of lost records (disk full, then writing again) are logged; more are only counted.
 _LOSS_RUNS_SAID = 5
-
-
-def _open_append(path: str, *, exclusive: bool) -> int:
-    """An fd for appending to ``path``, created 0600, never through a link (:func:`open_private`)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_EXCL if exclusive else 0)
-    return _open_file(path, flags)
 
 
 class RecordsExporter(Exporter):
