@@ -24,6 +24,8 @@ STATES = {
 }
 # States that mean "this process cannot make progress": the first suspects of a stall.
 STUCK_STATES = ("T", "t", "D")
+# Stopped: it acts on no signal but SIGKILL (and SIGCONT) until continued.
+STOPPED_STATES = ("T", "t")
 
 
 @dataclass(frozen=True, slots=True)

@@ -352,12 +352,11 @@ class Feature:
 
 
 def _stopped(pid: int) -> bool:
-    """``pid`` is stopped (SIGSTOP, a job-control stop, a tracer): state T or t in /proc."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
+    """``pid`` is stopped (SIGSTOP, a job-control stop, a tracer)."""
+    from .._os import procs
+
+    st = procs.read_stat(pid)
+    return st is not None and st.state in procs.STOPPED_STATES
 
 
 def pg_timeout_s() -> float | None:

@@ -202,7 +202,7 @@ def verdict(root: int, stats: dict[int, procs.ProcStat], first: dict[int, Dump],
     why: list[str] = []
     by_state = [r for r in rows if r["state"] in procs.STUCK_STATES]
     if by_state:
-        stuck = max(by_state, key=lambda r: (r["state"] in ("T", "t"), r["depth"]))
+        stuck = max(by_state, key=lambda r: (r["state"] in procs.STOPPED_STATES, r["depth"]))
         why.append(f"process state {stuck['state']}: {stuck['state_meaning']}")
         if stuck["stacks_moved"] is False:
             why.append("its stacks did not move between the two samples")
