@@ -10,10 +10,12 @@ too (see docs/sinks.md for what that means for a script that passes ``step=`` it
 wandb is never imported here: a script that uses W&B has imported it, and one that has not has no
 run to log into. Runs on stepwatch's background thread only (``wandb.log`` costs ~1 ms).
 
-A script that never calls ``wandb.finish()`` lets W&B finish the run in its own atexit hook, which
-runs before stepwatch's shutdown (atexit runs the last registered first, and stepwatch registers
-at import): what comes for a run W&B has finished is dropped and counted, with one info line, not
-an error.
+A script that never calls ``wandb.finish()`` lets W&B finish the run in its own atexit hook. atexit
+runs the last registered first, and stepwatch registers its exit shutdown at ``init``, before
+``wandb.init`` registers W&B's: so once this exporter sees the run, it registers the session's
+shutdown again (``Exporter.exit_first``), ahead of W&B's hook. What still comes for a run W&B has
+finished (one seen only at exit, a script's own exit hook that finishes it) is dropped and
+counted, with one info line, not an error.
 """
 
 from __future__ import annotations
