@@ -305,6 +305,8 @@ def _wandb_rows(run_file):
         if kind == 0 and length == 0:
             pos += left  # zero padding to the block's end
             continue
+        if pos + 7 + length > len(data):
+            break  # a chunk still being written: not parsed yet (the caller reads again)
         buf += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST
