@@ -16,7 +16,7 @@ ROOT = os.path.dirname(stepwatch.__file__)
 LAYERS = [
     # core: the schema, files, logging, configuration, OS and device tools
     {"record", "_log", "_version", "_table", "_terminal", "_files", "_dist", "_env", "context", "config", "_os", "cuda_ext",
-     "_speedups", "_excepthook"},
+     "_speedups", "_excepthook", "_imports"},
     # core: the training thread's hooks and the findings catalogue, rate limit, generic detectors
     {"hooks", "analysis"},
     # core: exporters consume batches

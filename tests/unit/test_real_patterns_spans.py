@@ -262,13 +262,19 @@ def test_save_pretrained_is_one_checkpoint_with_its_safetensors_bytes(sw, tmp_pa
     assert r.other_s < r.checkpoint_s, r
 
 
-def test_safetensors_imported_after_init_is_patched_and_never_imported_by_stepwatch(tmp_path, both_tracker_cores):
-    """A script that starts stepwatch first and imports safetensors after (before its optimizer):
-    stepwatch imports nothing of it, and its saves are checkpoints all the same (patched when the
-    optimizer is made, as torch.distributed.checkpoint's are)."""
+@pytest.mark.parametrize("when", ["before the optimizer", "inside the save, after the first steps"])
+def test_safetensors_imported_after_init_is_patched_and_never_imported_by_stepwatch(tmp_path, both_tracker_cores,
+                                                                                     when):
+    """A script that starts stepwatch first and imports safetensors after: stepwatch imports
+    nothing of it, and its saves are checkpoints all the same. Imported before the optimizer, it
+    is patched when the optimizer is made; imported late (a save helper's own ``from
+    safetensors.torch import save_file``, after steps ran), it was never patched and its save
+    was the step's ``other_s``: it is patched as its import finishes, before the helper binds
+    the name."""
     pytest.importorskip("safetensors.torch")
     if both_tracker_cores == "python":
         pytest.skip("one process run is enough: the tracker's core plays no part here")
+    early = "from safetensors.torch import save_file" if when == "before the optimizer" else ""
     script = textwrap.dedent(f"""
         import os, sys
         import stepwatch
@@ -276,7 +282,10 @@ def test_safetensors_imported_after_init_is_patched_and_never_imported_by_stepwa
         stepwatch.init(dir={str(tmp_path / "run")!r}, console="off", exporters=[mem])
         assert "safetensors" not in sys.modules, "stepwatch imported safetensors"
         import torch
-        from safetensors.torch import save_file
+        {early}
+        def save(m):
+            from safetensors.torch import save_file
+            save_file({{"w": m.weight.detach().clone(), "buf": torch.ones(4 << 20)}}, {str(tmp_path / "m.st")!r})
         m = torch.nn.Linear(256, 256)
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
         for i in range(4):
@@ -284,14 +293,55 @@ def test_safetensors_imported_after_init_is_patched_and_never_imported_by_stepwa
             opt.step()
             opt.zero_grad()
             if i == 1:
-                save_file({{"w": m.weight.detach().clone(), "buf": torch.ones(4 << 20)}}, {str(tmp_path / "m.st")!r})
+                save(m)
         stepwatch.shutdown()
         r = [r for r in mem.records if not r.tail][2]
         print("RESULT", r.checkpoint_s > 0, r.checkpoint_bytes == os.path.getsize({str(tmp_path / "m.st")!r}))
     """)
+    _run_expecting(script, "RESULT True True")
+
+
+def test_torch_distributed_checkpoint_imported_at_the_first_save_is_a_checkpoint(tmp_path, both_tracker_cores):
+    """``import torch.distributed.checkpoint as dcp`` inside the save (after the first steps: it is
+    heavy, and scripts import it where they save): its ``dcp.save`` was never patched, so the
+    checkpoint was the step's ``other_s`` (checkpoint_s ~0: only an inner ``torch.save``). It is
+    patched as its import finishes. After shutdown nothing of stepwatch is left on
+    ``sys.meta_path``."""
+    if both_tracker_cores == "python":
+        pytest.skip("one process run is enough: the tracker's core plays no part here")
+    script = textwrap.dedent(f"""
+        import sys, time, warnings
+        import stepwatch
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+        mem = stepwatch.InMemoryExporter()
+        stepwatch.init(dir={str(tmp_path / "run")!r}, console="off", exporters=[mem])
+        import torch
+        m = torch.nn.Linear(256, 256)
+        m.register_buffer("big", torch.ones(4 << 20))
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        for i in range(4):
+            m(torch.randn(4, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                import torch.distributed.checkpoint as dcp
+                t = time.perf_counter()
+                dcp.save({{"m": m.state_dict()}}, checkpoint_id={str(tmp_path / "ck")!r})
+                saved = time.perf_counter() - t
+        stepwatch.shutdown()
+        r = [r for r in mem.records if not r.tail][2]
+        left = [f for f in sys.meta_path if "stepwatch" in type(f).__module__]
+        print("RESULT", r.checkpoint_s >= 0.8 * saved, left == [], r.checkpoint_s, saved)
+    """)
+    _run_expecting(script, "RESULT True True")
+
+
+def _run_expecting(script, line):
+    """Run ``script`` in a fresh interpreter (the imports it makes are its first) with this
+    checkout's stepwatch; it must exit 0 and print ``line``."""
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "RESULT True True" in p.stdout, (p.stdout, p.stderr[-3000:])
+    assert line in p.stdout, (p.stdout, p.stderr[-3000:])

@@ -449,34 +449,51 @@ def test_no_tracking_library_is_imported_until_the_script_uses_one(tmp_path):
     assert steps[-5:] == list(range(5, 10)), steps
 
 
-def test_import_watch_fires_once_at_the_first_import_and_leaves_sys_meta_path(tmp_path, monkeypatch):
-    """The MLflow probe joins the step-end listeners through ``_ImportWatch`` when the script
-    imports mlflow; a watch that never fired is taken off ``sys.meta_path`` at stop."""
-    from stepwatch.exporters.mlflow import _ImportWatch
+def test_import_watch_fires_once_after_the_first_import_and_leaves_sys_meta_path(tmp_path, monkeypatch):
+    """The MLflow probe joins the step-end listeners, and the savers are patched, through
+    ``_imports.ImportWatch`` when the script imports their module: its callback runs once the
+    module has run (what it patches is there, and the importer binds the patched names), once
+    per name; a module that fails to import calls nothing; a watch that never fired is taken
+    off ``sys.meta_path`` at stop, one whose names were all seen takes itself off."""
+    from stepwatch._imports import ImportWatch
 
-    for name in ("sw_watched_a", "sw_watched_b"):
-        (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    (tmp_path / "sw_watched_a.py").write_text("VALUE = 1\n")
+    (tmp_path / "sw_watched_b.py").write_text("VALUE = 2\n")
+    (tmp_path / "sw_watched_bad.py").write_text("raise ImportError('half installed')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     calls = []
-    fired = _ImportWatch("sw_watched_a", lambda: calls.append(sys.modules.get("sw_watched_a")))
-    never = _ImportWatch("sw_watched_b", lambda: calls.append("b"))
-    fired.start()
-    never.start()
+    fired = ImportWatch(["sw_watched_a", "sw_watched_bad"],
+                        lambda name: calls.append((name, getattr(sys.modules.get(name), "VALUE", None)))).start()
+    never = ImportWatch(["sw_watched_b"], lambda name: calls.append(name)).start()
     try:
+        with pytest.raises(ImportError, match="half installed"):
+            import sw_watched_bad  # noqa: F401
+        assert calls == [] and fired in sys.meta_path
         import sw_watched_a  # noqa: F401
 
-        assert calls == [None]  # before the module ran: a step end meanwhile finds no module yet
-        assert fired not in sys.meta_path and never in sys.meta_path
+        assert calls == [("sw_watched_a", 1)]  # after the module ran
+        import importlib
+
+        importlib.reload(sw_watched_a)
+        assert calls == [("sw_watched_a", 1)]  # once
+        assert never in sys.meta_path
         never.stop()
         assert never not in sys.meta_path
         import sw_watched_b  # noqa: F401
 
-        assert calls == [None] and sw_watched_b.VALUE == 1
+        assert len(calls) == 1 and sw_watched_b.VALUE == 2
+        sys.modules.pop("sw_watched_bad", None)
+        (tmp_path / "sw_watched_bad.py").write_text("VALUE = 3\n")
+        importlib.invalidate_caches()
+        import sw_watched_bad  # noqa: F401,F811
+
+        assert calls == [("sw_watched_a", 1), ("sw_watched_bad", 3)]
+        assert fired not in sys.meta_path  # all its names seen
     finally:
         fired.stop()
         never.stop()
-        sys.modules.pop("sw_watched_a", None)
-        sys.modules.pop("sw_watched_b", None)
+        for name in ("sw_watched_a", "sw_watched_b", "sw_watched_bad"):
+            sys.modules.pop(name, None)
 
 
 def test_a_sink_that_fails_at_the_last_export_still_leaves_its_finding(sw, tmp_path):

@@ -6,7 +6,7 @@ it off.
 ``mlflow.active_run()`` is thread-local: the run the training script started is visible on the
 training thread only. :class:`RunProbe` looks there, at each step end once the script has
 imported mlflow (~1 µs a step; until then it is not among the step-end listeners: an
-:class:`_ImportWatch` on ``sys.meta_path`` adds it when ``import mlflow`` begins), and keeps
+``_imports.ImportWatch`` on ``sys.meta_path`` adds it when ``import mlflow`` has run), and keeps
 the run id and tracking URI each time they change; the exporter logs each record, with
 ``MlflowClient`` from stepwatch's background thread, into the run that was active when its step
 ended. The exporter is started as a session feature
@@ -24,6 +24,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
+from .._imports import ImportWatch
 from .base import Batch
 from .tracking import PREFIX, FindingGate, RowLimiter, TrackingExporter, finding_text, record_scalars
 
@@ -90,36 +91,6 @@ class RunProbe:
         return current
 
 
-class _ImportWatch:
-    """A ``sys.meta_path`` entry that finds nothing: the first import of ``name`` (from any
-    thread) takes it off ``sys.meta_path`` and calls ``then()`` before the import goes on. Costs
-    nothing but at imports of modules not loaded yet."""
-
-    def __init__(self, name: str, then: Callable[[], None]) -> None:
-        self.name = name
-        self.then: Callable[[], None] | None = then
-
-    def start(self) -> None:
-        sys.meta_path.insert(0, self)
-
-    def stop(self) -> None:
-        self.then = None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:  # already taken off (fired, or by someone else)
-            pass
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
-        if fullname == self.name and self.then is not None:
-            then = self.then
-            self.stop()
-            try:
-                then()
-            except Exception:  # never into the script's import
-                pass
-        return None
-
-
 class MlflowExporter(TrackingExporter):
     name = "mlflow"
 
@@ -137,7 +108,7 @@ class MlflowExporter(TrackingExporter):
         self._artifact: dict[str, deque[str]] = {}
         self._artifact_dirty: set[tuple[str, str]] = set()
         self._artifact_at: dict[str, float] = {}
-        self.watch: _ImportWatch | None = None
+        self.watch: ImportWatch | None = None
 
     def _client(self, uri: str) -> Any:
         c = self._clients.get(uri)
@@ -240,6 +211,5 @@ def install(hub: "Hub") -> MlflowExporter | None:
     if "mlflow" in sys.modules:
         hub.add_listener(e.probe.on_step_end)
     else:
-        e.watch = _ImportWatch("mlflow", lambda: hub.add_listener(e.probe.on_step_end))
-        e.watch.start()
+        e.watch = ImportWatch(["mlflow"], lambda name: hub.add_listener(e.probe.on_step_end)).start()
     return e

@@ -15,7 +15,8 @@ What is hooked, and why this way:
 - Checkpoints: ``torch.save``, ``torch.distributed.checkpoint``'s save functions, safetensors'
   ``save_file``/``save_model`` and transformers' ``save_pretrained`` (Hugging Face's format), on
   the training thread (a save on another thread runs alongside the steps: not timed). The last
-  three are patched once the user has imported their module (never imported for this).
+  three are patched once the user has imported their module (never imported for this): at
+  install, or as that import finishes (``_imports.ImportWatch``).
 - Forward: only the *root* modules (modules that are nobody's child: the DDP wrapper, the
   ``torch.compile`` wrapper, a loss module). Global per-module hooks cost 190-370 us per forward
   on a 49-module GPT and make torch.compile guard on them, so roots are found once by scanning
@@ -58,6 +59,7 @@ import types
 import weakref
 from typing import Any, Callable
 
+from .._imports import ImportWatch
 from .phases import FETCH_END, FETCH_NO_GRAD, StepTracker
 
 _get_ident = threading.get_ident
@@ -67,6 +69,9 @@ _get_ident = threading.get_ident
 # cross-validation, the next model of a sweep) does not, up to MAX_ALL_SCANS in all.
 MAX_SCANS = 8
 MAX_ALL_SCANS = 256
+
+# The savers' modules, patched once the user imports them (``Instrumentation._patch_savers``).
+SAVER_MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "transformers.modeling_utils")
 
 
 class Instrumentation:
@@ -90,6 +95,7 @@ class Instrumentation:
         self._dcp_patched = False
         self._st_patched = False
         self._hf_patched = False
+        self._saver_watch: ImportWatch | None = None
         # The bytes of the saves inside one that reports what its saves wrote (save_pretrained's
         # safetensors files); None when no such save is open.
         self._save_sums: list[int | None] | None = None
@@ -160,6 +166,7 @@ class Instrumentation:
         self._patch(torch.serialization, "save", wrapped_save)
         self._patch(torch, "save", wrapped_save)
         self._patch_savers()
+        self._watch_saver_imports()
         opt_cls = torch.optim.Optimizer
         orig_init = opt_cls.__init__
 
@@ -174,7 +181,6 @@ class Instrumentation:
                 try:
                     self._scanned_optimizers.add(opt)
                     self._scan("new optimizer")
-                    self._patch_savers()
                 except Exception as e:
                     self._on_error("hooks.discovery", e)
 
@@ -265,6 +271,8 @@ class Instrumentation:
                 )
 
     def uninstall(self) -> None:
+        if self._saver_watch is not None:
+            self._saver_watch.stop()
         self._unwrap_calls()
         for h in self._handles:
             try:
@@ -335,11 +343,23 @@ class Instrumentation:
 
     def _patch_savers(self) -> None:
         """The savers of libraries that load only when the user imports them (never imported for
-        this): looked for at install, at each optimizer's construction and at the first step of
-        an optimizer made before ``init``, as a training script has imported them by then."""
+        this): looked for at install, and after that as each of their modules is imported
+        (``_watch_saver_imports``)."""
         self._patch_dcp()
         self._patch_safetensors()
         self._patch_save_pretrained()
+
+    def _watch_saver_imports(self) -> None:
+        """A saver's module imported later (a save helper's own ``from safetensors.torch import
+        save_file``, ``import torch.distributed.checkpoint`` at the first save) is patched as its
+        import finishes, before the importer binds its names (``_imports.ImportWatch``)."""
+        self._saver_watch = ImportWatch(SAVER_MODULES, self._saver_imported).start()
+
+    def _saver_imported(self, name: str) -> None:
+        try:
+            self._patch_savers()
+        except Exception as e:  # never raise into the user's import
+            self._on_error("hooks.saver_import", e)
 
     def _patch_dcp(self) -> None:
         """Patch torch.distributed.checkpoint's savers if the user imported it (it is heavy)."""
@@ -439,7 +459,6 @@ class Instrumentation:
                 self._seen_optimizers.add(optimizer)
                 if optimizer not in self._scanned_optimizers:  # made before stepwatch started
                     self._scan("new optimizer")
-                self._patch_savers()
             except Exception as e:
                 self._on_error("hooks.discovery", e)
 
