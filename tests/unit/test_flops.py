@@ -1296,3 +1296,20 @@ def test_a_real_replay_that_writes_nothing_copies_nothing(monkeypatch):
     with FlopCounterMode(display=False) as truth:
         m(x).sum().backward()
     assert count_step_flops(m, (x,), real=True).total == truth.get_total_flops()
+
+
+def test_a_scan_while_another_thread_replays_never_takes_the_replay_for_a_root(sw):
+    """Two threads training at once: a scan on one (its optimizer's construction) ran while the
+    other thread's FLOP-count replay was alive, hooked stepwatch's own ``ReplayCall`` as a root
+    of the job's (``root_modules`` ['Linear', 'Linear', 'ReplayCall'] in 2 runs of 3), and took the
+    model it held for its child. The replay's wrapper is neither a root nor a parent."""
+    from stepwatch.metrics.flops import _replay_call
+
+    stepwatch, _, start = sw
+    start()
+    net = nn.Linear(2, 2)
+    held = _replay_call(net, None, False, None)  # alive, as while another thread replays
+    torch.optim.SGD(net.parameters(), lr=0.1)  # this thread's scan
+    inst = stepwatch.get_session().instrumentation
+    assert "ReplayCall" not in inst.roots and held not in inst._hooked, inst.roots
+    assert net in inst._hooked, inst.roots

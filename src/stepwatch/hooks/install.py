@@ -61,6 +61,7 @@ from typing import Any, Callable
 
 from .._imports import ImportWatch
 from .phases import FETCH_END, FETCH_NO_GRAD, StepTracker
+from .replay import is_replay_module
 
 _get_ident = threading.get_ident
 
@@ -569,6 +570,9 @@ class Instrumentation:
                 elif issubclass(t, Optimizer):
                     optimizers.append(o)
             del objects
+            # stepwatch's own modules (the FLOP count's replay, alive while another thread's scan
+            # runs) are neither roots nor parents: the model they hold stays a root.
+            modules = [m for m in modules if not is_replay_module(m)]
             children: set[int] = set()
             for m in modules:
                 for c in m._modules.values():

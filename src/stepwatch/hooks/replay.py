@@ -42,3 +42,16 @@ def set_counting(active: bool) -> None:
         else:
             REPLAY._threads.discard(me)
         REPLAY.active = bool(REPLAY._threads)
+
+
+def replay_module(cls: type) -> type:
+    """Class decorator for stepwatch's own ``nn.Module`` classes (the replay's wrapper, which holds
+    the user's model as its child while it runs): the root scan skips them (``is_replay_module``),
+    so one is never a root, and the model it holds stays one, even when another thread scans."""
+    cls._stepwatch_replay_module = True  # type: ignore[attr-defined]
+    return cls
+
+
+def is_replay_module(module: object) -> bool:
+    return getattr(type(module), "_stepwatch_replay_module", False) is True
+

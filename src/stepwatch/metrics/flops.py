@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 from .._log import warn_once
-from ..hooks.replay import is_counting, set_counting
+from ..hooks.replay import is_counting, replay_module, set_counting
 from .peaks import matmul_dtype_key
 
 log = logging.getLogger(__name__)
@@ -1131,6 +1131,7 @@ def _replay_call(root: Any, loss_fn: Callable[[Any], Any] | None, backward: bool
     sees the replay's parameters and buffers."""
     import torch
 
+    @replay_module
     class ReplayCall(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
