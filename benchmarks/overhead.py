@@ -12,7 +12,9 @@ Three tables, all from one process (four with ``--crossings``):
    round, as the median over blocks with its inter-quartile range. Variants are cumulative (each
    adds one feature to the previous) and alone (the foundation plus that one feature). A
    ``floor`` row is stepwatch off with the loop computing ``vector_norm(stack(_foreach_norm))``
-   itself: the grad-norm floor as the loop pays it (the loop target is 40 us + that). Then the
+   itself: the grad-norm floor as the loop pays it (the loop target is 40 us + that). An
+   ``off again`` row is stepwatch off against the same round's off block: the machine's own
+   spread, the resolution of every other row (a figure inside it is not resolved). Then the
    cyclic GC's collections on the training thread per 1000 steps and the time spent in them.
 2. Hot, in isolation, the training thread alone: the pipeline's thread is paused while these
    are timed (a record per few microseconds would keep it busy all the time, and its GIL
@@ -60,6 +62,9 @@ logging.disable(logging.WARNING)  # "no peak TFLOP/s known" once per block, "GPU
 
 SIZES = {"0.5": ("~0.5 ms", 8, 4), "2": ("~2 ms", 256, 64), "20": ("~20 ms", 768, 192)}
 FLOOR = "floor (off, loop norms)"  # stepwatch off; the loop computes vector_norm(stack(_foreach_norm))
+# Stepwatch off again, against the round's first off block: what the machine alone moves a
+# difference by. A figure inside this row's spread is not resolved by this run.
+OFF_AGAIN = "off again (noise)"
 NO_GRAD_NORM = 1_000_000  # grad_norm_every: probe once, then never (FLOPs/tokens without grad-norm); the config maximum
 
 # The foundation: step/phase timing, the records file, the detectors; nothing optional.
@@ -163,6 +168,7 @@ class _GcCount:
 GC = _GcCount()
 ROUNDS = 5  # interleaved rounds of the hot comparisons
 LOOP_IQR: dict[str, float] = {}
+NOISE_IQR: dict[str, float] = {}
 
 
 def _q(xs: list[float]) -> tuple[float, float]:
@@ -187,6 +193,7 @@ def in_the_loop(blocks: int, steps: int, sizes: list[str], run_dir: str) -> dict
         run_block()  # warm torch up
         added: dict[str, list[float]] = {name: [] for name, _ in vs}
         added[FLOOR] = []
+        added[OFF_AGAIN] = []
         gcs: dict[str, list[tuple[list[float], float]]] = {name: [] for name, _ in vs}
         gcs["off"] = []
         off_all = []
@@ -195,6 +202,7 @@ def in_the_loop(blocks: int, steps: int, sizes: list[str], run_dir: str) -> dict
             off_all.append(off)
             gcs["off"].append(GC.last)
             added[FLOOR].append(run_block(norm=True) - off)
+            added[OFF_AGAIN].append(run_block() - off)
             for name, cfg in vs:
                 stepwatch.init(dir=os.path.join(run_dir, f"{s}-{i}-{name.replace(' ', '_')}"), console="off", **cfg)
                 on = run_block()
@@ -209,7 +217,7 @@ def in_the_loop(blocks: int, steps: int, sizes: list[str], run_dir: str) -> dict
             for name, v in gcs.items()
         }
     print(f"{'off (us/step)':>22}" + "".join(f" {offs[s][0]:10.1f} [{offs[s][1]:6.1f}]" for s in sizes))
-    for name in [FLOOR] + [n for n, _ in vs]:
+    for name in [OFF_AGAIN, FLOOR] + [n for n, _ in vs]:
         print(f"{name:>22}" + "".join(f" {table[name][s][0]:10.1f} [{table[name][s][1]:6.1f}]" for s in sizes))
     print("\n   cyclic GC on the training thread: collections per 1000 steps (gen0/gen1/gen2), us per step in them")
     for s in sizes:
@@ -218,6 +226,7 @@ def in_the_loop(blocks: int, steps: int, sizes: list[str], run_dir: str) -> dict
             print(f"{SIZES[s][0]:>9} {name:>18}   {n[0]:6.1f} /{n[1]:5.1f} /{n[2]:5.1f}   {us:6.2f} us/step")
     for s in sizes:
         LOOP_IQR[s] = table[f"+ {FEATURES[-1][0]}"][s][1]
+        NOISE_IQR[s] = table[OFF_AGAIN][s][1]
     return {name: {s: table[name][s][0] for s in sizes} for name in table}
 
 
@@ -584,6 +593,10 @@ def main() -> None:
         print(f"In the {SIZES[s][0]} loop, all defaults add {all_defaults:.1f} us per step "
               f"[IQR {LOOP_IQR[s]:.1f}]; target <= 40 us + the grad-norm floor in the same loop "
               f"({floor:.1f} us) = {40 + floor:.1f} us: {verdict}")
+        if s == "0.5" and NOISE_IQR[s] > 40:
+            print(f"  (as measured; the loop off against itself spreads IQR {NOISE_IQR[s]:.1f} us in this run, "
+                  f"wider than the 40 us target: the difference is not resolved on this machine; "
+                  f"benchmarks/instructions.py counts it)")
 
 
 if __name__ == "__main__":
