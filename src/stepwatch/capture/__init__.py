@@ -71,6 +71,9 @@ class Feature:
         self.timeout: float | None = None
         self.action = "dump"
         self.flight_recorder: str | None = None
+        # The Flight Recorder variables stepwatch set: name -> (the value before, the value set);
+        # put back at stop (restore_env).
+        self.env_set: dict[str, tuple[str | None, str]] = {}
         # Where this attempt starts reading the sidecar's findings file: the run dir (and so the
         # file) survives an elastic restart, and the last attempt's hangs are not news.
         self._watch_off: int | None = None
@@ -220,6 +223,7 @@ class Feature:
 
     def stop(self) -> None:
         self._stopping = True
+        self.restore_env()  # first: a step below that fails leaves none behind (the sidecar has its copy)
         if self.captures is not None:
             self.captures.stop()
         if self.board is not None:
@@ -230,6 +234,13 @@ class Feature:
             self.signal.uninstall()
         if self.dump_signal is not None:
             self.dump_signal.uninstall()
+
+    def restore_env(self) -> None:
+        """Undo the Flight Recorder variables ``enable_flight_recorder`` set: after shutdown, a
+        next session in this process (a notebook) must not take them for the job's, nor a child
+        job started now inherit this run dir's dump file. A variable the job set since (its
+        value is not ours any more) is the job's, and stays."""
+        restore_env(self.env_set)
 
     def _stop_sidecar(self, sc: subprocess.Popen) -> None:
         """End the sidecar within SIDECAR_STOP_S + SIDECAR_TERM_S (shutdown's bound, README "Never
@@ -380,10 +391,11 @@ def pg_timeout_s() -> float | None:
     return None
 
 
-def enable_flight_recorder(run_dir: str) -> str:
+def enable_flight_recorder(run_dir: str, undo: dict[str, tuple[str | None, str]] | None = None) -> str:
     """Keep PyTorch's Flight Recorder on with a bounded buffer, dumping into the run directory,
     unless the job chose the size or the file. Takes effect for process groups created after this
-    (``import stepwatch.auto`` comes first)."""
+    (``import stepwatch.auto`` comes first). Each variable set goes into ``undo`` (name -> the
+    value before, None when unset; the value set), for ``restore_env`` at shutdown."""
     import torch
 
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
@@ -395,9 +407,24 @@ def enable_flight_recorder(run_dir: str) -> str:
             said.append(f"{mine}={os.environ[mine]} (set by the job)")
             continue
         var = names[0] if new else names[1]
+        if undo is not None and var not in undo:
+            undo[var] = (os.environ.get(var), value)  # "" (set, empty) counts as unset above
         os.environ[var] = value
         said.append(f"{var}={value} (set by stepwatch)")
     return "; ".join(said)
+
+
+def restore_env(undo: dict[str, tuple[str | None, str]]) -> None:
+    """Put back what ``enable_flight_recorder`` changed (and empty ``undo``): each variable to
+    its value before, unset if it was, but only while it still holds the value stepwatch set."""
+    while undo:
+        var, (before, value) = undo.popitem()
+        if os.environ.get(var) != value:
+            continue
+        if before is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = before
 
 
 def install(hub: "Hub") -> Feature | None:
@@ -419,20 +446,24 @@ def install(hub: "Hub") -> Feature | None:
 
     make_private_dir(ctx.run_dir)
     feat = Feature(hub)
-    if watchdog:
-        feat.flight_recorder = enable_flight_recorder(ctx.run_dir)
-        feat.start_board()
-        try:
-            feat.start_signal()
-        except Exception as e:
-            hub.report_error("capture.sigusr1", e)
-        try:
-            feat.start_sidecar()
-        except Exception as e:
-            hub.report_error("capture.watchdog", e)
-    if capture:
-        feat.start_captures()
-        if feat.captures is not None:
-            spikes.excluded = feat.captures.profiled  # the steps our profiler slowed are no spike
-    hub.add_listener(feat.on_step_end)
+    try:
+        if watchdog:
+            feat.flight_recorder = enable_flight_recorder(ctx.run_dir, feat.env_set)
+            feat.start_board()
+            try:
+                feat.start_signal()
+            except Exception as e:
+                hub.report_error("capture.sigusr1", e)
+            try:
+                feat.start_sidecar()
+            except Exception as e:
+                hub.report_error("capture.watchdog", e)
+        if capture:
+            feat.start_captures()
+            if feat.captures is not None:
+                spikes.excluded = feat.captures.profiled  # the steps our profiler slowed are no spike
+        hub.add_listener(feat.on_step_end)
+    except BaseException:  # no feature for the session to stop: the variables it set go now
+        feat.restore_env()
+        raise
     return feat  # the session keeps it: stop() at shutdown, status() in run.json

@@ -64,6 +64,7 @@ class MemoryFeature:
         self._oom_findings: list[Finding] = []
         self._oom_lock = threading.Lock()
         self._seen_exc: collections.deque[int] = collections.deque(maxlen=8)
+        self._stopped = False
         self.oom = OomForensics(hub.ctx.run_dir, hub.ctx.rank, records=self._last_dicts,
                                 host=self._host_now, cuda_device=lambda: self.probe.device)
         hub.add_collector(self.probe.collector())
@@ -74,7 +75,7 @@ class MemoryFeature:
         hub.add_exception_observer(self._on_exception)
         self._prev_hook = sys.excepthook
         sys.excepthook = self._excepthook
-        self._patched: tuple[Any, Any] | None = None
+        self._patched: tuple[Any, Any, Any, list[Any]] | None = None
         self._patch_dataloader()
 
     # -- training thread ---------------------------------------------------------------------------
@@ -85,15 +86,32 @@ class MemoryFeature:
 
         cls = dataloader._MultiProcessingDataLoaderIter
         orig = cls.__dict__["__init__"]
-        iters = self._iters
+        # Emptied by _unpatch_dataloader: a wrapper left in place there (one wrapped around it
+        # later) only passes the call on.
+        keep: list[Any] = [self._iters]
 
         def __init__(it: Any, *args: Any, **kwargs: Any) -> None:
             orig(it, *args, **kwargs)
-            iters.append(weakref.ref(it))
+            for iters in keep:
+                iters.append(weakref.ref(it))
 
         __init__.__wrapped__ = orig  # type: ignore[attr-defined]
         cls.__init__ = __init__
-        self._patched = (cls, orig)
+        self._patched = (cls, orig, __init__, keep)
+
+    def _unpatch_dataloader(self) -> None:
+        """Put the iterator's ``__init__`` back, whichever comes off first, this or the
+        instrumentation's wrapper under it (``hooks.install``, which puts back what it found, ours
+        or not; the session uninstalls it before the features stop). Only our own wrapper is
+        replaced: one that is not on top any more was put back already (the original is there)
+        or has another wrapped around it, which is left as it is."""
+        if self._patched is None:
+            return
+        cls, orig, mine, keep = self._patched
+        self._patched = None
+        keep.clear()
+        if cls.__dict__.get("__init__") is mine:
+            cls.__init__ = orig
 
     def _on_exception(self, phase: str, exc: BaseException) -> None:
         """An exception passes through a hooked phase (training thread). Only OOMs are kept."""
@@ -111,8 +129,10 @@ class MemoryFeature:
         # An OOM that no hooked phase saw on its way out (optimizer.step, user code): still written
         # down, in the phase the tracker was in; then the previous hook prints it as before.
         try:
-            # (a forked child inherits the hook: the parent's session is not its to write for)
-            if v is not None and os.getpid() == self.hub.pid:
+            # (a forked child inherits the hook: the parent's session is not its to write for; a
+            # hook left in the chain after stop -- another was installed on top of it -- writes
+            # nothing into the run dir of a session that is over)
+            if v is not None and not self._stopped and os.getpid() == self.hub.pid:
                 self._on_exception(self.hub.phase_now(), v)
         except Exception as e:
             self._err("memory.excepthook", e)
@@ -246,12 +266,11 @@ class MemoryFeature:
             self._ask_history()
 
     def stop(self) -> None:
-        if sys.excepthook is self._excepthook:
+        self._stopped = True
+        # ``==``, not ``is``: each access to self._excepthook makes a new bound method.
+        if sys.excepthook == self._excepthook:
             sys.excepthook = self._prev_hook
-        if self._patched is not None:
-            cls, orig = self._patched
-            cls.__init__ = orig
-            self._patched = None
+        self._unpatch_dataloader()
         self.hub.remove_exception_observer(self._on_exception)
         self.hub.remove_listener(self._history_listener)
         if self.history_on:
