@@ -12,9 +12,11 @@ import atexit
 import functools
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 from ._excepthook import pass_on
@@ -22,7 +24,7 @@ from ._feature import Hub
 from ._files import private_run_dir
 from ._log import FailureLog, logger
 from ._manifest import Manifest, RunFacts
-from ._sigterm import SigtermFinisher
+from ._sigterm import FINISH_S, SigtermFinisher, _die
 from .analysis.detectors import DataLoadingDetector, UnseenForwardCheck
 from .config import Config
 from .context import RunContext, from_env, refresh_from_dist
@@ -34,6 +36,11 @@ from .hooks.phases import StepTracker, cpu_items
 from ._pipeline import SHUTDOWN_TIMEOUT_S, Pipeline, loggable
 
 __all__ = ["SHUTDOWN_TIMEOUT_S", "Session"]
+
+# Where a multiprocessing child's shutdown runs among the finalizers of its exit (highest first):
+# ahead of multiprocessing's own (a Pool's 15, a Queue's 10, the daemon children's terminate at
+# 0), as the session's ``atexit`` shutdown runs ahead of multiprocessing's exit hook elsewhere.
+_MP_EXIT_PRIORITY = 100
 
 
 def _features_wanted(cfg: Config) -> list[tuple[str, bool, str]]:
@@ -88,6 +95,8 @@ class Session:
         # ``_excepthook``), else a shutdown (stepwatch.shutdown(), or the interpreter's exit).
         self.ended_by: str | None = None
         self._prev_excepthook: Any = None
+        # In a multiprocessing child: its shutdown in multiprocessing's exit (``_at_mp_exit``).
+        self._mp_exit: Any = None
         self.pipeline = Pipeline(
             self.ctx,
             queue_size=config.queue_size,
@@ -133,6 +142,11 @@ class Session:
             from .hooks.device import DeviceTimingSwitch
 
             self._device_timing = DeviceTimingSwitch(self.hub)
+        # SIGTERM skips atexit: finish the run directory first (see _sigterm.py). Before any
+        # feature or excepthook of ours: a thread keeps the sys.excepthook of its creation, and
+        # the SIGTERM watcher may outlive this session (retired, after a shutdown off the main
+        # thread), so it must hold nothing of it.
+        self._sigterm.install()
         self._start_features()
         self.pipeline.start()
         if otel_wanted(self.config):
@@ -141,8 +155,9 @@ class Session:
         self._prev_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self.shutdown)
-        # SIGTERM skips atexit: finish the run directory first (see _sigterm.py)
-        self._sigterm.install()
+        # A multiprocessing child ('fork', 'forkserver': a Pool's worker, a rank of
+        # torch.multiprocessing) leaves through os._exit(), without atexit: see _at_mp_exit.
+        self._mp_exit = _register_mp_exit(self)
 
     def _start_features(self) -> None:
         """Optional features, each guarded: one that fails to start is logged and left off."""
@@ -170,11 +185,65 @@ class Session:
         ``_excepthook.pass_on``)."""
         try:
             if self.ended_by is None and os.getpid() == self.pid:
-                first = str(v).strip().splitlines()
-                self.ended_by = f"uncaught {getattr(t, '__name__', t)}" + (f": {first[0][:200]}" if first else "")
+                self.ended_by = _uncaught(t, v)
         except Exception:  # noqa: BLE001 - the user's traceback must still be printed
             pass
         pass_on(self._excepthook, self._prev_excepthook, t, v, tb)
+
+    def _at_mp_exit(self) -> None:
+        """The shutdown of a session started in a multiprocessing child, from the child's exit:
+        ``BaseProcess._bootstrap`` runs the process's target, then in its ``finally``
+        ``multiprocessing.util._exit_function`` (the finalizers registered with an exit priority),
+        then ends the process with ``os._exit()`` under 'fork' and 'forkserver': ``atexit`` never
+        runs there, and the run directory was left unfinished (of 200 steps, 1 to 28 records;
+        run.json with ``steps: 0`` and no end). An exception that leaves the target (which
+        multiprocessing prints itself, not ``sys.excepthook``) is said in ``ended_by`` as
+        ``_excepthook`` says it for a script; ``SystemExit`` is an exit.
+
+        A SIGTERM during this shutdown (a Pool's ``terminate()``, as ``with Pool(...)`` ends,
+        reaching a worker that got its end-of-work sentinel and is leaving by itself) waits for
+        it, at most ``FINISH_S``, then ends the process as SIGTERM does: run on this thread, the
+        handler would have stopped the shutdown's final pass and written the manifest as it
+        stood (1 of 30 records)."""
+        try:
+            t, v, _ = sys.exc_info()  # the exception leaving the target, in that ``finally``
+            if v is not None and not isinstance(v, SystemExit) and self.ended_by is None and os.getpid() == self.pid:
+                self.ended_by = _uncaught(t, v)
+        except Exception:  # noqa: BLE001 - the shutdown comes first
+            pass
+        termed: list[int] = []
+
+        def later(signum: int, frame: Any) -> None:
+            if not termed:
+                termed.append(signum)
+                threading.Thread(target=_die_after, args=(signum, FINISH_S), name="stepwatch-sigterm-deadline",
+                                 daemon=True).start()
+
+        deferred = False
+        try:
+            if (self._sigterm.installed and threading.current_thread() is threading.main_thread()
+                    and signal.getsignal(signal.SIGTERM) == self._sigterm._handler):
+                signal.signal(signal.SIGTERM, later)  # the watcher thread leaves a handler not its own
+                deferred = True
+        except (ValueError, OSError):
+            pass
+        try:
+            self.shutdown()
+        finally:
+            if deferred:
+                try:
+                    if signal.getsignal(signal.SIGTERM) == later:
+                        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as the shutdown leaves it
+                    if termed:
+                        os.kill(os.getpid(), termed[0])  # the default action: dies as it would have
+                except (ValueError, OSError):
+                    pass
+
+    def _drop_mp_exit(self) -> None:
+        """Out of multiprocessing's exit registry (shut down already, or a fork's copy)."""
+        f, self._mp_exit = self._mp_exit, None
+        if f is not None:
+            f.cancel()
 
     def _shutdown_quietly(self, timeout_s: float) -> None:
         if self.ended_by is None:
@@ -207,6 +276,7 @@ class Session:
             # during this shutdown still writes it (``_shutdown_quietly``), then ends the process.
             atexit.unregister(self.shutdown)
             atexit.unregister(self._exit_first)
+            self._drop_mp_exit()
             if sys.excepthook == self._excepthook:
                 sys.excepthook = self._prev_excepthook
         except Exception:
@@ -263,6 +333,12 @@ class Session:
         """In a forked child (DataLoader worker): no threads, no hooks firing, no files."""
         self._closed = True
         self._started = False
+        try:
+            # The child's copy of multiprocessing's exit registry (multiprocessing's own children
+            # clear it; an os.fork() child keeps it): this session is the parent's.
+            self._drop_mp_exit()
+        except Exception:
+            self._mp_exit = None
         self._sigterm.after_fork_in_child()
         if self.tracker is not None:
             self.tracker.enabled = False
@@ -379,6 +455,50 @@ class Session:
             ),
             final=final,
         )
+
+
+def _uncaught(t: Any, v: BaseException) -> str:
+    """``ended_by`` of a process that an exception ended."""
+    first = str(v).strip().splitlines()
+    return f"uncaught {getattr(t, '__name__', t)}" + (f": {first[0][:200]}" if first else "")
+
+
+def _in_mp_child() -> bool:
+    """This process is a child started by ``multiprocessing`` (any start method): it imported
+    ``multiprocessing.process`` to start, which knows its parent (nothing is imported here)."""
+    proc = sys.modules.get("multiprocessing.process")
+    try:
+        return proc is not None and proc.parent_process() is not None
+    except Exception:
+        return False
+
+
+def _register_mp_exit(session: Session) -> Any:
+    """In a multiprocessing child, ``session``'s shutdown among the finalizers of the child's exit
+    (``Session._at_mp_exit``); None elsewhere. The finalizer holds the session weakly (a session
+    dropped without a shutdown is freed), is cancelled by the shutdown, and runs only in the
+    process that registered it (``Finalize`` checks the pid: a fork of this child leaves it be)."""
+    if not _in_mp_child():
+        return None
+    try:
+        from multiprocessing import util
+
+        return util.Finalize(None, _mp_exit_shutdown, args=(weakref.ref(session),), exitpriority=_MP_EXIT_PRIORITY)
+    except Exception as e:
+        session.report_error("mp_exit", e)
+        return None
+
+
+def _die_after(signum: int, delay_s: float) -> None:
+    """A SIGTERM waits for the exit shutdown under way (``Session._at_mp_exit``) this long at most."""
+    time.sleep(delay_s)
+    _die(signum)
+
+
+def _mp_exit_shutdown(ref: "weakref.ref[Session]") -> None:
+    s = ref()
+    if s is not None:
+        s._at_mp_exit()
 
 
 def _size(path: str) -> int:

@@ -10,7 +10,10 @@ started within a second, that thread finishes and ends the process itself.
 
 Installed only when the job has no SIGTERM handler of its own (one it installs later replaces
 this one, and the watcher then leaves the signal to it) and the wakeup fd is free (asyncio uses
-it); only from the main thread.
+it); only from the main thread. A shutdown on another thread (a trainer thread, a notebook
+helper) cannot give the signal back (``signal.signal`` is main-thread only): the handler is
+*retired* instead, acting as the default action and holding nothing of the session, and the
+next session's ``install`` on the main thread takes it over.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def _die(signum: int) -> None:
 class SigtermFinisher:
     def __init__(self, finish: Callable[[float], None]) -> None:
         """``finish(timeout_s)``: the session's shutdown."""
-        self.finish = finish
+        self.finish: Callable[[float], None] | None = finish
         self.pid = os.getpid()
         self.installed = False
         self._lock = threading.Lock()
@@ -55,7 +58,12 @@ class SigtermFinisher:
         if threading.current_thread() is not threading.main_thread():
             return
         try:
-            if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            current = signal.getsignal(signal.SIGTERM)
+            old = getattr(current, "__self__", None)
+            if isinstance(old, SigtermFinisher) and old.finish is None and old.installed:
+                old._give_back()  # a retired one (its session shut down off the main thread)
+                current = signal.getsignal(signal.SIGTERM)
+            if current is not signal.SIG_DFL:
                 return
             signal.signal(signal.SIGTERM, self._handler)
         except (ValueError, OSError):
@@ -76,9 +84,17 @@ class SigtermFinisher:
         threading.Thread(target=self._watch, name="stepwatch-sigterm", daemon=True).start()
 
     def uninstall(self) -> None:
-        """At shutdown, from the main thread: the job's SIGTERM is the default again."""
-        if not self.installed or threading.current_thread() is not threading.main_thread():
+        """At shutdown: the job's SIGTERM is the default again. Off the main thread the handler
+        is retired instead (see the module's docstring)."""
+        if not self.installed:
             return
+        if threading.current_thread() is not threading.main_thread():
+            self.finish = None  # the default action from now on; the session can be freed
+            return
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Main thread: SIGTERM's handler and the wakeup fd back to what they were."""
         self.installed = False
         try:
             if signal.getsignal(signal.SIGTERM) == self._handler:
@@ -119,15 +135,17 @@ class SigtermFinisher:
         self._done.wait(FINISH_S)
 
     def _run_finish(self) -> None:
+        finish = self.finish
         try:
-            self.finish(FINISH_S / 2)
+            if finish is not None:  # None: retired, nothing to finish
+                finish(FINISH_S / 2)
         except Exception:  # dying anyway: nothing left to report to
             pass
         finally:
             self._done.set()
 
     def _handler(self, signum: int, frame: object) -> None:
-        if os.getpid() == self.pid:
+        if os.getpid() == self.pid and self.finish is not None:
             self._finish_once()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)

@@ -76,6 +76,63 @@ def test_a_job_with_its_own_sigterm_handler_keeps_it(tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+THREAD_SHUTDOWN = r"""
+import gc, os, signal, sys, threading, time, weakref, torch, stepwatch
+
+def train(n):
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(n):
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+# torch's first optimizer imports torch._dynamo, whose rule cache keeps the torch.autograd.grad
+# of that moment (stepwatch's wrapper, inside a session) for good: made before any session here.
+torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+first = stepwatch.init(dir=sys.argv[1] + "/s1", console="off", watchdog="off", capture="off")
+t = threading.Thread(target=lambda: (train(5), stepwatch.shutdown()))
+t.start()
+t.join()
+gone = weakref.ref(first)
+del first, t
+for _ in range(40):  # its own threads end a moment after the shutdown
+    gc.collect()
+    if gone() is None:
+        break
+    time.sleep(0.05)
+print("first freed", gone() is None, flush=True)
+stepwatch.init(dir=sys.argv[1] + "/s2", console="off", watchdog="off", capture="off", flush_interval_s=0.05)
+train(int(sys.argv[2]))
+print("trained", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_session_after_one_shut_down_off_the_main_thread_still_finishes_on_sigterm(tmp_path):
+    """Session 1 shut down on a trainer thread (a notebook helper): ``signal.signal`` is
+    main-thread only, so its SIGTERM handler stayed, bound to the closed session; the next
+    session found a handler that was not the default, installed none, and a SIGTERM then wrote 1
+    of its 300 records and a run.json that never ended. The old handler is retired (it holds
+    nothing of its session, which is freed) and the next session on the main thread takes over."""
+    p = subprocess.Popen([sys.executable, "-c", THREAD_SHUTDOWN, str(tmp_path), "300"], env=_env(),
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "first freed True"
+        assert p.stdout.readline().strip() == "trained"
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert rc == -signal.SIGTERM
+    m = json.loads((tmp_path / "s2" / "run.json").read_text())
+    assert m["ended_by"] == "SIGTERM" and m["steps"] == 300, m
+    assert len((tmp_path / "s2" / "steps.rank0.jsonl").read_text().splitlines()) == 300
+
+
 def test_a_second_launch_in_the_same_dir_keeps_the_first_ones_rank_file(sw, tmp_path):
     stepwatch, mem, start = sw
     run = tmp_path / "run"
