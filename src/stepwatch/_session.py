@@ -65,6 +65,13 @@ class Session:
         self.config = config
         env = dict(os.environ if environ is None else environ)
         self.ctx: RunContext = from_env(env, run_dir=config.dir, run_id=config.run_id)
+        try:
+            # A process group made before the session (a torch.multiprocessing.spawn rank, whose
+            # session starts at its first optimizer, has no RANK/WORLD_SIZE in its environment):
+            # the features that start now (the watchdog's "auto") see the job's real world size.
+            refresh_from_dist(self.ctx)
+        except Exception:  # asked again at the first pass (_sinks), which reports it
+            pass
         # False once the run directory is refused: no records file and no manifest (each would
         # say the same again), the other exporters as configured.
         self._files_ok = True

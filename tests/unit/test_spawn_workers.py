@@ -139,7 +139,7 @@ import stepwatch.auto  # noqa: F401  (the one line, in the launcher and in each 
 import os, torch, torch.nn as nn, torch.distributed as dist, torch.multiprocessing as mp
 
 def rank_main(rank, world):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    # No RANK/WORLD_SIZE in the environment (mp.spawn sets none): the process group says them.
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Linear(8, 2))
@@ -159,7 +159,10 @@ def test_the_launcher_of_torch_multiprocessing_spawn_leaves_no_run_of_its_own(tm
     nothing, started a whole session and wrote its own manifest, rank file and empty steps file
     in the job's directory (``run.1.json``...), which ``stepwatch report`` then showed as the run
     (world size 1, "attempts 0, 1"). The launcher's session now ends when it launches the ranks,
-    and takes its files with it."""
+    and takes its files with it. Each rank, whose session starts at its first optimizer after
+    ``init_process_group`` with no RANK/WORLD_SIZE in its environment, took itself for a lone
+    process (world size 1) when its features started: the hang watchdog's ``auto`` left it off.
+    The session reads the process group at its start."""
     import json
     import socket
 
@@ -177,4 +180,5 @@ def test_the_launcher_of_torch_multiprocessing_spawn_leaves_no_run_of_its_own(tm
         "rank0.json", "rank1.json", "run.json", "steps.rank0.jsonl", "steps.rank1.jsonl"], files
     manifest = json.loads((tmp_path / "run" / "run.json").read_text())
     assert manifest["world_size"] == 2 and manifest["steps"] == 4
+    assert "watchdog.rank0.json" in files and "watchdog.rank1.json" in files, files  # the watchdog ran
     assert not (tmp_path / "stepwatch-runs").exists()
