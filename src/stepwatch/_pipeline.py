@@ -4,7 +4,8 @@ Each pass (every ``flush_interval_s``, at once for the first step, and a final o
 
   queue (bounded; the training thread's :meth:`Pipeline.enqueue`) -> decode each
   :class:`~stepwatch.record.RawStep` -> hold records in order until their device-side values are in
-  (logged CUDA scalars, enrichers waiting on events; at most ``_MAX_HOLD_S``) -> enrich -> detect
+  (logged CUDA scalars, enrichers waiting on events or on other ranks, each of which may look ahead
+  at every held record once a pass; at most ``_MAX_HOLD_S``) -> enrich -> detect
   -> features' ``collect`` -> rate-limit (:mod:`stepwatch.analysis.ratelimit`) -> features'
   ``on_findings`` -> export: the records file on this thread, every other exporter through its own
   :class:`~stepwatch.exporters.worker.ExporterWorker`.
@@ -37,7 +38,9 @@ try:  # enqueue in C for the training thread (src/stepwatch/_speedups.c); option
 except ImportError:
     _CEnqueue = None
 
-# How long a record may wait for its device-side values (CUDA scalars) before they are dropped.
+# How long a record may wait for its device-side values (CUDA scalars) or an enricher (a sharded
+# grad norm's other ranks) before it leaves without them: a bound for a rank or device that never
+# answers, not a wait in the common case (a fast FSDP2 loop's norms come back within a pass or two).
 _MAX_HOLD_S = 30.0
 # Shutdown's time for the final pass and every exporter's flush (in parallel): a collector that is
 # down or a slow sink delays the job's exit by at most this (2 s with the rest of shutdown); what
@@ -191,7 +194,8 @@ class Pipeline:
         """``enrich(record, extras, *, force) -> bool`` fills fields from the step's extras and
         returns False while it still waits on the device (``force``: give up, use None). Safe from
         any thread: taken in at the next pass; ``first`` puts it before the others (device times
-        replace the host phases before anything reads them)."""
+        replace the host phases before anything reads them). An optional ``look_ahead(items, *,
+        final)`` sees the held records once a pass (:meth:`_look_ahead`)."""
         self._new_enrichers.append((enricher, first))
 
     def add_detector(self, detector: Any) -> None:
@@ -481,7 +485,9 @@ class Pipeline:
         # Records leave in order: the first one still waiting on the device holds the rest. While
         # none waits from an earlier pass (nearly always), each record is enriched as it is built,
         # and held (with its entry: what _enrich needs to resume it) only when it must wait.
-        drain = bool(held)
+        # Shutdown's final pass holds its new records too: an enricher's look-ahead (below) sees
+        # them before each is forced.
+        drain = bool(held) or final
         for i, raw in enumerate(raws):
             raws[i] = None  # type: ignore[call-overload]  # see above
             try:
@@ -493,7 +499,7 @@ class Pipeline:
                 self._in_pass -= 1
                 self.report_error("pipeline.build", e)
                 continue
-            if held or (Pending.made and not self._ready(rec, force=final)):
+            if held or final or (Pending.made and not self._ready(rec, force=final)):
                 held.append([now, rec, raw.extras, None])
                 self._in_pass -= 1  # counted in ``_held`` now
                 continue
@@ -503,6 +509,8 @@ class Pipeline:
             else:
                 held.append([now, rec, raw.extras, done])
                 self._in_pass -= 1
+        if held or final:
+            self._look_ahead(final)
         while drain and held:
             entry = held[0]
             since, rec, extras, _ = entry
@@ -513,6 +521,25 @@ class Pipeline:
             self._in_pass += 1
             out.append(rec)
         return out
+
+    def _look_ahead(self, final: bool) -> None:
+        """Each enricher with a ``look_ahead(items, *, final)`` gets, once a pass, every held
+        record it has not finished, oldest first, as ``(record, extras)``: what it can start for
+        records behind the one that waits (the grad-norm exchange publishes them all, and a
+        pass then releases every record whose norm came back, not one). It fills nothing that
+        ``enrich`` would not; ``enrich`` still runs on each record, in order."""
+        for e in list(self.enrichers):
+            la = getattr(e, "look_ahead", None)
+            if la is None:
+                continue
+            items = [(rec, extras) for _, rec, extras, done in self._held if done is None or e not in done]
+            if not items and not final:
+                continue
+            try:
+                la(items, final=final)
+            except Exception as exc:
+                self.report_error(f"enricher.{type(e).__name__}", exc)
+                self.enrichers = [x for x in self.enrichers if x is not e]
 
     def _enrich(self, entry: list[Any], *, force: bool) -> bool:
         """Run the enrichers in order; an enricher that waits on the device holds the record.

@@ -483,7 +483,8 @@ class Config:
         metadata=_opt(
             "STEPWATCH_GRAD_NORM_SPIKE_FACTOR",
             "A grad norm above this many times the rolling median of the last "
-            "`STEPWATCH_GRAD_NORM_WINDOW` steps raises `grad_norm_spike`.",
+            "`STEPWATCH_GRAD_NORM_WINDOW` steps of the same optimizer raises `grad_norm_spike` "
+            "(a second model's optimizer keeps a median of its own).",
             _float_range(1.0, 1e6),
         ),
     )

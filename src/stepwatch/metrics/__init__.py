@@ -27,7 +27,7 @@ class TrainingMetrics:
     name = "training_metrics"
 
     def __init__(self, hub: "Hub") -> None:
-        from .grads import GradNormCollector, GradNormEnricher, GradNormSpikeDetector
+        from .grads import GradNormCollector, GradNormEnricher, GradNormSources, GradNormSpikeDetector
         from .tokens import ThroughputCollector
         from .lowmfu import LowMfuDetector
         from .peaks import MfuDropDetector, MfuEnricher, PeakResolver
@@ -47,8 +47,10 @@ class TrainingMetrics:
         hub.add_collector(self.throughput)
         hub.add_listener(self._first_step)
         hub.add_enricher(self.mfu)
-        hub.add_enricher(GradNormEnricher(self._exchange))
-        hub.add_detector(GradNormSpikeDetector(cfg.grad_norm_spike_abs, cfg.grad_norm_spike_factor, cfg.grad_norm_window))
+        sources = GradNormSources()  # which optimizers made a norm, from the enricher to the detector
+        hub.add_enricher(GradNormEnricher(self._exchange, sources=sources))
+        hub.add_detector(GradNormSpikeDetector(cfg.grad_norm_spike_abs, cfg.grad_norm_spike_factor, cfg.grad_norm_window,
+                                               sources=sources))
         hub.add_detector(MfuDropDetector(cfg.mfu_drop_points, cfg.mfu_drop_window_s))
         hub.add_detector(LowMfuDetector(cfg.low_mfu, cfg.window, captures_dir=os.path.join(hub.ctx.run_dir, "captures")))
         hub.add_forward_observer(self._first_forward)

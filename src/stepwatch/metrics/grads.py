@@ -30,6 +30,7 @@ import logging
 import math
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -1063,18 +1064,34 @@ if _bind_grads is not None:
 # ----------------------------------------------------------------------------- cross-rank
 
 
+def _default_slots(world_size: int) -> int:
+    """Steps each rank's ring of store keys holds: 1024 for a small job (a rank publishes up to
+    that many steps ahead of its oldest unresolved one: a 0.25 s pass of a loop at 4000 steps/s),
+    fewer as the world grows, so the store holds at most ~65,536 keys (64 steps at least)."""
+    return max(64, min(1024, 65536 // (world_size + 1)))
+
+
 class StoreNormExchange:
     """Cross-rank sum of sharded sums of squares through the c10d store (background thread).
 
     Each rank ``publish``es its local value under a step slot; rank 0 ``poll``s until all are in,
     combines them and publishes the global norm; every other rank ``poll``s for that. ``poll``
-    never blocks (``store.check``), so a slow or dead rank only delays the number. Keys are
-    reused every ``slots`` steps, so the store holds at most ``slots * (world_size + 1)`` keys.
+    never blocks (``store.check`` before any read), so a slow or dead rank only delays the number.
+    Keys are reused every ``slots`` steps (by default from the world size, ``_default_slots``),
+    so the store holds at most ``slots * (world_size + 1)`` keys; a value carries its step, and
+    one from a slot's earlier step is never taken for a later one. ``publish_many`` and
+    ``poll_many`` do the same for many steps in a few store calls (a pass's records): a fast
+    loop's steps go through the store together, not one round trip each. The caller keeps a
+    rank's published, unresolved steps within ``slots`` of each other (``GradNormEnricher``), so
+    no slot is written again before every rank has read it.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, *, prefix: str = "stepwatch/gradnorm", slots: int = 64) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, *, prefix: str = "stepwatch/gradnorm",
+                 slots: int | None = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size) and world_size >= 1, got rank={rank}, world_size={world_size}")
+        if slots is None:
+            slots = _default_slots(world_size)
         if slots < 2:
             raise ValueError(f"slots must be >= 2, got {slots}")
         self.store, self.rank, self.world_size = store, rank, world_size
@@ -1083,32 +1100,134 @@ class StoreNormExchange:
     def _key(self, step: int, who: str) -> str:
         return f"{self.prefix}/{step % self.slots}/{who}"
 
+    def _set_many(self, keys: list[str], values: list[str]) -> None:
+        if len(keys) == 1:
+            self.store.set(keys[0], values[0])
+        elif keys:
+            multi_set = getattr(self.store, "multi_set", None)
+            if multi_set is not None:
+                multi_set(keys, values)
+            else:
+                for k, v in zip(keys, values):
+                    self.store.set(k, v)
+
     def publish(self, step: int, local: tuple[float, float]) -> None:
-        self.store.set(self._key(step, str(self.rank)), f"{step} {float(local[0])!r} {float(local[1])!r}")
+        self.publish_many([(step, local)])
+
+    def publish_many(self, items: Sequence[tuple[int, tuple[float, float]]]) -> None:
+        """This rank's local values of several steps, in one store call where it has ``multi_set``."""
+        me = str(self.rank)
+        self._set_many([self._key(s, me) for s, _ in items],
+                       [f"{s} {float(local[0])!r} {float(local[1])!r}" for s, local in items])
 
     def poll(self, step: int) -> float | None:
         """The global norm of ``step`` once available, else None."""
-        if self.rank == 0:
-            keys = [self._key(step, str(r)) for r in range(self.world_size)]
-            if not self.store.check(keys):
-                return None
-            vals = []
-            for raw in self.store.multi_get(keys):
-                s, sq, rep = raw.decode().split()
-                if int(s) != step:
-                    return None  # an older step's value still in this slot
-                vals.append((float(sq), float(rep)))
-            norm = combine_sharded(vals)
-            self.store.set(self._key(step, "global"), f"{step} {norm!r}")
-            return norm
-        key = self._key(step, "global")
-        if not self.store.check([key]):
-            return None
-        s, norm = self.store.get(key).decode().split()
-        return float(norm) if int(s) == step else None
+        return self.poll_many([step]).get(step)
+
+    def poll_many(self, steps: Sequence[int], *, combine: bool = False) -> dict[int, float]:
+        """The global norms available now of ``steps`` (given in order), by step. It reads up to
+        the first step whose keys are not all in the store (a binary search of ``check`` calls,
+        then one ``multi_get``): records leave in order, so the later ones would wait behind it
+        anyway. Rank 0 (or any rank with ``combine``: every rank's value is in, the global norm
+        is not, as at shutdown after rank 0 has gone) combines the ranks' values itself; rank 0
+        publishes what it combined for the others."""
+        if not steps:
+            return {}
+        mine = combine or self.rank == 0
+        who = [str(r) for r in range(self.world_size)] if mine else ["global"]
+        keys = [[self._key(s, w) for w in who] for s in steps]
+        n = self._in_store(keys)
+        if not n:
+            return {}
+        raw = self.store.multi_get([k for ks in keys[:n] for k in ks])
+        out: dict[int, float] = {}
+        per = len(who)
+        for i, s in enumerate(steps[:n]):
+            try:
+                if mine:
+                    vals = []
+                    for item in raw[i * per:(i + 1) * per]:
+                        got, sq, rep = item.decode().split()
+                        if int(got) != s:
+                            break  # an older step's value still in this slot
+                        vals.append((float(sq), float(rep)))
+                    if len(vals) == per:
+                        out[s] = combine_sharded(vals)
+                else:
+                    got, norm = raw[i].decode().split()
+                    if int(got) == s:
+                        out[s] = float(norm)
+            except (ValueError, UnicodeDecodeError):  # not a value of ours: not taken
+                continue
+        if self.rank == 0 and out:
+            self._set_many([self._key(s, "global") for s in out], [f"{s} {v!r}" for s, v in out.items()])
+        return out
+
+    def _in_store(self, keys: list[list[str]]) -> int:
+        """How many of the leading steps have all their keys in the store."""
+        check = self.store.check
+        n = len(keys)
+        if check([k for ks in keys for k in ks]):
+            return n
+        lo, hi = 0, n  # steps [0, lo) are in; [0, hi) are not all in
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if check([k for ks in keys[lo:mid] for k in ks]):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
 
 # ----------------------------------------------------------------------------- findings
+
+
+class GradNormSources:
+    """Which optimizers made a record's norm, from the enricher to the spike detector (both on
+    the pipeline's thread; the record has no field for it, and needs none in its schema).
+
+    The enricher notes a record here only when its norm comes from other optimizers than the
+    first it ever saw (a second model's, say): a job with one optimizer, nearly every job, notes
+    nothing, and its records keep the detector's one history. Keyed by the record's id, holding
+    the record (an id is never another record's while it is held); the detector takes the entry
+    when it observes the record. Bounded: one that is never observed (a detector that failed and
+    was left out) is dropped after ``_CAP`` newer ones."""
+
+    _CAP = 4096
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, tuple[Any, Any]] = {}
+
+    def note(self, rec: Any, key: Any) -> None:
+        by_id = self.by_id
+        by_id[id(rec)] = (rec, key)
+        if len(by_id) > self._CAP:
+            try:
+                del by_id[next(iter(by_id))]
+            except (StopIteration, RuntimeError, KeyError):  # another session's thread changed it meanwhile
+                pass
+
+    def take(self, rec: Any) -> Any:
+        """The record's key (None: the first optimizer's, or not noted)."""
+        got = self.by_id.pop(id(rec), None)
+        if got is None:
+            return None
+        return got[1] if got[0] is rec else None
+
+
+
+class _Window:
+    """One rolling history of finite norms: in arrival order and sorted (the median without a
+    sort per record), and whether a spike episode is open."""
+
+    __slots__ = ("recent", "sorted", "in_spike")
+
+    def __init__(self) -> None:
+        from collections import deque
+
+        self.recent: deque[float] = deque()
+        self.sorted: list[float] = []
+        self.in_spike = False
 
 
 class GradNormSpikeDetector:
@@ -1118,42 +1237,74 @@ class GradNormSpikeDetector:
     when the norm exceeds ``abs_threshold`` (reference B.7: 10) or ``factor`` x the rolling
     median of the last ``window`` finite norms (after ``min(window, 10)`` of them), once per
     episode: re-armed when the norm is back under both thresholds.
+
+    The rolling history is kept per optimizer (per set of optimizers, for a record whose step
+    stepped several): a process that trains two models with optimizers of their own (a small
+    probe beside the main model, stepping in turn) has two scales of norm, and one median over
+    both called one model's ordinary norm a spike of the other's. ``GradNormEnricher`` says
+    which optimizers made a record's norm (``sources``, the one it was given); the first it saw keeps the main
+    history, each other one gets its own (at most ``_MAX_HISTORIES``, the least recently used
+    dropped first).
     """
 
-    def __init__(self, abs_threshold: float = 10.0, factor: float = 5.0, window: int = 100) -> None:
+    _MAX_HISTORIES = 16
+
+    def __init__(self, abs_threshold: float = 10.0, factor: float = 5.0, window: int = 100,
+                 sources: "GradNormSources | None" = None) -> None:
         if not abs_threshold > 0 or not factor > 1 or window < 2:
             raise ValueError(
                 "abs_threshold must be > 0, factor > 1 and window >= 2; got "
                 f"abs_threshold={abs_threshold!r}, factor={factor!r}, window={window!r}"
             )
-        from collections import deque
-
         self.abs_threshold, self.factor, self.window = abs_threshold, factor, window
-        self._recent: deque[float] = deque()
-        self._sorted: list[float] = []  # the same norms, sorted: the median without a sort per record
-        self._in_spike = False
+        self._main = _Window()  # the first optimizer's norms (a job's only one, nearly always)
+        self._others: dict[Any, _Window] = {}  # other optimizers' (sets'), least recently used first
+        self.sources = sources if sources is not None else GradNormSources()  # shared with the enricher
 
-    def _median(self) -> float | None:
-        s = self._sorted
+    # the main history's norms, in order and sorted (tests read them)
+    @property
+    def _recent(self) -> Any:
+        return self._main.recent
+
+    @property
+    def _sorted(self) -> list[float]:
+        return self._main.sorted
+
+    def _history(self, key: Any) -> _Window:
+        if key is None:
+            return self._main
+        others = self._others
+        w = others.pop(key, None)
+        if w is None:
+            w = _Window()
+            if len(others) >= self._MAX_HISTORIES:
+                del others[next(iter(others))]
+        others[key] = w  # most recently used last
+        return w
+
+    def _median(self, w: _Window | None = None) -> float | None:
+        s = (w or self._main).sorted
         n = len(s)
         if n < min(self.window, 10):
             return None
         return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2  # as statistics.median
 
-    def _add(self, norm: float) -> None:
-        if len(self._recent) == self.window:
-            old = self._recent.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        self._recent.append(norm)
-        bisect.insort(self._sorted, norm)
+    def _add(self, norm: float, w: _Window | None = None) -> None:
+        w = w or self._main
+        if len(w.recent) == self.window:
+            old = w.recent.popleft()
+            del w.sorted[bisect.bisect_left(w.sorted, old)]
+        w.recent.append(norm)
+        bisect.insort(w.sorted, norm)
 
     def observe(self, rec: Any) -> list[Any]:
         """The session's detector interface: a ``StepRecord`` in, findings out."""
         norm = rec.grad_norm
         if norm is None:
             return []
+        key = self.sources.take(rec) if self.sources.by_id else None
         if math.isfinite(norm):  # the common case, without a result object
-            f = self._finite(rec.step, norm, rec.rank, rec.time)
+            f = self._finite(rec.step, norm, rec.rank, rec.time, key)
         else:
             res = GradNormResult(norm, (0.0, norm), False, True, bool(rec.skipped), False)
             f = self.observe_result(rec.step, res, rank=rec.rank, when=rec.time)
@@ -1162,21 +1313,23 @@ class GradNormSpikeDetector:
     def observe_many(self, records: list[Any]) -> list[Any]:
         """``observe`` over a pass's records in one call: the same findings, in order."""
         out = []
-        finite, isfinite = self._finite, math.isfinite
+        finite, isfinite, sources = self._finite, math.isfinite, self.sources
         for rec in records:
             norm = rec.grad_norm
             if norm is None:
                 continue
             if isfinite(norm):
-                f = finite(rec.step, norm, rec.rank, rec.time)
+                f = finite(rec.step, norm, rec.rank, rec.time, sources.take(rec) if sources.by_id else None)
                 if f is not None:
                     out.append(f)
             else:
                 out.extend(self.observe(rec))
         return out
 
-    def observe_result(self, step: int | None, result: GradNormResult, *, rank: int = 0, when: float | None = None) -> Any:
-        """Returns a ``Finding`` or None. ``result.norm`` must be the global norm (combined)."""
+    def observe_result(self, step: int | None, result: GradNormResult, *, rank: int = 0, when: float | None = None,
+                       key: Any = None) -> Any:
+        """Returns a ``Finding`` or None. ``result.norm`` must be the global norm (combined);
+        ``key`` names the optimizers that made it (None: the main history)."""
         norm = result.norm
         if result.nonfinite or (norm is not None and not math.isfinite(norm)):
             from ..analysis.kinds import make_finding
@@ -1191,22 +1344,24 @@ class GradNormSpikeDetector:
             )
         if norm is None:
             return None
-        return self._finite(step, norm, rank, when)
+        return self._finite(step, norm, rank, when, key)
 
-    def _finite(self, step: int | None, norm: float, rank: int, when: float | None) -> Any:
-        """A finite norm: into the window; a ``grad_norm_spike`` Finding once per episode, else None."""
-        median = self._median()
-        self._add(norm)
+    def _finite(self, step: int | None, norm: float, rank: int, when: float | None, key: Any = None) -> Any:
+        """A finite norm: into its optimizer's window; a ``grad_norm_spike`` Finding once per
+        episode, else None."""
+        w = self._main if key is None else self._history(key)
+        median = self._median(w)
+        self._add(norm, w)
         over_abs = norm > self.abs_threshold
         over_rel = median is not None and median > 0 and norm > self.factor * median
         if not (over_abs or over_rel):
-            self._in_spike = False
+            w.in_spike = False
             return None
-        if self._in_spike:
+        if w.in_spike:
             return None
         from ..analysis.kinds import make_finding
 
-        self._in_spike = True
+        w.in_spike = True
         why = f"above {self.abs_threshold:g}" if over_abs else f"{norm / median:.1f}x the rolling median {median:.3g}"
         return make_finding(
             "grad_norm_spike",
@@ -1220,6 +1375,16 @@ class GradNormSpikeDetector:
 
 # ----------------------------------------------------------------------------- record enricher
 
+# Shutdown's final pass: how long the exchange waits for the other ranks' values (or rank 0's
+# global norms) of the records still held, before they leave with what came (null at worst).
+# It runs inside the pipeline's shutdown budget (_pipeline.SHUTDOWN_TIMEOUT_S), beside the
+# straggler exchange's own 0.5 s.
+FINAL_WAIT_S = 0.5
+_FINAL_POLL_S = 0.01
+# A step published for the other ranks' sake after its own record left (a non-finite local
+# norm is NaN at once): forgotten if its global norm has not come in this long (a peer gone).
+_ORPHAN_S = 30.0
+
 
 class GradNormEnricher:
     """Background thread: fills ``record.grad_norm`` from ``extras["grad_norm"]`` (the
@@ -1227,13 +1392,143 @@ class GradNormEnricher:
     (sharded grads) still awaited from the other ranks; with ``force`` it gives up (None).
     ``exchange`` is a ``StoreNormExchange`` for sharded (FSDP2) grads; without one, a sharded norm
     is None (unknown) rather than this rank's partial value.
+
+    Sharded norms go through the store a pass's records at a time: the pipeline hands every
+    record it holds to ``look_ahead`` once a pass, which publishes each one whose local value is
+    in (not only the oldest's: one step per pass could never keep up with a fast loop) and polls
+    the global norms of all of them; ``enrich`` then takes each record's as the pipeline lets
+    them go, in order. A rank publishes no step ``slots`` or more past its oldest unresolved one
+    (the store's ring, see ``StoreNormExchange``). A non-finite local value is NaN at once, and
+    is still published: the other ranks' records of that step get their (non-finite) global
+    norm instead of waiting for the hold bound. A record whose other ranks' values never come
+    leaves when the pipeline forces it (``_pipeline._MAX_HOLD_S``, or shutdown), with the norm
+    combined from the values in the store if every rank's is there, else None. A store that
+    fails (its host process gone) ends the exchange: sharded norms are None from then on, with
+    one warning.
     """
 
-    def __init__(self, exchange: "StoreNormExchange | Callable[[], StoreNormExchange | None] | None" = None) -> None:
+    def __init__(self, exchange: "StoreNormExchange | Callable[[], StoreNormExchange | None] | None" = None,
+                 sources: "GradNormSources | None" = None) -> None:
+        self.sources = sources if sources is not None else GradNormSources()  # the spike detector's (GradNormSources)
         # A callable is asked on first need: the process group often starts after stepwatch.
         self._make = exchange if callable(exchange) and not isinstance(exchange, StoreNormExchange) else None
         self.exchange = None if self._make is not None else exchange
-        self._published: set[int] = set()
+        self._waiting: dict[int, float] = {}  # steps published, global norm not in yet -> when published
+        self._gone: set[int] = set()  # rank 0: of those, steps whose record left (NaN), combined for the others
+        self._norms: dict[int, float] = {}  # global norms polled in, not yet taken by their record
+        self._first_key: Any = None  # the first optimizers seen: their records' norms need no note (GradNormSources)
+        self._failed = False  # the store failed: no exchange any more
+
+    def _ex(self) -> "StoreNormExchange | None":
+        if self.exchange is None and self._make is not None and not self._failed:
+            self.exchange = self._make()
+        return None if self._failed else self.exchange
+
+    def _store_failed(self, exc: BaseException) -> None:
+        self._failed = True
+        self._waiting.clear()
+        self._gone.clear()
+        warn_once(
+            "grads.store",
+            "stepwatch: the grad-norm exchange through the c10d store failed (%s: %s); sharded grad "
+            "norms are null from here on",
+            type(exc).__name__, exc, log=log,
+        )
+
+    def _note(self, rec: Any, pend: Sequence[PendingGradNorm]) -> None:
+        """Tell the spike detector which optimizers made this norm when they are not the first ones."""
+        key = pend[0].optimizer_id if len(pend) == 1 else tuple(sorted({p.optimizer_id for p in pend}))
+        if self._first_key is None:
+            self._first_key = key
+        elif key != self._first_key:
+            self.sources.note(rec, key)
+
+    def _publish(self, ex: StoreNormExchange, items: list[tuple[int, tuple[float, float]]]) -> None:
+        if not items:
+            return
+        ex.publish_many(items)
+        now = time.monotonic()
+        for s, _ in items:
+            self._waiting[s] = now
+
+    def _poll(self, ex: StoreNormExchange, steps: list[int], *, combine: bool = False) -> None:
+        if not steps:
+            return
+        for s, norm in ex.poll_many(steps, combine=combine).items():
+            self._waiting.pop(s, None)
+            if s in self._gone:
+                self._gone.discard(s)
+            else:
+                self._norms[s] = norm
+        if len(self._norms) > 4 * ex.slots:  # records that never came to take theirs
+            for s in sorted(self._norms)[: len(self._norms) - 2 * ex.slots]:
+                del self._norms[s]
+
+    def _poll_orphans(self, ex: StoreNormExchange) -> None:
+        """Rank 0: the global norms of steps whose own record has left (non-finite), which the
+        other ranks' records of those steps wait for; forgotten after ``_ORPHAN_S``."""
+        gone = self._gone
+        if not gone:
+            return
+        self._poll(ex, sorted(gone))
+        now = time.monotonic()
+        for s in [s for s in gone if s not in self._waiting or now - self._waiting[s] > _ORPHAN_S]:
+            gone.discard(s)
+            self._waiting.pop(s, None)
+
+    def look_ahead(self, items: Sequence[tuple[Any, dict[str, Any]]], *, final: bool = False) -> None:
+        """The pipeline's held records this enricher has not finished (oldest first), once a pass:
+        publish the local value of each one that has it, poll the global norms of all (a
+        bounded wait for them in shutdown's ``final`` pass)."""
+        waiting, norms = self._waiting, self._norms
+        ex = None
+        batch: list[tuple[int, tuple[float, float]]] = []
+        want: list[int] = []
+        lo = None
+        for rec, extras in items:
+            pend = extras.get("grad_norm")
+            if not pend or not any(p.sharded for p in pend):  # plain and DDP grads: nothing to exchange
+                continue
+            if ex is None:
+                ex = self._ex()
+                if ex is None:
+                    return
+                lo = min(waiting) if waiting else None
+            s = rec.step
+            if s in norms:
+                continue
+            if s in waiting:
+                want.append(s)
+                continue
+            r = GradNormCollector.resolve_step(pend)
+            if not r or not r.sharded:  # still on the device: tried again next pass
+                continue
+            if lo is not None and s - lo >= ex.slots:
+                break  # the ring is full up to here: the rest once older steps are resolved
+            batch.append((s, r.local))
+            want.append(s)
+            lo = s if lo is None else min(lo, s)
+        if ex is None:  # no sharded record held: rank 0 may still owe the others a non-finite step's norm
+            ex = None if self._failed else self.exchange
+            if ex is None or not self._gone:
+                return
+        try:
+            self._publish(ex, batch)
+            self._poll_orphans(ex)
+            want = [s for s in want if s in waiting and s not in self._gone]
+            self._poll(ex, want)
+            if final:
+                # Shutdown: every other rank combines the values itself as soon as they are all in
+                # (rank 0 may be shutting down too, or gone): one wait on the slowest rank, not two.
+                deadline = time.monotonic() + FINAL_WAIT_S
+                while time.monotonic() < deadline:
+                    want = [s for s in want if s in waiting]
+                    if not want:
+                        break
+                    time.sleep(_FINAL_POLL_S)
+                    self._poll(ex, want, combine=True)
+        except RuntimeError as exc:  # torch.distributed.DistError: the store's host is gone
+            self._store_failed(exc)
 
     def enrich(self, rec: Any, extras: dict[str, Any], *, force: bool) -> bool:
         pend = extras.get("grad_norm")
@@ -1249,23 +1544,54 @@ class GradNormEnricher:
             return True
         if not r.sharded:
             rec.grad_norm = r.norm
+            if r.norm is not None:
+                self._note(rec, pend)
             return True
-        if r.nonfinite:
-            rec.grad_norm = float("nan")  # no need to wait for the others: it is not finite
-            return True
-        if self.exchange is None and self._make is not None:
-            self.exchange = self._make()
-        if self.exchange is None:
+        ex = self._ex()
+        if ex is None:
             rec.grad_norm = None
             return True
-        if rec.step not in self._published:
-            self.exchange.publish(rec.step, r.local)
-            self._published.add(rec.step)
-            if len(self._published) > 4 * self.exchange.slots:
-                self._published = {s for s in self._published if s > rec.step - self.exchange.slots}
-        norm = self.exchange.poll(rec.step)
-        if norm is None and not force:
-            return False
+        s = rec.step
+        norm = self._norms.pop(s, None)
+        if norm is None:
+            try:
+                norm = self._fetch(ex, s, r, force)
+            except RuntimeError as exc:  # torch.distributed.DistError: the store's host is gone
+                self._store_failed(exc)
+                norm = None
+            if norm is False:
+                return False
+        elif r.nonfinite:
+            norm = float("nan")
         rec.grad_norm = norm
-        self._published.discard(rec.step)
+        if norm is not None:
+            self._note(rec, pend)
         return True
+
+    def _fetch(self, ex: StoreNormExchange, s: int, r: GradNormResult, force: bool) -> float | None | bool:
+        """``enrich`` of a sharded record whose global norm no look-ahead has brought: publish it
+        (a record that did not wait), poll it; False to wait."""
+        waiting = self._waiting
+        if s not in waiting:
+            if waiting and s - min(waiting) >= ex.slots and not (force or r.nonfinite):
+                return False  # the store's ring is full
+            self._publish(ex, [(s, r.local)])
+        if r.nonfinite:
+            # No need to wait for the others: it is not finite. Published all the same: the other
+            # ranks' records of this step get their global norm (NaN or inf) without waiting for
+            # ours; rank 0 still combines it for them (``_gone``).
+            if ex.rank == 0:
+                self._gone.add(s)
+            else:
+                waiting.pop(s, None)
+            return float("nan")
+        self._poll_orphans(ex)
+        self._poll(ex, [s])
+        norm = self._norms.pop(s, None)
+        if norm is None:
+            if not force:
+                return False
+            # given up: every rank's value may be in without rank 0's global norm (rank 0 gone)
+            norm = ex.poll_many([s], combine=True).get(s) if ex.rank != 0 else None
+            waiting.pop(s, None)
+        return norm
