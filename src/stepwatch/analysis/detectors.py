@@ -149,9 +149,11 @@ class UnseenForwardCheck:
 
 
 def collective_s(rec: StepRecord) -> float | None:
-    """Time the step stood in collectives outside its own compute: the exposed AllReduce
-    (``comm_exposed_s``: DDP's buckets outside backward compute), else the union of the step's
-    collectives (``comm_s``: other ops, FSDP's); None when no collective was measured."""
+    """Time the step stood in collectives outside its own compute: the exposed communication
+    (``comm_exposed_s``: DDP's buckets outside backward compute, with the training thread's time
+    blocked in the job's own collectives and in ``Work.wait()``: a barrier, a logging all_reduce,
+    FSDP2's all-gathers; comm/blocked.py), else the union of the step's collectives (``comm_s``:
+    FSDP's on a GPU, whose waits are the streams'); None when no collective was measured."""
     return rec.comm_exposed_s if rec.comm_exposed_s is not None else rec.comm_s
 
 

@@ -1,7 +1,8 @@
 """Communication: AllReduce time and overlap with backward, bus bandwidth, stragglers (docs/comm.md).
 
 ``install(hub)`` wires everything in through the session's hub (``_feature.py``): a collector
-on the training thread (spans of DDP buckets and FSDP2 collectives), an enricher on the
+on the training thread (spans of DDP buckets and FSDP2 collectives, and the training thread's
+time blocked in the job's own collectives and in ``Work.wait()``), an enricher on the
 background thread (comm_s, allreduce_s, comm_exposed_s, overlap, algbw/busbw, comm_wait_s), and
 detectors (overlap, busbw, the cross-rank straggler exchange). Importing this package is cheap; torch loads at install.
 """
@@ -28,6 +29,7 @@ class CommFeature:
         self.collector: Any = None
         self.ddp: Any = None
         self.collectives: Any = None
+        self.blocked: Any = None
         self.enricher: Any = None
         self.stragglers: Any = None
         self.overlap: Any = None
@@ -36,7 +38,8 @@ class CommFeature:
         self.final_pass: Any = lambda: False  # the hub's: True during shutdown's last pass
 
     def stop(self) -> None:
-        for part in (self.ddp, self.collectives):
+        # The blocked-time wrappers sit above fsdp.py's (installed after them): removed first.
+        for part in (self.blocked, self.collectives, self.ddp):
             if part is not None:
                 part.uninstall()
 
@@ -76,6 +79,7 @@ def install(hub: "Hub") -> CommFeature | None:
 
         logger.info("torch.distributed is not available: communication is not measured")
         return None
+    from .blocked import BlockedTimer
     from .findings import LowBusbwDetector, OverlapDetector
     from .fsdp import CollectivePatches
     from .hooks import DDPCommHooks
@@ -98,10 +102,14 @@ def install(hub: "Hub") -> CommFeature | None:
     feat.enricher = CommEnricher(cfg.window, large_sink=_large_sink(feat.busbw), timeline=timeline)
     feat.ddp = DDPCommHooks(feat.collector, hub.report_error)
     feat.collectives = CollectivePatches(feat.collector, hub.report_error)
+    # The training thread's time blocked in the job's own collectives and in Work.wait():
+    # exposed communication, not compute (blocked.py).
+    feat.blocked = BlockedTimer(feat.collector, hub.tracker, hub.report_error)
     feat.ddp.install()
     feat.collectives.install()
+    feat.blocked.install()
     hub.add_enricher(feat.enricher)
-    feat.overlap = OverlapDetector(cfg.window, cfg.overlap_threshold)
+    feat.overlap = OverlapDetector(cfg.window, cfg.overlap_threshold, exposed_of=feat.enricher.ddp_exposed_s)
     ctx = hub.ctx
     enricher = feat.enricher
 

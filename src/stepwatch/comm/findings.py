@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ..analysis.detectors import WindowedDetector
 from ..analysis.kinds import make_finding
@@ -80,16 +80,28 @@ def verdict(busbw: float, nbytes: int, base: dict[str, Any] | None) -> str:
 class OverlapDetector(WindowedDetector):
     """B.2: overlap of AllReduce with backward should exceed 80%."""
 
-    def __init__(self, window: int, threshold: float, repeat_windows: int = 20) -> None:
+    def __init__(self, window: int, threshold: float, repeat_windows: int = 20,
+                 exposed_of: Callable[[StepRecord], float | None] | None = None) -> None:
         super().__init__(window, repeat_windows)
         self.threshold = threshold
+        # The AllReduce part of a record's comm_exposed_s (the enricher's ``ddp_exposed_s``): the
+        # time blocked in the job's other collectives (a logging all_reduce, a barrier) is in
+        # comm_exposed_s too, and no bucket setting hides it. Default: comm_exposed_s itself.
+        self._exposed_of = exposed_of or (lambda r: r.comm_exposed_s)
 
     def judge(self, window: list[StepRecord]) -> Finding | None:
-        recs = [r for r in window if r.overlap is not None and r.comm_exposed_s is not None]
+        recs, ex = [], []
+        for r in window:
+            if r.overlap is None or r.comm_exposed_s is None:
+                continue
+            e = self._exposed_of(r)
+            if e is not None:
+                recs.append(r)
+                ex.append(e)
         if len(recs) < max(2, len(window) // 2):
             return None
         ov = sum(r.overlap for r in recs) / len(recs)
-        exposed = sum(r.comm_exposed_s for r in recs) / len(recs)
+        exposed = sum(ex) / len(recs)
         step = sum(r.step_s for r in recs) / len(recs)
         if ov >= self.threshold or exposed < MIN_EXPOSED_SHARE * step:
             return None

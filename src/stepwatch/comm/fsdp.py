@@ -9,10 +9,12 @@ stepwatch wraps those four functions. What is measured (see docs/comm.md):
   (``async_op=True``, FSDP's case) or the call's return (synchronous call);
 - bytes: the gathered output (all-gather) or the input being reduced (reduce-scatter).
 
-What is not: how much of it the training thread waited for. FSDP2 waits inside its own
-module hooks (``work.wait()`` in its pre-forward / pre-backward) and checks that the work is a
-``torch.distributed.Work``, so the work object cannot be wrapped to time that wait. Records of
-steps with FSDP collectives therefore carry ``comm_s`` but no exposure or overlap.
+How much of it the training thread waited for is timed by blocked.py, not here: FSDP2 waits
+inside its own module hooks (``work.wait()`` in its pre-forward / pre-backward) and checks that
+the work is a ``torch.distributed.Work``, so the work object is not wrapped; ``Work.wait`` is
+patched on the class instead, and blocked.py's wrappers sit above these (a synchronous call, as
+FSDP2 makes on gloo, blocks from call to return). Records of steps with host-timed FSDP
+collectives carry that as ``comm_exposed_s``; no overlap (it is DDP's AllReduce measure).
 
 Any caller of these four functions is timed (not only FSDP): they are collectives all the same.
 """

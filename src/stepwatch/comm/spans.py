@@ -92,14 +92,39 @@ class CommCollector(Collector):
         self.dropped = 0  # spans not kept because a step already held MAX_SPANS
         # Forward-end device event of the step (CUDA only): start of backward compute on the device.
         self._fwd_end_ev: Any = None
+        # The training thread's blocked intervals (host ns) in collectives (blocked.py), of this
+        # step and of the next one (blocked after this step's end was pending: the next step's
+        # time); handed over as extras["comm"]["blocked"] once ``blocked_on`` (the timer is in).
+        self.blocked_on = False
+        self._blk: list[tuple[int, int]] = []
+        self._blk_next: list[tuple[int, int]] = []
 
     def take(self) -> Any:
-        buf = self._buf
-        if not buf and self._fwd_end_ev is None:
+        buf, blk = self._buf, self._blk
+        if not buf and self._fwd_end_ev is None and not blk:
+            if self._blk_next:  # blocked after the end of the step ending now: the next one's
+                self._blk, self._blk_next = self._blk_next, blk
             return None  # a step without collectives keeps its list: no allocation a step
         self._buf = []  # a span issued meanwhile from another thread goes to the next step
         ev, self._fwd_end_ev = self._fwd_end_ev, None
-        return {"spans": buf, "fwd_end_ev": ev}
+        out = {"spans": buf, "fwd_end_ev": ev}
+        if self.blocked_on:
+            out["blocked"] = blk  # given away: the next step's list is another
+            self._blk, self._blk_next = self._blk_next, []
+        return out
+
+    def blocked(self, t0: int, t1: int, next_step: bool) -> None:
+        """The training thread stood in a collective from ``t0`` to ``t1`` (host ns), in this
+        step, or (``next_step``: the step's end was pending) in the next. Training thread only."""
+        if self._on_first is not None:
+            self._first()
+        buf = self._blk_next if next_step else self._blk
+        if len(buf) < MAX_SPANS:
+            buf.append((t0, t1))
+        elif buf[-1][1] < t1:
+            # A step of more than MAX_SPANS blocking calls (a per-parameter all_reduce loop):
+            # the last interval stretches to this one's end (the gap between counts with it).
+            buf[-1] = (buf[-1][0], t1)
 
     def set_forward_end_event(self, ev: Any) -> None:
         if self._on_first is not None:

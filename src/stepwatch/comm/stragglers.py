@@ -3,7 +3,8 @@
 The DDP trap: a slow rank makes every other rank wait inside AllReduce, so all ranks show the
 same step time, and the fast ranks show the *most* communication time. Naming the rank with the
 most comm time names a victim. stepwatch compares *compute* instead: step time minus data wait
-minus exposed communication (the time this rank sat in collectives after its own compute ended).
+minus exposed communication (the time this rank sat in collectives after its own compute ended:
+DDP's exposed AllReduce, and its time blocked in any other collective or wait, comm/blocked.py).
 
 Exchange (background thread only; never a collective, never a blocking wait):
 

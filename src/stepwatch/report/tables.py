@@ -132,6 +132,21 @@ def phases(s: Summary) -> Table:
     return t
 
 
+def _waited_for_others(s: Summary, rank: int) -> bool:
+    """The slowest rank's mean step time exceeds the quickest other rank's mostly by exposed
+    communication (at least half of the difference): time it stood in collectives -- a barrier
+    after rank 0's save, a rank-0-only evaluation, a slower peer -- which is the others' to fix."""
+    me = s.per_rank[rank]
+    others = [st for r, st in s.per_rank.items() if r != rank and st.steady_step_mean is not None]
+    if me.steady_step_mean is None or me.comm_exposed_mean is None or not others:
+        return False
+    low = min(others, key=lambda st: st.steady_step_mean)
+    if low.comm_exposed_mean is None:
+        return False
+    excess = me.steady_step_mean - low.steady_step_mean
+    return excess > 0 and me.comm_exposed_mean - low.comm_exposed_mean >= 0.5 * excess
+
+
 def per_rank(s: Summary) -> Table:
     headers = ["rank", "steps", "skipped", "p50", "p99", "mean", "data wait", "forward",
                "backward", "optimizer", "other", "comm exposed", "peak mem"]
@@ -142,8 +157,12 @@ def per_rank(s: Summary) -> Table:
     rows, tags, notes = [], [], []
     for r, st in s.per_rank.items():
         marks = []
+        waited = False
         if r == s.slowest_rank:
-            marks.append("slowest step time")
+            waited = _waited_for_others(s, r)
+            marks.append("slowest step time, most of it exposed communication: it waited in collectives for the "
+                         "other ranks (their checkpoint_s, eval_s or slower steps), not its own work"
+                         if waited else "slowest step time")
         if r == s.slowest_compute_rank:
             marks.append("most work (step time less data wait and exposed comm, per step)")
         if r == s.most_data_wait_rank:
@@ -158,7 +177,7 @@ def per_rank(s: Summary) -> Table:
         ])
         if with_host:
             rows[-1].insert(1, str(info.get(r, {}).get("host", fmt.UNKNOWN)))
-        tags.append("warn" if marks else "")
+        tags.append(("info" if waited and len(marks) == 1 else "warn") if marks else "")
     t = Table("Per rank (means per step)", headers, rows, tags, notes)
     if len(s.per_rank) > 1 and any(x.comm_exposed_mean is None for x in s.per_rank.values()):
         t.notes.append(
