@@ -71,3 +71,20 @@ def native(tmp_path_factory):
         return _testing.load_native(tmp_path_factory.mktemp("native"))
     except RuntimeError as exc:
         pytest.skip(f"native extension not built and cannot be compiled here: {exc}")
+
+
+@pytest.fixture
+def one_rank_group():
+    """A real one-rank gloo process group for the test (torch.distributed), destroyed after it."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()

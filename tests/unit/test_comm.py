@@ -322,23 +322,6 @@ def test_config_fields_parse_and_name_the_variable():
 # -- DDP hook patching over a real one-rank gloo group -----------------------------------------
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    try:
-        yield dist
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture
 def ddp_hooks():
     from stepwatch.comm.hooks import DDPCommHooks

@@ -6,7 +6,6 @@ Over a real one-rank gloo group, with the timer alone (a stand-in for the step t
 and through a real session; then the enricher's arithmetic (no time counted twice) and the
 detectors that read it."""
 
-import socket
 import threading
 import time
 
@@ -17,23 +16,6 @@ from stepwatch.comm.spans import ALL_GATHER, ALLREDUCE, CommCollector, Span
 from stepwatch.record import StepRecord
 
 MS = 1_000_000  # ns
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    try:
-        yield dist
-    finally:
-        dist.destroy_process_group()
 
 
 class FakeTracker:
