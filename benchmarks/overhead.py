@@ -8,12 +8,14 @@ Three tables, all from one process (four with ``--crossings``):
    module -> backward -> AdamW) runs in >= 10 interleaved blocks: stepwatch off, then each
    variant below, every block, for three step sizes (~0.5, ~2, ~20 ms). Each variant's figure is
    the training thread's own CPU time per step (``time.thread_time``: immune to other processes on
-   the machine; the background thread's GIL hand-offs still show) minus the off block's of the same
-   round, as the median over blocks with its inter-quartile range. Variants are cumulative (each
+   the machine; the background thread's GIL hand-offs still show) minus the mean of the two off
+   blocks run just before and just after it (a drift of the machine's speed across the three
+   blocks cancels; a reference a whole round earlier did not), as the median over rounds with its
+   inter-quartile range. Variants are cumulative (each
    adds one feature to the previous) and alone (the foundation plus that one feature). A
    ``floor`` row is stepwatch off with the loop computing ``vector_norm(stack(_foreach_norm))``
    itself: the grad-norm floor as the loop pays it (the loop target is 40 us + that). An
-   ``off again`` row is stepwatch off against the same round's off block: the machine's own
+   ``off again`` row is stepwatch off against its two off neighbours, the same way: the machine's own
    spread, the resolution of every other row (a figure inside it is not resolved). Then the
    cyclic GC's collections on the training thread per 1000 steps and the time spent in them.
 2. Hot, in isolation, the training thread alone: the pipeline's thread is paused while these
@@ -62,7 +64,7 @@ logging.disable(logging.WARNING)  # "no peak TFLOP/s known" once per block, "GPU
 
 SIZES = {"0.5": ("~0.5 ms", 8, 4), "2": ("~2 ms", 256, 64), "20": ("~20 ms", 768, 192)}
 FLOOR = "floor (off, loop norms)"  # stepwatch off; the loop computes vector_norm(stack(_foreach_norm))
-# Stepwatch off again, against the round's first off block: what the machine alone moves a
+# Stepwatch off again, against the off blocks on either side: what the machine alone moves a
 # difference by. A figure inside this row's spread is not resolved by this run.
 OFF_AGAIN = "off again (noise)"
 NO_GRAD_NORM = 1_000_000  # grad_norm_every: probe once, then never (FLOPs/tokens without grad-norm); the config maximum
@@ -197,18 +199,26 @@ def in_the_loop(blocks: int, steps: int, sizes: list[str], run_dir: str) -> dict
         gcs: dict[str, list[tuple[list[float], float]]] = {name: [] for name, _ in vs}
         gcs["off"] = []
         off_all = []
-        for i in range(blocks):  # interleaved: off, then every variant, each round
-            off = run_block()
-            off_all.append(off)
+        for i in range(blocks):  # interleaved: each round runs every variant, each between two off blocks
+            before = run_block()
+            off_all.append(before)
             gcs["off"].append(GC.last)
-            added[FLOOR].append(run_block(norm=True) - off)
-            added[OFF_AGAIN].append(run_block() - off)
-            for name, cfg in vs:
-                stepwatch.init(dir=os.path.join(run_dir, f"{s}-{i}-{name.replace(' ', '_')}"), console="off", **cfg)
-                on = run_block()
-                gcs[name].append(GC.last)
-                stepwatch.shutdown()
-                added[name].append(on - off)
+            for name, cfg in [(FLOOR, None), (OFF_AGAIN, None)] + vs:
+                if name == FLOOR:
+                    on = run_block(norm=True)
+                elif name == OFF_AGAIN:
+                    on = run_block()
+                else:
+                    stepwatch.init(dir=os.path.join(run_dir, f"{s}-{i}-{name.replace(' ', '_')}"), console="off", **cfg)
+                    on = run_block()
+                    gcs[name].append(GC.last)
+                    stepwatch.shutdown()
+                after = run_block()
+                # against the mean of the off blocks on either side: the machine drifts by up to
+                # 1.8x within seconds (benchmarks/results/cpu-2026-12-05-s27/noise.txt); a reference
+                # a block away on each side cancels a linear drift, one 15 blocks earlier does not
+                added[name].append(on - (before + after) / 2)
+                before = after
         offs[s] = _q([x * 1e6 for x in off_all])
         for name in added:
             table.setdefault(name, {})[s] = _q([x * 1e6 for x in added[name]])
