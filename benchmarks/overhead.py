@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py [--blocks 10] [--steps 120] [--sizes 0.5,2,20] [--crossings 40]
 
-Three tables, all from one process (four with ``--crossings``):
+Three tables, all from one process (four with ``--crossings``), pinned to one CPU (``--cpu``):
 
 1. In the loop (the figure a user sees). The same CPU training loop (DataLoader -> model -> loss
    module -> backward -> AdamW) runs in >= 10 interleaved blocks: stepwatch off, then each
@@ -286,7 +286,7 @@ def crossings(blocks: int, steps: int, run_dir: str) -> None:
     added: dict[str, list[float]] = {n: [] for n in names}
     real = stepwatch
     for i in range(blocks):
-        off = run_block()
+        before = run_block()
         for name in names:
             s = real.init(dir=os.path.join(run_dir, f"x-{i}-{names.index(name)}"), console="off", **FOUNDATION)
             run_block()  # roots found, FLOP-free warm-up: every wrapper in place
@@ -300,7 +300,9 @@ def crossings(blocks: int, steps: int, run_dir: str) -> None:
             finally:
                 stepwatch = real
                 real.shutdown()
-            added[name].append(on - off)
+            after = run_block()
+            added[name].append(on - (before + after) / 2)  # between two off blocks, as table 1
+            before = after
     found, found_iqr = _q([x * 1e6 for x in added["foundation"]])
     print(f"  {'foundation, all crossings':>28} {found:7.1f} us [IQR {found_iqr:5.1f}]")
     for name, _ in CROSSINGS:
@@ -576,12 +578,35 @@ def background(run_dir: str) -> float:
     return bg
 
 
+def pin(cpu: int | None, p: argparse.ArgumentParser) -> None:
+    """Run the process (every thread it starts inherits this) on one CPU. Unpinned, the training
+    thread moves between this VM's two vCPUs, whose speed differs by up to 1.8x for seconds at a
+    time, and stepwatch's own thread changes where the scheduler puts it: a block with stepwatch
+    on then ran on the other vCPU, faster or slower, more often than one with it off
+    (benchmarks/results/cpu-2026-12-06-s28/pinning.txt). Pinned, both threads share one vCPU;
+    the pipeline's thread does no work during most blocks (a pass every 0.25 s) and its cost is
+    table 3's."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if cpu == -1:
+        print(f"not pinned (CPUs {allowed})")
+        return
+    if cpu is None:
+        cpu = allowed[-1]
+    elif cpu not in allowed:
+        p.error(f"--cpu: {cpu} is not among the CPUs this process may use {allowed} (or -1: not pinned)")
+    os.sched_setaffinity(0, {cpu})
+    print(f"pinned to CPU {cpu} (--cpu -1: not pinned)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=10)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--sizes", default="0.5,2,20", help="comma-separated: 0.5, 2, 20 (ms per step)")
     p.add_argument("--hot-n", type=int, default=20000)
+    p.add_argument("--cpu", type=int, default=None, metavar="N",
+                   help="run the whole process on CPU N (default: the highest this process may use; "
+                        "-1: not pinned)")
     p.add_argument("--crossings", type=int, default=0, metavar="BLOCKS",
                    help="also table 4: the foundation's hook crossings in the ~0.5 ms loop, over BLOCKS blocks (40 is readable)")
     args = p.parse_args()
@@ -590,6 +615,7 @@ def main() -> None:
     if bad:
         p.error(f"--sizes: {bad} not among {list(SIZES)}")
     torch.set_num_threads(1)
+    pin(args.cpu, p)
     with tempfile.TemporaryDirectory() as d:
         loop = in_the_loop(args.blocks, args.steps, sizes, d)
         h = hot(d, args.hot_n)
