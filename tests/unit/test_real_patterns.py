@@ -925,6 +925,76 @@ def test_activation_checkpointing_trains_the_same_and_gets_its_grad_norms(sw, re
     _all_identity(recs)
 
 
+class _SleepyStack(nn.Sequential):
+    """An ``nn.Sequential`` whose first layer sleeps ``ms`` a call: a forward whose time is known,
+    checkpointed whole (``checkpoint(model, x)``) or in segments (``checkpoint_sequential``)."""
+
+    def __init__(self, ms):
+        class Sleep(nn.Module):
+            def forward(self, x):
+                time.sleep(ms / 1e3)
+                return x
+
+        super().__init__(Sleep(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _train_ckpt_whole(how, reentrant, steps=5, ms=20):
+    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+    torch.manual_seed(0)
+    m = _SleepyStack(ms)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=g, requires_grad=reentrant)
+        if how == "whole":
+            out = checkpoint(m, x, use_reentrant=reentrant)
+        else:
+            out = checkpoint_sequential(m, 2, x, use_reentrant=reentrant)
+        out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_whole_model_checkpoint_recompute_is_backward_time_once(sw, reentrant):
+    """``checkpoint(model, x)``: the backward calls the model again (the recompute). That call was
+    timed as forward while the backward's clock ran too: forward_s twice the forward, the phases
+    more than step_s (other_s clamped at 0), and step 0's backward held stepwatch's one-off FLOP
+    count of the recompute call (kept out of step_s only)."""
+    stepwatch, mem, start = sw
+    start()
+    _train_ckpt_whole("whole", reentrant)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 5
+    _all_identity(recs)
+    for r in recs:
+        assert 0.018 <= r.forward_s < 0.034, (r.step, r.forward_s)  # one 20 ms forward, not two
+        assert r.backward_s >= 0.018, (r.step, r.backward_s)  # the recompute's sleep is backward time
+        assert r.samples == 8, (r.step, r.samples)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpoint_sequential_of_the_model_is_its_forward(sw, reentrant):
+    """``checkpoint_sequential(model, segments, x)`` runs the model's layers one by one and never
+    calls the model: its forward was other_s, and samples and FLOPs null, with a warning that
+    blamed ``model.forward(x)``. The call is now the model's forward (torch's function looked up
+    through ``torch.utils.checkpoint`` after stepwatch started, as here)."""
+    stepwatch, mem, start = sw
+    start()
+    _train_ckpt_whole("sequential", reentrant)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 5
+    _all_identity(recs)
+    for r in recs:
+        assert 0.018 <= r.forward_s < 0.034, (r.step, r.forward_s)
+        assert r.backward_s >= 0.018, (r.step, r.backward_s)  # the first segment's recompute
+        assert r.samples == 8, (r.step, r.samples)
+    assert all(r.flops for r in recs[1:]), [r.flops for r in recs]
+
+
 class _Slow(nn.Module):
     """A linear layer whose forward also sleeps ``ms``: a model whose time is known."""
 
@@ -975,6 +1045,29 @@ def test_a_teacher_forward_without_grad_is_the_steps_forward_not_evaluation(sw, 
         if loader:
             assert r.data_wait_s >= 8 * 0.002, r  # eight 2 ms transforms: still data time
     assert not [r for r in mem.records if r.tail]  # nothing left over as evaluation
+
+
+def test_a_frozen_eval_mode_teacher_called_first_counts_no_samples_at_step_0(sw):
+    """Distillation with the teacher frozen by ``requires_grad_(False)`` and ``teacher.eval()``
+    (grad left on), called twice before the student: the teacher was the model at the run's first
+    call, so step 0 counted its two calls' samples as the step's (24 for a batch of 8); every
+    later step counted 8. Every step counts the student's batch."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    teacher.requires_grad_(False)
+    student = nn.Linear(16, 4)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    for x in torch.randn(40, 16).split(8):
+        t = (teacher(x).softmax(-1) + teacher(x + 0.1).softmax(-1)) / 2
+        nn.functional.cross_entropy(student(x), t).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert [r.samples for r in recs] == [8] * 5
+    assert recs[0].flops == recs[1].flops  # the teacher's FLOPs stay the step's
 
 
 def test_an_evaluation_loop_of_many_no_grad_calls_stays_evaluation(sw):

@@ -139,7 +139,9 @@ class UnseenForwardCheck:
                     "unseen-forward",
                     "stepwatch: rank %d: steps up to %d ran backward but no module call was timed as forward. A "
                     "model called as model.forward(x) instead of model(x) bypasses nn.Module.__call__ and every "
-                    "hook on it (call the module itself: model(x)); a forward written as plain tensor code, with "
+                    "hook on it (call the module itself: model(x)); so does checkpoint_sequential(model, ...) "
+                    "imported before stepwatch started (it calls the layers, never the model: start stepwatch "
+                    "first, or call torch.utils.checkpoint.checkpoint_sequential); a forward written as plain tensor code, with "
                     "no nn.Module, has nothing to hook. Its time is in other_s, and FLOPs, MFU and samples are null.",
                     r.rank,
                     r.step,

@@ -798,6 +798,11 @@ static PyObject *Core_forward_begin(Core *self, PyObject *grad) {
     ENABLED_OR_RETURN(self, Py_NewRef(Py_None));
     {
         OUTERMOST(self, enter, _fwd_depth);
+        {
+            /* inside a backward: a checkpointed root's recompute, the backward's time (phases.py) */
+            TRUTH(self, _bwd_depth, bd);
+            if (bd) Py_RETURN_NONE;
+        }
         NOW(t);
         if (begin_work(self, &t) < 0) goto error;
         {
@@ -847,6 +852,10 @@ static PyObject *Core_forward_end(Core *self, PyObject *unused) {
     }
     {
         OUTERMOST(self, leave, _fwd_depth);
+        {
+            TRUTH(self, _bwd_depth, bd); /* a recompute inside a backward (forward_begin) */
+            if (bd) Py_RETURN_NONE;
+        }
         NOW(t);
         if (nvtx_pop(self) < 0) goto error;
         if (set_phase(self, PH_OTHER) < 0) goto error;

@@ -33,7 +33,10 @@ What is hooked, and why this way:
   module hook would do it for loops without an optimizer too, but torch.compile traces global
   hooks, and it would cost every module call until it fired). A root called inside a DataLoader
   fetch (an ``nn.Module`` transform in ``Dataset.__getitem__``) is data loading: its calls are
-  not timed or observed.
+  not timed or observed. A root called again inside a backward (the recompute of
+  ``checkpoint(model, x)``) is backward time. ``torch.utils.checkpoint.checkpoint_sequential``,
+  which calls a model's layers and never the model, is wrapped: given a root, the call is that
+  root's forward (not seen when the script imported the function before ``init``).
   A heap frozen by ``gc.freeze()`` hides what it froze from ``gc.get_objects()``: then the scan
   also walks the references from the calling frames' locals and ``__main__`` (:func:`_reachable`).
 - No optimizer: when no ``torch.optim.Optimizer`` exists at the first backward (or
@@ -134,6 +137,8 @@ class Instrumentation:
 
         self._patch(torch.autograd, "backward", _Backward(self, torch.autograd.backward))
         self._patch(torch.autograd, "grad", _Grad(self, torch.autograd.grad))
+        ckpt = torch.utils.checkpoint
+        self._patch(ckpt, "checkpoint_sequential", _checkpoint_sequential(self, ckpt.checkpoint_sequential))
 
         it_cls = dataloader._BaseDataLoaderIter
         self._patch(it_cls, "__next__", _DataNext(self, it_cls.__next__))
@@ -644,6 +649,26 @@ class Instrumentation:
             else:
                 object.__setattr__(m, "_compiled_call_impl", call.inner if before is _INNER else before)
         self._calls.clear()
+
+
+def _checkpoint_sequential(inst: "Instrumentation", orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.utils.checkpoint.checkpoint_sequential``, wrapped: given a hooked root (an
+    ``nn.Sequential`` model checkpointed in segments), it calls the model's layers one by one and
+    never the model, so no root call saw its forward (other_s, samples and FLOPs null). The call
+    is the root's forward here, through a root call of its own (the observers see the model and
+    its input, as for ``model(x)``); anything else passes as it is."""
+
+    @functools.wraps(orig)
+    def checkpoint_sequential(functions: Any, segments: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        call = getattr(functions, "__dict__", _NO_DICT).get("_compiled_call_impl")
+        if not isinstance(call, _RootCallBase) or call.inst is not inst:
+            return orig(functions, segments, input, *args, **kwargs)
+        return _RootCall(inst, functions, lambda x: orig(functions, segments, x, *args, **kwargs))(input)
+
+    return checkpoint_sequential
+
+
+_NO_DICT: dict[str, Any] = {}
 
 
 def _found_inf(scaler: Any, optimizer: Any) -> Any:

@@ -294,7 +294,9 @@ class _PyCore:
             return
         try:
             self._fwd_depth += 1
-            if self._fwd_depth > 1:
+            if self._fwd_depth > 1 or self._bwd_depth:
+                # inside a backward: the recompute of a checkpointed root (checkpoint(model, x)),
+                # the backward's own time (timed as forward too, it was counted twice)
                 return
             t = self._begin_work()
             self._fwd_paused_opt = self._pause_opt(t) if self._opt_depth else False
@@ -323,7 +325,7 @@ class _PyCore:
             return
         try:
             self._fwd_depth -= 1
-            if self._fwd_depth:
+            if self._fwd_depth or self._bwd_depth:  # a recompute inside a backward (forward_begin)
                 return
             t = _now()
             if self._nvtx is not None:
@@ -916,6 +918,16 @@ class _Methods:
             self._last_fetch_t0 += ns
         for name in self._phase_t0:  # the user's open phases (a FLOP count inside "fwd")
             self._phase_t0[name] += ns
+        # The phase whose clock runs leaves it out too: a FLOP count of a root's first call made
+        # inside a backward (a checkpointed model's recompute) was kept out of step_s but stayed
+        # in backward_s. The innermost clock runs: an optimizer's unless a closure paused it, a
+        # backward's unless an optimizer inside it paused it, a forward's (timed outside a backward).
+        if self._fwd_depth and not self._bwd_depth:
+            self._fwd_t0 += ns
+        elif self._opt_depth and not self._opt_paused:
+            self._opt_t0 += ns
+        elif self._bwd_depth:
+            self._bwd_t0 += ns
         if self._prev_end is not None:
             self._own += ns
 

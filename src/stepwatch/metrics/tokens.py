@@ -581,7 +581,7 @@ class _ThroughputMethods(Collector):
             self._unbatched(module, args, kwargs, counts)
         self._remember(module, args, kwargs, fc, counts)
         if getattr(module, "training", True) is False:
-            self._hold((fc, counts))
+            self._hold((fc, counts), mid)
             return
         self._items.append((fc, counts))
         self._appended = True
@@ -595,7 +595,7 @@ class _ThroughputMethods(Collector):
             self._items.pop()
         self._appended = False
 
-    def _hold(self, item: tuple[Any, BatchCounts | None]) -> None:
+    def _hold(self, item: tuple[Any, BatchCounts | None], mid: int) -> None:
         """A call of a root in eval mode with grad enabled opens an eval span (hooks/phases.py):
         a validation loop without ``torch.no_grad()``, or the step's own forward (a model trained
         in eval mode). Its item waits for the tracker's judgement (``on_eval_span``); past
@@ -607,16 +607,20 @@ class _ThroughputMethods(Collector):
         if kept is None:
             return
         if len(kept) < IN_STEP_NO_GRAD_CALLS:
-            kept.append(item)
+            kept.append((item, mid))
         else:
             self._held = (held[0], None)  # evaluation: nothing of this span is kept
 
     def on_eval_span(self, evaluation: bool) -> None:
         """Training thread, when the tracker closes an eval span: evaluation drops what the span's
-        eval-mode calls left; the step's own work adds it to the step."""
+        eval-mode calls left; the step's own work adds it to the step, its samples and tokens only
+        from calls of the root that is the model now. A frozen teacher in eval mode called before
+        the student was the model at the run's first call, until the student's call took over:
+        step 0 counted the teacher's calls as samples too (three times the batch with two)."""
         held, self._held = self._held, None
         if held is not None and held[1] and not evaluation and held[0] is self._items:
-            self._items.extend(held[1])
+            token = self._token_root
+            self._items.extend(item if mid == token else (item[0], None) for item, mid in held[1])
 
     def on_reevaluation(self, begins: bool) -> None:
         """Training thread: an optimizer's closure evaluated again within one step (LBFGS) runs the
