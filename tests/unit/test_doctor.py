@@ -84,6 +84,10 @@ def test_doctor_text_and_storage_in_process(tmp_path, monkeypatch, capsys):
     assert "not an existing directory" in capsys.readouterr().err
     assert main(["doctor", "--storage", str(tmp_path), "--storage-jobs", "0"]) == 2
     assert "--storage-jobs" in capsys.readouterr().err
+    # without --storage too: exit 2 before any check, naming the argument (they passed with 0)
+    for arg, bad in (("--storage-jobs", "0"), ("--storage-size-mb", "-5"), ("--storage-seconds", "0")):
+        assert main(["doctor", "--no-attach", arg, bad]) == 2, arg
+        assert f"stepwatch doctor: {arg} must be" in capsys.readouterr().err
 
 
 def test_storage_measure_small(tmp_path):

@@ -117,6 +117,20 @@ def test_rules_cli_bad_input_names_the_argument(capsys):
     assert "--ttft-p99-slo" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cmd", ["rules", "dashboard"])
+def test_an_output_that_cannot_be_written_is_one_line_naming_it(tmp_path, capsys, cmd):
+    """``-o`` a directory (or below a file) raised IsADirectoryError's traceback."""
+    assert main([cmd, "-o", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"stepwatch {cmd}: error: cannot write {str(tmp_path)!r}" in err and "-o FILE" in err
+    assert "Traceback" not in err
+    (tmp_path / "f").write_text("")
+    assert main([cmd, "-o", str(tmp_path / "f" / "x.yml")]) == 1
+    if cmd == "rules":
+        assert main([cmd, "-o", str(tmp_path / "r.yml"), "--tests", str(tmp_path)]) == 1
+        assert "--tests FILE" in capsys.readouterr().err
+
+
 def test_yaml_writer_quotes_promql_safely():
     text = _yaml.dump({"a": [{"expr": 'x{a="b"} > 0 # not a comment', "n": 1.5, "e": []}], "b": {}})
     assert '"x{a=\\"b\\"} > 0 # not a comment"' in text

@@ -127,6 +127,11 @@ def test_errors_by_finished_reason():
     f = [x for x in Detectors(Thresholds()).check("u", w, w) if x.kind == "serving_errors"]
     assert len(f) == 1
     assert f[0].data["errors"] == 4.0 and f[0].data["finished"] == 36.0
+    assert " over 60 s on " in f[0].summary, f[0].summary
+    # a short scrape window says its length, not "over 0 s"
+    w = Window(Scrape(0, 0, parse_metrics(a)), Scrape(0.5, 0.5, parse_metrics(b)))
+    f = [x for x in Detectors(Thresholds()).check("u", w, w) if x.kind == "serving_errors"]
+    assert " over 0.5 s on " in f[0].summary, f[0].summary
     # the real window has no errors: no finding
     w0 = Window(Scrape(0, 0, parse_metrics(a)), Scrape(60, 60, parse_metrics(text("metrics-0.32.0-idle-after-load.txt"))))
     assert not [x for x in Detectors(Thresholds()).check("u", w0, w0) if x.kind == "serving_errors"]

@@ -107,16 +107,16 @@ def render(checks: list[Check]) -> str:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    """Bad arguments fail before any check runs, naming the argument."""
-    if args.storage is not None:
-        if not os.path.isdir(args.storage):
-            raise ValueError(f"--storage {args.storage!r}: not an existing directory")
-        if args.storage_size_mb < 1:
-            raise ValueError(f"--storage-size-mb must be >= 1, got {args.storage_size_mb}")
-        if not 1 <= args.storage_jobs <= MAX_JOBS:
-            raise ValueError(f"--storage-jobs must be between 1 and {MAX_JOBS}, got {args.storage_jobs}")
-        if not args.storage_seconds > 0:
-            raise ValueError(f"--storage-seconds must be > 0, got {args.storage_seconds}")
+    """Bad arguments fail before any check runs, naming the argument (the storage test's numbers
+    with or without ``--storage``: a bad one is a mistake either way)."""
+    if args.storage is not None and not os.path.isdir(args.storage):
+        raise ValueError(f"--storage {args.storage!r}: not an existing directory")
+    if args.storage_size_mb < 1:
+        raise ValueError(f"--storage-size-mb must be >= 1, got {args.storage_size_mb}")
+    if not 1 <= args.storage_jobs <= MAX_JOBS:
+        raise ValueError(f"--storage-jobs must be between 1 and {MAX_JOBS}, got {args.storage_jobs}")
+    if not args.storage_seconds > 0:
+        raise ValueError(f"--storage-seconds must be > 0, got {args.storage_seconds}")
 
 
 class _Terminated(BaseException):

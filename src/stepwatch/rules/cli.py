@@ -26,27 +26,35 @@ def register(sub: Any) -> None:
         description="Write Prometheus alerting rules for stepwatch's training metrics, GPU health under the "
         "DCGM exporter's names, and vLLM serving; --tests also writes a `promtool test rules` file.",
     )
-    p.add_argument("-o", "--output", default="-", help="rules file (default: stdout)")
+    p.add_argument("-o", "--output", default="-", help="rules file, its missing folders made (default: stdout)")
     p.add_argument("--tests", metavar="FILE", help="also write a promtool test file for the rules (needs -o FILE)")
     p.add_argument("--ttft-p99-slo", type=_positive, default=2.0, metavar="S", help="TTFT P99 SLO in seconds (default 2)")
     p.add_argument("--itl-p99-slo", type=_positive, default=0.1, metavar="S", help="inter-token latency P99 SLO in seconds (default 0.1)")
     p.set_defaults(func=_rules)
 
     d = sub.add_parser("dashboard", help="write a Grafana dashboard JSON", description="Write a Grafana dashboard for stepwatch's metrics.")
-    d.add_argument("-o", "--output", default="-", help="dashboard file (default: stdout)")
+    d.add_argument("-o", "--output", default="-", help="dashboard file, its missing folders made (default: stdout)")
     d.add_argument("--title", default="stepwatch")
     d.add_argument("--uid", default="stepwatch")
     d.set_defaults(func=_dashboard)
 
 
-def _write(path: str, text: str) -> None:
+def _write(path: str, text: str, cmd: str, option: str) -> bool:
+    """``text`` to ``path`` (its missing folders made), or to stdout for ``-``. A path that cannot
+    be written (a directory, a read-only place) is one line naming it and ``option``, not a
+    traceback: False."""
     if path == "-":
         sys.stdout.write(text)
-        return
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+        return True
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        print(f"stepwatch {cmd}: error: cannot write {path!r} ({e.strerror or e}); choose another file with "
+              f"{option}", file=sys.stderr)
+        return False
+    return True
 
 
 def _rules(args: argparse.Namespace) -> int:
@@ -58,15 +66,18 @@ def _rules(args: argparse.Namespace) -> int:
     t = alerts.Thresholds(ttft_p99_s=args.ttft_p99_slo, itl_p99_s=args.itl_p99_slo)
     al = alerts.build(t)
     header = "Prometheus alerting rules written by `stepwatch rules`. Names: docs/metrics.md."
-    _write(args.output, _yaml.dump(alerts.rules_doc(al), header))
+    if not _write(args.output, _yaml.dump(alerts.rules_doc(al), header), "rules", "-o FILE"):
+        return 1
     if args.tests:
         rel = os.path.relpath(os.path.abspath(args.output), os.path.dirname(os.path.abspath(args.tests)))
-        _write(args.tests, _yaml.dump(alerts.tests_doc(al, rel), "Run: promtool test rules " + os.path.basename(args.tests)))
+        doc = _yaml.dump(alerts.tests_doc(al, rel), "Run: promtool test rules " + os.path.basename(args.tests))
+        if not _write(args.tests, doc, "rules", "--tests FILE"):
+            return 1
     return 0
 
 
 def _dashboard(args: argparse.Namespace) -> int:
     from . import dashboard
 
-    _write(args.output, json.dumps(dashboard.build(args.title, args.uid), indent=2) + "\n")
-    return 0
+    text = json.dumps(dashboard.build(args.title, args.uid), indent=2) + "\n"
+    return 0 if _write(args.output, text, "dashboard", "-o FILE") else 1

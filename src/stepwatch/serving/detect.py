@@ -91,6 +91,12 @@ def _series_data(server: str, key: Labels) -> dict[str, Any]:
     return {"server": server, **dict(key), "subject": _subject(server, key)}
 
 
+def _secs(s: float) -> str:
+    """A window's length as a summary says it: whole seconds, or tenths below 10 s (a 0.5 s
+    scrape window read "over 0 s")."""
+    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+
+
 def _who(server: str, key: Labels) -> str:
     d = dict(key)
     parts = [f"engine {d['engine']}" if "engine" in d else "", d.get("model_name", ""), server]
@@ -190,7 +196,7 @@ class Detectors:
                 if p99 is not None and p99 > th.ttft_p99_s and self._may_fire("ttft_slo", server, key, now):
                     out.append(make_finding(
                         "ttft_slo", rank=0, step=None, when=wall,
-                        summary=f"TTFT P99 {p99:.3f} s > SLO {th.ttft_p99_s:g} s over the last {slo.seconds:.0f} s on {_who(server, key)}",
+                        summary=f"TTFT P99 {p99:.3f} s > SLO {th.ttft_p99_s:g} s over the last {_secs(slo.seconds)} on {_who(server, key)}",
                         data={**_series_data(server, key), "ttft_p99_s": p99, "slo_s": th.ttft_p99_s, "window_s": round(slo.seconds, 1),
                               "kv_cache_usage": latest.gauge(N.KV_USAGE).get(key), "waiting": latest.gauge(N.WAITING).get(key)},
                     ))
@@ -207,7 +213,7 @@ class Detectors:
                 if self._episode(kind, server, key, p99 > limit):
                     out.append(make_finding(
                         kind, rank=0, step=None, when=wall,
-                        summary=f"{what} P99 {p99 * 1e3:.0f} ms > {limit * 1e3:g} ms over the last {slo.seconds:.0f} s on {_who(server, key)}",
+                        summary=f"{what} P99 {p99 * 1e3:.0f} ms > {limit * 1e3:g} ms over the last {_secs(slo.seconds)} on {_who(server, key)}",
                         data={**self._episode_data(kind, server, key, now), "p99_s": p99, "threshold_s": limit, "window_s": round(slo.seconds, 1),
                               "running": latest.gauge(N.RUNNING).get(key), "waiting": latest.gauge(N.WAITING).get(key),
                               "kv_cache_usage": latest.gauge(N.KV_USAGE).get(key)},
@@ -247,8 +253,8 @@ class Detectors:
                 if self._episode("prefill_rate_drop", server, key, waiting > 0 and rate < th.prefill_drop * med):
                     out.append(make_finding(
                         "prefill_rate_drop", rank=0, step=None, when=wall,
-                        summary=(f"prompt tokens {rate:.0f}/s over the last {latest.seconds:.0f} s, < {th.prefill_drop:.0%} of "
-                                 f"their median {med:.0f}/s over {now - hist[0][0]:.0f} s, while {waiting:.0f} requests wait, "
+                        summary=(f"prompt tokens {rate:.0f}/s over the last {_secs(latest.seconds)}, < {th.prefill_drop:.0%} of "
+                                 f"their median {med:.0f}/s over {_secs(now - hist[0][0])}, while {waiting:.0f} requests wait, "
                                  f"on {_who(server, key)}"),
                         data={**self._episode_data("prefill_rate_drop", server, key, now), "prompt_tokens_per_s": rate, "median_per_s": med,
                               "threshold_share": th.prefill_drop, "waiting": waiting, "intervals": len(hist),
@@ -261,7 +267,7 @@ class Detectors:
                 if acc is not None and acc < th.spec_acceptance and self._may_fire("spec_decode_acceptance", server, key, now):
                     out.append(make_finding(
                         "spec_decode_acceptance", rank=0, step=None, when=wall,
-                        summary=f"speculative decoding accepts {acc:.2f} of draft tokens (< {th.spec_acceptance}) over {slo.seconds:.0f} s on {_who(server, key)}",
+                        summary=f"speculative decoding accepts {acc:.2f} of draft tokens (< {th.spec_acceptance}) over {_secs(slo.seconds)} on {_who(server, key)}",
                         data={**_series_data(server, key), "acceptance": acc, "threshold": th.spec_acceptance, "window_s": round(slo.seconds, 1)},
                     ))
 
@@ -274,7 +280,7 @@ class Detectors:
                 if total >= th.error_min_requests and bad / total > th.error_ratio and self._may_fire("serving_errors", server, key, now):
                     out.append(make_finding(
                         "serving_errors", rank=0, step=None, when=wall,
-                        summary=f"{bad:.0f} of {total:.0f} finished requests ended in error ({bad / total:.1%} > {th.error_ratio:.0%}) over {slo.seconds:.0f} s on {_who(server, key)}",
+                        summary=f"{bad:.0f} of {total:.0f} finished requests ended in error ({bad / total:.1%} > {th.error_ratio:.0%}) over {_secs(slo.seconds)} on {_who(server, key)}",
                         data={**_series_data(server, key), "errors": bad, "finished": total, "ratio": bad / total,
                               "threshold": th.error_ratio, "window_s": round(slo.seconds, 1)},
                     ))
@@ -284,7 +290,7 @@ class Detectors:
                 if total >= th.error_min_requests and bad / total > th.error_ratio and self._may_fire("serving_errors", server, (("source", "http"),), now):
                     out.append(make_finding(
                         "serving_errors", rank=0, step=None, when=wall,
-                        summary=f"{bad:.0f} of {total:.0f} HTTP responses were 5xx ({bad / total:.1%} > {th.error_ratio:.0%}) over {slo.seconds:.0f} s on {server}",
+                        summary=f"{bad:.0f} of {total:.0f} HTTP responses were 5xx ({bad / total:.1%} > {th.error_ratio:.0%}) over {_secs(slo.seconds)} on {server}",
                         data={"server": server, "source": "http", "subject": _subject(server, (("source", "http"),)), "errors": bad, "finished": total, "ratio": bad / total,
                               "threshold": th.error_ratio, "window_s": round(slo.seconds, 1)},
                     ))
