@@ -908,6 +908,48 @@ def test_a_one_process_capture_starts_right_after_the_decision(sw, tmp_path):
     assert meta["reason"] == "step_time_spike" and meta["first_step"] <= 31 + 30, meta
 
 
+def test_a_capture_the_job_outran_names_the_steps_it_ran_and_blames_no_teardown(sw, tmp_path):
+    """A capture still recording when the loop ends: its last step ends only at shutdown's flush,
+    so its step range ran through the script's teardown. The trace analysis reported that teardown
+    (here 0.4 s of Python without an op) as a ``trace_idle_gaps`` warning "in" the last step, with
+    an action to move it off the step; the capture was named for steps the job never ran. The
+    capture now records where each step ended, and the analysis takes the steps as recorded."""
+    import glob
+
+    import torch
+
+    stepwatch, mem, start = sw
+    start(capture="on", watchdog="off", window=20, capture_steps=50)
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    model = torch.nn.Linear(1, 1)
+    for i in range(60):
+        model(p.view(1, 1)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.01)
+        if i == 30:
+            time.sleep(0.4)  # a spike: the capture starts a few steps later and outlasts the loop
+    time.sleep(0.4)  # the script's teardown: no step's
+    stepwatch.shutdown()
+    (meta,) = [json.load(open(f)) for f in glob.glob(str(tmp_path / "run" / "captures" / "capture-*.rank0.json"))]
+    assert meta["last_step"] == 59 and meta["trace"].endswith(f"steps{meta['first_step']}-59.rank0.trace.json.gz")
+    ends = {int(k): v for k, v in meta["step_ends"].items()}
+    assert sorted(ends) == list(range(meta["first_step"], 60)) and list(ends.values()) == sorted(ends.values())
+    analysis = tmp_path / "run" / "captures" / os.path.basename(meta["trace"]).replace(".trace.json.gz", ".analysis.json")
+    deadline = time.monotonic() + 120
+    while not analysis.exists() and time.monotonic() < deadline:  # its process may outlive the job's shutdown
+        time.sleep(0.2)
+    got = json.load(open(analysis))
+    assert got["gaps"] and max(g["dur_us"] for g in got["gaps"]) < 200_000, got["gaps"]  # no 0.4 s in a step
+    assert {g["step"] for g in got["gaps"]} <= set(ends), got["gaps"]
+    # the same trace read by its step ranges alone: the teardown is the last step's largest gap
+    from stepwatch.traces.analyse import analyse
+
+    ranges = analyse(meta["trace"])
+    assert max(g["dur_us"] for g in ranges["gaps"]) >= 300_000, ranges["gaps"]
+
+
 def test_a_listener_that_removes_itself_runs_once_and_the_next_one_still_runs(sw):
     """One-shot step-end listeners (the first step's peak lookup, the scan after a model was
     copied) take themselves off the list the step's end is walking: taken off in place, the

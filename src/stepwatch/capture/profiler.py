@@ -305,6 +305,8 @@ class CaptureManager:
         a = self.active
         if a is not None:
             self._close_range()
+            if ended >= a["first"]:
+                a["ends"][ended] = self._ended_at(a["t0"])
             if ended >= a["last"]:
                 self._stop()
             else:
@@ -364,7 +366,18 @@ class CaptureManager:
         span = [first, math.inf]
         self._ours = self._ours[-7:] + (span,)  # one assignment: the reader sees the old or the new tuple
         self.active = {"sc": sc, "prof": prof, "first": first, "last": first + sc.steps - 1, "t0": time.time(),
-                       "span": span}
+                       "span": span, "ends": {}}
+
+    def _ended_at(self, since: float) -> float:
+        """Wall-clock time the step that just ended did (the tracker's end, not now: the job's last
+        step ends only at its shutdown's flush, after the script's teardown). Now where the
+        tracker's clock says nothing later than ``since`` (the capture's start; a test's clock)."""
+        t = time.time()
+        end = getattr(self.hub.tracker, "_prev_end", None)
+        if not isinstance(end, int):
+            return t
+        at = t - max(time.perf_counter_ns() - end, 0) / 1e9
+        return at if at >= since else t
 
     def _open_range(self, step: int) -> None:
         from torch.autograd.profiler import record_function
@@ -434,6 +447,8 @@ class CaptureManager:
                 "bytes": os.path.getsize(trace),
                 "pyspy": (os.path.join(self.dir, f"pyspy-{sc.pyspy_req}.rank{r}.txt") if sc.pyspy_req else None),
                 "nsys": self.nsys is not None,
+                # where each step ended (wall clock): the analysis takes the steps as recorded
+                "step_ends": {str(n): t for n, t in sorted(a["ends"].items())},
             }
             write_json_private(os.path.join(self.dir, f"{stem}.json"), meta)
             with self._lock:
@@ -462,7 +477,8 @@ class CaptureManager:
         ctx = {"capture": meta["capture"], "reason": meta["reason"], "first_step": meta["first_step"],
                "last_step": meta["last_step"], "trace": meta["trace"]}
         cmd = [exe, "-m", "stepwatch.traces.worker", "--trace", meta["trace"], "--out", out, "--rank", str(meta["rank"]),
-               "--step", str(meta["first_step"]), "--context", json.dumps(ctx)]
+               "--step", str(meta["first_step"]), "--context", json.dumps(ctx),
+               "--step-ends", json.dumps(meta.get("step_ends") or {})]
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, close_fds=True)
         with self._lock:
@@ -506,7 +522,10 @@ class CaptureManager:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.active is not None:
+        a = self.active
+        if a is not None:
+            if a["ends"] and max(a["ends"]) < a["last"]:  # the job ended first: name the steps it ran
+                a["last"] = max(a["ends"])
             try:
                 self._stop()
             except Exception as e:

@@ -39,10 +39,11 @@ def trace_files(paths: list[str]) -> list[str]:
 
 
 def analyse_with_findings(path: str, *, rank: int | None = None, step: int | None = None, when: float | None = None,
-                          context: dict[str, Any] | None = None) -> dict[str, Any]:
+                          context: dict[str, Any] | None = None,
+                          step_ends: dict[int, float] | None = None) -> dict[str, Any]:
     """``analyse`` plus its ``findings`` (as dicts): the ``--json`` object of one rank."""
     from .findings import findings_for
 
-    s = analyse(path, rank=rank)
+    s = analyse(path, rank=rank, step_ends=step_ends)
     s["findings"] = [f.to_dict() for f in findings_for(s, step=step, when=when, context=context)]
     return s

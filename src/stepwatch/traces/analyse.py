@@ -334,13 +334,42 @@ def _rank_of(meta: dict[str, Any], path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS) -> dict[str, Any]:
-    """The summary of one trace file (the ``--json`` object of docs/traces.md, findings aside)."""
+def _steps_as_recorded(steps: list[tuple[float, float, int, Any, str]], ends: dict[int, float],
+                       base_us: float) -> list[tuple[float, float, int, Any, str]]:
+    """stepwatch's step ranges as its records count the steps, from where each step ended (``ends``:
+    step -> wall-clock seconds, the capture's ``step_ends``; ``base_us``: the trace's
+    ``baseTimeNanoseconds`` in µs, its ``ts`` being µs after it): step N runs from step N-1's end
+    to its own. A range only closes when the next step's first phase begins, which for the job's
+    last step is its shutdown: the script's teardown after the loop was a gap "in" that step. A
+    range of a step that never ended (opened by the last step's end at shutdown) is no step. Other
+    ranges (``ProfilerStep#``) stay as they are."""
+    ours = sorted(r for r in steps if r[4] == "stepwatch")
+    out = [r for r in steps if r[4] != "stepwatch"]
+    prev: float | None = None
+    for s, e, n, tid, src in ours:
+        end = ends.get(n)
+        if end is None:
+            continue
+        start = s if prev is None else prev
+        end = min(max(end * 1e6 - base_us, start), e)  # within its range: a clock step cannot widen it
+        out.append((start, end, n, tid, src))
+        prev = end
+    return out
+
+
+def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS,
+            step_ends: dict[int, float] | None = None) -> dict[str, Any]:
+    """The summary of one trace file (the ``--json`` object of docs/traces.md, findings aside).
+    ``step_ends``: where each captured step ended (wall-clock seconds), from the capture's
+    metadata: the step ranges are then the steps as recorded (:func:`_steps_as_recorded`)."""
     t0 = time.perf_counter()
     p1 = _Pass1()
     reader = EventReader(path)
     for ev in reader:
         p1.feed(ev)
+    if step_ends is not None:
+        base = reader.meta.get("baseTimeNanoseconds")
+        p1.steps = _steps_as_recorded(p1.steps, step_ends, base / 1e3 if isinstance(base, (int, float)) else 0.0)
     out: dict[str, Any] = {"rank": rank if rank is not None else _rank_of(reader.meta, path), "trace": path,
                            "events": reader.events, "passes": 1}
     rnd = p1.floats

@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int)
     ap.add_argument("--step", type=int, help="the capture's first step (findings not tied to a step)")
     ap.add_argument("--context", default="{}", help="JSON object merged into each finding's data")
+    ap.add_argument("--step-ends", help="JSON object: step -> wall-clock seconds it ended (the capture's)")
     ap.add_argument("--memory-mb", type=int, default=MEMORY_LIMIT_MB)
     ap.add_argument("--cpu-s", type=int, default=CPU_LIMIT_S)
     a = ap.parse_args(argv)
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     try:
-        out = analyse_with_findings(a.trace, rank=a.rank, step=a.step, when=t0, context=json.loads(a.context))
+        ends = {int(k): float(v) for k, v in json.loads(a.step_ends).items()} if a.step_ends else None
+        out = analyse_with_findings(a.trace, rank=a.rank, step=a.step, when=t0, context=json.loads(a.context),
+                                    step_ends=ends)
     except (OSError, ValueError, MemoryError) as e:  # a bad or truncated trace: say so, do not crash
         out = {"rank": a.rank, "trace": a.trace, "error": f"{type(e).__name__}: {e}", "findings": []}
     out["torch_imported"] = "torch" in sys.modules
