@@ -12,7 +12,7 @@ import time
 import pytest
 
 from stepwatch.comm.overlap import CommEnricher
-from stepwatch.comm.spans import ALL_GATHER, ALLREDUCE, CommCollector, Span
+from stepwatch.comm.spans import ALL_GATHER, ALLREDUCE, IF_STEP_WORK, NEXT_STEP, THIS_STEP, CommCollector, Span
 from stepwatch.record import StepRecord
 
 MS = 1_000_000  # ns
@@ -231,6 +231,34 @@ def test_a_session_counts_the_jobs_collectives_as_exposed_comm_and_shutdown_rest
         assert r.overlap is None and r.allreduce_s is None  # no DDP AllReduce in this job
 
 
+def test_a_collective_after_a_teachers_no_grad_forward_is_the_steps(sw, one_rank_group):
+    """Distillation with a logging all_reduce right after the teacher's no_grad forward: the
+    teacher's call opens an evaluation span that the student's backward later judges to be the
+    step's own work; the all_reduce inside it was dropped (comm_exposed_s null, the waiting rank's
+    wait other_s). Through the session: the span listener hands the held interval to the step."""
+    import torch
+
+    dist = one_rank_group
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    teacher, student = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    for _ in range(4):
+        x = torch.randn(4, 8)
+        with torch.no_grad():
+            t = teacher(x)
+        dist.all_reduce(t)
+        torch.nn.functional.mse_loss(student(x), t).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 4
+    for r in recs[1:]:  # step 0's teacher call comes before the roots are found
+        assert r.eval_s == 0 and r.comm_exposed_s is not None and r.comm_exposed_s > 0, r
+
+
 # -- the enricher: blocked intervals beside the measured spans ---------------------------------
 
 
@@ -293,11 +321,77 @@ def test_the_collector_hands_blocked_time_over_with_its_step():
     col = CommCollector()
     col.blocked_on = True
     assert col.take() is None
-    col.blocked(1, 2, False)
-    col.blocked(3, 4, True)  # after the step's end
+    col.blocked(1, 2, THIS_STEP)
+    col.blocked(3, 4, NEXT_STEP)  # after the step's end
     assert col.take() == {"spans": [], "fwd_end_ev": None, "blocked": [(1, 2)]}
     assert col.take() == {"spans": [], "fwd_end_ev": None, "blocked": [(3, 4)]}
     assert col.take() is None
+
+
+def test_time_inside_an_evaluation_span_waits_for_its_judgement():
+    """A frozen teacher's forward under no_grad opens an evaluation span that the step's backward
+    later judges to be the step's own work; a logging all_reduce right after it was dropped as
+    evaluation time: the waiting rank's wait was other_s, and no straggler was named. Held now:
+    the step's when the span was its work, nobody's when it was an evaluation."""
+    col = CommCollector()
+    col.blocked_on = True
+    col.blocked(1, 2, IF_STEP_WORK)
+    assert col.take() is None  # not judged yet: in no step
+    col.blocked(3, 4, IF_STEP_WORK)
+    col.eval_judged(False)  # the teacher's: this step's
+    assert col.take() == {"spans": [], "fwd_end_ev": None, "blocked": [(1, 2), (3, 4)]}
+    col.blocked(5, 6, IF_STEP_WORK)
+    col.eval_judged(True)  # an evaluation: eval_s
+    assert col.take() is None
+
+
+def test_the_jobs_own_gathers_are_kept_in_the_step_whose_time_they_are(one_rank_group):
+    """``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (timed as spans, fsdp.py) called by
+    the job: before the first step they were step 0's comm_s (303 ms against a 1.5 ms step), a
+    gather of predictions inside an evaluation the next step's, one after ``optimizer.step()``
+    the step that had ended (and its wait the next one's: counted twice). A group passed by
+    position was taken as the world: busbw with the wrong n, and the watchdog's "default" group."""
+    import torch
+
+    from stepwatch.comm.fsdp import CollectivePatches
+
+    dist = one_rank_group
+    col, tr, errors = CommCollector(), FakeTracker(), []
+    p = CollectivePatches(col, lambda where, e: errors.append(e), tr)
+    p.install()
+    try:
+        out, inp = torch.zeros(4), torch.ones(4)
+
+        def gathered():
+            got = col.take()
+            return [] if got is None else [s.op for s in got["spans"]]
+
+        tr._prev_end = None  # before the first step
+        dist.all_gather_into_tensor(out, inp)
+        assert gathered() == []
+        tr._prev_end = 0
+        tr._eval_open = True  # inside an evaluation span, then judged an evaluation
+        dist.all_gather_into_tensor(out, inp)
+        col.eval_judged(True)
+        tr._eval_open = False
+        assert gathered() == []
+        tr._eval_open = True  # a teacher's span, judged the step's work
+        dist.reduce_scatter_tensor(out[:4], inp)
+        col.eval_judged(False)
+        tr._eval_open = False
+        assert gathered() == ["reduce_scatter"]
+        tr._pending_end = 5  # after optimizer.step(): the next step's
+        dist.all_gather_into_tensor(out, inp)
+        assert gathered() == []  # the step ending now has none
+        tr._pending_end = None
+        assert gathered() == ["all_gather"]
+        sub = dist.new_group([0])
+        dist.all_gather_into_tensor(out, inp, sub)  # the group by position
+        (s,) = col.take()["spans"]
+        assert s.group != "default" and s.group == getattr(sub, "group_name", None)
+        assert not errors
+    finally:
+        p.uninstall()
 
 
 # -- who reads it ------------------------------------------------------------------------------

@@ -255,6 +255,30 @@ def test_step_offset_and_set_step(sw):
     assert [r.step for r in mem.records] == [100, 101, 500]
 
 
+def test_set_step_right_after_the_optimizer_numbers_the_next_step(sw):
+    """A loop that counts its own steps: ``opt.step(); stepwatch.log(my_step=g); g += 1;
+    stepwatch.set_step(g)``. The step just ended is final only once the next iteration's work
+    begins, so set_step numbered that step instead: 1001 holding my_step 1000, every record one
+    off. Calls before its end is final wait for it; the last one wins."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    g = 1000
+    stepwatch.set_step(g)
+    for _ in range(4):
+        m(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        stepwatch.log(my_step=g)
+        g += 1
+        stepwatch.set_step(g + 7)
+        stepwatch.set_step(g)  # the last call wins
+    stepwatch.shutdown()
+    assert [(r.step, r.scalars["my_step"]) for r in mem.records] == [(n, n) for n in range(1000, 1004)]
+
+
 def test_device_timing_path_fills_phases_from_the_timer_ring(sw):
     """The GPU path's plumbing on CPU: the cuda_ext *host* ring stands in for device events (no GPU
     here). Phases must come from the ring via the background enricher, and the record says so."""

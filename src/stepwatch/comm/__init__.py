@@ -101,13 +101,15 @@ def install(hub: "Hub") -> CommFeature | None:
         timeline = TimelineWriter(hub.ctx.run_dir, cfg.window)
     feat.enricher = CommEnricher(cfg.window, large_sink=_large_sink(feat.busbw), timeline=timeline)
     feat.ddp = DDPCommHooks(feat.collector, hub.report_error)
-    feat.collectives = CollectivePatches(feat.collector, hub.report_error)
+    feat.collectives = CollectivePatches(feat.collector, hub.report_error, hub.tracker)
     # The training thread's time blocked in the job's own collectives and in Work.wait():
     # exposed communication, not compute (blocked.py).
     feat.blocked = BlockedTimer(feat.collector, hub.tracker, hub.report_error)
     feat.ddp.install()
     feat.collectives.install()
     feat.blocked.install()
+    # A collective inside an evaluation span is held until the span is judged (spans.step_part).
+    hub.add_eval_span_listener(feat.collector.eval_judged)
     hub.add_enricher(feat.enricher)
     feat.overlap = OverlapDetector(cfg.window, cfg.overlap_threshold, exposed_of=feat.enricher.ddp_exposed_s)
     ctx = hub.ctx

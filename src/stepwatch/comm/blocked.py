@@ -20,7 +20,8 @@ Only the outermost call counts (``all_gather_object`` calls ``all_gather``, ``ba
 ``wait``): ``depth``, set on the training thread only. Only the training thread counts
 (the step tracker's ``_thread``), and only time inside a step that is none of its separately
 reported parts: not before the first step, not inside a DataLoader fetch (``data_wait_s``), an
-evaluation (``eval_s``) or a checkpoint save (``checkpoint_s``). A wait after the step's end is
+evaluation (``eval_s``: held until the span is judged, since a span of a few grad-disabled calls
+can be the step's own work, a teacher's) or a checkpoint save (``checkpoint_s``). A wait after the step's end is
 pending (after ``optimizer.step()``, until the next iteration's work) is the next step's time, as
 ``step_s`` counts it. DDP's own bucket waits run in C++ (the reducer), never through these
 functions. On CUDA (NCCL) a synchronous collective returns once enqueued and ``wait()`` makes the
@@ -38,7 +39,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .spans import CommCollector
+from .spans import NO_STEP, CommCollector, step_part
 
 _now = time.perf_counter_ns
 _REMAPS = "torch.distributed._functional_collectives"
@@ -177,14 +178,16 @@ class BlockedTimer:
         return wait
 
     def _note(self, t0: int, t1: int) -> None:
-        """One outermost blocked call on the training thread, ``t0``-``t1`` (host clock, ns).
-        With the step's end pending, the next step's (a second optimizer stepping after it would
-        move that end past this wait: rare, and then the wait is counted one step late)."""
+        """One outermost blocked call on the training thread, ``t0``-``t1`` (host clock, ns), in
+        the step :func:`spans.step_part` says. With the step's end pending, the next step's (a
+        second optimizer stepping after it would move that end past this wait: rare, and then the
+        wait is counted one step late). Inside an evaluation span it is held until the span is
+        judged: a frozen teacher's no_grad forward, then a logging all_reduce, is the step's."""
         try:
-            tr = self.tracker
-            if (not tr.enabled or tr._prev_end is None or tr.in_data or tr._eval_open or tr._ckpt_depth):
-                return  # no step yet, or time the step reports apart (data, eval, checkpoint)
-            self.collector.blocked(t0, t1, tr._pending_end is not None)
+            part = step_part(self.tracker)
+            if part == NO_STEP:
+                return  # no step yet, or time the step reports apart (data, checkpoint)
+            self.collector.blocked(t0, t1, part)
         except Exception as e:  # never into the job: off, and said once
             if self.active:
                 self.active = False

@@ -22,9 +22,11 @@ Any caller of these four functions is timed (not only FSDP): they are collective
 from __future__ import annotations
 
 import functools
+import inspect
+import threading
 from typing import Any, Callable
 
-from .spans import ALL_GATHER, REDUCE_SCATTER, CommCollector, group_key
+from .spans import ALL_GATHER, REDUCE_SCATTER, THIS_STEP, CommCollector, group_key, step_part
 
 # (function name, span kind, which tensor's bytes: "out" for the gathered output, "in" for the input)
 _FUNCS = (
@@ -36,8 +38,15 @@ _FUNCS = (
 
 
 class CollectivePatches:
-    def __init__(self, collector: CommCollector, on_error: Callable[[str, BaseException], None]) -> None:
+    """``tracker``: the session's step tracker. A call on its training thread is kept in the step
+    :func:`spans.step_part` says (none before the first step, inside a fetch, a checkpoint; held
+    in an evaluation span; after the step's end the next step's), as blocked.py's intervals are;
+    a call on another thread (the autograd engine's) is the step's running now."""
+
+    def __init__(self, collector: CommCollector, on_error: Callable[[str, BaseException], None],
+                 tracker: Any = None) -> None:
         self.collector = collector
+        self.tracker = tracker
         self._on_error = on_error
         self._patches: list[tuple[Any, str, Any]] = []
         self.active = True
@@ -61,6 +70,10 @@ class CollectivePatches:
     def _wrap(self, orig: Callable, kind: str, which: int) -> Callable:
         col = self.collector
         me = self
+        try:  # where ``group`` sits when passed by position: all_gather_into_tensor(out, in, group)
+            group_at = list(inspect.signature(orig).parameters).index("group")
+        except (ValueError, TypeError):
+            group_at = -1
 
         @functools.wraps(orig)
         def collective(*args: Any, **kwargs: Any) -> Any:
@@ -68,7 +81,7 @@ class CollectivePatches:
                 return orig(*args, **kwargs)
             span = None
             try:
-                span = me._begin(kind, which, args, kwargs)
+                span = me._begin(kind, which, args, kwargs, group_at)
             except Exception as e:
                 col.enabled = False
                 me._on_error("comm.fsdp", e)
@@ -79,15 +92,17 @@ class CollectivePatches:
 
         return collective
 
-    def _begin(self, kind: str, which: int, args: tuple, kwargs: dict) -> Any:
+    def _begin(self, kind: str, which: int, args: tuple, kwargs: dict, group_at: int = -1) -> Any:
         import torch.distributed as dist
 
         keys = ("output_tensor", "output") if which == 0 else ("input_tensor", "input")
         t = args[which] if len(args) > which else next((kwargs[k] for k in keys if k in kwargs), None)
         nbytes = t.numel() * t.element_size() if t is not None else None
-        group = kwargs.get("group")
+        group = args[group_at] if 0 <= group_at < len(args) else kwargs.get("group")
         world = dist.get_world_size(group) if group is not None else dist.get_world_size()
-        span = self.collector.begin(kind, nbytes, world, kind, group=group_key(group))
+        tr = self.tracker
+        part = step_part(tr) if tr is not None and threading.get_ident() == tr._thread else THIS_STEP
+        span = self.collector.begin(kind, nbytes, world, kind, group=group_key(group), part=part)
         if t is not None and t.is_cuda:
             import torch
 

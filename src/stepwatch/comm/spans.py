@@ -26,6 +26,23 @@ MAX_SPANS = 4096
 # Collective kinds stepwatch times. ``allreduce`` is DDP's gradient reduction (one per bucket).
 ALLREDUCE, ALL_GATHER, REDUCE_SCATTER = "allreduce", "all_gather", "reduce_scatter"
 
+# Whose time a collective on the training thread is (:func:`step_part`): no step's, the step
+# running, the next step's (the step's end is pending), or the step's only if the evaluation span
+# open now turns out to be its own work (a frozen teacher's forward) rather than evaluation.
+NO_STEP, THIS_STEP, NEXT_STEP, IF_STEP_WORK = 0, 1, 2, 3
+
+
+def step_part(tr: Any) -> int:
+    """Where the step tracker ``tr`` (its state, on the training thread) puts time spent now: not
+    before the first step, inside a DataLoader fetch (``data_wait_s``) or a checkpoint save
+    (``checkpoint_s``); inside an open evaluation span, held until the span is judged; after the
+    step's end is pending (after ``optimizer.step()``), the next step's, as ``step_s`` counts it."""
+    if not tr.enabled or tr._prev_end is None or tr.in_data or tr._ckpt_depth:
+        return NO_STEP
+    if tr._eval_open:
+        return IF_STEP_WORK
+    return NEXT_STEP if tr._pending_end is not None else THIS_STEP
+
 
 def group_key(pg: Any) -> str:
     """The name a process group has on the progress board: "default" for the world group (as a
@@ -98,14 +115,23 @@ class CommCollector(Collector):
         self.blocked_on = False
         self._blk: list[tuple[int, int]] = []
         self._blk_next: list[tuple[int, int]] = []
+        # Spans issued on the training thread after the step's end (the next step's), and spans
+        # and blocked intervals inside an evaluation span not judged yet (``eval_judged``).
+        self._buf_next: list[Span] = []
+        self._buf_eval: list[Span] = []
+        self._blk_eval: list[tuple[int, int]] = []
 
     def take(self) -> Any:
         buf, blk = self._buf, self._blk
         if not buf and self._fwd_end_ev is None and not blk:
             if self._blk_next:  # blocked after the end of the step ending now: the next one's
                 self._blk, self._blk_next = self._blk_next, blk
+            if self._buf_next:
+                self._buf, self._buf_next = self._buf_next, buf
             return None  # a step without collectives keeps its list: no allocation a step
-        self._buf = []  # a span issued meanwhile from another thread goes to the next step
+        # A span issued meanwhile from another thread goes to the next step; so do the training
+        # thread's issued after this step's end.
+        self._buf, self._buf_next = self._buf_next, []
         ev, self._fwd_end_ev = self._fwd_end_ev, None
         out = {"spans": buf, "fwd_end_ev": ev}
         if self.blocked_on:
@@ -113,18 +139,32 @@ class CommCollector(Collector):
             self._blk, self._blk_next = self._blk_next, []
         return out
 
-    def blocked(self, t0: int, t1: int, next_step: bool) -> None:
-        """The training thread stood in a collective from ``t0`` to ``t1`` (host ns), in this
-        step, or (``next_step``: the step's end was pending) in the next. Training thread only."""
+    def blocked(self, t0: int, t1: int, part: int) -> None:
+        """The training thread stood in a collective from ``t0`` to ``t1`` (host ns), in the step
+        ``part`` says (:func:`step_part`: this step, the next, or held for an evaluation span's
+        judgement). Training thread only."""
         if self._on_first is not None:
             self._first()
-        buf = self._blk_next if next_step else self._blk
+        buf = self._blk_next if part == NEXT_STEP else self._blk_eval if part == IF_STEP_WORK else self._blk
         if len(buf) < MAX_SPANS:
             buf.append((t0, t1))
         elif buf[-1][1] < t1:
             # A step of more than MAX_SPANS blocking calls (a per-parameter all_reduce loop):
             # the last interval stretches to this one's end (the gap between counts with it).
             buf[-1] = (buf[-1][0], t1)
+
+    def eval_judged(self, evaluation: bool) -> None:
+        """The step tracker closed an evaluation span (training thread): what was held inside it
+        is the step's when the span was the step's own work (a teacher's forward under no_grad,
+        then a collective), else nobody's (``eval_s``, not communication of a step)."""
+        buf, blk = self._buf_eval, self._blk_eval
+        if not buf and not blk:
+            return
+        self._buf_eval, self._blk_eval = [], []
+        if evaluation:
+            return
+        self._buf.extend(buf[: max(MAX_SPANS - len(self._buf), 0)])
+        self._blk.extend(blk[: max(MAX_SPANS - len(self._blk), 0)])
 
     def set_forward_end_event(self, ev: Any) -> None:
         if self._on_first is not None:
@@ -139,7 +179,11 @@ class CommCollector(Collector):
 
     # -- issuing side ---------------------------------------------------------------------------
 
-    def begin(self, op: str, nbytes: int | None, world: int, hook: str, group: str = "default") -> Span:
+    def begin(self, op: str, nbytes: int | None, world: int, hook: str, group: str = "default",
+              part: int = THIS_STEP) -> Span:
+        """A collective starts. ``part``: whose it is (:func:`step_part`; spans issued off the
+        training thread are the step's running now). One of no step's is timed for the progress
+        board (the hang watchdog) and kept in no record."""
         if self._on_first is not None:
             self._first()
         with self._lock:  # issue can come from the autograd engine's threads as well
@@ -148,8 +192,12 @@ class CommCollector(Collector):
                 counter = self._seqs[group] = itertools.count(1)
             seq = next(counter)
         span = Span(op, nbytes, world, seq, hook, group)
-        if len(self._buf) < MAX_SPANS:
-            self._buf.append(span)
+        buf = (self._buf if part == THIS_STEP else self._buf_next if part == NEXT_STEP
+               else self._buf_eval if part == IF_STEP_WORK else None)
+        if buf is None:
+            pass
+        elif len(buf) < MAX_SPANS:
+            buf.append(span)
         else:
             self.dropped += 1
         progress = self._progress()

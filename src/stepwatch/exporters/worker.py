@@ -58,12 +58,14 @@ class ExporterWorker:
     # -- the pipeline's side (its background thread) ------------------------------------------
 
     def submit(self, batch: Batch) -> None:
-        """Queue ``batch``; never blocks. A batch that does not fit is dropped and counted."""
+        """Queue ``batch``; never blocks. A batch that does not fit is dropped and counted. An
+        empty queue takes any batch: a pass's batch may hold more than the queue's size (records,
+        findings and samples together), and an idle exporter refused it whole."""
         n = batch_size(batch)
         if not n:
             return
         with self._cv:
-            if self._gone or self._closing or self._queued + n > self._cap:
+            if self._gone or self._closing or (self._queued and self._queued + n > self._cap):
                 self._count(batch)
                 return
             self._queue.append(batch)

@@ -939,7 +939,27 @@ class _Methods:
             self._iter_t0 = t0
 
     def set_step(self, n: int) -> None:
-        self.step = int(n)
+        """The next step is numbered ``n``. With a step's end pending (``set_step`` right after
+        ``optimizer.step()``, as a loop that counts its own steps calls it), that step keeps its
+        number and the renumbering waits for its end to be final (it numbered the step that had
+        just ended: every record one off)."""
+        n = int(n)
+        if self._pending_end is None or not self.enabled:
+            self.step = n
+            return
+        first = self.__dict__.get("_next_number") is None
+        self.__dict__["_next_number"] = n  # the last call wins
+        if first:
+            self.listeners = [self._renumber, *self.listeners]  # before the others see the next step
+
+    def _renumber(self, ended: int) -> None:
+        """One-shot listener of :meth:`set_step`."""
+        n = self.__dict__.pop("_next_number", None)
+        self.remove_listener(self._renumber)
+        if n is not None:
+            self.step = n
+            if self.progress is not None:
+                self.progress.set_step(n)
 
     def phase_now(self) -> str:
         """The phase the training thread is in, by name (for a report of what was running when an
