@@ -675,7 +675,8 @@ class Config:
         default=200,
         metadata=_opt(
             "STEPWATCH_MEMORY_GROWTH_WINDOW",
-            "Steps over which steady memory growth is judged (`memory_growth`).",
+            "Steps over which steady memory growth is judged (`memory_growth`); at least 8 reads "
+            "(8 x STEPWATCH_MEMORY_EVERY steps) whatever it is set to.",
             _int_range(20, 100_000),
         ),
     )

@@ -58,10 +58,15 @@ def test_dump_of_a_missing_target_is_a_clear_error(capsys, tmp_path):
     assert "neither a directory nor a pid" in capsys.readouterr().err
 
 
-def test_a_failed_py_spy_leaves_no_process_stopped():
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_failed_py_spy_leaves_no_process_stopped(tmp_path):
     """py-spy stops threads while it reads them; when it fails or is killed midway the target
-    can be left stopped (py-spy #390, #416). dump() resumes it. Here the target is stopped by
-    hand and the "py-spy" is a program that fails."""
+    can be left stopped (py-spy #390, #416). dump() resumes it. Here the "py-spy" is a program
+    that stops its target and fails."""
     import signal
     import subprocess
     import sys
@@ -69,20 +74,50 @@ def test_a_failed_py_spy_leaves_no_process_stopped():
 
     from stepwatch._os.pyspy import dump
 
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\nkill -STOP \"$4\"\nexit 1\n")  # py-spy dump --pid PID
+    fake.chmod(0o755)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.1)
+        ok, _ = dump(str(fake), child.pid)
+        assert not ok
+        time.sleep(0.1)
+        assert _state(child.pid) in ("S", "R")
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_process_stopped_by_someone_else_is_read_without_pausing_it_and_left_stopped(tmp_path):
+    """A rank paused on purpose (``kill -STOP``, a debugger): a blocking py-spy fails on it at once,
+    and the SIGCONT meant for a py-spy killed midway restarted it (it went on training, and the
+    hang report's second sample described the resumed process). It is read with --nonblocking,
+    left stopped, and the dump says so."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from stepwatch._os.pyspy import STOPPED_NOTE, dump
+
+    args = tmp_path / "args"
+    fake = tmp_path / "py-spy"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {args}\necho 'Thread 0x1 (idle): \"MainThread\"'\n")
+    fake.chmod(0o755)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while _state(child.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ok, text = dump(str(fake), child.pid)
+        assert ok and STOPPED_NOTE in text and "--nonblocking" in args.read_text()
+        fake.write_text("#!/bin/sh\nexit 1\n")  # and when the dump fails
+        ok, text = dump(str(fake), child.pid)
+        assert not ok and STOPPED_NOTE in text
         time.sleep(0.1)
-
-        def state():
-            with open(f"/proc/{child.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0]
-
-        assert state() == "T"
-        ok, _ = dump("/bin/false", child.pid)
-        assert not ok
-        time.sleep(0.1)
-        assert state() in ("S", "R")
+        assert _state(child.pid) == "T"
     finally:
         child.kill()
         child.wait()

@@ -31,10 +31,18 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "memory", "m
 G = 1 << 30
 
 
-def _loop(stepwatch, start, steps, leak):
+def _loop(stepwatch, start, steps, leak, every=10):
+    import ctypes
+
     import torch
 
-    start(memory_every=10, training_metrics=False, comm=False, gpu_telemetry=False)
+    # Give back the heap an earlier test freed (its leak's 150 MiB): reused by this one's leak,
+    # it would keep RSS flat while the leak grows. (glibc: returns free pages to the system.)
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    start(memory_every=every, training_metrics=False, comm=False, gpu_telemetry=False)
     torch.manual_seed(0)
     m = torch.nn.Linear(32, 32)
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
@@ -64,6 +72,16 @@ def test_a_256_kib_per_step_leak_is_named_within_600_steps(sw):
     assert len(rss) >= 55  # read every 10th step
 
 
+def test_a_leak_read_every_30_steps_is_named_too(sw):
+    """STEPWATCH_MEMORY_EVERY=30 with the default 200-step window: 7 reads a window, fewer than the
+    8 a window is judged on, so a leak was never named. The window is at least 8 reads now."""
+    stepwatch, mem, start = sw
+    _loop(stepwatch, start, 600, leak=True, every=30)
+    growth = [f for f in mem.findings if f.kind == "memory_growth"]
+    assert growth and growth[0].data["series"] == "host", [f.kind for f in mem.findings]
+    assert growth[0].data["growth_mib_per_step"] == pytest.approx(0.25, rel=0.3)
+
+
 def test_the_same_loop_without_the_leak_gets_no_growth_finding(sw):
     stepwatch, mem, start = sw
     _loop(stepwatch, start, 600, leak=False)
@@ -73,6 +91,78 @@ def test_the_same_loop_without_the_leak_gets_no_growth_finding(sw):
 
 def _series(values, start=0):
     return [(start + i, int(v)) for i, v in enumerate(values)]
+
+
+def test_each_oom_a_loop_catches_and_drops_is_written_down(sw, tmp_path):
+    """A loop that catches a MemoryError in the forward, drops it and goes on (a batch too large,
+    skipped): only the first was written down. The next MemoryError was made at the freed one's
+    address, and OOMs were told apart by id. Each is now one oom-<n>/, counted in the finding's
+    episode."""
+    import torch
+
+    stepwatch, mem, start = sw
+
+    class Greedy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, too_big):
+            if too_big:
+                raise MemoryError()
+            return self.lin(x)
+
+    start()
+    m = Greedy()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for i in range(13):
+        try:
+            m(torch.ones(2, 4), i in (4, 8, 12)).sum().backward()
+        except MemoryError:
+            continue  # dropped: nothing keeps it
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    ooms = [f for f in mem.findings if f.kind == "oom"]
+    assert ooms and ooms[-1].data["episode"]["count"] == 3, ooms  # one episode of 3 (the rate limit's)
+    assert {f"oom-{k}" for k in (1, 2, 3)} <= set(os.listdir(tmp_path / "run"))
+
+
+class _Rows:
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        import torch
+
+        return torch.full((4,), float(i))
+
+
+def test_forkserver_dataloader_workers_are_read(sw):
+    """``multiprocessing_context="forkserver"`` (Python 3.14's default on Linux): the workers'
+    parent is the forkserver this process started, not this process, and they were skipped as
+    "gone or a reused pid": workers_uss/pss and dataloader_workers null on every record."""
+    import time
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    stepwatch, mem, start = sw
+    start(memory_every=1)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    loader = DataLoader(_Rows(), batch_size=2, num_workers=2, multiprocessing_context="forkserver",
+                        persistent_workers=True)
+    deadline = time.monotonic() + 20
+    while not any(r.dataloader_workers for r in mem.records) and time.monotonic() < deadline:
+        for x in loader:
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.02)  # the workers are read once a second, off the training thread
+    stepwatch.shutdown()
+    got = [r for r in mem.records if r.dataloader_workers]
+    assert got and got[-1].dataloader_workers == 2 and got[-1].workers_uss_bytes > 0, mem.records[-1]
 
 
 def test_plateau_after_warm_up_jump_and_noise_are_not_growth():
@@ -280,6 +370,26 @@ def test_cgroup_limit_v2_tightest_up_the_tree_and_v1(tmp_path):
     (proc / "self" / "cgroup").write_text("12:memory:/docker/abc\n")
     lim = HostLimit(proc=str(proc), cgroup_root=str(v1))
     assert (lim.limit, lim.kind, lim.used()) == (2 * G, "cgroup", 3 * G // 4)
+
+
+def test_a_v2_cgroup_path_the_mount_does_not_hold_reads_the_mount_for_both(tmp_path):
+    """/proc/self/cgroup names a path the cgroup mount does not have (a namespace, a container
+    runtime's view): the limit was the mount's, the usage the whole machine's /proc/meminfo
+    (477% of a cgroup half used: memory_near_limit on wrong numbers). Both from the mount now;
+    a usage that cannot be read is unknown, never the machine's against the cgroup's limit."""
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       20000000 kB\nMemAvailable:   10000000 kB\n")
+    (proc / "self" / "cgroup").write_text("0::/process_api/fe4d\n")
+    cg = tmp_path / "cg"
+    (cg / "process_api" / "0d1c").mkdir(parents=True)
+    (cg / "memory.max").write_text(f"{2 * G}\n")
+    (cg / "memory.current").write_text(f"{G}\n")
+    (cg / "memory.stat").write_text("inactive_file 0\n")
+    lim = HostLimit(proc=str(proc), cgroup_root=str(cg))
+    assert (lim.limit, lim.kind, lim.used()) == (2 * G, "cgroup", G)
+    (cg / "memory.current").unlink()
+    assert lim.used() is None
 
 
 def test_bad_memory_settings_name_the_variable():

@@ -74,10 +74,31 @@ def dump(
     return ok, text
 
 
+def stopped(pid: int, proc: str = "/proc") -> bool:
+    """Is ``pid`` stopped (state ``T``: SIGSTOP, an operator's or a scheduler's pause; ``t``: a
+    debugger's trace stop)? False when it cannot be read."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 :].split()[0] in (b"T", b"t")
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+STOPPED_NOTE = ("(the process was stopped -- SIGSTOP or a debugger -- before this dump: read without "
+                "pausing it, and left stopped)")
+
+
 def _dump(pyspy: str, pid: int, native: bool, nonblocking: bool, timeout_s: float) -> tuple[bool, str, bool]:
     """``dump``'s (succeeded, text) and whether py-spy ran out of time (it is stuck on this
-    target: a retry would wait as long)."""
-    ok, text, timed_out = _run_dump(pyspy, pid, native, nonblocking, timeout_s)
+    target: a retry would wait as long). A process someone else stopped is read without pausing
+    it and never resumed: a blocking dump fails on it at once, and the SIGCONT that undoes a
+    py-spy killed midway restarted it (a rank paused on purpose went on training, and the hang
+    report described the resumed process)."""
+    held = stopped(pid)
+    ok, text, timed_out = _run_dump(pyspy, pid, native, nonblocking or held, timeout_s)
+    if held:
+        return ok, (f"{STOPPED_NOTE}\n{text}" if ok else f"{text} {STOPPED_NOTE}"), timed_out
     if not ok and not nonblocking:
         _resume(pid)
     return ok, text, timed_out
@@ -98,7 +119,9 @@ def _run_dump(pyspy: str, pid: int, native: bool, nonblocking: bool, timeout_s: 
         return False, f"cannot run {pyspy}: {e}", False
     if r.returncode != 0 or "Thread" not in r.stdout:
         msg = (r.stderr or r.stdout).strip().splitlines()
-        return False, " ".join(msg[-3:]) or f"py-spy exited with code {r.returncode}", False
+        # its first line says why (the rest may be a Rust backtrace), its last ones where
+        said = msg[:1] + msg[max(len(msg) - 2, 1):]
+        return False, " ".join(said) or f"py-spy exited with code {r.returncode}", False
     return True, r.stdout, False
 
 

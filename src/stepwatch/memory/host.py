@@ -118,9 +118,14 @@ def _cgroup_dir(proc: str, root: str) -> tuple[str, int] | None:
         hid, _, rest = line.partition(":")
         ctrls, _, path = rest.partition(":")
         if hid == "0" and ctrls == "":
+            # The path as /proc names it, else the mount itself (a cgroup namespace whose path
+            # the mount does not hold): one directory for the limit and the usage. (The named
+            # directory was kept when it did not exist: the limit came from the mount, the usage
+            # from the whole machine's /proc/meminfo, 477% of a cgroup half used.)
             d = os.path.join(root, path.lstrip("/"))
-            if os.path.exists(os.path.join(d, "memory.max")) or os.path.exists(os.path.join(root, "memory.max")):
-                return d, 2
+            for cand in (d, root):
+                if os.path.exists(os.path.join(cand, "memory.max")):
+                    return cand, 2
         if "memory" in ctrls.split(","):
             for d in (os.path.join(root, "memory", path.lstrip("/")), os.path.join(root, "memory")):
                 if os.path.exists(os.path.join(d, "memory.limit_in_bytes")):
@@ -183,6 +188,7 @@ class HostLimit:
                 inactive = _stat_value(os.path.join(d, "memory.stat"), b"total_inactive_file")
             if cur is not None:
                 return max(cur - (inactive or 0), 0)
+            return None  # not the machine's use against the cgroup's limit: unknown
         mi = meminfo(self.proc)
         if "MemTotal" in mi and "MemAvailable" in mi:
             return mi["MemTotal"] - mi["MemAvailable"]
