@@ -1201,10 +1201,11 @@ OBJECT_TYPE(Core, FIELDS, "stepwatch.hooks._ctracker.Core",
 
 typedef struct {
     PyObject_HEAD
-    PyObject *inst, *tr, *mod, *inner, *dynamo, *compiler, *replay, *grad_enabled, *follows;
+    PyObject *inst, *tr, *mod, *inner, *bound, *dynamo, *compiler, *replay, *grad_enabled, *follows;
 } RootCall;
 
-#define ROOT_FIELDS(X) X(inst) X(tr) X(mod) X(inner) X(dynamo) X(compiler) X(replay) X(grad_enabled) X(follows)
+#define ROOT_FIELDS(X) \
+    X(inst) X(tr) X(mod) X(inner) X(bound) X(dynamo) X(compiler) X(replay) X(grad_enabled) X(follows)
 
 static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data, *s_not_roots, *s_forward_observers,
     *s_exception_observers, *s_fwd_depth, *s_pending_end, *s_work_begins, *s_observe_forward,
@@ -1213,8 +1214,37 @@ static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data
     *s_backward_end, *s_boundary_checked, *s_check_boundary, *s_data_begin, *s_data_end, *s_data_scanned, *s_scan,
     *s_first_data_fetch, *s_data, *s_thread;
 
-static PyObject *call_inner(RootCall *self, PyObject *args, PyObject *kwargs) {
-    return PyObject_Call(self->inner, args, kwargs);
+/* The module, from the weak reference ``mod`` holds (install.py's _RootCallBase says why): borrowed,
+   since the module is the one being called and its caller holds it; NULL with an error if gone. */
+static PyObject *root_mod(RootCall *self) {
+    PyObject *m;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyWeakref_GetRef(self->mod, &m) < 0) return NULL;
+    if (m != NULL) Py_DECREF(m);
+#else
+    m = PyWeakref_GetObject(self->mod);
+    if (m == NULL) return NULL;
+    if (m == Py_None) m = NULL;
+#endif
+    if (m == NULL) PyErr_SetString(PyExc_ReferenceError, "stepwatch: the root module of this call is gone");
+    return m;
+}
+
+/* The module's own call: ``inner`` as it is, or (``bound``) the module's class's ``_call_impl``
+   with the module first, as the bound method would (no tuple made). */
+static PyObject *call_inner(RootCall *self, PyObject *mod, PyObject *args, PyObject *kwargs) {
+    if (self->bound != Py_True) return PyObject_Call(self->inner, args, kwargs);
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *small[9], **stack = small;
+    if (n + 1 > 9) {
+        stack = PyMem_Malloc((size_t)(n + 1) * sizeof(PyObject *));
+        if (stack == NULL) return PyErr_NoMemory();
+    }
+    stack[0] = mod;
+    for (Py_ssize_t i = 0; i < n; i++) stack[i + 1] = PyTuple_GET_ITEM(args, i);
+    PyObject *out = PyObject_VectorcallDict(self->inner, stack, (size_t)(n + 1), kwargs);
+    if (stack != small) PyMem_Free(stack);
+    return out;
 }
 
 /* The tracker as this module's Core, when its type reads the hot fields and runs the hot methods
@@ -1361,6 +1391,8 @@ static int observe_forward(PyObject *inst, PyObject *mod, PyObject *args, PyObje
 
 static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs) {
     ROOT_FIELDS(FIELD_SET)
+    PyObject *mod = root_mod(self);
+    if (mod == NULL) return NULL;
     /* Inside torch.compile's tracing, torch.export, or stepwatch's own FLOP-count replay: the call as it is. */
     {
         int c = 0; /* dynamo None: a function that is False outside dynamo's tracing, not called (install.py) */
@@ -1383,7 +1415,7 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
                 if (c < 0) return NULL;
             }
         }
-        if (c) return call_inner(self, args, kwargs);
+        if (c) return call_inner(self, mod, args, kwargs);
     }
     PyObject *inst = self->inst, *tr = self->tr;
     Core *core = as_core(tr);
@@ -1391,19 +1423,19 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
     {
         int en = TR_TRUTH(core, tr, enabled, s_enabled);
         if (en < 0) return NULL;
-        if (!en) return call_inner(self, args, kwargs);
+        if (!en) return call_inner(self, mod, args, kwargs);
         PyObject *nr = PyObject_GetAttr(inst, s_not_roots);
         if (nr == NULL) return NULL;
         int skip = 0;
         if (PyAnySet_Check(nr) ? PySet_GET_SIZE(nr) > 0 : PyObject_IsTrue(nr)) {
-            PyObject *id = PyLong_FromVoidPtr(self->mod);
+            PyObject *id = PyLong_FromVoidPtr(mod);
             skip = id ? PySequence_Contains(nr, id) : -1;
             Py_XDECREF(id);
         }
         Py_DECREF(nr);
         if (skip < 0) return NULL;
         if (!skip && (skip = TR_TRUTH(core, tr, in_data, s_in_data)) < 0) return NULL;
-        if (skip) return call_inner(self, args, kwargs);
+        if (skip) return call_inner(self, mod, args, kwargs);
     }
     /* Only the outermost call is observed: a declared root nested in another is part of it. */
     PyObject *kw = NULL;
@@ -1424,7 +1456,7 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
                 }
                 kw = kwargs ? Py_NewRef(kwargs) : PyDict_New();
                 if (kw == NULL) return NULL;
-                int r = observe_forward(inst, self->mod, args, kw);
+                int r = observe_forward(inst, mod, args, kw);
                 Py_CLEAR(kw);
                 if (r < 0) return NULL;
             }
@@ -1444,7 +1476,7 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
     } else if (grad == Py_True) {
         /* A root in eval mode (model.eval()) is evaluation with grad enabled too: a validation
            loop without torch.no_grad() (install.py's _PyRootCallCore says why). */
-        PyObject *training = PyObject_GetAttr(self->mod, s_training);
+        PyObject *training = PyObject_GetAttr(mod, s_training);
         if (training == NULL) {
             if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
                 Py_DECREF(grad);
@@ -1460,7 +1492,7 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
         Py_DECREF(grad);
         return NULL;
     }
-    PyObject *out = call_inner(self, args, kwargs);
+    PyObject *out = call_inner(self, mod, args, kwargs);
     if (out == NULL) {
         PyObject *phase = grad == Py_False ? s_eval : s_forward; /* torch.is_grad_enabled(): a bool */
         Py_DECREF(grad);

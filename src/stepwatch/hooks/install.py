@@ -897,20 +897,23 @@ class _PyRootCallCore:
     Python: the reference that hooks/_ctracker.c's ``RootCall`` translates, and the call itself
     wherever that extension is missing."""
 
-    __slots__ = ("inst", "tr", "mod", "inner", "dynamo", "compiler", "replay", "grad_enabled", "follows")
+    __slots__ = ("inst", "tr", "mod", "inner", "bound", "dynamo", "compiler", "replay", "grad_enabled", "follows")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # One frame: the user's traceback shows their frames and torch's, as without stepwatch
         # (this one is taken out before a bare ``raise``, which adds none back).
         try:
+            mod = self.mod()
+            if mod is None:
+                raise ReferenceError("stepwatch: the root module of this call is gone")
+            inner = functools.partial(self.inner, mod) if self.bound else self.inner
             if self.dynamo() or self.compiler._is_compiling_flag or (self.replay.active and self.replay.mine()):
-                return self.inner(*args, **kwargs)
+                return inner(*args, **kwargs)
             inst = self.inst
             tr = self.tr
-            mod = self.mod
             # in_data: a module called inside a DataLoader fetch (a Dataset transform)
             if not tr.enabled or (inst._not_roots and id(mod) in inst._not_roots) or tr.in_data:
-                return self.inner(*args, **kwargs)
+                return inner(*args, **kwargs)
             # Only the outermost call is observed: a declared root nested in another is part of it.
             if inst.forward_observers and not tr._fwd_depth:
                 if tr._pending_end is not None:
@@ -926,7 +929,7 @@ class _PyRootCallCore:
                 grad = not tr._eval_open if self.follows else getattr(mod, "training", True) is not False
             tr.forward_begin(grad)
             try:
-                return self.inner(*args, **kwargs)
+                return inner(*args, **kwargs)
             except BaseException as e:
                 if inst.exception_observers:
                     inst._observe_exception("forward" if grad else "eval", e)
@@ -958,8 +961,16 @@ class _RootCallBase:
 
         self.inst = inst
         self.tr = inst.tracker
-        self.mod = mod
-        self.inner = inner
+        # The module weakly, and its own call unbound: the module holds this call (its
+        # ``_compiled_call_impl``), so a strong reference back (``mod``, or ``m._call_impl``, a
+        # bound method) made a cycle, and a model the script dropped (a sweep's trial, a fold)
+        # stayed in memory until a full cyclic collection: 6 trials held 6 models' memory.
+        self.mod = weakref.ref(mod)
+        func = getattr(inner, "__func__", None)
+        if func is not None and getattr(inner, "__self__", None) is mod and func is getattr(type(mod), "_call_impl", None):
+            self.inner, self.bound = func, True
+        else:  # a compiled callable (model.compile()), which holds the module itself; a transient call
+            self.inner, self.bound = inner, False
         # torch.compiler.is_compiling() without its two Python calls: dynamo constant-folds
         # is_dynamo_compiling() to True while it traces; the flag is torch.export's (non-strict).
         # A torch without either keeps is_compiling() itself.

@@ -1128,16 +1128,30 @@ def _replay_call(root: Any, loss_fn: Callable[[Any], Any] | None, backward: bool
     """A module holding ``root`` whose call is the whole replay: the forward, ``loss_fn``, and the
     backward from ``ones_like`` of every differentiable output. Given to ``functional_call``
     with the replay's state under ``root.``, so that everything it runs, backward included,
-    sees the replay's parameters and buffers."""
+    sees the replay's parameters and buffers. One class for every replay: a class made per replay
+    (a closure over ``root``) is a reference cycle, and it kept each replayed model alive after
+    the script dropped it, until a full cyclic collection (a sweep held every trial's model)."""
+    global _REPLAY_CALL
+    if _REPLAY_CALL is None:
+        _REPLAY_CALL = _replay_call_class()
+    return _REPLAY_CALL(root, (loss_fn, backward, counter))
+
+
+_REPLAY_CALL: Any = None
+
+
+def _replay_call_class() -> type:
     import torch
 
     @replay_module
     class ReplayCall(torch.nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, root: Any, how: tuple[Any, bool, Any]) -> None:
             super().__init__()
             self.root = root  # its state is the replay's under "root."
+            self.how = how  # (loss_fn, backward, counter) in a tuple: a loss module is no child of this one
 
         def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            loss_fn, backward, counter = self.how
             out = self.root(*args, **kwargs)
             if loss_fn is not None:
                 out = loss_fn(out)
@@ -1153,7 +1167,7 @@ def _replay_call(root: Any, loss_fn: Callable[[Any], Any] | None, backward: bool
                 # torch.autograd.backward (stepwatch's own backward timer) do not see the replay.
                 _run_backward(outs, seeds)
 
-    return ReplayCall()
+    return ReplayCall
 
 
 def _run_backward(outs: list[Any], seeds: list[Any]) -> None:

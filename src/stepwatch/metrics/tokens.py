@@ -886,7 +886,8 @@ def _compiled(root: Any) -> bool:
         if type(m).__name__ == "OptimizedModule":
             return True
         impl = m.__dict__.get("_compiled_call_impl")
-        if impl is not None and getattr(impl, "inner", impl) != m._call_impl:
+        # stepwatch's root call holds the module's own _call_impl unbound (``bound``)
+        if impl is not None and getattr(impl, "bound", None) is not True and getattr(impl, "inner", impl) != m._call_impl:
             return True
     return False
 
