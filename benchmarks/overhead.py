@@ -2,7 +2,8 @@
 
     python benchmarks/overhead.py [--blocks 10] [--steps 120] [--sizes 0.5,2,20] [--crossings 40]
 
-Three tables, all from one process (four with ``--crossings``), pinned to one CPU (``--cpu``):
+Three tables, all from one process (four with ``--crossings``), the training thread pinned to one
+CPU and stepwatch's threads to the others (``--cpu``):
 
 1. In the loop (the figure a user sees). The same CPU training loop (DataLoader -> model -> loss
    module -> backward -> AdamW) runs in >= 10 interleaved blocks: stepwatch off, then each
@@ -126,6 +127,7 @@ def make_loop(width: int, batch: int, steps: int):
         cpu0, n = 0, 0
         for i, (x, y) in enumerate(DataLoader(data, batch_size=batch, sampler=order)):
             if i == 5:  # the block's first steps include discovery and warm-up
+                others_elsewhere()
                 cpu0 = time.thread_time_ns()
                 GC.start()
             train_step(model, lossf, opt, params, x, y, norm)
@@ -578,14 +580,33 @@ def background(run_dir: str) -> float:
     return bg
 
 
+PINNED: dict[str, object] = {"main": None, "others": None}  # the training thread's CPU; the rest
+
+
+def others_elsewhere() -> None:
+    """stepwatch's threads (the pipeline's, its exporters', telemetry's) on the CPUs the training
+    thread does not use, as in a job with more cores than training threads: pinned with it, a
+    background pass ran on the training thread's core, and its cache effects were counted as
+    the training thread's. Each block's start (threads start lazily): a few system calls."""
+    others = PINNED["others"]
+    if not others:
+        return
+    me = threading.get_native_id()
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) != me:
+            try:
+                os.sched_setaffinity(int(tid), others)  # type: ignore[arg-type]
+            except OSError:
+                pass  # a thread that just ended
+
+
 def pin(cpu: int | None, p: argparse.ArgumentParser) -> None:
-    """Run the process (every thread it starts inherits this) on one CPU. Unpinned, the training
-    thread moves between this VM's two vCPUs, whose speed differs by up to 1.8x for seconds at a
-    time, and stepwatch's own thread changes where the scheduler puts it: a block with stepwatch
-    on then ran on the other vCPU, faster or slower, more often than one with it off
-    (benchmarks/results/cpu-2026-12-06-s28/pinning.txt). Pinned, both threads share one vCPU;
-    the pipeline's thread does no work during most blocks (a pass every 0.25 s) and its cost is
-    table 3's."""
+    """Run the training thread on one CPU, and stepwatch's threads on the others
+    (:func:`others_elsewhere`). Unpinned, the training thread moves between this VM's two vCPUs,
+    whose speed differs by up to 1.8x for seconds at a time, and stepwatch's own thread changes
+    where the scheduler puts it: a block with stepwatch on then ran on the other vCPU, faster or
+    slower, more often than one with it off (benchmarks/results/cpu-2026-12-06-s28/pinning.txt).
+    The background's own cost is table 3's."""
     allowed = sorted(os.sched_getaffinity(0))
     if cpu == -1:
         print(f"not pinned (CPUs {allowed})")
@@ -595,7 +616,9 @@ def pin(cpu: int | None, p: argparse.ArgumentParser) -> None:
     elif cpu not in allowed:
         p.error(f"--cpu: {cpu} is not among the CPUs this process may use {allowed} (or -1: not pinned)")
     os.sched_setaffinity(0, {cpu})
-    print(f"pinned to CPU {cpu} (--cpu -1: not pinned)")
+    PINNED["main"], PINNED["others"] = cpu, set(allowed) - {cpu}
+    print(f"training thread pinned to CPU {cpu}, stepwatch's threads to {sorted(PINNED['others']) or 'the same'} "
+          f"(--cpu -1: not pinned)")
 
 
 def main() -> None:
