@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from .._files import write_private
+from .procs import STOPPED_STATES, read_stat
 from .ptrace import find_pyspy
 
 __all__ = ["find_pyspy", "dump", "two_samples", "parse_threads", "main_frames", "call_site", "parallel"]
@@ -74,15 +75,11 @@ def dump(
     return ok, text
 
 
-def stopped(pid: int, proc: str = "/proc") -> bool:
-    """Is ``pid`` stopped (state ``T``: SIGSTOP, an operator's or a scheduler's pause; ``t``: a
-    debugger's trace stop)? False when it cannot be read."""
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2 :].split()[0] in (b"T", b"t")
-    except (OSError, ValueError, IndexError):
-        return False
+def stopped(pid: int) -> bool:
+    """Is ``pid`` stopped (SIGSTOP, an operator's or a scheduler's pause; a debugger's trace
+    stop)? False when it cannot be read."""
+    st = read_stat(pid)
+    return st is not None and st.state in STOPPED_STATES
 
 
 STOPPED_NOTE = ("(the process was stopped -- SIGSTOP or a debugger -- before this dump: read without "

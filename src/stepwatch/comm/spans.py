@@ -194,12 +194,11 @@ class CommCollector(Collector):
         span = Span(op, nbytes, world, seq, hook, group)
         buf = (self._buf if part == THIS_STEP else self._buf_next if part == NEXT_STEP
                else self._buf_eval if part == IF_STEP_WORK else None)
-        if buf is None:
-            pass
-        elif len(buf) < MAX_SPANS:
-            buf.append(span)
-        else:
-            self.dropped += 1
+        if buf is not None:  # None: no step's (NO_STEP)
+            if len(buf) < MAX_SPANS:
+                buf.append(span)
+            else:
+                self.dropped += 1
         progress = self._progress()
         if progress is not None:
             try:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 
+from .._os.procs import read_stat
+
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # cgroup v1 reports "no limit" as a huge number (PAGE_COUNTER_MAX * page size); anything at or
 # above 2**60 is no limit (kernel mm/page_counter.c).
@@ -71,13 +73,8 @@ def smaps_rollup(pid: int, proc: str = "/proc") -> tuple[int, int, int] | None:
 
 def parent_pid(pid: int, proc: str = "/proc") -> int | None:
     """The parent of ``pid`` (to make sure a pid read earlier is still our child, not a reused one)."""
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            stat = f.read()
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")".
-        return int(stat[stat.rindex(b")") + 2 :].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    st = read_stat(pid, proc)
+    return None if st is None else st.ppid
 
 
 def _read_int(path: str) -> int | None:
