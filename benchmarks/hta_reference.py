@@ -12,8 +12,10 @@ Set-up (HTA itself imports no torch; never pull a CUDA torch for it):
     /tmp/hta-venv/bin/pip install numpy pandas plotly networkx pydot pyyaml psutil
 
 Each trace is analysed alone (one ``TraceAnalysis`` per file, as rank 0), with HTA's defaults:
-``get_temporal_breakdown``, ``get_comm_comp_overlap`` and ``get_idle_time_breakdown``
-(``consecutive_kernel_delay=30``, all streams). A call that raises is stored as its error text.
+``get_temporal_breakdown``, ``get_comm_comp_overlap``, ``get_idle_time_breakdown``
+(``consecutive_kernel_delay=30``, all streams) and ``get_cuda_kernel_launch_stats`` (its launch
+delays: their count and the quantiles stepwatch reports, taken the same way: the value at index
+``int(q * n)`` of the sorted delays). A call that raises is stored as its error text.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ def analyse(path: str) -> dict:
         out["idle_breakdown_us"] = streams
     except Exception as e:
         out["idle_breakdown_us"] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        delays = sorted(float(d) for d in ta.get_cuda_kernel_launch_stats(ranks=[0], visualize=False)[0]["launch_delay"])
+        at = lambda q: _num(delays[min(int(q * len(delays)), len(delays) - 1)]) if delays else None  # noqa: E731
+        out["launch_delay_us"] = {"n": len(delays), "median": at(0.5), "p90": at(0.9), "p99": at(0.99),
+                                  "max": _num(delays[-1]) if delays else None}
+    except Exception as e:
+        out["launch_delay_us"] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 

@@ -94,12 +94,44 @@ def test_definitions_on_a_hand_made_trace(tmp_path):
     assert got["temporal"] == {"idle_pct": 10.53, "compute_pct": 49.12, "non_compute_pct": 40.35, "span_us": 57.0}
     assert got["comm_comp_overlap_pct"] == 23.33  # comm 25-55 under compute 25-32: 7 of 30
     assert got["idle_breakdown"]["7"]["kernel_wait_us"] == 29.0  # launched at 20, before the gemm ended
-    assert got["launch"]["delay_us"]["max"] == 41.0 and got["launch"]["queue_empty_count"] == 0
+    # HTA's launch delay: the kernel's start less the launch call's end (memcpy: 61 - 21)
+    assert got["launch"]["delay_us"]["max"] == 40.0 and got["launch"]["queue_empty_count"] == 0
     (gap,) = [g for g in got["gaps"] if g["dur_us"] == 6.0]
     assert gap["cpu_op"] == "aten::foo" and gap["step"] == 1 and gap["cause"] == "cpu"
     cls = got["kernels"]["classes"]
     assert cls["gemm"]["count"] == 1 and cls["communication"]["count"] == 1
     assert cls["elementwise_reduction"]["count"] == 1
+
+
+@needs_traces
+@pytest.mark.parametrize("name", sorted(n for n in REF if REF[n]["launch_delay_us"].get("n")))
+def test_launch_delays_match_htas_cuda_kernel_launch_stats(name):
+    ref = REF[name]["launch_delay_us"]
+    got = analyse(os.path.join(TRACES, name))["launch"]
+    assert got["kernels_with_launch"] == ref["n"]
+    assert {k: float(v) for k, v in got["delay_us"].items()} == {k: ref[k] for k in ("median", "p90", "p99", "max")}
+
+
+def test_launch_delay_starts_when_the_launch_call_returns_and_counts_launches_only(tmp_path):
+    """HTA's definition (``cuda_kernel_launch_stats``): kernel start less the end of its
+    cudaLaunchKernel / cudaLaunchKernelExC / cudaMemcpyAsync / cudaMemsetAsync, clipped at 0. A
+    launch call that blocks (lazy module loading: 3 s on the A100 trace) is no delay when its kernel
+    starts before the call returns; a synchronous copy's call is no launch."""
+    X = lambda cat, name, ts, dur, **args: {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts,
+                                            "dur": dur, "args": args}
+    p = _write(tmp_path / "t.json", [
+        X("cuda_runtime", "cudaLaunchKernel", 0, 3_000_000, correlation=1),  # blocks 3 s
+        X("kernel", "ampere_sgemm_128x64_tn", 2_999_997, 10, stream=7, correlation=1),
+        X("cuda_runtime", "cudaLaunchKernelExC", 3_000_100, 5, correlation=2),
+        X("kernel", "ampere_sgemm_128x64_nn", 3_000_125, 10, stream=7, correlation=2),
+        X("cuda_runtime", "cudaMemcpy", 3_000_200, 50, correlation=3),  # synchronous: HTA leaves it out
+        X("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 3_000_220, 20, stream=7, correlation=3),
+        X("cuda_runtime", "cudaMemsetAsync", 3_000_300, 2, correlation=4),
+        X("gpu_memset", "Memset (Device)", 3_000_310, 1, stream=7, correlation=4),
+    ])
+    got = analyse(p)["launch"]
+    assert got["kernels_with_launch"] == 3
+    assert got["delay_us"] == {"median": 8, "p90": 20, "p99": 20, "max": 20}
 
 
 def test_reader_streams_any_chunking_and_both_chrome_forms(tmp_path):
@@ -126,6 +158,17 @@ def test_hip_and_cuda_kernel_names_are_classified():
         ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)", "communication"),
         ("Memset (Device)", "memcpy_memset"),
         ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "elementwise_reduction"),
+        # FBGEMM-GPU (the sampled 128-rank traces): "fbgemm" is no GEMM; its GEMMs still are
+        ("void split_embedding_codegen_forward_unweighted_kernel<c10::Half, float>(at::GenericPackedTensorAccessor"
+         "<long, 1ul, at::RestrictPtrTraits, int>, fbgemm_gpu::FixedDivisor)", "elementwise_reduction"),
+        ("void at::native::vectorized_elementwise_kernel<4, fbgemm_gpu::_hfp8_to_float_gpu_t>(int)", "elementwise_reduction"),
+        ("void fbgemm_gpu::permute_2D_data_kernel<false, int, int, decltype(nullptr)>(int, int)", "other"),
+        ("void fbgemm_gpu::f8f8bf16_rowwise_gemm_kernel<cutlass::half_t>(Params)", "gemm"),
+        # cuDNN's implicit-GEMM convolutions (the V100 trace): "relu" / "stridedB" are their epilogue/layout
+        ("cudnn_infer_volta_scudnn_128x64_relu_medium_nn_v1", "gemm"),
+        ("cudnn_infer_volta_scudnn_128x64_stridedB_interior_nn_v1", "gemm"),
+        ("void wgrad_alg0_engine<float, 128, 6, 7, 3, 3, 5, false, 512>(int, int, int, float const*)", "gemm"),
+        ("void cudnn::bn_bw_1C11_kernel_new<float, float, float2, 128, true, 1>(float)", "elementwise_reduction"),
     ]:
         assert K.kernel_class(name, K.hta_type(name)) == cls, name
     assert K.hta_type("Stream Sync") == K.OTHER and K.hta_type("Memcpy DtoH (Device -> Pinned)") == K.MEMORY
@@ -250,3 +293,41 @@ def test_a_cuda_trace_stepwatch_captured_on_an_h200_matches_hta():
     classes = got["kernels"]["classes"]
     assert classes["gemm"]["count"] == 33 and classes["gemm"]["time_pct"] > 60  # the window's nvjet GEMMs
     assert "other" not in classes or classes["other"]["count"] == 0
+
+
+def test_short_names_keep_a_copys_memory_kinds_and_tell_two_kernels_of_one_name_apart():
+    """``Memcpy HtoD (Pageable -> Device)`` read as ``Memcpy HtoD  Device`` (the ``>`` of ``->``
+    closed the parenthesis): pageable and pinned copies, which the pin_memory advice tells apart,
+    looked the same. Two kernels of one name in the top list keep their template arguments."""
+    for name in ("Memcpy HtoD (Pageable -> Device)", "Memcpy HtoD (Pinned -> Device)", "Memset (Device)"):
+        assert K.short_name(name) == name
+    add = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int, float)"
+    relu = "void at::native::vectorized_elementwise_kernel<4, at::native::threshold_kernel<float>>(int, float)"
+    assert K.short_names([add, "volta_sgemm_64x64_nt", relu]) == [
+        "at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "volta_sgemm_64x64_nt",
+        "at::native::vectorized_elementwise_kernel<4, at::native::threshold_kernel<float>>"]
+
+
+def test_cpu_gaps_of_a_long_cpu_capture_take_linear_time():
+    """A CPU-only capture's gaps walked every thread's ops from the first for each step: 16,000
+    steps of 20 ops took 106 s (about 40,000 would pass the capture worker's 600 s CPU limit).
+    The bound here is generous (the walk now takes well under a second); the old walk needed
+    over a minute for these 30,000 steps. The gaps are the same either way (checked on a small one)."""
+    import time as _time
+
+    def pass1(steps):
+        p1 = analyse.__globals__["_Pass1"]()
+        for i in range(steps):
+            t = i * 100.0
+            p1.steps.append((t, t + 100.0, i, 1, "profiler"))
+            p1.aten.setdefault(1, []).extend([[t + 10.0, t + 20.0], [t + 22.0, t + 30.0], [t + 32.0, t + 40.0],
+                                              [t + 50.0, t + 60.0 + (i % 7)]])
+        p1.aten_sorted[1] = True
+        return p1
+
+    cpu_gaps = analyse.__globals__["_cpu_gaps"]
+    small = cpu_gaps(pass1(50), 3)
+    assert [(g["dur_us"], g["step"]) for g in small] == [(40.0, 49), (40.0, 42), (40.0, 35)]
+    t0 = _time.process_time()
+    big = cpu_gaps(pass1(30_000), 3)
+    assert _time.process_time() - t0 < 5.0 and len(big) == 3 and big[0]["dur_us"] == 40.0

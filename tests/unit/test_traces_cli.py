@@ -6,6 +6,7 @@ stepwatch's captures/ folder; the CPU trace and the runs are made here by torch.
 `stepwatch run`.
 """
 
+import importlib
 import json
 import os
 import shutil
@@ -156,11 +157,59 @@ def test_a_json_file_that_is_not_a_trace_is_an_error_naming_it(tmp_path, capsys)
     lst.write_text("[1, 2, 3]")
     assert main(["trace", str(lst)]) == 1
     assert f"{lst}: not a profiler trace" in capsys.readouterr().err
-    # A trace with no events is still a trace.
+    # A trace with no events is still a trace; an empty list, or a traceEvents list of values, is none.
     empty = tmp_path / "e.json"
     empty.write_text('{"traceEvents": []}')
     assert main(["trace", str(empty)]) == 0
     capsys.readouterr()
+    for name, text in (("bare.json", "[]"), ("values.json", '{"traceEvents": [1, 2, 3]}')):
+        (tmp_path / name).write_text(text)
+        assert main(["trace", str(tmp_path / name)]) == 1
+        assert f"{tmp_path / name}: not a profiler trace" in capsys.readouterr().err
+
+
+def test_malformed_events_are_skipped_and_counted_and_one_bad_file_stops_no_other(tmp_path, capsys):
+    """A string or NaN ``ts``/``dur``, a negative ``dur``, an ``args`` that is no object: skipped
+    and counted (a traceback before, or an idle of 111% for a negative duration, or a bare NaN in
+    the ``--json`` output); a file whose analysis fails anyway is an error line of its own, and the
+    other files are still analysed."""
+    X = lambda name, ts, dur, **kw: {"ph": "X", "cat": kw.pop("cat", "kernel"), "name": name, "pid": 1, "tid": 1,
+                                     "ts": ts, "dur": dur, **kw}
+    good = [X("k0", 100, 5, args={"stream": 7, "correlation": 100}),
+            X("cudaLaunchKernel", 90, 2, cat="cuda_runtime", args={"correlation": 100})]
+    bad = [X("k1", "10", 5, args={"stream": 7, "correlation": 1}), X("k2", 30, 5, args="no object"),
+           X("k3", 40, "5", args={"stream": 7, "correlation": 3}), X("ProfilerStep#1", 0, "x", cat="cpu_op"),
+           X("ProfilerStep#2", {}, 3, cat="cpu_op"), X("k5", 60, -10, args={"stream": 7, "correlation": 5}),
+           X("k4", 50, float("nan"), args={"stream": 7, "correlation": 4}),
+           X("k6", 70, float("inf"), args={"stream": 7, "correlation": 6})]
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps({"traceEvents": good + bad}))
+    assert main(["trace", str(p), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "NaN" not in out and "Infinity" not in out
+    (got,) = json.loads(out)
+    assert got["malformed_events"] == 8 and "8 malformed event(s) skipped" in got["note"]
+    assert got["temporal"] == {"idle_pct": 0.0, "compute_pct": 100.0, "non_compute_pct": 0.0, "span_us": 5.0}
+    # One file the analysis cannot take (a failure it did not foresee) and a good one: both named.
+    mod = importlib.import_module("stepwatch.traces.analyse")  # the package's ``analyse`` is the function
+    real = mod._Pass1.feed
+
+    def feed(self, e):
+        if e.get("name") == "boom":
+            raise KeyError("boom")
+        return real(self, e)
+
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.json").write_text(json.dumps({"traceEvents": [X("boom", 1, 1)]}))
+    (tmp_path / "dir" / "b.json").write_text(json.dumps({"traceEvents": good}))
+    mod._Pass1.feed = feed
+    try:
+        assert main(["trace", str(tmp_path / "dir"), "--json"]) == 1
+    finally:
+        mod._Pass1.feed = real
+    cap = capsys.readouterr()
+    assert f"{tmp_path / 'dir' / 'a.json'}: could not be analysed (KeyError: 'boom')" in cap.err
+    assert "Traceback" not in cap.err and [g["trace"] for g in json.loads(cap.out)] == [str(tmp_path / "dir" / "b.json")]
 
 
 TRAIN = r'''

@@ -56,6 +56,11 @@ KERNEL_CATS = frozenset(("kernel", "Kernel", "gpu_memset", "Memset", "gpu_memcpy
 DEVICE_SYNC_NAMES = frozenset(("Event Sync", "Context Sync"))  # HTA: on stream -1, still GPU events
 RUNTIME_CATS = frozenset(("cuda_runtime", "cuda_driver"))  # the host side of device work (CUDA and HIP)
 CPU_CATS = frozenset(("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver"))
+# The runtime calls whose launch delay HTA measures (``cuda_kernel_launch_stats``: kernel launches
+# and the async memcpy/memset), and their HIP names, which HTA 0.5.0 does not list (stepwatch's).
+LAUNCH_NAMES = frozenset(("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync",
+                          "hipLaunchKernel", "hipExtLaunchKernel", "hipModuleLaunchKernel",
+                          "hipExtModuleLaunchKernel", "hipMemcpyAsync", "hipMemsetAsync"))
 # Calls that block the host until the device catches up (CUDA and HIP runtime, and the aten ops
 # that copy a device value to the host).
 SYNC_NAMES = frozenset((
@@ -136,8 +141,9 @@ class _Pass1:
         self.k_gf = bytearray()
         self.names: dict[str, int] = {}
         self.cats: dict[str, int] = {}
-        # CPU-side events carrying a correlation id (runtime launches): correlation, start, tid id.
-        self.r_corr, self.r_ts, self.r_tid = array("q"), array("d"), array("l")
+        # CPU-side events carrying a correlation id (runtime launches): correlation, start, end (NaN
+        # unless a call in LAUNCH_NAMES), tid id.
+        self.r_corr, self.r_ts, self.r_end, self.r_tid = array("q"), array("d"), array("d"), array("l")
         self.tids: dict[Any, int] = {}
         self.prof_names: set[str] = set()
         self.prof_last: float | None = None
@@ -151,6 +157,7 @@ class _Pass1:
         self.c_ts, self.c_dur, self.c_name, self.c_tid, self.c_cat = (array("d"), array("d"), array("l"),
                                                                      array("l"), array("l"))
         self.c_dropped = 0
+        self.malformed = 0  # complete events skipped: ts/dur not a finite number, dur < 0, args not an object
 
     def _id(self, table: dict, key: Any) -> int:
         i = table.get(key)
@@ -168,10 +175,18 @@ class _Pass1:
         dur = e.get("dur")
         if cat is None or dur is None or ts is None or cat == "Trace":
             return
+        tc, dc = ts.__class__, dur.__class__
+        if ((tc is not int and (tc is not float or ts - ts != 0)) or (dc is not int and (dc is not float or dur - dur != 0))
+                or dur < 0):
+            self.malformed += 1  # a string, NaN or infinite time, a negative duration: not an event HTA could use
+            return
         name = e.get("name", "")
         if name.__class__ is not str:
             name = str(name)
         args = e.get("args")
+        if args is not None and args.__class__ is not dict:
+            self.malformed += 1
+            return
         stream = corr = -1
         if args:
             s = args.get("stream")
@@ -201,6 +216,7 @@ class _Pass1:
         if corr != -1 and not gf:
             self.r_corr.append(corr)
             self.r_ts.append(ts)
+            self.r_end.append(ts + dur if name in LAUNCH_NAMES else math.nan)
             self.r_tid.append(self._id(self.tids, tid))
         if name.startswith(("ProfilerStep", "stepwatch_step_")) and len(self.steps) < MAX_RANGES:
             m = STEP_RE.match(name)
@@ -377,12 +393,17 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS,
     # Runtime calls by correlation id, only for the GPU events' ids (a dict of all would be large).
     launch: dict[int, float | None] = dict.fromkeys(p1.k_corr)  # None: no launch seen (yet)
     launch.pop(-1, None)
+    # HTA's launch delay runs from the end of the launch call (a call that itself blocks, lazy
+    # module loading for one, is no delay between launch and start).
+    launch_end: dict[int, float] = {}
     launch_tids: set[int] = set()
-    for c, ts, tid in zip(p1.r_corr, p1.r_ts, p1.r_tid):
+    for c, ts, end, tid in zip(p1.r_corr, p1.r_ts, p1.r_end, p1.r_tid):
         if c in launch and launch[c] is None:
             launch[c] = ceil(ts)
             launch_tids.add(tid)
-    p1.r_corr = p1.r_ts = p1.r_tid = array("q")  # done with: the memory goes back before the sort
+            if end == end:  # not NaN: a kernel launch or an async memcpy/memset
+                launch_end[c] = floor(end)
+    p1.r_corr = p1.r_ts = p1.r_end = p1.r_tid = array("q")  # done with: the memory goes back before the sort
     # A blocking call is a host sync only where the trace shows device work it waits on: a GPU row,
     # or CUDA/HIP runtime calls. In a CPU job's trace aten::item and the like wait on nothing.
     device = len(p1.k_ts) > 0 or p1.runtime_seen
@@ -419,7 +440,7 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS,
         ev.sort()
         origin = ev[0][0] if origin is None else min(origin, ev[0][0])
         allm = merge([(e[0], e[1]) for e in ev])
-        out.update(_gpu_summary(ev, allm, names, kernel_cat_ids, launch))
+        out.update(_gpu_summary(ev, allm, names, kernel_cat_ids, launch, launch_end))
         cand = [(allm[i + 1][0] - allm[i][1], allm[i][1], allm[i + 1][0]) for i in range(len(allm) - 1)]
         big = [c for c in cand if c[0] > GAP_MS * 1000.0]
         out["gaps_over_1ms"] = {"count": len(big), "total_us": round(sum(c[0] for c in big), 1)}
@@ -451,6 +472,10 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS,
             p2.add(cat_of[cid], names[nid], tid_of[tid], ts, dur)
     if p1.c_dropped:
         out["cpu_events_not_kept"] = p1.c_dropped
+    if p1.malformed:
+        out["malformed_events"] = p1.malformed
+        what = f"{p1.malformed} malformed event(s) skipped"
+        out["note"] = f"{out['note']}; {what}" if out.get("note") else what
     comm = _comm_waits(gaps, p2.comm) if p2 else [None] * len(gaps)
     for i, g in enumerate(gaps):
         g["start_us"] = round(g["_s"] - origin, 1) if origin is not None else None
@@ -495,7 +520,8 @@ def analyse(path: str, *, rank: int | None = None, top_gaps: int = TOP_GAPS,
     return out
 
 
-def _gpu_summary(ev: list[tuple], allm: list[list[float]], names: list, kernel_cat_ids: set[int], launch: dict[int, float | None]) -> dict[str, Any]:
+def _gpu_summary(ev: list[tuple], allm: list[list[float]], names: list, kernel_cat_ids: set[int],
+                 launch: dict[int, float | None], launch_end: dict[int, float]) -> dict[str, Any]:
     types: dict[int, int] = {}
     classes: dict[int, str] = {}
     for nid in {e[3] for e in ev}:
@@ -521,8 +547,9 @@ def _gpu_summary(ev: list[tuple], allm: list[list[float]], names: list, kernel_c
         if cat not in kernel_cat_ids:
             continue
         lt = launch.get(corr)
-        if lt is not None:
-            delays.append(ts - lt)
+        le = launch_end.get(corr)
+        if le is not None:
+            delays.append(max(ts - le, 0.0))  # HTA clips at 0
         pe = prev_end.get(stream)
         prev_end[stream] = end
         if pe is None:
@@ -571,8 +598,8 @@ def _gpu_summary(ev: list[tuple], allm: list[list[float]], names: list, kernel_c
     kern = {"count": n, "time_us": round(total, 1), "tiny_count": tiny_n, "tiny_time_pct": _pct(tiny_t, total),
             "classes": {c: {"count": int(v[0]), "time_us": round(v[1], 1), "time_pct": _pct(v[1], total)}
                         for c, v in by_class.items() if v[0]},
-            "top": [{"name": K.short_name(names[nid]), "class": classes[nid], "count": int(v[0]),
-                     "time_us": round(v[1], 1)} for nid, v in top]}
+            "top": [{"name": short, "class": classes[nid], "count": int(v[0]), "time_us": round(v[1], 1)}
+                    for short, (nid, v) in zip(K.short_names([names[nid] for nid, _ in top]), top)]}
     return {"temporal": temporal, "comm_comp_overlap_pct": overlap, "idle_breakdown": idle_bd, "kernels": kern,
             "launch": launch_out}
 
@@ -582,22 +609,28 @@ def _cpu_gaps(p1: _Pass1, top_gaps: int) -> list[dict[str, Any]]:
     steps = [s for s in p1.steps if s[4] == "stepwatch"] or p1.steps
     cand: list[tuple[float, float, float, int, Any]] = []
     merged: dict[Any, list[list[float]]] = {}
-    for s, e, n, tid, _src in steps:
+    first: dict[Any, int] = {}  # per thread: the first merged op that ends after the last step's start
+    for s, e, n, tid, _src in sorted(steps, key=lambda st: st[0]):
         m = merged.get(tid)
         if m is None:
             lst = p1.aten.get(tid, [])
             if not p1.aten_sorted.get(tid, True):
                 lst.sort()
             m = merged[tid] = merge([(a, b) for a, b in lst])
+            first[tid] = 0
+        i = first[tid]
+        while i < len(m) and m[i][1] <= s:  # steps in start order: ops before this one's start are done with
+            i += 1
+        first[tid] = i  # (a walk from the first op for every step was quadratic: 16,000 steps took 106 s)
         cur = s
-        for a, b in m:  # the step ranges are few; a linear walk per step is fine
-            if b <= s:
-                continue
+        while i < len(m):
+            a, b = m[i]
             if a >= e:
                 break
             if a > cur:
                 cand.append((a - cur, cur, a, n, tid))
             cur = max(cur, b)
+            i += 1
         if e > cur:
             cand.append((e - cur, cur, e, n, tid))
     return [{"_s": s, "_e": e, "_tid": tid, "dur_us": round(d, 1), "step": n, "where": "cpu"}

@@ -89,6 +89,9 @@ def run_trace(args: argparse.Namespace) -> int:
             msg = str(e) if str(e).startswith(p) else f"{p}: {e}"  # TraceFormatError names the file
             print(f"stepwatch trace: error: {msg}", file=sys.stderr)
             rc = 1
+        except Exception as e:  # noqa: BLE001 - a trace this analysis did not foresee: say so, go on with the others
+            print(f"stepwatch trace: error: {p}: could not be analysed ({type(e).__name__}: {e})", file=sys.stderr)
+            rc = 1
     if out:
         _print(out, args.json)
     return rc

@@ -6,8 +6,8 @@ whole. The text is read in chunks and each event is decoded alone with the stand
 scanner (``json.scanner``): memory holds one chunk and one event. The other top-level keys
 (``distributedInfo``, ``deviceProperties``, ...) are small and kept in ``meta``; they may come
 before or after the events. The Chrome "JSON array" form (a bare list of events) is read too.
-Any other JSON (an object without ``traceEvents``, a list holding no event object) is not a
-trace: ``TraceFormatError``, like a file that is not JSON.
+Any other JSON (an object without ``traceEvents``, a list holding no event object, ``[]`` included,
+a ``traceEvents`` list of values none of which is an event object) is not a trace: ``TraceFormatError``, like a file that is not JSON.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class EventReader:
                         yield ev
                     else:
                         others += 1
-                if others and not self.events:
+                if not self.events:  # ``[]`` too: Chrome's array form of a trace has its events
                     raise TraceFormatError(f"{self.path}: not a profiler trace: a JSON list of {others} "
                                            "value(s) and no event object")
                 return
@@ -161,10 +161,16 @@ class EventReader:
                     if key == "traceEvents":
                         seen = True
                         self._expect("[")
+                        others = 0
                         for ev in self._array():
                             if isinstance(ev, dict):
                                 self.events += 1
                                 yield ev
+                            else:
+                                others += 1
+                        if others and not self.events:  # an empty list is an empty trace; [1, 2] none
+                            raise TraceFormatError(f"{self.path}: not a profiler trace: its traceEvents list "
+                                                   f"holds {others} value(s) and no event object")
                     else:
                         self.meta[str(key)] = self._value()
                     if self._expect(",}") == "}":
