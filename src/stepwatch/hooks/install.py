@@ -76,6 +76,8 @@ MAX_ALL_SCANS = 256
 
 # The savers' modules, patched once the user imports them (``Instrumentation._patch_savers``).
 SAVER_MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "transformers.modeling_utils")
+# Where torch.compile's wrapper module lives (imported at the first torch.compile, not with torch).
+DYNAMO_MODULE = "torch._dynamo.eval_frame"
 
 
 class Instrumentation:
@@ -100,6 +102,8 @@ class Instrumentation:
         self._st_patched = False
         self._hf_patched = False
         self._saver_watch: ImportWatch | None = None
+        self._wrapper_patched = False  # torch.compile's OptimizedModule.__init__ (_patch_compiled_wrapper)
+        self._dynamo_watch: ImportWatch | None = None
         # The bytes of the saves inside one that reports what its saves wrote (save_pretrained's
         # safetensors files); None when no such save is open.
         self._save_sums: list[int | None] | None = None
@@ -218,6 +222,9 @@ class Instrumentation:
             return out
 
         self._patch(torch.nn.Module, "compile", compile)
+        self._patch_compiled_wrapper()
+        if not self._wrapper_patched:
+            self._dynamo_watch = ImportWatch([DYNAMO_MODULE], self._dynamo_imported).start()
         self._patch_launch()
         # A model (and its optimizer) built before stepwatch.init(): its roots are hooked now, so a
         # loop without a DataLoader times and counts step 0's first forward too (the scans at the
@@ -277,8 +284,9 @@ class Instrumentation:
                 )
 
     def uninstall(self) -> None:
-        if self._saver_watch is not None:
-            self._saver_watch.stop()
+        for watch in (self._saver_watch, self._dynamo_watch):
+            if watch is not None:
+                watch.stop()
         self._unwrap_calls()
         for h in self._handles:
             try:
@@ -633,6 +641,46 @@ class Instrumentation:
         # not held: nothing (_MISSING), None, or the call's inner (the compiled callable).
         self._calls.append((weakref.ref(m), weakref.ref(call), before if before is _MISSING or before is None else _INNER))
 
+    def _dynamo_imported(self, name: str) -> None:
+        try:
+            self._patch_compiled_wrapper()
+        except Exception as e:  # never raise into the user's import
+            self._on_error("hooks.compile", e)
+
+    def _patch_compiled_wrapper(self) -> None:
+        """``torch.compile(model)`` of a root already hooked (nanoGPT builds its optimizer, whose
+        scan hooks the model, then compiles): the wrapper calls the model's ``__call__`` inside
+        the compiled region, so dynamo traced stepwatch's root call: 3 graph breaks, the FLOP/token
+        observer compiled and failed (samples, tokens and FLOPs null for the run), a dropout mask
+        drawn elsewhere (another training result with inductor), the first training forward as
+        evaluation. The wrapper becomes the root instead, as when the scan finds it (compiling
+        before the optimizer): stepwatch's call runs outside compiled code, the model's own is
+        torch's again."""
+        if self._wrapper_patched:
+            return
+        cls = getattr(sys.modules.get(DYNAMO_MODULE), "OptimizedModule", None)
+        if cls is None:
+            return
+        self._wrapper_patched = True
+        orig = cls.__init__
+
+        @functools.wraps(orig)
+        def __init__(wrapper: Any, mod: Any, *args: Any, **kwargs: Any) -> None:
+            orig(wrapper, mod, *args, **kwargs)
+            try:
+                if self.tracker.enabled and mod in self._hooked:
+                    self._unwrap_call(mod)
+                    self._hooked.discard(mod)
+                    try:
+                        self.roots.remove(type(mod).__name__)
+                    except ValueError:
+                        pass
+                    self._hook_root(wrapper)
+            except Exception as e:
+                self._on_error("hooks.compile", e)
+
+        self._patch(cls, "__init__", __init__)
+
     def _rewrap_compiled(self, m: Any) -> None:
         """``model.compile()`` on a root already hooked: time the new compiled callable."""
         now = m.__dict__.get("_compiled_call_impl")
@@ -641,14 +689,29 @@ class Instrumentation:
 
     def _unwrap_calls(self) -> None:
         for ref, call_ref, before in reversed(self._calls):
-            m, call = ref(), call_ref()
-            if m is None or call is None or m.__dict__.get("_compiled_call_impl") is not call:
-                continue  # gone, or replaced since (a later compile(), another tool): left as is
-            if before is _MISSING:
-                del m.__dict__["_compiled_call_impl"]
-            else:
-                object.__setattr__(m, "_compiled_call_impl", call.inner if before is _INNER else before)
+            _restore(ref(), call_ref(), before)
         self._calls.clear()
+
+    def _unwrap_call(self, m: Any) -> None:
+        """One root's calls put back (it stops being a root: torch.compile's wrapper took its place)."""
+        keep = []
+        for ref, call_ref, before in reversed(self._calls):
+            if ref() is m:
+                _restore(m, call_ref(), before)
+            else:
+                keep.append((ref, call_ref, before))
+        self._calls[:] = reversed(keep)
+
+
+def _restore(m: Any, call: Any, before: Any) -> None:
+    """Put back what ``m._compiled_call_impl`` was before stepwatch's root call ``call`` (see
+    ``Instrumentation._wrap_call``)."""
+    if m is None or call is None or m.__dict__.get("_compiled_call_impl") is not call:
+        return  # gone, or replaced since (a later compile(), another tool): left as is
+    if before is _MISSING:
+        del m.__dict__["_compiled_call_impl"]
+    else:
+        object.__setattr__(m, "_compiled_call_impl", call.inner if before is _INNER else before)
 
 
 def _checkpoint_sequential(inst: "Instrumentation", orig: Callable[..., Any]) -> Callable[..., Any]:
