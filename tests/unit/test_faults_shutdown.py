@@ -101,6 +101,39 @@ def test_a_sigterm_during_stepwatchs_shutdown_still_writes_the_final_manifest(tm
     assert len((run / "steps.rank0.jsonl").read_text().splitlines()) == 20
 
 
+DURING_EXIT = r"""
+import os, sys, signal, torch, stepwatch
+s = stepwatch.init(dir=sys.argv[1], console="off", watchdog="off", capture="off")
+s.pipeline.stop_thread()  # no pass before the exit's: the last records all wait in the queue
+class TermWhenRead:  # read in the exit's final pass, on the main thread: torchrun's SIGTERM lands there
+    def __float__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 1.0
+m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for i in range(30):
+    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    stepwatch.log(x=TermWhenRead() if i == 29 else 1.0)
+raise RuntimeError("Connection reset by peer")   # a peer rank died: the exit's shutdown runs
+"""
+
+
+def test_a_sigterm_during_the_exits_shutdown_waits_for_its_last_records(tmp_path):
+    """A rank whose peer died exits on gloo's error; torchrun's SIGTERM came 26 ms into its exit
+    shutdown and the handler wrote the manifest as it stood: 52 to 58 of 60 records, none counted
+    as dropped. The signal now waits for the shutdown under way (bounded: ``FINISH_S``), and the
+    process still dies of it."""
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", DURING_EXIT, str(run)], env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == -signal.SIGTERM, (r.returncode, r.stderr[-2000:])
+    assert "Connection reset by peer" in r.stderr and time.monotonic() - t0 < 60
+    assert [json.loads(line)["step"] for line in (run / "steps.rank0.jsonl").read_text().splitlines()] == list(range(30))
+    m = json.loads((run / "run.json").read_text())
+    assert m["steps"] == 30 and m["dropped_records"] == 0 and m["end_time"] is not None
+    assert m["ended_by"].startswith("uncaught RuntimeError: Connection reset by peer")
+
+
 # -- the pipeline -------------------------------------------------------------------------------
 
 
