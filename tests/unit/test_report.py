@@ -196,6 +196,23 @@ def test_findings_grouped_by_kind_with_worst_severity(tmp_path):
     assert g.summary == "latest one"  # ordered by time: step 300 is the latest
 
 
+def test_a_hang_the_job_was_ended_for_is_read_from_the_watchdogs_own_file(tmp_path):
+    """The sidecar writes its ``hang`` finding to ``findings.watchdog.rank<R>.jsonl`` and the
+    trainer copies it into ``findings.rank<R>.jsonl`` within a second: a trainer ended right
+    after the dump (STEPWATCH_HANG_ACTION=exit, a scheduler's SIGTERM) never copied it, and the
+    report said "No findings". A copy that did land is not counted twice."""
+    hang = finding(0, 20, kind="hang", severity="critical", summary="Laggard: rank 1")
+    make_run(tmp_path / "ended", ranks=2, n=30)
+    write_jsonl(tmp_path / "ended" / "findings.watchdog.rank0.jsonl", [hang])
+    got = load_run(str(tmp_path / "ended"))
+    assert [(f.kind, f.rank, f.step) for f in got.findings] == [("hang", 0, 20)]
+    assert "findings.watchdog.rank0.jsonl" in got.files
+    make_run(tmp_path / "copied", ranks=2, n=30, findings=[hang, finding(1, 5)])
+    write_jsonl(tmp_path / "copied" / "findings.watchdog.rank0.jsonl", [hang])
+    assert sorted(f.kind for f in load_run(str(tmp_path / "copied")).findings) == ["data_loading", "hang"]
+    assert [g.kind for g in summarize(load_run(str(tmp_path / "ended"))).findings] == ["hang"]
+
+
 def test_slow_rank_is_marked_only_when_it_stands_out(tmp_path):
     make_run(tmp_path / "even", ranks=2, n=300)
     s = summarize(load_run(str(tmp_path / "even")))

@@ -78,3 +78,26 @@ def test_an_open_timed_collective_still_decides_first():
     snaps = {0: _snap(SLEEPS_PYSPY, colls=[_done(1), open_]), 1: _snap(WAITS_PYSPY, colls=[_done(1)])}
     v = hang.verdict(snaps, 2)
     assert v["laggards"] == [1] and v["collective"]["source"] == "comm_hook"
+
+
+def test_a_laggard_waiting_in_another_collective_is_named_at_its_line_not_stepwatchs_wrapper():
+    """Uneven steps without Join (a real 2-rank gloo job's frames): rank 1 waits in DDP's
+    AllReduce of its last step, rank 0 left the loop and waits in ``dist.barrier()``. The summary
+    said rank 0 was "in BlockedTimer._wrap_wait.<locals>.wait (stepwatch/comm/blocked.py:168)":
+    stepwatch's own wait wrapper, and not that rank 0 is in a collective too."""
+    barrier = ["BlockedTimer._wrap_wait.<locals>.wait (stepwatch/comm/blocked.py:168)",
+               "barrier (torch/distributed/distributed_c10d.py:5356)",
+               "_exception_logger.<locals>.wrapper (torch/distributed/c10d_logger.py:83)",
+               "BlockedTimer._wrap.<locals>.collective (stepwatch/comm/blocked.py:150)", "<module> (job.py:16)"]
+    open_ = {"op": "allreduce", "group": 0, "seq": 60, "bytes": 4096, "enter_ns": 9, "exit_ns": 0,
+             "completed": False, "step": 59}
+    snaps = {0: {**_snap(barrier, step=58), "pid": 10, "host": "h"},
+             1: {**_snap(BACKWARD, step=59, phase="backward", colls=[open_]), "pid": 11, "host": "h"}}
+    rep = hang.build_report(1, snaps, 2, timeout_s=5.0, detected_after_s=5.0, action="dump", run_dir="/r")
+    assert rep["laggards"] == [0] and "stepwatch/" not in rep["summary"], rep["summary"]
+    assert ("Rank 0 is at step 58, phase other, in barrier (torch/distributed/distributed_c10d.py:5356) called "
+            "from <module> (job.py:16): it waits in another collective (barrier) than the allreduce") in rep["summary"]
+    # A laggard in its own code reads as before.
+    snaps[0] = {**_snap(SLEEPS_PYSPY, step=58), "pid": 10, "host": "h"}
+    rep = hang.build_report(1, snaps, 2, timeout_s=5.0, detected_after_s=5.0, action="dump", run_dir="/r")
+    assert "Rank 0 is at step 58, phase other, in <module> (job.py:22)." in rep["summary"], rep["summary"]

@@ -26,6 +26,10 @@ from .ingest import RankBuilder, _is_num, add_step
 # steps.rank<R>.jsonl, steps.rank<R>.<K>.jsonl (attempt K after an elastic restart), and the
 # rotated older segments of either, suffixed .<N>.
 _FILE_RE = re.compile(r"^(steps|findings)\.rank(\d+)(?:\.(\d+))?\.jsonl(?:\.(\d+))?$")
+# The hang watchdog sidecar's own findings (watchdog/sidecar.py): the trainer's pipeline copies
+# them into findings.rank<R>.jsonl within a second, unless the trainer ends first (the hang's
+# ``exit`` action, a scheduler's SIGTERM right after the dump): then they are only here.
+_WATCHDOG_RE = re.compile(r"^findings\.watchdog\.rank(\d+)\.jsonl$")
 # run.json, or run.<K>.json when a second launch reused the run id (the writer never overwrites).
 _MANIFEST_RE = re.compile(r"^run(?:\.(\d+))?\.json$")
 # Each rank's own line of the manifest: host, pid, attempt.
@@ -237,12 +241,39 @@ def load_run(path: str) -> Run:
             run.bad_lines_by_file[name] = bad
         if kind == "steps":
             attempts.setdefault(rank, set()).add(attempt)
+    _add_watchdog_findings(run, path, names)
     # Each rank's segments and attempts merged, ordered by time (finish sorts).
     run.columns = {r: b.finish() for r, b in builders.items()}
     run.findings.sort(key=lambda f: f.time)
     run.attempts = {r: sorted(a) for r, a in attempts.items()}
     _note_rotation_and_launches(run, spans)
     return run
+
+
+def _add_watchdog_findings(run: Run, path: str, names: list[str]) -> None:
+    """The sidecar's findings that the trainer did not copy before it ended (a hang the job was
+    ended for: ``stepwatch report`` said "No findings")."""
+    def key(f: Finding) -> tuple[Any, ...]:
+        return (f.kind, f.rank, f.step, f.summary, round(f.time, 3))
+
+    have = {key(f) for f in run.findings}
+    for name in names:
+        m = _WATCHDOG_RE.match(name)
+        if not m:
+            continue
+        found: list[Finding] = []
+        try:
+            bad = _read_jsonl(os.path.join(path, name), partial(_take_finding, found, file_rank=int(m.group(1))))
+        except OSError:
+            continue  # the sidecar's file is extra: the report stands without it
+        run.files.append(name)
+        if bad:
+            run.bad_lines += bad
+            run.bad_lines_by_file[name] = bad
+        for f in found:
+            if key(f) not in have:
+                have.add(key(f))
+                run.findings.append(f)
 
 
 def _take_step(builders: dict[int, RankBuilder], span: list[Any], d: Any, file_rank: int) -> bool:

@@ -241,6 +241,25 @@ def build_report(
     return report
 
 
+def _whereabouts(frames: list[str], op: str) -> str:
+    """Where a laggard's main thread is: its innermost frame that is not stepwatch's own (a
+    collective's wait wrapper said "in BlockedTimer._wrap_wait.<locals>.wait"), the job's line
+    that called it, and whether that is a collective itself: then the ranks called different
+    collectives (a step count or a branch that differs between ranks), not a slow rank."""
+    own = [f for f in frames if "stepwatch/" not in f.replace("\\", "/")]
+    top = own[0] if own else (frames[0] if frames else "?")
+    text = f"in {top}"
+    site = call_site(frames)
+    if site and site != top:
+        text += f" called from {site}"
+    coll = next((f for f in own if "torch/distributed/" in f.replace("\\", "/") and "c10d" in f), None)
+    if coll is not None:
+        name = coll.split(" (", 1)[0]
+        text += (f": it waits in another collective ({name}) than the {op} the others wait in, so the ranks "
+                 "called different collectives (a step count or a branch that differs between ranks)")
+    return text
+
+
 def summary(report: dict[str, Any]) -> str:
     """One paragraph for the log."""
     coll = report.get("collective") or {}
@@ -270,8 +289,8 @@ def summary(report: dict[str, Any]) -> str:
         parts = []
         for r in lag:
             info = ranks.get(r, {})
-            top = (info.get("top_frames") or ["?"])[0]
-            parts.append(f"Rank {r} is at step {info.get('step')}, phase {info.get('phase')}, in {top}")
+            parts.append(f"Rank {r} is at step {info.get('step')}, phase {info.get('phase')}, "
+                         + _whereabouts(info.get("top_frames") or [], op))
         verb = "waits" if len(waiting) == 1 else "wait"
         text = head + (f"Laggard: {ranks_text(lag)}, which did not enter the {where} that "
                        f"{ranks_text(waiting)} {verb} in. " + "; ".join(parts) + ".")
