@@ -58,6 +58,21 @@ def test_dump_of_a_missing_target_is_a_clear_error(capsys, tmp_path):
     assert "neither a directory nor a pid" in capsys.readouterr().err
 
 
+def test_dump_of_pid_0_or_a_process_py_spy_cannot_read_is_one_clear_line(capsys):
+    """``stepwatch dump 0`` asked the process group (kill(0, 0) succeeds) and printed py-spy's
+    error on pid 0; a failed dump's line ended in a Rust backtrace's last frames ("9:
+    std::rt::lang_start_internal 10: main")."""
+    assert main(["dump", "0"]) == 2
+    assert "PID must be a process id above 0, got 0" in capsys.readouterr().err
+    from stepwatch._os.pyspy import _why
+
+    err = ("Error: Failed to get process executable name. Check that the process is running.\n\nCaused by:\n"
+           "    0: Permission denied (os error 13)\n    1: Permission denied (os error 13)\n\nStack backtrace:\n"
+           "   0: <E as anyhow::context::ext::StdError>::ext_context\n   9: std::rt::lang_start_internal\n  10: main\n")
+    assert _why(err) == ("Error: Failed to get process executable name. Check that the process is running. "
+                         "Caused by: Permission denied (os error 13)")
+
+
 def _state(pid):
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]

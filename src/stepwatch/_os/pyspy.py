@@ -115,11 +115,23 @@ def _run_dump(pyspy: str, pid: int, native: bool, nonblocking: bool, timeout_s: 
     except OSError as e:
         return False, f"cannot run {pyspy}: {e}", False
     if r.returncode != 0 or "Thread" not in r.stdout:
-        msg = (r.stderr or r.stdout).strip().splitlines()
-        # its first line says why (the rest may be a Rust backtrace), its last ones where
-        said = msg[:1] + msg[max(len(msg) - 2, 1):]
-        return False, " ".join(said) or f"py-spy exited with code {r.returncode}", False
+        return False, _why(r.stderr or r.stdout) or f"py-spy exited with code {r.returncode}", False
     return True, r.stdout, False
+
+
+def _why(text: str) -> str:
+    """py-spy's error in one line: its first line and the causes under it ("Caused by: 0:
+    Permission denied"), without the Rust backtrace that follows ("Stack backtrace: ... 10: main",
+    whose last lines were all ``stepwatch dump 1`` printed of it)."""
+    said: list[str] = []
+    for line in text.strip().splitlines():
+        line = line.strip()
+        if line.startswith("Stack backtrace"):
+            break
+        line = re.sub(r"^\d+: ", "", line)
+        if line and line not in said:
+            said.append(line)
+    return " ".join(said)
 
 
 def parse_threads(text: str) -> list[dict[str, Any]]:

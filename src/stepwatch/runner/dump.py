@@ -83,6 +83,8 @@ def _signal_dump(run_dir: str, rank: int, pid: int, out_dir: str | None) -> bool
 
 
 def dump_pid(pid: int, *, native: bool, timeout_s: float) -> int:
+    if pid <= 0:  # kill(0, 0) asks the process group: "alive", then py-spy's error on pid 0
+        raise ValueError(f"PID must be a process id above 0, got {pid}")
     if not _alive(pid):
         raise ValueError(f"no process with pid {pid}")
     exe = pyspy.find_pyspy()
