@@ -73,7 +73,9 @@ class Hub:
         instrumentation: "Instrumentation",
         pipeline: "Pipeline",
         pid: int,
+        files_ok: bool = True,
     ) -> None:
+        self._files_ok = files_ok
         self._config = config
         self._ctx = ctx
         self._tracker = tracker
@@ -92,6 +94,12 @@ class Hub:
         """Rank, world size, run id and run directory (rank and world size are refreshed from
         torch.distributed when the exporters open)."""
         return self._ctx
+
+    @property
+    def files_ok(self) -> bool:
+        """False when the run directory cannot be written (said once, at init: a feature's own
+        failed writes there need no warning of their own)."""
+        return self._files_ok
 
     @property
     def pid(self) -> int:

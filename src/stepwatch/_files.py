@@ -22,7 +22,7 @@ import stat
 import tempfile
 from typing import IO, Any
 
-from ._log import logger
+from ._log import logger, warn_once
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -133,6 +133,39 @@ def private_run_dir(path: str, *, warn: bool = True) -> str:
     except FileExistsError:
         _check_own_dir(sub)
     return sub
+
+
+def cannot_write(path: str) -> str | None:
+    """Why nothing can be created in the run directory ``path`` (or in its nearest existing
+    parent, where it is still to be made): "read-only file system", "permission denied"; None
+    when it can. Asked, not tried: nothing is created."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            return None
+        p = parent
+    if not os.path.isdir(p):
+        return f"{p} is not a directory"
+    if os.access(p, os.W_OK | os.X_OK):
+        return None
+    try:
+        if os.statvfs(p).f_flag & os.ST_RDONLY:
+            return "read-only file system"
+    except (OSError, AttributeError):
+        pass
+    return "permission denied"
+
+
+def say_unwritable(run_dir: str, what: str, why: object) -> None:
+    """One warning a process for the files stepwatch cannot write in ``run_dir`` (a read-only or
+    full disk): each writer said it again, 6 lines a rank (records, manifest twice, stack-dump file,
+    comm timeline); the rest go to the debug log. ``why``: an OSError, or the reason as text."""
+    why = getattr(why, "strerror", None) or why
+    if not warn_once(f"unwritable:{os.path.abspath(run_dir)}",
+                     "cannot write %s in the run directory %s (%s): going on without %s; other writes that fail "
+                     "there are not said again", what, run_dir, why, "them" if what.startswith("files") else "it"):
+        logger.debug("cannot write %s in the run directory %s (%s)", what, run_dir, why)
 
 
 def job_dir(run_dir: str) -> str:

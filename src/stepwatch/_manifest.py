@@ -16,8 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._files import make_private_dir, read_json_private, write_json_private
-from ._log import logger
+from ._files import make_private_dir, read_json_private, say_unwritable, write_json_private
 from ._version import __version__
 from .config import Config
 from .context import RunContext
@@ -100,7 +99,7 @@ class Manifest:
                 self._run_path = claim_name(ctx.run_dir, "run", "json")
             write_json_private(self._run_path, manifest)
         except OSError as e:
-            logger.warning("cannot write the manifest in %s: %s", ctx.run_dir, e)
+            say_unwritable(ctx.run_dir, "the manifest", e)
 
 
 def hosts_in(run_dir: str) -> list[str]:

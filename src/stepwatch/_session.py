@@ -22,7 +22,7 @@ from typing import Any
 
 from ._excepthook import pass_on
 from ._feature import Hub
-from ._files import private_run_dir
+from ._files import cannot_write, private_run_dir, say_unwritable
 from ._log import FailureLog, logger
 from ._manifest import Manifest, RunFacts
 from ._sigterm import FINISH_S, SigtermFinisher, _die
@@ -83,6 +83,11 @@ class Session:
                 self._files_ok = False
                 logger.warning("cannot use the run directory %s (STEPWATCH_DIR or init(dir=...)): %s: going on "
                                "without files", self.ctx.run_dir, e.strerror or e)
+            else:
+                why = cannot_write(self.ctx.run_dir)
+                if why is not None:  # a read-only disk: the one warning, here; no records file, no manifest
+                    self._files_ok = False
+                    say_unwritable(self.ctx.run_dir, "files (records, manifest, stack dumps, hang reports)", why)
         self.pid = os.getpid()
         self.tracker: StepTracker | None = None
         self.log_convert = loggable  # stepwatch.log's converter (cpu_items' once the hooks are in)
@@ -145,7 +150,7 @@ class Session:
             self.report_error("hooks.install", e)
             self.tracker.enabled = False
         self.hub = Hub(config=self.config, ctx=self.ctx, tracker=self.tracker, instrumentation=self.instrumentation,
-                       pipeline=self.pipeline, pid=self.pid)
+                       pipeline=self.pipeline, pid=self.pid, files_ok=self._files_ok)
         if self.config.device_timing:
             from .hooks.device import DeviceTimingSwitch
 

@@ -76,7 +76,39 @@ def test_unwritable_run_dir_warns_and_goes_on(sw, tmp_path, caplog):
         logging.getLogger("stepwatch").removeHandler(caplog.handler)
     assert len(losses) == 3
     assert len(mem.records) == 3  # other exporters still get everything
-    assert any("going on without files" in r.getMessage() for r in caplog.records)
+    assert any("going on without" in r.getMessage() and target in r.getMessage() for r in caplog.records)
+
+
+UNWRITABLE_JOB = r"""
+import sys, torch, stepwatch
+stepwatch.init(dir=sys.argv[1], console="off", watchdog="on", capture="on")
+torch.manual_seed(0)
+m = torch.nn.Linear(8, 2); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(30):
+    m(torch.randn(4, 8)).pow(2).sum().backward(); opt.step(); opt.zero_grad()
+stepwatch.shutdown()
+print("final", float(m.weight.sum()))
+"""
+
+
+def test_an_unwritable_run_dir_is_said_once_with_the_watchdog_on(tmp_path):
+    """A read-only run directory was said 6 times a rank (stack-dump file, the sidecar's board
+    file, records, the manifest twice, the comm timeline), one of them an ``internal_error``
+    asking for a bug report. Once now, and the job's result is the same. (As root a directory's
+    mode does not stop writes: the run directory is a path under a file, which nothing can
+    create either.)"""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                     "src") + os.pathsep + env.get("PYTHONPATH", "")
+    runs = [subprocess.run([sys.executable, "-c", UNWRITABLE_JOB, str(where)], env=env, capture_output=True,
+                           text=True, timeout=180) for where in (blocker / "run", tmp_path / "ok")]
+    (bad, good) = runs
+    assert bad.returncode == 0 and good.returncode == 0, bad.stderr[-2000:]
+    assert bad.stdout == good.stdout  # the same training result
+    said = [line for line in bad.stderr.splitlines() if "cannot" in line or "internal_error" in line]
+    assert len(said) == 1 and str(blocker / "run") in said[0] and "is not a directory" in said[0], bad.stderr
 
 
 def test_run_dir_files_are_private(sw, tmp_path):

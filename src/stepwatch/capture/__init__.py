@@ -130,6 +130,8 @@ class Feature:
                "--world-size", str(ctx.world_size), "--attempt", str(ctx.attempt), "--action", cfg.hang_action]
         if cfg.hang_timeout:
             cmd += ["--timeout", repr(cfg.hang_timeout)]
+        if not self.hub.files_ok:
+            cmd.append("--run-dir-said")  # the session said the run directory cannot be written
         pyspy = find_pyspy()
         if pyspy:
             cmd += ["--pyspy", pyspy]
@@ -444,7 +446,8 @@ def install(hub: "Hub") -> Feature | None:
         return None
     from .._files import make_private_dir
 
-    make_private_dir(ctx.run_dir)
+    if hub.files_ok:  # else said at init: the watchdog still watches (its board is in /dev/shm) and logs
+        make_private_dir(ctx.run_dir)
     feat = Feature(hub)
     try:
         if watchdog:
@@ -452,6 +455,10 @@ def install(hub: "Hub") -> Feature | None:
             feat.start_board()
             try:
                 feat.start_signal()
+            except OSError as e:  # its file: the run directory's fault, not stepwatch's (no internal error)
+                from .._files import say_unwritable
+
+                say_unwritable(ctx.run_dir, "the SIGUSR1 stack-dump file (kill -USR1 dumps nothing)", e)
             except Exception as e:
                 hub.report_error("capture.sigusr1", e)
             try:

@@ -11,8 +11,7 @@ import json
 import os
 from typing import Any
 
-from .._files import make_private_dir, read_json_private, write_private
-from .._log import logger
+from .._files import make_private_dir, read_json_private, say_unwritable, write_private
 
 
 def snapshot(step: int, rank: int, compute: list[tuple[float, float]], spans: list[Any],
@@ -47,7 +46,7 @@ class TimelineWriter:
             write_private(path, json.dumps(snap))
         except OSError as e:
             self._failed = True
-            logger.warning("cannot write the comm timeline in %s: %s", self.run_dir, e)
+            say_unwritable(self.run_dir, "the comm timeline", e)
 
 
 def load(run_dir: str) -> list[dict[str, Any]]:

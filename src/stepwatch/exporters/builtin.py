@@ -90,8 +90,10 @@ def _records(config: "Config", ctx: "RunContext") -> Exporter | None:
     try:
         return RecordsExporter(ctx, budget_bytes=config.disk_budget_mb * 1024 * 1024)
     except OSError as e:
-        # An unwritable run dir must not stop the job: warn and go on without files.
-        logger.warning("cannot write to the run directory %s (%s): going on without files", ctx.run_dir, e)
+        # An unwritable run dir must not stop the job: warn (once) and go on without files.
+        from .._files import say_unwritable
+
+        say_unwritable(ctx.run_dir, "the records file", e)
         return None
 
 

@@ -189,7 +189,8 @@ class Watchdog:
         try:
             _write_json(os.path.join(self.run_dir, f"watchdog.rank{self.rank}.json"), info)
         except OSError as e:
-            log(f"watchdog: cannot write to {self.run_dir}: {e}")
+            if not self.a.run_dir_said:
+                log(f"watchdog: cannot write to {self.run_dir}: {e}")
         # py-spy missing is said by the trainer when it starts this sidecar (capture.start_sidecar).
         if self.a.pyspy and self.stack_method != "py-spy":
             log(f"watchdog rank {self.rank}: py-spy cannot read the trainer ({info['ptrace']}); "
@@ -550,6 +551,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the trainer's private stack-dump signal (else SIGUSR1, which may also run the job's handler)")
     p.add_argument("--store-addr", default=None)
     p.add_argument("--store-port", type=int, default=None)
+    p.add_argument("--run-dir-said", action="store_true",
+                   help="the trainer said the run directory cannot be written: its failed writes are not said again")
     return p.parse_args(argv)
 
 
