@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._files import make_private_dir, read_json_private, say_unwritable, write_json_private
+from ._files import create_private, make_private_dir, read_json_private, say_unwritable, write_json_private
 from ._version import __version__
 from .config import Config
 from .context import RunContext
@@ -40,6 +40,13 @@ class RunFacts:
     ended_by: str | None = None
 
 
+# Room kept on the run directory's disk for the final manifest (run.json is ~5 KB; written through
+# a temporary file, then renamed): a disk that filled during the run left run.json as its first
+# write made it (no end time, steps 0, nothing said of the records lost), and the report read the
+# finished job as "still running, or it crashed".
+RESERVE_BYTES = 64 * 1024
+
+
 class Manifest:
     def __init__(self, config: Config, ctx: RunContext, *, pid: int, start_time: float) -> None:
         self.config = config
@@ -48,6 +55,7 @@ class Manifest:
         self.start_time = start_time
         self._rank_path: str | None = None
         self._run_path: str | None = None
+        self._reserve: str | None = None  # ``.reserve.rank<R>.<pid>``: freed right before the final write
 
     def paths(self) -> list[str]:
         """The manifests this process wrote (its rank file; on rank 0 the run's too)."""
@@ -58,6 +66,8 @@ class Manifest:
         if not self.config.records:
             return
         ctx = self.ctx
+        if final:
+            self._release_reserve()
         try:
             make_private_dir(ctx.run_dir)
             me = {
@@ -98,8 +108,37 @@ class Manifest:
             if self._run_path is None:
                 self._run_path = claim_name(ctx.run_dir, "run", "json")
             write_json_private(self._run_path, manifest)
+            if not final and self._reserve is None:
+                self._keep_reserve()
         except OSError as e:
             say_unwritable(ctx.run_dir, "the manifest", e)
+
+    def _keep_reserve(self) -> None:
+        """Rank 0, after its first manifest: ``RESERVE_BYTES`` of the disk taken now, given back
+        right before the final manifest (a disk full by then still takes it)."""
+        path = os.path.join(self.ctx.run_dir, f".reserve.rank{self.ctx.rank}.{self.pid}")
+        self._reserve = path
+        try:
+            fd = create_private(path)
+        except OSError:
+            return  # no room even now: the final write takes its chances
+        try:
+            try:
+                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+            except (OSError, AttributeError):  # a file system without fallocate: written out
+                os.write(fd, b"\0" * RESERVE_BYTES)
+        except OSError:
+            pass  # what it got is kept
+        finally:
+            os.close(fd)
+
+    def _release_reserve(self) -> None:
+        path, self._reserve = self._reserve, None
+        if path is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def hosts_in(run_dir: str) -> list[str]:

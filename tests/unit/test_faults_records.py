@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -117,6 +118,48 @@ def test_a_disk_that_fills_leaves_whole_lines_counts_the_lost_and_says_so_twice(
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # a file still open on it
+
+
+FILLS_THE_DISK = r"""
+import os, sys, torch, stepwatch
+run, filler = sys.argv[1], sys.argv[2]
+stepwatch.init(dir=run, console="off", watchdog="off", capture="off", flush_interval_s=0.05)
+m = torch.nn.Linear(64, 64); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for i in range(300):
+    m(torch.randn(8, 64)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+    stepwatch.log(loss=0.5, note_a=1.0, note_b=2.0)
+    if i == 40:  # another writer fills the disk, and keeps it full to the end
+        try:
+            with open(filler, "wb") as f:
+                while True:
+                    f.write(b"\0" * 4096); f.flush()
+        except OSError:
+            pass
+"""
+
+
+def test_a_disk_full_to_the_end_still_gets_the_final_manifest(tmp_path):
+    """A disk that filled mid-run kept run.json as its first write made it: no end time, steps 0,
+    nothing said of ~200 records lost; the report read the finished job as "still running, or it
+    crashed". Room for the final manifest is now taken early and given back for it."""
+    mnt = tmp_path / "full"
+    _mount_tmpfs(mnt, size="512k")
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+        env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                         "src") + os.pathsep + env.get("PYTHONPATH", "")
+        r = subprocess.run([sys.executable, "-c", FILLS_THE_DISK, str(mnt / "run"), str(mnt / "filler")], env=env,
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+        m = json.loads((mnt / "run" / "run.json").read_text())
+        written = _steps(mnt / "run")
+        assert m["end_time"] is not None and m["ended_by"] == "shutdown" and m["steps"] == 300, m
+        lost = m["exporter_drops"]["records"]["records"]
+        assert len(written) < 300 and len(written) + lost == 300, (len(written), m["exporter_drops"])
+        assert not [n for n in os.listdir(mnt / "run") if n.startswith(".reserve")]  # given back
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_a_short_write_is_cut_back_to_its_last_whole_line(tmp_path, monkeypatch, said):
