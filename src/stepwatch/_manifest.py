@@ -77,6 +77,10 @@ class Manifest:
                 "pid": self.pid,
                 "attempt": ctx.attempt,
                 "start_time": self.start_time,
+                # Each rank's own end (run.json has rank 0's only): a rank that crashed says why
+                # here; one killed (SIGKILL, the OOM killer) keeps end_time null.
+                "end_time": time.time() if final else None,
+                "ended_by": facts.ended_by,
             }
             if self._rank_path is None:
                 # rank<R>.<K>.json beside the first launch's: a relaunch or a second job in the

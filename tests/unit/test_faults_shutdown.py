@@ -132,6 +132,8 @@ def test_a_sigterm_during_the_exits_shutdown_waits_for_its_last_records(tmp_path
     m = json.loads((run / "run.json").read_text())
     assert m["steps"] == 30 and m["dropped_records"] == 0 and m["end_time"] is not None
     assert m["ended_by"].startswith("uncaught RuntimeError: Connection reset by peer")
+    mine = json.loads((run / "rank0.json").read_text())  # each rank's own end, for the report
+    assert mine["ended_by"] == m["ended_by"] and mine["end_time"] is not None
 
 
 # -- the pipeline -------------------------------------------------------------------------------

@@ -213,6 +213,35 @@ def test_a_hang_the_job_was_ended_for_is_read_from_the_watchdogs_own_file(tmp_pa
     assert [g.kind for g in summarize(load_run(str(tmp_path / "ended"))).findings] == ["hang"]
 
 
+def test_the_ranks_that_crashed_or_were_killed_are_named_for_every_attempt(tmp_path, capsys):
+    """A rank's exception was recorded nowhere (run.json is rank 0's: its ``ended_by`` was the
+    peer's "Connection closed" error), and after a torchrun restart the report read only the last
+    attempt: a clean end, nothing of the crash. Each rank's own file now says how it ended."""
+    make_run(tmp_path, ranks=2, n=20)
+    t0 = 1.7e9
+
+    def rank_file(name, rank, attempt, ended_by, end=True, legacy=False):
+        d = {"rank": rank, "host": "h", "pid": 100 + rank, "attempt": attempt, "start_time": t0}
+        if not legacy:
+            d.update(end_time=t0 + 60 if end else None, ended_by=ended_by if end else None)
+        (tmp_path / name).write_text(json.dumps(d))
+
+    rank_file("rank0.json", 0, 0, "uncaught RuntimeError: Connection closed by peer")
+    rank_file("rank1.json", 1, 0, "uncaught RuntimeError: injected failure rank 1 step 30")
+    rank_file("rank0.1.json", 0, 1, "shutdown")
+    rank_file("rank1.1.json", 1, 1, None, end=False)  # killed: no end written
+    rank_file("rank2.json", 2, 0, None, legacy=True)  # a file from before: no end fields at all
+    run = load_run(str(tmp_path))
+    assert run.rank_ends == [(0, 0, "uncaught RuntimeError: Connection closed by peer"),
+                             (0, 1, "uncaught RuntimeError: injected failure rank 1 step 30"), (1, 1, None)]
+    assert run.rank_info[1]["attempt"] == 1  # the latest launch's file, as before
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "ranks that stopped attempt 0 rank 0: uncaught RuntimeError: Connection closed by peer;" in out
+    assert "attempt 0 rank 1: uncaught RuntimeError: injected failure rank 1 step 30;" in out
+    assert "attempt 1 rank 1: no end written: killed (SIGKILL, the OOM killer), or still running" in out
+
+
 def test_slow_rank_is_marked_only_when_it_stands_out(tmp_path):
     make_run(tmp_path / "even", ranks=2, n=300)
     s = summarize(load_run(str(tmp_path / "even")))

@@ -54,6 +54,9 @@ class Run:
     manifest_error: str | None = None
     manifest_name: str | None = None  # run.json, or run.<K>.json after a relaunch
     rank_info: dict[int, dict[str, Any]] = field(default_factory=dict)  # from rank<R>.json
+    # Every launch's ranks that did not end with a shutdown: (attempt, rank, how), from all the
+    # rank<R>[.<K>].json files ("how" is the rank's ended_by, or None: no end written).
+    rank_ends: list[tuple[int, int, str | None]] = field(default_factory=list)
     # What a reader must know about the files: wrong-typed manifest fields ignored, steps rotated
     # out, two jobs that wrote into one directory at once.
     notes: list[str] = field(default_factory=list)
@@ -180,14 +183,21 @@ def _read_manifest(path: str, names: list[str]) -> tuple[dict | None, str | None
     return obj, name, None
 
 
-def _read_rank_info(path: str, names: list[str]) -> dict[int, dict[str, Any]]:
-    """Each rank's info from its latest launch's file (the highest K)."""
+def _read_rank_info(path: str, names: list[str]) -> tuple[dict[int, dict[str, Any]], list[tuple[int, int, str | None]]]:
+    """Each rank's info from its latest launch's file (the highest K), and the ranks of every
+    launch that did not end with a shutdown (``Run.rank_ends``; files from before the twenty-ninth
+    session carry no end and are not counted)."""
     found = sorted((int(m.group(2) or 0), int(m.group(1)), n) for n in names if (m := _RANK_INFO_RE.match(n)))
-    out = {}
-    for _, rank, n in found:
+    out: dict[int, dict[str, Any]] = {}
+    ends: list[tuple[int, int, str | None]] = []
+    for k, rank, n in found:
         if obj := _read_json(os.path.join(path, n)):
             out[rank] = obj
-    return out
+            if "end_time" in obj and (obj.get("end_time") is None or obj.get("ended_by") not in ("shutdown", None)):
+                attempt = obj.get("attempt") if isinstance(obj.get("attempt"), int) else k
+                how = obj.get("ended_by") if obj.get("end_time") is not None else None
+                ends.append((attempt, rank, str(how) if how is not None else None))
+    return out, sorted(ends)
 
 
 def load_run(path: str) -> Run:
@@ -216,7 +226,8 @@ def load_run(path: str) -> Run:
     if manifest is not None:
         manifest, notes = _check_manifest(manifest_name or "run.json", manifest)
     run = Run(path=path, manifest=manifest, columns={}, findings=[], manifest_error=manifest_error,
-              manifest_name=manifest_name, rank_info=_read_rank_info(path, names), notes=notes)
+              manifest_name=manifest_name, notes=notes)
+    run.rank_info, run.rank_ends = _read_rank_info(path, names)
     # (rank, launch K) -> [first time, last time, first step, has a rotated segment]
     spans: dict[tuple[int, int], list[Any]] = {}
     attempts: dict[int, set[int]] = {}

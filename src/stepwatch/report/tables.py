@@ -50,6 +50,15 @@ def run_info(s: Summary) -> Table:
     if len(restarts) > 1:
         what = "two jobs at the same time: see below" if run.concurrent else "elastic restarts or relaunches"
         rows.append(["attempts", ", ".join(map(str, restarts)) + f" ({what})"])
+    if run.rank_ends:
+        last = max(a for a, _, _ in run.rank_ends)
+        several = len({a for a, _, _ in run.rank_ends}) > 1 or len(restarts) > 1
+        said = []
+        for a, r, how in run.rank_ends:
+            what = how or ("no end written: killed (SIGKILL, the OOM killer), or still running"
+                           if a == last else "no end written: killed (SIGKILL, the OOM killer)")
+            said.append((f"attempt {a} " if several else "") + f"rank {r}: {what}")
+        rows.append(["ranks that stopped", "; ".join(said)])
     t = Table("Run", ["", ""], rows)
     if not m:
         t.notes.append(run.manifest_error or "run.json missing: versions and command unknown.")
