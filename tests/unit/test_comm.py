@@ -164,11 +164,38 @@ def test_overlap_detector_names_the_fix():
     d = OverlapDetector(window=4, threshold=0.8)
     out = []
     for i in range(4):
-        out += d.observe(rec(i, step_s=0.1, overlap=0.1, comm_exposed_s=0.03))
+        out += d.observe(rec(i, step_s=0.1, overlap=0.1, comm_exposed_s=0.03, comm_wait_s=0.0))
     assert len(out) == 1 and out[0].kind == "allreduce_not_overlapped"
     assert "gradient_as_bucket_view=True" in out[0].action
     d2 = OverlapDetector(window=4, threshold=0.8)
-    assert not [f for i in range(4) for f in d2.observe(rec(i, overlap=0.95, comm_exposed_s=0.001))]
+    assert not [f for i in range(4) for f in d2.observe(rec(i, overlap=0.95, comm_exposed_s=0.001, comm_wait_s=0.0))]
+
+
+def test_overlap_detector_waits_for_the_straggler_exchange_two_windows_at_most():
+    """Before the exchange's first verdict the time waiting for peers is unknown (comm_wait_s
+    null): a window then is not judged; a job whose ranks never get one (no c10d store) is judged
+    from its third window on, as before."""
+    d = OverlapDetector(window=4, threshold=0.8, repeat_windows=1)
+    got = [[f for i in range(w * 4, w * 4 + 4) for f in d.observe(rec(i, overlap=0.1, comm_exposed_s=0.03))]
+           for w in range(3)]
+    assert [len(g) for g in got] == [0, 0, 1]
+
+
+def test_overlap_detector_leaves_out_the_exposed_time_spent_waiting_for_a_slower_peer():
+    """A rank whose peer's DataLoader adds 30 ms a step: 31 ms exposed, 30.6 of them waiting
+    for that peer (comm_wait_s). It read "overlapped 0% ... -> Enable gradient_as_bucket_view",
+    which cannot help; the slow rank's data_loading finding names the cause."""
+    d = OverlapDetector(window=4, threshold=0.8)
+    out = [f for i in range(4) for f in d.observe(rec(i, step_s=0.034, overlap=0.0, comm_exposed_s=0.031,
+                                                       comm_wait_s=0.0306))]
+    assert out == []
+    # What is left after the wait still counts, and the summary says how much was waiting.
+    d = OverlapDetector(window=4, threshold=0.8)
+    (f,) = [f for i in range(4) for f in d.observe(rec(i, step_s=0.1, overlap=0.1, comm_exposed_s=0.04,
+                                                         comm_wait_s=0.01))]
+    assert ("30.0 ms exposed per step (30% of step time; another 10.0 ms waiting for other ranks, which no "
+            "bucket setting changes)") in f.summary
+    assert f.data["waiting_s"] == 0.01
 
 
 def test_baselines_follow_the_reference():
