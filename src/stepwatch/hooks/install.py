@@ -101,9 +101,8 @@ class Instrumentation:
         self._dcp_patched = False
         self._st_patched = False
         self._hf_patched = False
-        self._saver_watch: ImportWatch | None = None
         self._wrapper_patched = False  # torch.compile's OptimizedModule.__init__ (_patch_compiled_wrapper)
-        self._dynamo_watch: ImportWatch | None = None
+        self._import_watch: ImportWatch | None = None  # _watch_imports
         # The bytes of the saves inside one that reports what its saves wrote (save_pretrained's
         # safetensors files); None when no such save is open.
         self._save_sums: list[int | None] | None = None
@@ -176,7 +175,6 @@ class Instrumentation:
         self._patch(torch.serialization, "save", wrapped_save)
         self._patch(torch, "save", wrapped_save)
         self._patch_savers()
-        self._watch_saver_imports()
         opt_cls = torch.optim.Optimizer
         orig_init = opt_cls.__init__
 
@@ -223,8 +221,7 @@ class Instrumentation:
 
         self._patch(torch.nn.Module, "compile", compile)
         self._patch_compiled_wrapper()
-        if not self._wrapper_patched:
-            self._dynamo_watch = ImportWatch([DYNAMO_MODULE], self._dynamo_imported).start()
+        self._watch_imports()
         self._patch_launch()
         # A model (and its optimizer) built before stepwatch.init(): its roots are hooked now, so a
         # loop without a DataLoader times and counts step 0's first forward too (the scans at the
@@ -284,9 +281,8 @@ class Instrumentation:
                 )
 
     def uninstall(self) -> None:
-        for watch in (self._saver_watch, self._dynamo_watch):
-            if watch is not None:
-                watch.stop()
+        if self._import_watch is not None:
+            self._import_watch.stop()
         self._unwrap_calls()
         for h in self._handles:
             try:
@@ -358,22 +354,28 @@ class Instrumentation:
     def _patch_savers(self) -> None:
         """The savers of libraries that load only when the user imports them (never imported for
         this): looked for at install, and after that as each of their modules is imported
-        (``_watch_saver_imports``)."""
+        (``_watch_imports``)."""
         self._patch_dcp()
         self._patch_safetensors()
         self._patch_save_pretrained()
 
-    def _watch_saver_imports(self) -> None:
-        """A saver's module imported later (a save helper's own ``from safetensors.torch import
-        save_file``, ``import torch.distributed.checkpoint`` at the first save) is patched as its
-        import finishes, before the importer binds its names (``_imports.ImportWatch``)."""
-        self._saver_watch = ImportWatch(SAVER_MODULES, self._saver_imported).start()
+    def _watch_imports(self) -> None:
+        """A module patched here that is imported later is patched as its import finishes, before
+        the importer binds its names (``_imports.ImportWatch``, one for all of them): a saver's (a
+        save helper's own ``from safetensors.torch import save_file``, ``import
+        torch.distributed.checkpoint`` at the first save), and torch.compile's wrapper (its module
+        loads at the first ``torch.compile``)."""
+        self._import_watch = ImportWatch(SAVER_MODULES + (DYNAMO_MODULE,), self._module_imported).start()
 
-    def _saver_imported(self, name: str) -> None:
+    def _module_imported(self, name: str) -> None:
+        compile_ = name == DYNAMO_MODULE
         try:
-            self._patch_savers()
+            if compile_:
+                self._patch_compiled_wrapper()
+            else:
+                self._patch_savers()
         except Exception as e:  # never raise into the user's import
-            self._on_error("hooks.saver_import", e)
+            self._on_error("hooks.compile" if compile_ else "hooks.saver_import", e)
 
     def _patch_dcp(self) -> None:
         """Patch torch.distributed.checkpoint's savers if the user imported it (it is heavy)."""
@@ -640,12 +642,6 @@ class Instrumentation:
         # trial, a fold) gets its memory back as without stepwatch. What to put back is said,
         # not held: nothing (_MISSING), None, or the call's inner (the compiled callable).
         self._calls.append((weakref.ref(m), weakref.ref(call), before if before is _MISSING or before is None else _INNER))
-
-    def _dynamo_imported(self, name: str) -> None:
-        try:
-            self._patch_compiled_wrapper()
-        except Exception as e:  # never raise into the user's import
-            self._on_error("hooks.compile", e)
 
     def _patch_compiled_wrapper(self) -> None:
         """``torch.compile(model)`` of a root already hooked (nanoGPT builds its optimizer, whose
