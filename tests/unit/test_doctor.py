@@ -134,6 +134,27 @@ def test_doctor_storage_stopped_by_a_signal_removes_its_files(tmp_path, sig, rc)
     assert out == ""
 
 
+def test_a_signal_right_after_a_test_file_is_made_still_removes_it(tmp_path, monkeypatch):
+    """A signal that lands the moment a test file exists, before its name was kept (CI: SIGTERM
+    sent as soon as the file appeared left ``.stepwatch-doctor-*`` behind). The interrupt is
+    raised from ``os.open`` right after the real call made the file, where the signal handler's
+    exception would surface."""
+    real_open = os.open
+
+    def open_then_interrupted(name, flags, *a, **k):
+        fd = real_open(name, flags, *a, **k)
+        if flags & os.O_CREAT and str(name).startswith(str(tmp_path)):
+            os.close(fd)
+            raise KeyboardInterrupt
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        measure(str(tmp_path), size_bytes=1 << 20, block_bytes=1 << 20, jobs=2)
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_doctor_storage_jobs_are_bounded(tmp_path, capsys):
     from stepwatch.cli import main
 

@@ -15,7 +15,7 @@ import errno
 import mmap
 import os
 import shutil
-import tempfile
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -120,9 +120,15 @@ def measure(path: str, *, size_bytes: int = 1 << 30, block_bytes: int = BLOCK, m
     stop = threading.Event()
     try:
         for _ in range(jobs):
-            fd, name = tempfile.mkstemp(prefix=".stepwatch-doctor-", dir=path)
+            # The name is kept before the file exists: a signal that lands as the file is made
+            # (inside tempfile.mkstemp, before its name came back) left the file behind.
+            name = os.path.join(path, f".stepwatch-doctor-{secrets.token_hex(8)}")
             names.append(name)
-            os.close(fd)
+            try:
+                os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except FileExistsError:  # not ours (2**-64): left alone
+                names.pop()
+                raise
         _phase(result, names, size_bytes, block_bytes, max_seconds, stop, write=True)
         _phase(result, names, size_bytes, block_bytes, max_seconds, stop, write=False)
     finally:
