@@ -1313,3 +1313,109 @@ def test_a_scan_while_another_thread_replays_never_takes_the_replay_for_a_root(s
     inst = stepwatch.get_session().instrumentation
     assert "ReplayCall" not in inst.roots and held not in inst._hooked, inst.roots
     assert net in inst._hooked, inst.roots
+
+
+# ----------------------------------------------------------------------------- lengths that change every step
+
+
+class _Counted:
+    """count_step_flops, keeping the shape of each call it replays (a replay of a 12-layer GPT-2
+    on fakes takes ~1 s on this machine: a helper's HF Trainer run with dynamic padding spent 10.5
+    of its 12.9 s in them, one per step, kept out of the records)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, ...]] = []
+
+    def __call__(self, module, args, kwargs, **kw):
+        self.calls.append(tuple(args[0].shape))
+        return count_step_flops(module, args, kwargs, **kw)
+
+
+def _same_count(got, want) -> bool:
+    return got is not None and (got.forward, got.backward, got.recompute) == (want.forward, want.backward, want.recompute)
+
+
+def test_lengths_that_change_every_step_follow_a_checked_law_with_few_replays():
+    """Dynamic padding: the batch's length changes every step. After four replays agree with the
+    quadratic through three of them, new lengths within a factor 2 of the checked range are
+    computed (exactly: attention is quadratic in the length, the rest linear); one further out is
+    replayed, and checks the law again. Every count is the replay's own number."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    counter = _Counted()
+    cache = FlopCache(counter=counter)
+    lengths = [8, 9, 11, 12, 20, 13, 40, 64, 7, 30, 5, 17, 33, 48, 47, 10, 3, *range(50, 80)]
+    for t in lengths:
+        ids = torch.randint(0, 96, (4, t))
+        got, want = cache.get(model, (ids,)), count_step_flops(model, (ids,))
+        assert _same_count(got, want), t
+    blocks, head, _ = lm_truth(4, 77)
+    assert cache.get(model, (torch.randint(0, 96, (4, 77)),)).forward == {"fp32": blocks + head}
+    assert counter.calls == [(4, 8), (4, 9), (4, 11), (4, 12), (4, 40), (4, 3)]
+    assert (cache.replays, cache.predicted) == (6, len(set(lengths)) - 6)
+
+
+class _Branchy(nn.Module):
+    """FLOPs that are no polynomial of the length: a second layer runs on sequences over 12."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = self.a(x)
+        return self.b(x) if x.shape[1] > 12 else x
+
+
+def test_a_law_that_a_replay_contradicts_is_dropped_and_every_length_replayed():
+    torch.manual_seed(0)
+    model, counter = _Branchy(), _Counted()
+    cache = FlopCache(counter=counter)
+    for t in (8, 9, 10, 11, 30, 14, 20, 13):  # 30 lies beyond twice the checked 11: replayed, and breaks the law
+        x = torch.randn(2, t, 16)
+        assert _same_count(cache.get(model, (x,)), count_step_flops(model, (x,))), t
+    assert len(counter.calls) == 8 and cache.predicted == 0
+
+
+def test_batch_and_length_changing_together_are_replayed_not_guessed():
+    """Two sizes that change independently (a token-budget sampler): no one-variable law fits."""
+    torch.manual_seed(0)
+    model, counter = TinyLM(), _Counted()
+    cache = FlopCache(counter=counter)
+    shapes = [(4, 8), (4, 9), (2, 10), (3, 11), (2, 12), (5, 13), (4, 14)]
+    for b, t in shapes:
+        ids = torch.randint(0, 96, (b, t))
+        assert _same_count(cache.get(model, (ids,)), count_step_flops(model, (ids,))), (b, t)
+    assert len(counter.calls) == len(shapes) and cache.predicted == 0
+
+
+def test_a_training_loop_with_dynamic_padding_gets_every_steps_flops(tmp_path):
+    """The loop as written with a collator that pads to the longest sequence: 40 steps of 40
+    lengths. Every record's FLOPs are the count at its length (48 steps over 32 lengths gave
+    null from the 33rd on, after 32 replays), and run.json says how many replays there were and
+    how long they took (kept out of the steps, they were said nowhere)."""
+    import json
+
+    import stepwatch
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    out = stepwatch.InMemoryExporter()
+    stepwatch.init(dir=str(tmp_path), console="off", comm=False, memory=False, gpu_telemetry=False,
+                   watchdog="off", capture="off", exporters=[out])
+    lengths = [8 + (i * 7) % 40 for i in range(40)]
+    try:
+        for t in lengths:
+            ids = torch.randint(0, 96, (4, t))
+            model(ids).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        stepwatch.shutdown()
+    want = {t: count_step_flops(model, (torch.randint(0, 96, (4, t)),)).total for t in set(lengths)}
+    assert [r.flops for r in out.records] == [want[t] for t in lengths]
+    run = json.load(open(tmp_path / "run.json"))
+    tm = run["features"]["training_metrics"]
+    assert 4 <= tm["flop_replays"] <= 8 and tm["flop_replays"] + tm["flop_predicted"] == len(set(lengths)), tm
+    assert 0 < tm["flop_replay_s"] < 60, tm

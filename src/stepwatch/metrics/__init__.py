@@ -124,7 +124,11 @@ class TrainingMetrics:
 
     def status(self) -> dict[str, Any]:
         peaks = self.mfu.peaks
-        return {"device": self.device, "peak_tflops": peaks if not isinstance(peaks, dict) else dict(peaks)}
+        cache = self.throughput.cache
+        # The FLOP replays are kept out of the steps (stepwatch's own one-off time): said here.
+        return {"device": self.device, "peak_tflops": peaks if not isinstance(peaks, dict) else dict(peaks),
+                "flop_replays": cache.replays, "flop_replay_s": round(cache.replay_ns / 1e9, 3),
+                "flop_predicted": cache.predicted}
 
 
 def install(hub: "Hub") -> TrainingMetrics:

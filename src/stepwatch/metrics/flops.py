@@ -47,6 +47,7 @@ import logging
 import math
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -1394,14 +1395,135 @@ class PyCallSig(_SigMethods, _PySigCore):
     __slots__ = ()
 
 
+_SEEN = 8  # per skeleton: the replays a new law is looked for among, and at most this many laws
+_MAX_ENTRIES = 1 << 16  # counts kept; a computed one past it is computed again at its next miss
+_BUCKETS = ("forward", "backward", "recompute")
+
+
+def _shape_parts(key: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[int, ...]] | None:
+    """A cache key split into its skeleton (each tensor's shape as its rank) and its sizes, in
+    order; None when it holds no tensor."""
+    import torch
+
+    skeleton: list[Any] = []
+    dims: list[int] = []
+    for p in key:
+        if type(p) is tuple and len(p) == 4 and type(p[0]) is torch.Size:
+            skeleton.append((len(p[0]), *p[1:]))
+            dims.extend(p[0])
+        else:
+            skeleton.append(p)
+    return (tuple(skeleton), tuple(dims)) if dims else None
+
+
+class _Law:
+    """The FLOPs of one call along one size that changes while all else stays (the sequence
+    length under dynamic padding: every place it appears, ``input_ids``, ``attention_mask`` and
+    ``labels`` alike, holds the same value): each count a polynomial of degree <= 2 in it (matmuls
+    linear, attention's score matrix quadratic). Replays give points; the quadratic through the
+    first three must give the fourth replay's count exactly before the law computes any. Then a
+    size within a factor 2 of the checked range is computed; one further out is replayed, and
+    must agree again (the range grows to it), or the law is dropped for good (a model whose work
+    jumps at some length: every size is replayed from then on, as without a law). A jump between
+    two checked sizes is not seen: there the law's number stands (docs/mfu.md)."""
+
+    __slots__ = ("where", "fixed", "points", "lo", "hi", "checked", "broken")
+
+    def __init__(self, where: tuple[int, ...], fixed: tuple[int | None, ...]) -> None:
+        self.where = where  # the positions of the changing size among the key's sizes
+        self.fixed = fixed  # every other size, None at those positions
+        self.points: dict[int, FlopCount] = {}
+        self.lo = self.hi = 0  # the checked range
+        self.checked = self.broken = False
+
+    @classmethod
+    def between(cls, a: tuple[int, ...], fa: FlopCount, b: tuple[int, ...], fb: FlopCount) -> "_Law | None":
+        """A law from two replays whose sizes differ in one value alone (all the positions that
+        differ hold one value in ``a`` and one in ``b``), else None."""
+        if len(a) != len(b):
+            return None
+        where = tuple(i for i in range(len(a)) if a[i] != b[i])
+        if not where or len({a[i] for i in where}) != 1 or len({b[i] for i in where}) != 1:
+            return None
+        law = cls(where, tuple(None if i in where else v for i, v in enumerate(a)))
+        law.points[a[where[0]]] = fa
+        law.points[b[where[0]]] = fb
+        return law
+
+    def size_of(self, dims: tuple[int, ...]) -> int | None:
+        """The changing size in these sizes, or None when they are not on this law's line."""
+        if len(dims) != len(self.fixed):
+            return None
+        x = dims[self.where[0]]
+        for i in self.where:
+            if dims[i] != x:
+                return None
+        for i, v in enumerate(self.fixed):
+            if v is not None and dims[i] != v:
+                return None
+        return x
+
+    def covers(self, x: int) -> bool:
+        return self.checked and not self.broken and 2 * x >= self.lo and x <= 2 * self.hi
+
+    def add(self, x: int, count: FlopCount) -> None:
+        """A replay's count at size ``x``: a point, the fourth one checks the law, a later one
+        (outside the range computed) checks it again."""
+        if self.broken:
+            return
+        if len(self.points) < 3:
+            self.points[x] = count
+            return
+        guess = self.predict(x, unchecked=True)
+        if guess is None or any(getattr(guess, b) != getattr(count, b) for b in _BUCKETS):
+            self.broken = True
+            self.points.clear()
+            return
+        sizes = [*self.points, x] if not self.checked else [self.lo, self.hi, x]
+        self.lo, self.hi, self.checked = min(sizes), max(sizes), True
+
+    def predict(self, x: int, unchecked: bool = False) -> FlopCount | None:
+        """The count at size ``x`` from the quadratic through the first three points; None where
+        it is not a whole number >= 0 (no such law)."""
+        from fractions import Fraction
+
+        if self.broken or len(self.points) < 3 or not (self.checked or unchecked):
+            return None
+        pts = list(self.points.items())[:3]
+        weights = []
+        for i, (xi, _) in enumerate(pts):
+            w = Fraction(1)
+            for j, (xj, _) in enumerate(pts):
+                if j != i:
+                    w *= Fraction(x - xj, xi - xj)
+            weights.append(w)
+        out: dict[str, dict[str, int]] = {}
+        for b in _BUCKETS:
+            keys = {k for _, c in pts for k in getattr(c, b)}
+            got: dict[str, int] = {}
+            for k in sorted(keys):
+                v = sum(w * getattr(c, b).get(k, 0) for w, (_, c) in zip(weights, pts))
+                if v.denominator != 1 or v < 0:
+                    return None
+                if v:
+                    got[k] = int(v)
+            out[b] = got
+        return FlopCount(out["forward"], out["backward"], out["recompute"], (),
+                         any(c.tf32_sensitive for _, c in pts))
+
+
 class FlopCache:
     """FLOPs per input signature: counted on the first call with a new signature, then looked up.
 
     The key is the module, the shapes/dtypes of the tensor arguments, small scalar arguments, the
-    autocast state and the TF32 switches, and grad mode. Shapes that never repeat (e.g. dynamic
-    padding to the longest sequence) would mean a replay every step: after ``max_misses`` distinct
-    signatures new ones are not counted (their FLOPs are None) and one line says how to give the
-    FLOPs instead. A signature whose count failed is remembered as None (no retry).
+    autocast state and the TF32 switches, and grad mode. Shapes that never repeat (dynamic padding
+    to the longest sequence) would mean a replay every step, ~1 s each for a 12-layer GPT-2 on
+    fakes: where one size alone changes (the same value in every place it appears), the counts
+    follow a :class:`_Law` once four replays agree with it, and new sizes are computed instead of
+    replayed. Past ``max_misses`` replays new signatures that no law covers are not counted (their
+    FLOPs are None) and one line says how to give the FLOPs instead. A signature whose count
+    failed is remembered as None (no retry). ``replays``, ``replay_ns`` and ``predicted`` say what
+    it cost (run.json's ``training_metrics``).
     """
 
     def __init__(
@@ -1423,6 +1545,14 @@ class FlopCache:
         self.errors = 0
         self._unsaid: dict[tuple[Any, ...], str] = {}  # failed counts, said at their signature's next call
         self._gen: dict[int, int] = {}  # per module: how often its trainable parameters changed (retrain)
+        # One-size laws (see _Law), by the key's skeleton (its shapes as their ranks), and the
+        # replays of each skeleton a new law is looked for among (the last _SEEN).
+        self._laws: dict[tuple[Any, ...], list[_Law]] = {}
+        self._seen: dict[tuple[Any, ...], list[tuple[tuple[int, ...], FlopCount]]] = {}
+        self.replays = 0  # counts run (fake or real), failed ones too
+        self.replay_ns = 0  # their time
+        self.predicted = 0  # signatures a law computed
+        self._computed: set[tuple[Any, ...]] = set()  # the keys of computed counts (no part of max_misses)
 
     @staticmethod
     def key(module: Any, args: Any, kwargs: Mapping[str, Any] | None) -> tuple[Any, ...]:
@@ -1466,6 +1596,19 @@ class FlopCache:
             if not count_kwargs:
                 self._remember(mid, args, kwargs, value)
             return value
+        shape = _shape_parts(key)
+        law = x = None
+        if shape is not None:
+            law, x = self._law_for(*shape)
+            value = law.predict(x) if law is not None and law.covers(x) else None
+            if value is not None:
+                self.predicted += 1
+                if len(self._entries) < _MAX_ENTRIES:
+                    self._entries[key] = value
+                    self._computed.add(key)
+                if not count_kwargs:
+                    self._remember(mid, args, kwargs, value)
+                return value
         if self.misses >= self.max_misses:
             warn_once(
                 "flops.budget",
@@ -1476,6 +1619,7 @@ class FlopCache:
             )
             return None
         kw = {**self._count_kwargs, **count_kwargs}
+        t0 = time.perf_counter_ns()
         try:
             try:
                 value: FlopCount | None = self._counter(module, args, kwargs, **kw)
@@ -1496,17 +1640,50 @@ class FlopCache:
         except FlopCountError as e:
             # Said when this signature comes again (looked up, not by the last-call fast path): a
             # malformed batch that a loop catches fails the user's forward too, and is no reason.
+            self._replayed(t0)
             self.errors += 1
             if len(self._unsaid) < 64:
                 self._unsaid[key] = str(e)
             self.misses += 1
             self._entries[key] = None
             return None
+        self._replayed(t0)
         self.misses += 1
         self._entries[key] = value
+        if shape is not None and isinstance(value, FlopCount):
+            self._learn(shape, law, x, value)
         if not count_kwargs:
             self._remember(mid, args, kwargs, value)
         return value
+
+    def _replayed(self, t0: int) -> None:
+        self.replays += 1
+        self.replay_ns += time.perf_counter_ns() - t0
+
+    def _law_for(self, skeleton: tuple[Any, ...], dims: tuple[int, ...]) -> tuple["_Law | None", int | None]:
+        for law in self._laws.get(skeleton, ()):
+            x = law.size_of(dims)
+            if x is not None:
+                return law, x
+        return None, None
+
+    def _learn(self, shape: tuple[tuple[Any, ...], tuple[int, ...]], law: "_Law | None", x: int | None,
+               value: FlopCount) -> None:
+        """A replay's count: a point of the law it falls under, or with an earlier replay of the
+        same skeleton that differs from it in one size alone, the first two points of a new law."""
+        if law is not None and x is not None:
+            law.add(x, value)
+            return
+        skeleton, dims = shape
+        seen = self._seen.setdefault(skeleton, [])
+        laws = self._laws.setdefault(skeleton, [])
+        for dims0, value0 in reversed(seen):
+            new = _Law.between(dims0, value0, dims, value)
+            if new is not None and len(laws) < _SEEN:
+                laws.append(new)
+                break
+        seen.append((dims, value))
+        del seen[:-_SEEN]
 
     def retrain(self, mid: int) -> None:
         """Module ``mid``'s trainable parameters changed: its next calls are counted again (the
@@ -1521,10 +1698,17 @@ class FlopCache:
         self._last.pop(mid, None)
         self._gen.pop(mid, None)
         gone = [k for k in list(self._entries) if k and k[0] == mid]
+        replayed = len(gone)
         for k in gone:
             self._entries.pop(k, None)
             self._unsaid.pop(k, None)
-        self.misses = max(self.misses - len(gone), 0)
+            if k in self._computed:
+                self._computed.discard(k)
+                replayed -= 1
+        for d in (self._laws, self._seen):
+            for k in [k for k in list(d) if k and k[0] == mid]:
+                d.pop(k, None)
+        self.misses = max(self.misses - replayed, 0)
 
     def _remember(self, mid: int, args: Any, kwargs: Any, value: FlopCount | None) -> None:
         """Keep this call's signature as the module's last one, when it has the flat shape the
