@@ -70,3 +70,75 @@ def test_no_ddp_bucket_span_ends_after_the_backward_that_waited_for_it(tmp_path)
                 for x in timed if x["comm_s"] > x["backward_s"] + 1e-6]
         assert late == [], f"rank {rank}: (step, comm ms, backward ms) {late}"
         assert all(x["comm_exposed_s"] <= x["comm_s"] + 1e-9 for x in timed)
+
+
+TASK = '''
+import os
+if os.environ.get("SW") == "on":
+    import stepwatch.auto  # noqa: F401
+import json
+import torch, torch.nn as nn
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+
+
+class Task(nn.Module):  # timm's ClassificationTask: the loop calls it, DDP is its child
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+        self.crit = nn.CrossEntropyLoss()
+
+    def forward(self, x, y):
+        return self.crit(self.m(x), y)
+
+
+model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
+task = Task(DDP(model))  # broadcast_buffers: DDP's forward broadcasts the BatchNorm statistics
+opt = torch.optim.SGD(task.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(dist.get_rank())
+for i in range(12):
+    x, y = torch.randn(8, 32, generator=g), torch.randint(0, 4, (8,), generator=g)
+    loss = task(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+state = {k: v.sum().item() for k, v in model.state_dict().items()}
+with open(f"result-{os.environ['SW']}-{dist.get_rank()}.json", "w") as f:
+    json.dump([loss.item(), state], f)
+dist.destroy_process_group()
+'''
+
+
+def test_a_model_holding_ddp_as_a_child_is_replayed_without_ddps_forward(tmp_path):
+    """The loop calls a module that holds ``DDP(model)`` as a child (timm's ``ClassificationTask``).
+    The FLOP replay ran DDP's own forward on fakes: its ``_pre_forward`` (stepwatch's comm hook
+    registration, the reducer's preparation, the buffer broadcast) ran inside the replay, and the
+    first real forward then raised "register_comm_hook ... can only be called once": an
+    ``internal_error`` finding and a warning on every rank. The replay now runs the wrapped model
+    itself. Real 2-rank gloo job; the result must be the same as without stepwatch."""
+    (tmp_path / "train.py").write_text(TASK)
+    results = {}
+    for sw in ("off", "on"):
+        run = tmp_path / f"run-{sw}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+        env.update({"PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "STEPWATCH_CONSOLE": "off",
+                    "STEPWATCH_DIR": str(run), "SW": sw})
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                            "--master-port", str(_free_port()), "train.py"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        results[sw] = [json.loads((tmp_path / f"result-{sw}-{rank}.json").read_text()) for rank in (0, 1)]
+        if sw == "on":
+            assert "register_comm_hook" not in r.stderr and "internal error" not in r.stderr.lower(), r.stderr[-3000:]
+            for rank in (0, 1):
+                with open(run / f"findings.rank{rank}.jsonl") as f:
+                    kinds = [json.loads(line)["kind"] for line in f if line.strip()]
+                assert "internal_error" not in kinds, (rank, kinds)
+                with open(run / f"steps.rank{rank}.jsonl") as f:
+                    recs = [json.loads(line) for line in f if line.strip()]
+                assert len(recs) >= 11 and all(x["flops"] for x in recs[:11]), recs[:2]
+                assert sum(1 for x in recs if x.get("allreduce_s")) >= 10, rank
+    assert results["on"] == results["off"] and len(results["on"]) == 2

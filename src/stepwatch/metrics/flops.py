@@ -787,8 +787,16 @@ class _ModuleSnapshot:
         # contents, put back after the replay (a fake or back-propagated term left there failed
         # the user's backward). torch's own dicts (_parameters, hooks) are underscored.
         self.contents: list[tuple[Any, Any]] = []
+        import torch
+
+        data_parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
         for m in root.modules():
             self.saved.append((m, dict(m.__dict__)))
+            if m is not root and isinstance(m, data_parallel):
+                # DDP held by the called module (timm's ClassificationTask): the replay runs the
+                # wrapped model, never DDP's own forward (its reducer's preparation, the buffer
+                # broadcast, stepwatch's comm-hook registration, on fakes). ``restore`` removes it.
+                m.__dict__["forward"] = m.module
             for k, v in m.__dict__.items():
                 if type(v) is list or (type(v) is dict and not k.startswith("_")):
                     self.contents.append((v, v.copy()))
