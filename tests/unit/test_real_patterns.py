@@ -765,6 +765,34 @@ def test_a_gan_gets_one_step_an_iteration_when_the_loop_marks_its_steps(sw, tmp_
     assert whole[0].flops > 0 and len({r.flops for r in whole}) == 1
 
 
+def test_a_gans_sample_forward_before_its_first_step_call_is_no_step_of_its_own(sw, tmp_path):
+    """DCGAN's loop: ``if i % 100 == 0: netG(fixed_noise)`` (sample images, grad enabled) after
+    the generator's step, then ``stepwatch.step()`` as the README advises. At the first call the
+    sample forward had opened a step of its own (the automatic boundary had ended the generator's
+    step), and the call ended it: a third record for the first iteration, forward only, no
+    optimizer step (a helper's dcgan run: 34 records for 32 iterations). What ran since the last
+    automatic step end goes on into the next step; the first iteration stays two steps."""
+    stepwatch, mem, start = sw
+    start(dir=str(tmp_path / "run"))
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+    D = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    og, od = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    bce = nn.BCEWithLogitsLoss()
+    g = torch.Generator().manual_seed(0)
+    fixed = torch.randn(16, 8, generator=g)
+    for i in range(6):
+        _gan_iteration(G, D, og, od, bce, g)
+        if i % 3 == 0:
+            G(fixed)  # the sample images
+        stepwatch.step()
+    stepwatch.shutdown()
+    recs = mem.records
+    _all_identity(recs)
+    assert [r.step for r in recs] == list(range(7)), [(r.step, r.forward_s, r.optimizer_s) for r in recs]
+    assert all(r.backward_s > 0 and r.optimizer_s > 0 for r in recs), recs
+
+
 def test_stepwatch_step_right_after_the_optimizer_keeps_one_step_an_iteration(sw):
     """``opt.step(); stepwatch.step()`` (a loop that marks its steps although it has an
     optimizer): one record an iteration, as before the explicit boundary took over."""

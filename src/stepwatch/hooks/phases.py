@@ -580,7 +580,7 @@ class _Methods:
         # Extension points (training thread, cheap): collectors feed ``extras``; listeners run at
         # every step end with the number of the step that ended (captures start/stop there).
         self.collectors: list[Collector] = []
-        self.listeners: list[Callable[[int], None]] = []
+        self.listeners: list[Callable[[int], None]] = [self._first_end]
         # A progress board (``set_phase(code)``, ``set_step(n)``) read by the hang watchdog.
         self.progress = progress
         # Device-clock timing (hooks/device.py), attached once CUDA is in use; None on CPU.
@@ -849,9 +849,15 @@ class _Methods:
         if not self.enabled:
             return
         try:
+            first = self.boundary != "explicit"
             self.boundary = "explicit"
             if self._pending_end is not None:
                 self._finalize(self._pending_end, self._pending_skipped)
+            elif first and self.__dict__.get("_auto_ended") and self._fwd and not self._bwd and not self._opt:
+                # The first call, after an optimizer step ended the iteration's last step: the
+                # forward-only work since (DCGAN's sample images) is no step of its own; it goes
+                # on into the next. (An evaluation alone there stays a record, as before.)
+                pass
             else:
                 if self._prev_end is None:
                     # Nothing hooked ran yet: the first explicit step counts from the session start.
@@ -859,6 +865,11 @@ class _Methods:
                 self._finalize(_now(), self._pending_skipped)
         except Exception as e:
             self._fail("end_step", e)
+
+    def _first_end(self, ended: int) -> None:
+        """One-shot listener: a step ended by the automatic boundary (``end_step`` reads it)."""
+        self.__dict__["_auto_ended"] = True
+        self.remove_listener(self._first_end)
 
     def flush(self) -> None:
         """At shutdown: a pending step is complete; a step with no optimizer yet is dropped, but
