@@ -710,6 +710,15 @@ def test_a_flop_count_that_failed_keeps_no_model_or_batch_alive(sw):
     assert [r() for r in refs] == [None, None, None]
 
 
+def _gan():
+    """DCGAN's parts, small: generator, discriminator, their Adam optimizers, the loss, a generator."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+    D = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    og, od = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    return G, D, og, od, nn.BCEWithLogitsLoss(), torch.Generator().manual_seed(0)
+
+
 def _gan_iteration(G, D, og, od, bce, g):
     """One GAN iteration as the DCGAN example writes it: the discriminator's update (its own
     forward, backward and step), then the generator's (another forward of D, backward, step)."""
@@ -736,12 +745,7 @@ def test_a_gan_gets_one_step_an_iteration_when_the_loop_marks_its_steps(sw, tmp_
     call, stays two steps); ``step_boundary="explicit"`` says so from the start."""
     stepwatch, mem, start = sw
     start(dir=str(tmp_path / "run"), **({"step_boundary": "explicit"} if how == "step_boundary=explicit" else {}))
-    torch.manual_seed(0)
-    G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
-    D = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
-    og, od = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
-    bce = nn.BCEWithLogitsLoss()
-    g = torch.Generator().manual_seed(0)
+    G, D, og, od, bce, g = _gan()
     for i in range(6):
         ld, lg = _gan_iteration(G, D, og, od, bce, g)
         stepwatch.log(d_loss=ld, g_loss=lg)
@@ -774,12 +778,7 @@ def test_a_gans_sample_forward_before_its_first_step_call_is_no_step_of_its_own(
     automatic step end goes on into the next step; the first iteration stays two steps."""
     stepwatch, mem, start = sw
     start(dir=str(tmp_path / "run"))
-    torch.manual_seed(0)
-    G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
-    D = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
-    og, od = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
-    bce = nn.BCEWithLogitsLoss()
-    g = torch.Generator().manual_seed(0)
+    G, D, og, od, bce, g = _gan()
     fixed = torch.randn(16, 8, generator=g)
     for i in range(6):
         _gan_iteration(G, D, og, od, bce, g)
