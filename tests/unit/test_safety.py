@@ -80,12 +80,13 @@ def test_unwritable_run_dir_warns_and_goes_on(sw, tmp_path, caplog):
 
 
 UNWRITABLE_JOB = r"""
-import sys, torch, stepwatch
+import sys, time, torch, stepwatch
 stepwatch.init(dir=sys.argv[1], console="off", watchdog="on", capture="on")
 torch.manual_seed(0)
 m = torch.nn.Linear(8, 2); opt = torch.optim.SGD(m.parameters(), lr=0.1)
-for _ in range(30):
+for i in range(int(sys.argv[2])):
     m(torch.randn(4, 8)).pow(2).sum().backward(); opt.step(); opt.zero_grad()
+    time.sleep(0.4 if i == 40 else 0.01)  # one slow step: a step_time_spike, which starts a capture
 stepwatch.shutdown()
 print("final", float(m.weight.sum()))
 """
@@ -96,17 +97,20 @@ def test_an_unwritable_run_dir_is_said_once_with_the_watchdog_on(tmp_path):
     file, records, the manifest twice, the comm timeline), one of them an ``internal_error``
     asking for a bug report. Once now, and the job's result is the same. (As root a directory's
     mode does not stop writes: the run directory is a path under a file, which nothing can
-    create either.)"""
+    create either.) A slow step starts a capture where the run directory can be written (the
+    second job shows it did); where it cannot, no capture is taken (one ran under a loaded CI
+    and said "capture.export cannot go on", a second line: its trace had nowhere to go)."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
     env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                      "src") + os.pathsep + env.get("PYTHONPATH", "")
-    runs = [subprocess.run([sys.executable, "-c", UNWRITABLE_JOB, str(where)], env=env, capture_output=True,
+    runs = [subprocess.run([sys.executable, "-c", UNWRITABLE_JOB, str(where), "80"], env=env, capture_output=True,
                            text=True, timeout=180) for where in (blocker / "run", tmp_path / "ok")]
     (bad, good) = runs
     assert bad.returncode == 0 and good.returncode == 0, bad.stderr[-2000:]
     assert bad.stdout == good.stdout  # the same training result
+    assert list((tmp_path / "ok" / "captures").glob("*.trace.json.gz")), good.stderr[-2000:]
     said = [line for line in bad.stderr.splitlines() if "cannot" in line or "internal_error" in line]
     assert len(said) == 1 and str(blocker / "run") in said[0] and "is not a directory" in said[0], bad.stderr
 

@@ -465,7 +465,7 @@ def install(hub: "Hub") -> Feature | None:
                 feat.start_sidecar()
             except Exception as e:
                 hub.report_error("capture.watchdog", e)
-        if capture:
+        if capture and hub.files_ok:  # a capture's trace and stack dump go in the run directory
             feat.start_captures()
             if feat.captures is not None:
                 spikes.excluded = feat.captures.profiled  # the steps our profiler slowed are no spike
