@@ -49,16 +49,21 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _torchrun(tmp_path, run, **env_extra):
+    """``train.py`` in ``tmp_path`` on 2 gloo ranks under torchrun, stepwatch's files in ``run``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env.update({"PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "STEPWATCH_CONSOLE": "off",
+                "STEPWATCH_DIR": str(run), **env_extra})
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), "train.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_no_ddp_bucket_span_ends_after_the_backward_that_waited_for_it(tmp_path):
     pytest.importorskip("torch")
     (tmp_path / "train.py").write_text(SCRIPT)
     run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
-    env.update({"PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "STEPWATCH_CONSOLE": "off",
-                "STEPWATCH_DIR": str(run)})
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", str(_free_port()), "train.py"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = _torchrun(tmp_path, run)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     for rank in (0, 1):
         with open(run / f"steps.rank{rank}.jsonl") as f:
@@ -125,12 +130,7 @@ def test_a_model_holding_ddp_as_a_child_is_replayed_without_ddps_forward(tmp_pat
     results = {}
     for sw in ("off", "on"):
         run = tmp_path / f"run-{sw}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
-        env.update({"PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "STEPWATCH_CONSOLE": "off",
-                    "STEPWATCH_DIR": str(run), "SW": sw})
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                            "--master-port", str(_free_port()), "train.py"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        r = _torchrun(tmp_path, run, SW=sw)
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
         results[sw] = [json.loads((tmp_path / f"result-{sw}-{rank}.json").read_text()) for rank in (0, 1)]
         if sw == "on":

@@ -1482,7 +1482,7 @@ class _Law:
         if len(self.points) < 3:
             self.points[x] = count
             return
-        guess = self.predict(x, unchecked=True)
+        guess = self.predict(x)
         if guess is None or any(getattr(guess, b) != getattr(count, b) for b in _BUCKETS):
             self.broken = True
             self.points.clear()
@@ -1490,12 +1490,13 @@ class _Law:
         sizes = [*self.points, x] if not self.checked else [self.lo, self.hi, x]
         self.lo, self.hi, self.checked = min(sizes), max(sizes), True
 
-    def predict(self, x: int, unchecked: bool = False) -> FlopCount | None:
+    def predict(self, x: int) -> FlopCount | None:
         """The count at size ``x`` from the quadratic through the first three points; None where
-        it is not a whole number >= 0 (no such law)."""
+        it is not a whole number >= 0 (no such law), or before there are three. Whether the law
+        may be trusted there is ``covers``'s."""
         from fractions import Fraction
 
-        if self.broken or len(self.points) < 3 or not (self.checked or unchecked):
+        if len(self.points) < 3:
             return None
         pts = list(self.points.items())[:3]
         weights = []
