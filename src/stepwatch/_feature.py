@@ -151,6 +151,13 @@ class Hub:
         """``fn(optimizer)`` for each optimizer step, before the phase opens."""
         self._inst.optimizer_observers.append(fn)
 
+    def add_manual_update_observer(self, fn: Callable[[Any], None]) -> None:
+        """In a loop without a torch optimizer (a manual update, ``p.data.add_(p.grad, ...)``):
+        ``fn(params)`` at the end of each outermost backward, with the gradients as the update
+        will find them; ``params`` stands for the optimizer there is not (its ``param_groups``
+        hold the roots' parameters that take a gradient). Never called once an optimizer steps."""
+        self._inst.manual_update_observers.append(fn)
+
     def add_reevaluation_observer(self, fn: Callable[[bool], None]) -> None:
         """``fn(True)`` before, ``fn(False)`` after each call of an optimizer's closure after the
         first in one step (LBFGS evaluates the same batch again): the forwards between are the

@@ -101,6 +101,80 @@ def test_loop_without_optimizer_gets_one_step_per_backward(sw, tmp_path):
     assert manifest["features"]["step_boundary"] == "backward"
 
 
+def _norm_of(m):
+    """The grads' global L2 norm, as the script would compute it (before its clip)."""
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters() if p.grad is not None])).item()
+
+
+def test_loop_without_optimizer_has_the_pre_clip_grad_norm(sw, tmp_path):
+    """word_language_model's loop: backward, clip_grad_norm_, a manual update, no torch optimizer.
+    Each record's grad_norm is the norm the backward left, before the clip (until the thirty-first
+    session it was null: the norm was taken only at an optimizer step)."""
+    stepwatch, mem, start = sw
+    start(dir=str(tmp_path / "run"))
+    m = _model()
+    want = []
+    for i in range(6):
+        m.zero_grad()
+        (m(torch.randn(4, 16)).pow(2).mean() * (i + 1)).backward()
+        want.append(_norm_of(m))
+        got = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.25)
+        assert got.item() == pytest.approx(want[-1], rel=1e-5)
+        for p in m.parameters():
+            p.data.add_(p.grad, alpha=-0.1)
+    stepwatch.shutdown()
+    recs = mem.records
+    assert [r.step for r in recs] == list(range(6))
+    assert [r.grad_norm for r in recs] == pytest.approx(want, rel=1e-5)
+
+
+def test_explicit_steps_without_optimizer_have_the_accumulated_grad_norm(sw, tmp_path):
+    """A manual SGD loop with accumulation (two backwards a step) marking steps with
+    ``stepwatch.step()`` (explicit from the first step: before its first call, each backward of a
+    loop without an optimizer ends a step): the norm of the grads the update uses, those the last
+    backward left."""
+    stepwatch, mem, start = sw
+    start(dir=str(tmp_path / "run"), step_boundary="explicit")
+    m = _model()
+    want = []
+    for i in range(4):
+        for _ in range(2):
+            m(torch.randn(4, 16)).pow(2).mean().backward()
+        want.append(_norm_of(m))
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.05 * p.grad
+                p.grad = None
+        stepwatch.step()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert len(recs) == 4
+    assert [r.grad_norm for r in recs] == pytest.approx(want, rel=1e-5)
+
+
+def test_an_optimizer_made_after_the_first_backward_counts_its_grads_once(sw, tmp_path):
+    """The optimizer is built lazily, after the first backward, in a loop that marks its steps
+    (``stepwatch.step()``): that backward was probed as a loop without an optimizer, and the
+    optimizer's probe of the same grads in the same step must not add to it (sqrt(2) times)."""
+    stepwatch, mem, start = sw
+    start(dir=str(tmp_path / "run"), step_boundary="explicit")
+    m = _model()
+    opt = None
+    want = []
+    for i in range(4):
+        m(torch.randn(4, 16)).pow(2).mean().backward()
+        want.append(_norm_of(m))
+        if opt is None:
+            opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        opt.step()
+        opt.zero_grad()
+        stepwatch.step()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert len(recs) == 4
+    assert [r.grad_norm for r in recs] == pytest.approx(want, rel=1e-5)
+
+
 def test_optimizer_loop_says_optimizer_boundary(sw, tmp_path):
     stepwatch, mem, start = sw
     start(dir=str(tmp_path / "run"))

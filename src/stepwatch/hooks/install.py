@@ -113,6 +113,11 @@ class Instrumentation:
         # (optimizer), on the training thread, before the phase opens.
         self.forward_observers: list[Callable[[Any, Any, Any], None]] = []
         self.optimizer_observers: list[Callable[[Any], None]] = []
+        # Features that want the gradients of a loop without a torch optimizer, at the end of each
+        # outermost backward (before the loop's own update): ``fn(params)``, ``params`` shaped as
+        # an optimizer (``_RootParams``). Set up at the first backward (``_observe_manual_updates``).
+        self.manual_update_observers: list[Callable[[Any], None]] = []
+        self._backward: Any = None  # the wrapped torch.autograd.backward (_Backward)
         # Features that want to know when a closure is evaluated again inside one optimizer step
         # (LBFGS, line searches): ``fn(True)`` before such a call, ``fn(False)`` after it.
         self.reevaluation_observers: list[Callable[[bool], None]] = []
@@ -138,7 +143,8 @@ class Instrumentation:
         # (optimizer, args, kwargs)).
         self._handles.append(optim_mod.register_optimizer_step_post_hook(tr.optimizer_end))
 
-        self._patch(torch.autograd, "backward", _Backward(self, torch.autograd.backward))
+        self._backward = _Backward(self, torch.autograd.backward)
+        self._patch(torch.autograd, "backward", self._backward)
         self._patch(torch.autograd, "grad", _Grad(self, torch.autograd.grad))
         ckpt = torch.utils.checkpoint
         self._patch(ckpt, "checkpoint_sequential", _checkpoint_sequential(self, ckpt.checkpoint_sequential))
@@ -279,6 +285,39 @@ class Instrumentation:
                     "stepwatch: no torch.optim optimizer in this process; each backward ends a step "
                     "(call stepwatch.step() after your update to mark steps yourself)"
                 )
+        if not self._optimizers_alive and not self._seen_optimizers and self.manual_update_observers:
+            self._observe_manual_updates()
+
+    def _observe_manual_updates(self) -> None:
+        """A loop without a torch optimizer (its first backward is running): from this backward
+        on, the end of each outermost one calls ``manual_update_observers`` with the roots'
+        parameters, until an optimizer steps. torch's backward inside our wrapper is wrapped
+        once more, here (the wrapper reads ``inner`` after this check, so this backward counts
+        too); no extra call in a loop with an optimizer."""
+        bw = self._backward
+        if bw is None:
+            return
+        inner = bw.inner
+        tr = self.tracker
+        params = _RootParams()
+
+        @functools.wraps(inner)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            if tr._bwd_depth == 1 and tr.enabled and not self._seen_optimizers:
+                try:
+                    params.refresh(self)
+                except Exception as e:
+                    self._on_error("hooks.discovery", e)
+                    return out
+                for fn in self.manual_update_observers:
+                    try:
+                        fn(params)
+                    except Exception as e:
+                        self._drop_observer("manual_update", fn, e)
+            return out
+
+        bw.inner = backward
 
     def uninstall(self) -> None:
         if self._import_watch is not None:
@@ -753,6 +792,31 @@ def _found_inf(scaler: Any, optimizer: Any) -> Any:
     for t in values[1:]:
         total = total + t.to(total.device, non_blocking=True)
     return Pending(*copy_to_host(total))
+
+
+class _RootParams:
+    """The optimizer a loop without one does not have, as the grad-norm probe reads one: its
+    ``param_groups`` hold the hooked roots' parameters that take a gradient, each once; a new
+    list when a root was hooked since (a new model)."""
+
+    __slots__ = ("param_groups", "_roots", "__weakref__")
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, Any]] = [{"params": []}]
+        self._roots = -1
+
+    def refresh(self, inst: "Instrumentation") -> None:
+        if len(inst.roots) == self._roots:
+            return
+        seen: set[int] = set()
+        params = []
+        for m in list(inst._hooked):
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        self.param_groups = [{"params": params}]
+        self._roots = len(inst.roots)
 
 
 def _no_call() -> None:

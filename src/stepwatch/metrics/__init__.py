@@ -59,6 +59,7 @@ class TrainingMetrics:
         hub.add_exception_observer(self.throughput.on_exception)
         hub.add_eval_span_listener(self.throughput.on_eval_span)
         hub.add_optimizer_observer(self.grads.on_optimizer_step)
+        hub.add_manual_update_observer(self.grads.on_manual_update)
         # The peak before step 0's record reaches the pipeline thread, where it can be: a given
         # peak needs no device, and a job without CUDA has none to wait for (at the end of the
         # first step, a listener, the record was often built already: step 0's MFU was null).

@@ -59,6 +59,7 @@ class PendingGradNorm:
     optimizer_id: int = 0
     device: int = -1  # CUDA device of ``event``
     per_tensor: bool = False
+    manual: bool = False  # taken at a backward's end in a loop without an optimizer (on_manual_update)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1021,6 +1022,16 @@ class _GradNormMethods(Collector):
     def _add(self, pending: PendingGradNorm) -> None:
         self._buf.append(pending)
 
+    def on_manual_update(self, params: Any) -> None:
+        """A loop without a torch optimizer: the grads at the end of a backward
+        (``Hub.add_manual_update_observer``; ``params`` stands for the optimizer). An optimizer
+        step in the same record outranks this probe (``resolve_step``): the same grads, once."""
+        n = len(self._buf)
+        self.on_optimizer_step(params)
+        buf = self._buf
+        if len(buf) > n:
+            buf[-1].manual = True
+
     @staticmethod
     def resolve_step(pendings: Sequence[PendingGradNorm] | None) -> GradNormResult | None | bool:
         """The step's merged result; ``False`` while a value is still on its way from the device
@@ -1028,6 +1039,10 @@ class _GradNormMethods(Collector):
         if not pendings:
             return None
         if len(pendings) > 1:
+            if any(p.manual for p in pendings) and not all(p.manual for p in pendings):
+                # The loop's first optimizer stepped after a backward probed without one (an
+                # optimizer made after the first backward): its probe is of the same grads.
+                pendings = [p for p in pendings if not p.manual]
             # Each optimizer's last probe: one optimizer probed twice before the record ended (a
             # subclass whose step calls super().step(), both wrapped by torch; an optimizer
             # stepped twice; a step that raised and was skipped, merged into the next record)
