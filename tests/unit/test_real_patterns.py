@@ -175,6 +175,28 @@ def test_an_optimizer_made_after_the_first_backward_counts_its_grads_once(sw, tm
     assert [r.grad_norm for r in recs] == pytest.approx(want, rel=1e-5)
 
 
+def test_one_optimizer_stepping_twice_in_a_marked_step_has_its_last_norm(sw, tmp_path):
+    """Two updates of one optimizer inside one ``stepwatch.step()`` (two probes in one record,
+    both on the C core's path from the second step on): the last probe's norm."""
+    stepwatch, mem, start = sw
+    start(dir=str(tmp_path / "run"), step_boundary="explicit")
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    want = []
+    for i in range(4):
+        for _ in range(2):
+            m(torch.randn(4, 16)).pow(2).mean().backward()
+            norm = _norm_of(m)
+            opt.step()
+            opt.zero_grad()
+        want.append(norm)
+        stepwatch.step()
+    stepwatch.shutdown()
+    recs = mem.records
+    assert len(recs) == 4
+    assert [r.grad_norm for r in recs] == pytest.approx(want, rel=1e-5)
+
+
 def test_optimizer_loop_says_optimizer_boundary(sw, tmp_path):
     stepwatch, mem, start = sw
     start(dir=str(tmp_path / "run"))

@@ -585,9 +585,9 @@ enum { OS_CALLS, OS_PARAMS, OS_SHAPE, OS_PLAIN, OS_FSDP1, OS_NORM_DTYPE, OS_SCAL
 static const char *os_names[OS_N] = {"calls", "params", "shape", "plain", "fsdp1", "norm_dtype", "scale_in_dict"};
 static Py_ssize_t os_off[OS_N];
 enum { PG_VALUES, PG_HOST, PG_EVENT, PG_SHARDED, PG_FROM_CLIP, PG_SKIPPED, PG_OPTIMIZER_ID, PG_DEVICE, PG_PER_TENSOR,
-       PG_N };
+       PG_MANUAL, PG_N };
 static const char *pg_names[PG_N] = {"values", "host", "event", "sharded", "from_clip", "skipped", "optimizer_id",
-                                     "device", "per_tensor"};
+                                     "device", "per_tensor", "manual"};
 static Py_ssize_t pg_off[PG_N];
 static int gn_bound = 0; /* 1: everything above is bound and every offset is a plain slot */
 
@@ -776,7 +776,7 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
         return r;
     }
     Py_DECREF(st);
-    /* PendingGradNorm(values, host, event, False, False, False, id(optimizer), device, True), filled as
+    /* PendingGradNorm(values, host, event, False, False, False, id(optimizer), device, True, False), filled as
      * its __init__ fills it; a value on the GPU is copied to the host without blocking (the
      * values' device, as _probe asks it: the first parameter's may differ) */
     PyObject *host = Py_None, *event = Py_None, *device = NULL, *hed = NULL;
@@ -818,6 +818,7 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
     SLOT(pending, pg_off[PG_OPTIMIZER_ID]) = oid;
     SLOT(pending, pg_off[PG_DEVICE]) = device;
     SLOT(pending, pg_off[PG_PER_TENSOR]) = Py_NewRef(Py_True);
+    SLOT(pending, pg_off[PG_MANUAL]) = Py_NewRef(Py_False);
     Py_XDECREF(hed);
     /* tensors and numbers: it cannot be part of a cycle, and it waits in the queue (the buffer
      * read again: the torch calls above could have run Python that replaced it) */

@@ -1039,10 +1039,11 @@ class _GradNormMethods(Collector):
         if not pendings:
             return None
         if len(pendings) > 1:
-            if any(p.manual for p in pendings) and not all(p.manual for p in pendings):
+            manual = [p.manual for p in pendings]
+            if any(manual) and not all(manual):
                 # The loop's first optimizer stepped after a backward probed without one (an
                 # optimizer made after the first backward): its probe is of the same grads.
-                pendings = [p for p in pendings if not p.manual]
+                pendings = [p for p, m in zip(pendings, manual) if not m]
             # Each optimizer's last probe: one optimizer probed twice before the record ended (a
             # subclass whose step calls super().step(), both wrapped by torch; an optimizer
             # stepped twice; a step that raised and was skipped, merged into the next record)
