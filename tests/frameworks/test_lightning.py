@@ -226,3 +226,44 @@ def test_callback_starts_stepwatch_when_none_runs(tmp_path):
     stepwatch.shutdown()
     assert [r.step for r in mem.records] == [0, 1]
     assert all(r.flops and r.tokens for r in mem.records)
+
+
+def _fabric_loop(steps=4):
+    """A Lightning Fabric loop as its docs write one: ``fabric.setup``, ``fabric.backward``,
+    ``fabric.clip_gradients``. Returns (losses, pre-clip norms, final parameters)."""
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = fabric.setup(model, opt)
+    g = torch.Generator().manual_seed(1)
+    losses, norms = [], []
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        loss = F.cross_entropy(model(x), y)
+        fabric.backward(loss)
+        norms.append(fabric.clip_gradients(model, opt, max_norm=0.5).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())  # raised with stepwatch on until the thirty-first session
+    return losses, norms, [p.detach().clone() for p in opt.param_groups[0]["params"]]
+
+
+def test_fabric_loop_trains_as_without_stepwatch(tmp_path):
+    """Fabric's ``_FabricModule`` holds the model twice (``_forward_module``, ``_original_module``):
+    the FLOP replay left FakeTensors in the model, and the first ``loss.item()`` raised
+    DataDependentOutputException (every Fabric loop, 1 or 2 processes)."""
+    mem = start(tmp_path, "on")
+    losses, norms, params = _fabric_loop()
+    stepwatch.shutdown()
+    no_internal_errors(mem)
+    recs = mem.records
+    assert [r.step for r in recs] == [0, 1, 2, 3]
+    assert [r.grad_norm for r in recs] == pytest.approx(norms, rel=1e-5)
+    assert all(r.flops == recs[0].flops and r.flops > 0 for r in recs)
+    losses_off, _, params_off = _fabric_loop()
+    assert losses == losses_off
+    assert all(torch.equal(a, b) for a, b in zip(params, params_off))

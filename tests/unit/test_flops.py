@@ -287,6 +287,45 @@ def test_replay_touches_no_rng_parameter_buffer_or_grad():
     assert torch.equal(torch.rand(3), want)
 
 
+class SharedBlock(nn.Module):
+    """One block reached under several names: ALBERT-style sharing (``ModuleList([blk] * 3)``)
+    and an alias attribute (``self.first = blk``), as Lightning Fabric's ``_FabricModule`` holds
+    the model as ``_forward_module`` and ``_original_module``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        blk = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+        self.blocks = nn.ModuleList([blk] * 3)
+        self.first = blk
+        self.head = nn.Linear(16, 4)
+        self.register_buffer("scale", torch.ones(16))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x) * self.scale
+        return self.head(x)
+
+
+@pytest.mark.parametrize("real", [False, True])
+def test_a_module_reached_by_two_names_keeps_its_own_parameters(real):
+    """torch's functional_call(tie_weights=True) swaps a shared module's tensors once per name and
+    puts them back in the same order: the last name's "original" was the replay's tensor, and the
+    user's model kept a FakeTensor for a parameter (the job's next loss.item() raised)."""
+    torch.manual_seed(0)
+    m = SharedBlock()
+    before = {n: p for n, p in m.named_parameters(remove_duplicate=False)}
+    bufs = {n: b for n, b in m.named_buffers(remove_duplicate=False)}
+    c = count_step_flops(m, (torch.randn(8, 16),), real=real)
+    assert c.forward == {"fp32": 3 * mm(8, 16, 16) + mm(8, 16, 4)}
+    for n, p in m.named_parameters(remove_duplicate=False):
+        assert p is before[n], n
+    for n, b in m.named_buffers(remove_duplicate=False):
+        assert b is bufs[n], n
+    loss = m(torch.randn(8, 16)).sum()
+    loss.backward()
+    assert isinstance(loss.item(), float)
+
+
 @pytest.mark.parametrize("real", [False, True])
 def test_the_users_hooks_do_not_run_in_the_replay(real):
     """A hook that keeps activations, counts calls or logs gradients sees only the user's own

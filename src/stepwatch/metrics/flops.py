@@ -780,6 +780,12 @@ class _ModuleSnapshot:
         from torch.nn.modules import module as torch_module
 
         self.saved: list[tuple[Any, dict[str, Any]]] = []
+        # Each module's parameters and buffers as they were: torch's functional_call(tie_weights=
+        # True) swaps a module reached under two names (ALBERT-style sharing, an alias attribute,
+        # Lightning Fabric's _FabricModule) once per name, and puts them back in the same order,
+        # not the reverse: the second name's "original" was the replay's tensor, left in the
+        # user's model (a FakeTensor for a parameter: the job's next loss.item() raised).
+        self.tensors: list[tuple[dict[str, Any], dict[str, Any]]] = []
         self.hooks: list[tuple[Any, str, Any]] = []
         self.wrapped: list[tuple[Any, Any, Any, _NotInReplay]] = []
         self.user_hooks_set_aside = False
@@ -792,6 +798,10 @@ class _ModuleSnapshot:
         data_parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
         for m in root.modules():
             self.saved.append((m, dict(m.__dict__)))
+            for attr in ("_parameters", "_buffers"):
+                d = m.__dict__.get(attr)
+                if type(d) is dict and d:
+                    self.tensors.append((d, dict(d)))
             if m is not root and isinstance(m, data_parallel):
                 # DDP held by the called module (timm's ClassificationTask): the replay runs the
                 # wrapped model, never DDP's own forward (its reducer's preparation, the buffer
@@ -844,6 +854,10 @@ class _ModuleSnapshot:
 
     def restore(self) -> None:
         _set_rng_states(self.rngs)
+        for d, before in self.tensors:
+            for k, v in before.items():
+                if d.get(k) is not v:
+                    d[k] = v
         for v, before in self.contents:
             if type(v) is list:
                 if len(v) != len(before) or any(a is not b for a, b in zip(v, before)):
