@@ -1,12 +1,14 @@
 """2-rank FSDP2 (``fully_shard``) plain loop on gloo (CPU), run by test_fsdp2.py under torchrun.
 
-    torchrun --nproc-per-node 2 fsdp2_job.py OUT
+    torchrun --nproc-per-node 2 fsdp2_job.py OUT [kept]
 
 Trains twice in one launch (one launch costs more than the training): first without stepwatch,
 then with it (``stepwatch.init()``, what ``import stepwatch.auto`` runs), from the same seed.
 Gradient accumulation the FSDP2 way (``set_requires_gradient_sync(False)`` on micro-steps), clip
 with ``clip_grad_norm_`` (DTensor grads). Each rank writes its losses, tokens and clip norms of
-both runs to OUT.rank<R>.json.
+both runs to OUT.rank<R>.json. ``kept``: the blocks keep their parameters unsharded from forward
+to backward (``reshard_after_forward=False``): between the two, the blocks hold other tensors than
+the sharded parameters the optimizer holds.
 """
 
 import gc
@@ -26,8 +28,9 @@ def train(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     model = make_model()
+    kept = len(sys.argv) > 2 and sys.argv[2] == "kept"
     for block in model.blocks:
-        fully_shard(block)
+        fully_shard(block, reshard_after_forward=not kept)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = TokenData(STEPS * ACCUM * BS * world)

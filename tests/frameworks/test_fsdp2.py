@@ -16,12 +16,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, ACCUM, BS = 4, 2, 4  # as in fsdp2_job.py
 
 
-def test_fsdp2_two_ranks_gloo(tmp_path):
+@pytest.mark.parametrize("blocks", ["resharded", "kept"])
+def test_fsdp2_two_ranks_gloo(tmp_path, blocks):
+    """``kept``: the blocks' ``reshard_after_forward=False``. Their modules hold the unsharded
+    parameters at the first backward, where stepwatch looks for an optimizer of the model's
+    parameters; until the thirty-first session it found none, each backward ended a step, and
+    step 0 was two records of one micro-batch each."""
     ref_flops = plain_loop_flops(tmp_path, make_model(), batch_of(range(BS)))
     job = os.path.join(HERE, "fsdp2_job.py")
     run = tmp_path / "run"
     env = {"STEPWATCH_DIR": str(run), "STEPWATCH_WATCHDOG": "off", "STEPWATCH_CAPTURE": "off"}
-    torchrun(job, [str(tmp_path / "out")], env, cwd=tmp_path)
+    torchrun(job, [str(tmp_path / "out"), blocks], env, cwd=tmp_path)
     for rank in (0, 1):
         both = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
         on = both["on"]

@@ -1249,7 +1249,28 @@ def _steps_a_root(optimizers: list[Any], roots: list[Any]) -> bool:
     if not optimizers:
         return False
     params = {id(p) for m in roots for p in m.parameters()}
+    for m in roots:
+        params.update(_sharded_param_ids(m))
     return any(id(p) in params for o in optimizers for g in o.param_groups for p in g["params"])
+
+
+def _sharded_param_ids(root: Any) -> set[int]:
+    """The ids of the sharded parameters FSDP2 (``fully_shard``) keeps for ``root``'s modules: the
+    ones an optimizer holds. Between a forward and its backward a module sharded with
+    ``reshard_after_forward=False`` registers its unsharded parameters instead, and the first
+    backward found no optimizer of the model (each backward then ended a step). Empty without
+    FSDP2, or where its internals differ from torch 2.4-2.13's."""
+    ids: set[int] = set()
+    for m in root.modules():
+        if getattr(type(m), "_get_fsdp_state", None) is None:
+            continue
+        try:
+            group = m._get_fsdp_state()._fsdp_param_group
+            for fp in group.fsdp_params if group is not None else ():
+                ids.add(id(fp.sharded_param))
+        except Exception:  # noqa: BLE001 - another torch's FSDP2: the registered parameters alone
+            pass
+    return ids
 
 
 # A step pre-hook gets ``args`` of ``step`` as called through the optimizer's hook wrapper: the
