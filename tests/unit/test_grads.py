@@ -1026,5 +1026,7 @@ def test_the_common_probe_matches_get_total_norm_in_float64_and_bfloat16(hooked)
                                               for p in m.parameters()]).item()
         opt.step()
         (p,) = h.pending
-        assert p.per_tensor and p.values.dim() == 1 and p.values.numel() == len(list(m.parameters()))
+        # CPU grads: each one's norm as _foreach_norm made it (a tuple of 0-d tensors), stacked where read
+        assert p.per_tensor and type(p.values) is tuple and len(p.values) == len(list(m.parameters()))
+        assert all(v.dim() == 0 and v.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) for v in p.values)
         assert rel(h.values()[0].norm, want) < tol, dtype

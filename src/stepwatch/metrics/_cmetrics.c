@@ -756,13 +756,22 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
         Py_DECREF(st);
         return r;
     }
+    /* CPU grads: their norms as _foreach_norm returns them (a tuple), stacked where they are read,
+     * off the training thread (_compute_plain says why) */
+    int cpu = tensor_attr_truth(PyList_GET_ITEM(grads, 0), A_IS_CPU);
+    if (cpu < 0) {
+        Py_DECREF(grads);
+        goto error;
+    }
     Py_INCREF(norm_dtype);
     PyObject *fargs[3] = {grads, gn_two, norm_dtype};
     PyObject *norms = PyObject_Vectorcall(gn_foreach_norm, fargs, 2, gn_kw_dtype);
     Py_DECREF(norm_dtype);
     Py_DECREF(grads);
     PyObject *values = NULL;
-    if (norms != NULL) {
+    if (norms != NULL && cpu && PyTuple_CheckExact(norms)) {
+        values = untrack(norms);
+    } else if (norms != NULL) {
         values = PyObject_CallOneArg(gn_stack, norms);
         Py_DECREF(norms);
     }
@@ -780,7 +789,7 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
      * its __init__ fills it; a value on the GPU is copied to the host without blocking (the
      * values' device, as _probe asks it: the first parameter's may differ) */
     PyObject *host = Py_None, *event = Py_None, *device = NULL, *hed = NULL;
-    int on_gpu = tensor_attr_truth(values, A_IS_CUDA);
+    int on_gpu = PyTuple_CheckExact(values) ? 0 : tensor_attr_truth(values, A_IS_CUDA);
     if (on_gpu < 0) {
         Py_DECREF(values);
         return NULL;

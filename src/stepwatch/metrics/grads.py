@@ -679,9 +679,11 @@ class GradNormProbe:
             if values is None:
                 return None
         if isinstance(scale, torch.Tensor):
+            if isinstance(values, (tuple, list)):  # _compute_plain's CPU norms, not stacked
+                values = torch.stack(values)
             s = scale.to(device=values.device, dtype=torch.float32)
             values = values / s if values.dim() == 0 or per_tensor else values / torch.stack([s * s, s])
-        host, event, device = copy_to_host(values) if values.is_cuda else (None, None, -1)
+        host, event, device = copy_to_host(values) if not isinstance(values, (tuple, list)) and values.is_cuda else (None, None, -1)
         # Tensors and numbers: it cannot be part of a cycle, and it waits in the queue (see _ctracker.c).
         return untracked(PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer), device, per_tensor))
 
@@ -813,7 +815,12 @@ class GradNormProbe:
         per-tensor norms of ``_local_norm``'s arithmetic; ``resolve`` takes their root sum of
         squares, ``PendingGradNorm.per_tensor``). None when there is no grad; a
         sparse grad or grads on several devices make torch refuse, and this optimizer takes the
-        general path (``_compute``) from then on."""
+        general path (``_compute``) from then on.
+
+        CPU grads: the norms as ``_foreach_norm`` made them (a tuple), not stacked. Their values are
+        final (a CPU kernel has run when it returns) and no one else holds them: the ``stack`` is
+        made where they are read, off the training thread (``resolve``), which it cost a third of
+        stepwatch's instructions a step on the benchmark's CPU loop (thirty-first session)."""
         torch = _TORCH or _torch()
         grads = [g for p in st.params if (g := p.grad) is not None]
         if not grads:
@@ -822,7 +829,8 @@ class GradNormProbe:
             st.plain = False
             return None
         try:
-            return torch.stack(torch._foreach_norm(grads, 2.0, dtype=st.norm_dtype))
+            norms = torch._foreach_norm(grads, 2.0, dtype=st.norm_dtype)
+            return untracked(norms) if grads[0].is_cpu else torch.stack(norms)  # a tuple
         except (RuntimeError, NotImplementedError, TypeError):
             st.plain = False
             return None
@@ -880,8 +888,12 @@ class GradNormProbe:
         else:
             v = pending.values
             # A CPU value is read as it is: each extra torch call here (detach, to) hands the
-            # GIL to the training thread and back while it runs torch ops of its own.
-            got = v.tolist() if v.is_cpu else v.detach().to("cpu").tolist()
+            # GIL to the training thread and back while it runs torch ops of its own. CPU norms
+            # not stacked (_compute_plain): stacked here, one call.
+            if isinstance(v, (tuple, list)):
+                got = (_TORCH or _torch()).stack(v).tolist()
+            else:
+                got = v.tolist() if v.is_cpu else v.detach().to("cpu").tolist()
         sq, rep = (0.0, _root_sum_sq(got)) if pending.per_tensor else _pair(got)
         nonfinite = not (math.isfinite(sq) and math.isfinite(rep))
         norm = None if pending.sharded else rep
