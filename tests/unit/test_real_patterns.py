@@ -128,73 +128,73 @@ def test_loop_without_optimizer_has_the_pre_clip_grad_norm(sw, tmp_path):
     assert [r.grad_norm for r in recs] == pytest.approx(want, rel=1e-5)
 
 
-def test_explicit_steps_without_optimizer_have_the_accumulated_grad_norm(sw, tmp_path):
-    """A manual SGD loop with accumulation (two backwards a step) marking steps with
-    ``stepwatch.step()`` (explicit from the first step: before its first call, each backward of a
-    loop without an optimizer ends a step): the norm of the grads the update uses, those the last
-    backward left."""
+def _marked_steps_have_norms(sw, tmp_path, iterate, steps=4):
+    """``steps`` iterations of ``iterate(model)``, which returns the norm of the grads its update
+    used, each ended by ``stepwatch.step()`` (explicit from the first step: before its first call,
+    each backward of a loop without an optimizer ends a step): each record's grad_norm is it."""
     stepwatch, mem, start = sw
     start(dir=str(tmp_path / "run"), step_boundary="explicit")
     m = _model()
     want = []
-    for i in range(4):
+    for _ in range(steps):
+        want.append(iterate(m))
+        stepwatch.step()
+    stepwatch.shutdown()
+    assert len(mem.records) == steps
+    assert [r.grad_norm for r in mem.records] == pytest.approx(want, rel=1e-5)
+
+
+def test_explicit_steps_without_optimizer_have_the_accumulated_grad_norm(sw, tmp_path):
+    """A manual SGD loop with accumulation (two backwards a step): the norm of the grads the
+    update uses, those the last backward left."""
+
+    def iterate(m):
         for _ in range(2):
             m(torch.randn(4, 16)).pow(2).mean().backward()
-        want.append(_norm_of(m))
+        norm = _norm_of(m)
         with torch.no_grad():
             for p in m.parameters():
                 p -= 0.05 * p.grad
                 p.grad = None
-        stepwatch.step()
-    stepwatch.shutdown()
-    recs = mem.records
-    assert len(recs) == 4
-    assert [r.grad_norm for r in recs] == pytest.approx(want, rel=1e-5)
+        return norm
+
+    _marked_steps_have_norms(sw, tmp_path, iterate)
 
 
 def test_an_optimizer_made_after_the_first_backward_counts_its_grads_once(sw, tmp_path):
-    """The optimizer is built lazily, after the first backward, in a loop that marks its steps
-    (``stepwatch.step()``): that backward was probed as a loop without an optimizer, and the
-    optimizer's probe of the same grads in the same step must not add to it (sqrt(2) times)."""
-    stepwatch, mem, start = sw
-    start(dir=str(tmp_path / "run"), step_boundary="explicit")
-    m = _model()
-    opt = None
-    want = []
-    for i in range(4):
+    """The optimizer is built lazily, after the first backward: that backward was probed as a
+    loop without an optimizer, and the optimizer's probe of the same grads in the same step must
+    not add to it (sqrt(2) times the norm)."""
+    opts = []
+
+    def iterate(m):
         m(torch.randn(4, 16)).pow(2).mean().backward()
-        want.append(_norm_of(m))
-        if opt is None:
-            opt = torch.optim.SGD(m.parameters(), lr=0.01)
-        opt.step()
-        opt.zero_grad()
-        stepwatch.step()
-    stepwatch.shutdown()
-    recs = mem.records
-    assert len(recs) == 4
-    assert [r.grad_norm for r in recs] == pytest.approx(want, rel=1e-5)
+        norm = _norm_of(m)
+        if not opts:
+            opts.append(torch.optim.SGD(m.parameters(), lr=0.01))
+        opts[0].step()
+        opts[0].zero_grad()
+        return norm
+
+    _marked_steps_have_norms(sw, tmp_path, iterate)
 
 
 def test_one_optimizer_stepping_twice_in_a_marked_step_has_its_last_norm(sw, tmp_path):
     """Two updates of one optimizer inside one ``stepwatch.step()`` (two probes in one record,
     both on the C core's path from the second step on): the last probe's norm."""
-    stepwatch, mem, start = sw
-    start(dir=str(tmp_path / "run"), step_boundary="explicit")
-    m = _model()
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    want = []
-    for i in range(4):
+    opts = []
+
+    def iterate(m):
+        if not opts:
+            opts.append(torch.optim.SGD(m.parameters(), lr=0.01))
         for _ in range(2):
             m(torch.randn(4, 16)).pow(2).mean().backward()
             norm = _norm_of(m)
-            opt.step()
-            opt.zero_grad()
-        want.append(norm)
-        stepwatch.step()
-    stepwatch.shutdown()
-    recs = mem.records
-    assert len(recs) == 4
-    assert [r.grad_norm for r in recs] == pytest.approx(want, rel=1e-5)
+            opts[0].step()
+            opts[0].zero_grad()
+        return norm
+
+    _marked_steps_have_norms(sw, tmp_path, iterate)
 
 
 def test_optimizer_loop_says_optimizer_boundary(sw, tmp_path):
