@@ -8,8 +8,10 @@ v0-name fixtures) at /metrics and a settable in-flight count at /load, as vLLM d
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -309,6 +311,56 @@ def test_samples_become_stepwatch_serving_series_in_otel(standin, tmp_path):
         p99 = [p for p in got[N.OUT_TTFT] if p["quantile"] == "0.99"]
         assert p99 and p99[0]["engine"] == "0" and p99[0]["server"] == standin.url and p99[0]["value"] > 0
         assert otel.dropped() == 0
+    finally:
+        otel.shutdown()
+
+
+def _served(reader) -> dict[str, list[dict]]:
+    got: dict[str, list[dict]] = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                got[m.name] = [dict(p.attributes) | {"value": p.value} for p in m.data.data_points]
+    return got
+
+
+def test_a_window_without_requests_serves_no_value_not_the_last_burst(standin, tmp_path):
+    """No request finished in the window: its quantiles and ratios are NaN in the samples and no
+    series at the endpoint and in OTLP (PromQL's histogram_quantile over zero rates has no number
+    either), never the last burst's values, which the endpoint went on serving for minutes on an
+    idle server. A series that never had a value (speculative decoding off) stays absent. The
+    token rate is 0, as it was."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from stepwatch.context import RunContext
+    from stepwatch.exporters.otel import OTelExporter
+
+    reader = InMemoryMetricReader()
+    ctx = RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="r", run_dir=str(tmp_path))
+    otel = OTelExporter(ctx, otlp=False, readers=[reader], environ={})
+    mem = InMemoryExporter()
+    try:
+        w = ServeWatcher(WatchConfig(urls=[standin.url], run_dir=str(tmp_path), windows_s=(1.0,)), exporters=[otel, mem])
+        standin.metrics = text("metrics-0.32.0-midflight.txt")
+        w.tick()
+        standin.metrics = text("metrics-0.32.0-idle-after-load.txt")
+        w.tick()  # requests finished between the two scrapes: values
+        first = {k: v for s in mem.samples if s.get("labels", {}).get("quantile") == "0.99" for k, v in s.items()}
+        assert first[N.OUT_TTFT] > 0
+        assert [p["value"] > 0 for p in _served(reader)[N.OUT_TTFT] if p["quantile"] == "0.99"] == [True]
+        time.sleep(1.1)
+        w.tick()  # the same counters a window later: nothing happened in it
+        last = [s for s in mem.samples if s.get("labels", {}).get("window") == "1s"][-8:]
+        p99 = [s for s in last if s["labels"].get("quantile") == "0.99"][-1]
+        assert all(math.isnan(p99[n]) for n in (N.OUT_TTFT, N.OUT_ITL, N.OUT_E2E)), p99
+        rates = [s for s in last if N.OUT_GEN_TPS in s][-1]
+        assert rates[N.OUT_GEN_TPS] == 0.0
+        assert math.isnan(rates[N.OUT_PREFIX_HIT]) and math.isnan(rates[N.OUT_ERROR_RATIO])
+        assert not any(N.OUT_SPEC_ACCEPT in s for s in mem.samples)
+        # What the endpoint and OTLP serve: no series for those windows any more
+        served = [p for p in _served(reader).get(N.OUT_TTFT, []) if p["window"] == "1s"]
+        assert not served, served
     finally:
         otel.shutdown()
 

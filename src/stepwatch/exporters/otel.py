@@ -482,7 +482,8 @@ class OTelExporter(Exporter):
                 g = self._extra_gauge(key)
                 if g is not None:
                     extra_attrs = {"rank": attrs["rank"], **({str(k): str(x) for k, x in labels.items()} if isinstance(labels, dict) else {})}
-                    g.set(float(v), extra_attrs)
+                    if not g.set(float(v), extra_attrs):
+                        self._count_unmapped(f"more than {_ExtraGauge.MAX_SERIES} series of {key}")
 
     def _extra_gauge(self, key: str) -> Any:
         g = self._extra.get(key)
@@ -493,7 +494,8 @@ class OTelExporter(Exporter):
             if len(self._extra) >= N.MAX_EXTRA_SAMPLE_NAMES:
                 self._count_unmapped(f"more than {N.MAX_EXTRA_SAMPLE_NAMES} sample metric names")
                 return None
-            g = self._extra[key] = self._m.create_gauge(key)
+            g = self._extra[key] = _ExtraGauge()
+            self._m.create_observable_gauge(key, callbacks=[g.observe])
         return g
 
     def _count_unmapped(self, why: str) -> None:
@@ -504,6 +506,32 @@ class OTelExporter(Exporter):
                 self._warned_unmapped.add(why)
         if first:
             log.warning("stepwatch: not exported: %s (counted in stepwatch_exporter_dropped_total)", why)
+
+
+class _ExtraGauge:
+    """A sample gauge (``EXTRA_SAMPLE_PREFIX``) read when a reader collects: each series' last
+    value, and no series where the last value was NaN. The SDK's synchronous gauge ignores a NaN
+    and keeps serving the value before it: a serving window with no request in it (no quantile,
+    no ratio) went on showing the last burst's P99 for as long as the server stayed idle."""
+
+    MAX_SERIES = 4096
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[tuple[str, Any], ...], float] = {}
+
+    def set(self, value: float, attrs: Mapping[str, Any]) -> bool:
+        """False when the series is new and the gauge holds ``MAX_SERIES`` already (not kept)."""
+        key = tuple(sorted(attrs.items()))
+        if math.isnan(value):
+            self._values.pop(key, None)
+        elif key in self._values or len(self._values) < self.MAX_SERIES:
+            self._values[key] = value
+        else:
+            return False
+        return True
+
+    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(v, dict(k)) for k, v in tuple(self._values.items())]
 
 
 __all__ = ["OTelExporter", "build_resource", "otlp_endpoint", "otlp_protocol"]

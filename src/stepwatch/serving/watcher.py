@@ -40,6 +40,8 @@ QUANTILES = (0.5, 0.99)
 # Bounds: the findings file of one serve-vllm run, the findings kept in memory.
 FINDINGS_FILE_BYTES = 16 * 1024 * 1024
 FINDINGS_KEPT = 1000
+# Windowed series remembered as having had a value (ServeWatcher._had_value): bounded.
+MAX_WINDOWED_SERIES = 10_000
 
 
 @dataclass(kw_only=True)
@@ -154,6 +156,9 @@ class ServeWatcher:
         self.scrape_failures = 0
         self.export_failures = 0
         self.stalls = 0
+        # The windowed series (a quantile, a ratio) that have had a value: an empty window sets
+        # them to NaN from then on, not leaving the last burst's value served (_samples).
+        self._had_value: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
         self.stall_reports: list[dict[str, Any]] = []
         self.findings: deque[Finding] = deque(maxlen=FINDINGS_KEPT)
         # The same rate limit as a training session's (analysis/ratelimit.py), in seconds: one
@@ -375,8 +380,19 @@ class ServeWatcher:
         now_w = Window(None, last)
         t = last.wall
 
-        def emit(labels: dict[str, str], values: dict[str, float | None]) -> None:
+        def emit(labels: dict[str, str], values: dict[str, float | None], windowed: bool = False) -> None:
             vals = {k: float(v) for k, v in values.items() if v is not None}
+            if windowed:
+                # No data in the window: NaN where the series had a value (PromQL's
+                # histogram_quantile over zero rates gives NaN too); an OTel gauge keeps its last
+                # value until told another, and that was the last burst's. Never had one: absent.
+                key = tuple(sorted(labels.items()))
+                for k, v in values.items():
+                    if v is not None:
+                        if len(self._had_value) < MAX_WINDOWED_SERIES:
+                            self._had_value.add((k, key))
+                    elif (k, key) in self._had_value:
+                        vals[k] = math.nan
             if vals:
                 out.append({"source": "serving", "time": t, "labels": labels, **vals})
 
@@ -410,10 +426,10 @@ class ServeWatcher:
                     N.OUT_PREFIX_HIT: hit.get(key) if hit.get(key) is not None else hit_gauge.get(key),
                     N.OUT_SPEC_ACCEPT: acc.get(key) if acc.get(key) is not None else acc_gauge.get(key),
                     N.OUT_ERROR_RATIO: (errors.get(key, 0.0) / total) if total else None,
-                })
+                }, windowed=True)
                 for q in QUANTILES:
                     emit({**base, "quantile": f"{q:g}"},
-                         {N.OUT_HISTOGRAMS[k]: qs[k].get(key, {}).get(q) for k in N.HISTOGRAMS})
+                         {N.OUT_HISTOGRAMS[k]: qs[k].get(key, {}).get(q) for k in N.HISTOGRAMS}, windowed=True)
             if w.seconds > 0:
                 by_reason: dict[tuple[Any, str], float] = {}
                 name = N.REQUEST_SUCCESS[0]
