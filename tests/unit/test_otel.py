@@ -285,9 +285,34 @@ def test_taken_port_is_one_warning_not_a_crash(mem_exporter, caplog):
         assert not e.prometheus.bound
         msgs = [r.getMessage() for r in caplog.records if "Prometheus endpoint not started" in r.getMessage()]
         assert len(msgs) == 1 and "in use" in msgs[0] and str(port) in msgs[0]
+        assert "Set STEPWATCH_PROMETHEUS_PORT to a free base port" in msgs[0]
         e.export(Batch(records=[rec(1, mfu=0.3)]))  # the other readers still work
         ms, _ = metrics(reader)
         assert ms["training_mfu"].data.data_points[0].value == 0.3
+
+
+def test_serve_vllm_taken_port_names_its_option_not_the_jobs_variable(tmp_path, caplog):
+    """``stepwatch serve-vllm --prometheus-port`` on a taken port: the warning says which option
+    to change (it named STEPWATCH_PROMETHEUS_PORT, which the command does not read)."""
+    import argparse
+
+    from stepwatch.serving.cli import build_exporters, register
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        parser = argparse.ArgumentParser()
+        register(parser.add_subparsers(dest="cmd"))
+        args = parser.parse_args(["serve-vllm", "--prometheus-port", str(port), "--", "true"])
+        with caplog.at_level("WARNING"):
+            (e,) = build_exporters(args, "r", str(tmp_path))
+        try:
+            msgs = [r.getMessage() for r in caplog.records if "Prometheus endpoint not started" in r.getMessage()]
+            assert len(msgs) == 1 and "Give --prometheus-port a free port." in msgs[0], msgs
+            assert "STEPWATCH_PROMETHEUS" not in msgs[0]
+        finally:
+            e.shutdown()
 
 
 # -- configuration --------------------------------------------------------------------------------

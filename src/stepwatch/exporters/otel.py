@@ -238,6 +238,8 @@ class OTelExporter(Exporter):
     ``readers`` adds metric readers (tests pass the SDK's ``InMemoryMetricReader``).
     ``otlp``: None = on when an OTLP endpoint is configured in ``environ``; False = off.
     ``prometheus_port``: None = no endpoint; the rank serves ``prometheus_port + local_rank``.
+    ``prometheus_settings``: the (port, host) settings a warning about the endpoint names; the
+    job's ``STEPWATCH_PROMETHEUS_*`` variables by default.
     """
 
     name = "otel"
@@ -254,6 +256,7 @@ class OTelExporter(Exporter):
         export_interval_ms: float | None = None,
         buckets: Sequence[float] = N.STEP_SECONDS_BUCKETS,
         shutdown_timeout_s: float = 5.0,
+        prometheus_settings: tuple[str, str] | None = None,
     ) -> None:
         env = os.environ if environ is None else environ
         self.ctx = ctx
@@ -284,7 +287,8 @@ class OTelExporter(Exporter):
 
             registry = CollectorRegistry(auto_describe=False)
             all_readers.append(make_reader(registry))
-            self.prometheus = PrometheusEndpoint(registry, prometheus_host, prometheus_port + ctx.local_rank)
+            self.prometheus = PrometheusEndpoint(registry, prometheus_host, prometheus_port + ctx.local_rank,
+                                                 prometheus_settings or PrometheusEndpoint.JOB_SETTINGS)
 
         views = [View(instrument_name=f.lower(), name=f) for f in N.DCGM_FIELDS]
         self.provider = MeterProvider(

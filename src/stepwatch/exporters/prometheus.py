@@ -62,7 +62,12 @@ class PrometheusEndpoint:
     endpoint: the job goes on. ``bound`` says whether it is serving.
     """
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+    # The settings a warning names: a training job's variables, or the command's own options
+    # (``stepwatch serve-vllm --prometheus-port``).
+    JOB_SETTINGS = ("STEPWATCH_PROMETHEUS_PORT", "STEPWATCH_PROMETHEUS_HOST")
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int,
+                 settings: tuple[str, str] = JOB_SETTINGS) -> None:
         self.host = host
         self.port = port
         self.bound = False
@@ -72,12 +77,16 @@ class PrometheusEndpoint:
                 host, port, functools.partial(_respond, registry), name="stepwatch-prometheus"
             )
         except (OSError, OverflowError) as e:  # OverflowError: base + local rank above 65535
+            port_name, host_name = settings
+            ranks = settings == self.JOB_SETTINGS  # a job's ranks serve base + local rank
             if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
-                reason, fix = "port already in use", "Set STEPWATCH_PROMETHEUS_PORT to a free base port (each rank serves base + local rank)."
+                reason = "port already in use"
+                fix = (f"Set {port_name} to a free base port (each rank serves base + local rank)." if ranks
+                       else f"Give {port_name} a free port.")
             elif isinstance(e, OverflowError):
-                reason, fix = str(e), "Set STEPWATCH_PROMETHEUS_PORT so that base + local rank stays below 65536."
+                reason, fix = str(e), f"Set {port_name} so that base + local rank stays below 65536."
             else:
-                reason, fix = e.strerror or str(e), "Check STEPWATCH_PROMETHEUS_HOST (an address of this host, or 0.0.0.0)."
+                reason, fix = e.strerror or str(e), f"Check {host_name} (an address of this host, or 0.0.0.0)."
             log.warning(
                 "stepwatch: Prometheus endpoint not started on %s:%d (%s); metrics go on to the other exporters. %s",
                 host, port, reason, fix,
