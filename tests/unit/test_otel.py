@@ -137,7 +137,57 @@ def test_findings_by_kind_and_severity(mem_exporter):
     e.export(Batch(findings=[f("data_loading", "warning"), f("data_loading", "warning"), f("straggler", "critical")]))
     ms, _ = metrics(reader)
     got = {(p.attributes["kind"], p.attributes["severity"], p.attributes["rank"]): p.value for p in ms["stepwatch_findings_total"].data.data_points}
-    assert got == {("data_loading", "warning", 1): 2, ("straggler", "critical", 1): 1}
+    assert {k: v for k, v in got.items() if v} == {("data_loading", "warning", 1): 2, ("straggler", "critical", 1): 1}
+    # Every kind's series exists from the start at 0, at its own severity (PromQL's increase()
+    # takes a series' first sample as its base: one that appeared at 1 never "increased")
+    from stepwatch.analysis.kinds import KINDS
+
+    assert {k for k, v in got.items() if not v} == {(k.name, k.severity, 1) for k in KINDS.values()} - {("data_loading", "warning", 1)}
+
+
+def test_a_first_finding_is_an_increase_from_zero(mem_exporter):
+    """Before any finding, ``nonfinite_grads`` (critical) and ``straggler`` (warning) read 0: the
+    first one of each is a 0 -> 1 increase for StepwatchCriticalFinding and TrainingStraggler."""
+    e, reader = mem_exporter()
+    e.export(Batch(records=[rec(1)]))
+    ms, _ = metrics(reader)
+    before = {(p.attributes["kind"], p.attributes["severity"]): p.value for p in ms["stepwatch_findings_total"].data.data_points}
+    assert before[("nonfinite_grads", "critical")] == 0 and before[("straggler", "warning")] == 0
+    e.export(Batch(findings=[Finding(time=0.0, step=2, rank=1, kind="nonfinite_grads", severity="critical",
+                                     summary="", diagnosis="", action="")]))
+    ms, _ = metrics(reader)
+    after = {(p.attributes["kind"], p.attributes["severity"]): p.value for p in ms["stepwatch_findings_total"].data.data_points}
+    assert after[("nonfinite_grads", "critical")] == 1
+
+
+def test_a_nan_grad_norm_or_loss_serves_no_value_not_the_last_finite_one(mem_exporter, caplog):
+    """Gradients gone NaN: the gauges had gone on serving the last finite grad norm and loss (the
+    SDK ignores a non-finite gauge value) and the SDK logged a line for each, every pass. Now the
+    series is absent while the value is not finite, and nothing is logged."""
+    e, reader = mem_exporter()
+    e.export(Batch(records=[rec(1, grad_norm=5.7, scalars={"loss": 4.7})]))
+    ms, _ = metrics(reader)
+    assert ms["train_grad_norm"].data.data_points[0].value == 5.7
+    with caplog.at_level("WARNING"):
+        for s in (2, 3):
+            e.export(Batch(records=[rec(s, grad_norm=float("nan"), scalars={"loss": float("nan")})]))
+            ms, _ = metrics(reader)
+    assert "train_grad_norm" not in ms or not ms["train_grad_norm"].data.data_points
+    assert not [p for p in ms["training_scalar"].data.data_points if p.attributes["name"] == "loss"] if "training_scalar" in ms else True
+    assert not [r for r in caplog.records if "not finite" in r.getMessage()]
+    e.export(Batch(records=[rec(4, grad_norm=0.5, scalars={"loss": 1.0})]))
+    ms, _ = metrics(reader)
+    assert ms["train_grad_norm"].data.data_points[0].value == 0.5
+
+
+def test_a_tail_record_is_no_training_step(mem_exporter):
+    """Evaluation after the last optimizer step comes as a tail record: no step in
+    training_steps_total and no 0 s step in the histogram (its eval time is still counted)."""
+    e, reader = mem_exporter()
+    e.export(Batch(records=[rec(1), rec(2), rec(3, step_s=0.0, eval_s=1.5, tail=True)]))
+    ms, _ = metrics(reader)
+    assert ms["training_steps_total"].data.data_points[0].value == 2
+    assert ms["training_step_seconds"].data.data_points[0].count == 2
 
 
 def test_gpu_samples_keep_dcgm_upper_case_names_and_labels(mem_exporter):
@@ -329,6 +379,20 @@ def test_otlp_endpoint_and_protocol_from_standard_variables():
     assert otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "grpc"}) == "grpc"
     with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL='http/json'.*grpc, http/protobuf"):
         otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+
+
+def test_a_bad_otlp_compression_names_the_variable_not_an_internal_error(tmp_path, caplog):
+    """``OTEL_EXPORTER_OTLP_COMPRESSION=zip``: the SDK's own exception from inside its exporter
+    became a stepwatch internal error with a traceback; now one line names the variable and the
+    valid values, as a bad protocol does, and the job goes on without OTLP."""
+    from stepwatch.context import RunContext
+
+    ctx = RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="r", run_dir=str(tmp_path))
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_COMPRESSION": "zip"}
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_COMPRESSION='zip'.*gzip, deflate, none"):
+        OTelExporter(ctx, environ=env)
+    ok = OTelExporter(ctx, environ={**env, "OTEL_EXPORTER_OTLP_COMPRESSION": "GZIP"})
+    ok.shutdown()
 
 
 def test_no_otlp_without_endpoint(mem_exporter):

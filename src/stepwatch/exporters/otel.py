@@ -221,9 +221,20 @@ OTLP_MODULES = {
 }
 
 
+# OTEL_EXPORTER_OTLP[_METRICS]_COMPRESSION values the SDK's exporters take (its Compression enum).
+COMPRESSION_VARS = ("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION")
+COMPRESSIONS = ("gzip", "deflate", "none")
+
+
 def _make_otlp_exporter(environ: Mapping[str, str]) -> MetricExporter:
     import importlib
 
+    for var in COMPRESSION_VARS:  # the SDK raises its own exception from deep inside for these
+        v = environ.get(var, "").strip().lower()
+        if v:
+            if v not in COMPRESSIONS:
+                raise ValueError(f"{var}={v!r} is not a compression the OTLP exporter knows; valid: {', '.join(COMPRESSIONS)}")
+            break
     OTLPMetricExporter = importlib.import_module(OTLP_MODULES[otlp_protocol(environ)]).OTLPMetricExporter
     # Endpoint, headers, timeout, compression, TLS, temporality and histogram aggregation
     # (OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram
@@ -239,7 +250,8 @@ class OTelExporter(Exporter):
     ``otlp``: None = on when an OTLP endpoint is configured in ``environ``; False = off.
     ``prometheus_port``: None = no endpoint; the rank serves ``prometheus_port + local_rank``.
     ``prometheus_settings``: the (port, host) settings a warning about the endpoint names; the
-    job's ``STEPWATCH_PROMETHEUS_*`` variables by default.
+    job's ``STEPWATCH_PROMETHEUS_*`` variables by default. ``finding_kinds``: every finding kind's
+    ``stepwatch_findings_total`` series starts at 0 (a training job's; ``serve-vllm`` has its own).
     """
 
     name = "otel"
@@ -257,6 +269,7 @@ class OTelExporter(Exporter):
         buckets: Sequence[float] = N.STEP_SECONDS_BUCKETS,
         shutdown_timeout_s: float = 5.0,
         prometheus_settings: tuple[str, str] | None = None,
+        finding_kinds: bool = True,
     ) -> None:
         env = os.environ if environ is None else environ
         self.ctx = ctx
@@ -310,11 +323,20 @@ class OTelExporter(Exporter):
             explicit_bucket_boundaries_advisory=list(buckets),
         )
         self._steps = m.create_counter(N.STEPS_TOTAL.name, unit=N.STEPS_TOTAL.unit, description=N.STEPS_TOTAL.description)
-        self._gauges = [(d, m.create_gauge(d.name, unit=d.unit, description=d.description)) for d in N.RECORD_GAUGES]
+        self._gauges = [(d, self._last_values(d.name, unit=d.unit, description=d.description)) for d in N.RECORD_GAUGES]
         self._counters = [(d, m.create_counter(d.name, unit=d.unit, description=d.description)) for d in N.RECORD_COUNTERS]
         self._phases = m.create_counter(N.PHASE_SECONDS.name, unit=N.PHASE_SECONDS.unit, description=N.PHASE_SECONDS.description)
-        self._scalars = m.create_gauge(N.SCALAR.name, description=N.SCALAR.description)
+        self._scalars = self._last_values(N.SCALAR.name, description=N.SCALAR.description)
         self._findings = m.create_counter(N.FINDINGS_TOTAL.name, description=N.FINDINGS_TOTAL.description)
+        if finding_kinds:
+            # Every kind's series at 0 from the start, at its catalogue severity: a series that
+            # appears at 1 has no increase() in PromQL (its first sample is the base), and the
+            # first nonfinite_grads or straggler finding raised no alert (StepwatchCriticalFinding,
+            # TrainingStraggler). A kind raised at another severity than its own starts at 1.
+            from ..analysis.kinds import KINDS
+
+            for k in KINDS.values():
+                self._findings.add(0, {"rank": ctx.rank, "kind": k.name, "severity": k.severity})
         self._throttle = m.create_gauge(N.GPU_THROTTLE.name, description=N.GPU_THROTTLE.description)
         self._dcgm = {f: m.create_gauge(f.lower(), description=doc) for f, doc in N.DCGM_FIELDS.items()}
         self._extra: dict[str, Any] = {}
@@ -410,8 +432,10 @@ class OTelExporter(Exporter):
             by_rank.setdefault(r.rank, []).append(r)
         for rank, rs in by_rank.items():
             attrs = self._attrs(rank)
-            self._steps.add(len(rs), attrs)
-            for r in rs:
+            steps = [r for r in rs if not r.tail]  # a tail record (eval after the last step) is no step
+            if steps:
+                self._steps.add(len(steps), attrs)
+            for r in steps:
                 if r.step_s is not None and math.isfinite(r.step_s) and r.step_s >= 0:
                     self._step_hist.record(r.step_s, attrs)
             for d, gauge in self._gauges:
@@ -487,7 +511,7 @@ class OTelExporter(Exporter):
                 if g is not None:
                     extra_attrs = {"rank": attrs["rank"], **({str(k): str(x) for k, x in labels.items()} if isinstance(labels, dict) else {})}
                     if not g.set(float(v), extra_attrs):
-                        self._count_unmapped(f"more than {_ExtraGauge.MAX_SERIES} series of {key}")
+                        self._count_unmapped(f"more than {_LastValues.MAX_SERIES} series of {key}")
 
     def _extra_gauge(self, key: str) -> Any:
         g = self._extra.get(key)
@@ -498,8 +522,12 @@ class OTelExporter(Exporter):
             if len(self._extra) >= N.MAX_EXTRA_SAMPLE_NAMES:
                 self._count_unmapped(f"more than {N.MAX_EXTRA_SAMPLE_NAMES} sample metric names")
                 return None
-            g = self._extra[key] = _ExtraGauge()
-            self._m.create_observable_gauge(key, callbacks=[g.observe])
+            g = self._extra[key] = self._last_values(key)
+        return g
+
+    def _last_values(self, name: str, **kw: Any) -> "_LastValues":
+        g = _LastValues()
+        self._m.create_observable_gauge(name, callbacks=[g.observe], **kw)
         return g
 
     def _count_unmapped(self, why: str) -> None:
@@ -512,11 +540,12 @@ class OTelExporter(Exporter):
             log.warning("stepwatch: not exported: %s (counted in stepwatch_exporter_dropped_total)", why)
 
 
-class _ExtraGauge:
-    """A sample gauge (``EXTRA_SAMPLE_PREFIX``) read when a reader collects: each series' last
-    value, and no series where the last value was NaN. The SDK's synchronous gauge ignores a NaN
-    and keeps serving the value before it: a serving window with no request in it (no quantile,
-    no ratio) went on showing the last burst's P99 for as long as the server stayed idle."""
+class _LastValues:
+    """A gauge read when a reader collects: each series' last value, and no series where the last
+    value was not finite. The SDK's own gauges (synchronous or observable) ignore a NaN or an
+    infinity, log a line for each, and keep serving the value before it: a serving window with no
+    request in it went on showing the last burst's P99, and a job whose gradients had gone NaN
+    showed its last finite ``train_grad_norm`` and loss (and the SDK's line every pass)."""
 
     MAX_SERIES = 4096
 
@@ -526,7 +555,7 @@ class _ExtraGauge:
     def set(self, value: float, attrs: Mapping[str, Any]) -> bool:
         """False when the series is new and the gauge holds ``MAX_SERIES`` already (not kept)."""
         key = tuple(sorted(attrs.items()))
-        if math.isnan(value):
+        if not math.isfinite(value):
             self._values.pop(key, None)
         elif key in self._values or len(self._values) < self.MAX_SERIES:
             self._values[key] = value

@@ -187,7 +187,7 @@ def build_exporters(args: argparse.Namespace, run_id: str, run_dir: str) -> list
     ctx = RunContext(rank=0, local_rank=0, world_size=1, host=socket.gethostname(), run_id=run_id,
                      run_dir=run_dir, pid=os.getpid())
     return [OTelExporter(ctx, prometheus_port=args.prometheus_port, prometheus_host=args.prometheus_host,
-                         prometheus_settings=("--prometheus-port", "--prometheus-host"))]
+                         prometheus_settings=("--prometheus-port", "--prometheus-host"), finding_kinds=False)]
 
 
 def run(args: argparse.Namespace) -> int:
