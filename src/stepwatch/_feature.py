@@ -14,6 +14,7 @@ feature's ``collect``/``on_findings`` run on the pipeline's thread (:mod:`stepwa
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from .record import Finding, StepRecord
@@ -110,6 +111,16 @@ class Hub:
     def step(self) -> int:
         """The training thread's step number now."""
         return self._tracker.step
+
+    @property
+    def step_pending(self) -> bool:
+        """The step numbered ``step`` has ended (its optimizer step ran) and its record is not
+        made yet: it is made when the next step's work begins, or at shutdown."""
+        return self._tracker._pending_end is not None
+
+    def on_training_thread(self) -> bool:
+        """Whether the caller is the thread whose steps are tracked."""
+        return threading.get_ident() == self._tracker._thread
 
     def phase_now(self) -> str:
         """The phase the training thread is in (see ``StepTracker.phase_now``)."""

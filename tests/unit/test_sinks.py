@@ -48,6 +48,18 @@ def _train(stepwatch, steps=STEPS, *, slow_data_s=0.0, log_loss=None):
     return [float(l) for l in losses]
 
 
+def _train_plain(steps):
+    """A loop without a DataLoader (a step's record is made when the next one begins, or at
+    shutdown: no fetch ends the loop)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _clean_env(monkeypatch):
     for k in list(os.environ):
         if k.startswith(("STEPWATCH_", "WANDB_", "MLFLOW_")):
@@ -241,18 +253,34 @@ def test_mlflow_logs_each_step_into_the_run_active_when_it_ended(sw, mlflow_stor
             time.sleep(0.05)
 
     with mlflow.start_run() as a:
-        _train(stepwatch, steps=10)  # steps 0-9
+        _train_plain(10)  # steps 0-9
         wait_for_a_pass()
-    _train(stepwatch, steps=10)  # steps 10-19, no run
+    _train_plain(10)  # steps 10-19, no run
     wait_for_a_pass()
     with mlflow.start_run() as b:
-        _train(stepwatch, steps=10)  # steps 20-29
+        _train_plain(10)  # steps 20-29
         stepwatch.shutdown()
     assert len(mem.records) == 30
-    # A step ends at the next iteration's first fetch: the last step of a stretch may end after
-    # its run did (step 9 outside A, step 19 inside B).
-    assert hist(a) in (list(range(10)), list(range(9))), hist(a)
-    assert hist(b) in (list(range(20, 30)), list(range(19, 30))), hist(b)
+    # A step's record is made at the next iteration's first fetch, after its run ended: the
+    # last step of a stretch is still its run's (until the thirty-first session step 9 was
+    # outside A, and step 19, trained with no run, went into B).
+    assert hist(a) == list(range(10)), hist(a)
+    assert hist(b) == list(range(20, 30)), hist(b)
+
+
+def test_mlflow_with_block_gets_its_last_step_when_stepwatch_stops_after_it(sw, mlflow_store):
+    """docs/sinks.md's pattern, ``with mlflow.start_run():`` around the loop, stepwatch stopping
+    later (at exit): the last step's record is made after the run ended, and went nowhere."""
+    mlflow = mlflow_store
+    from mlflow import MlflowClient
+
+    stepwatch, mem, start = sw
+    start(records=False)
+    with mlflow.start_run() as run:
+        _train_plain(8)
+    stepwatch.shutdown()
+    hist = sorted(m.step for m in MlflowClient().get_metric_history(run.info.run_id, "stepwatch/step_s"))
+    assert hist == list(range(8)), hist
 
 
 def test_mlflow_failure_is_counted_and_turns_the_sink_off(sw, mlflow_store, tmp_path):
@@ -447,6 +475,45 @@ def test_no_tracking_library_is_imported_until_the_script_uses_one(tmp_path):
     assert r.stdout.strip().splitlines()[-2] == "[] ['RunProbe.on_step_end'] []", r.stdout
     steps = sorted(m.step for m in MlflowClient(tracking_uri=db).get_metric_history(rid, "stepwatch/step_s"))
     assert steps[-5:] == list(range(5, 10)), steps
+
+
+MLFLOW_EXIT_SCRIPT = """
+import stepwatch.auto
+import sys, torch
+import mlflow
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with mlflow.start_run() as run:  # docs/sinks.md's pattern; stepwatch stops at exit, after it
+    for _ in range(int(sys.argv[1])):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+print(run.info.run_id)
+"""
+
+
+@pytest.mark.parametrize("ended", ["by its with block", "by MLflow at exit"])
+def test_mlflow_run_gets_its_last_step_when_stepwatch_stops_at_exit(tmp_path, ended):
+    """No DataLoader, no shutdown of its own: the last step's record is made at exit, after the
+    run ended (the with block, or MLflow's exit hook ending the run the script left open; it
+    runs before stepwatch's). Its step went nowhere until the thirty-first session."""
+    import subprocess
+
+    from mlflow import MlflowClient
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPWATCH_", "MLFLOW_", "WANDB_"))}
+    db = f"sqlite:///{tmp_path}/mlflow.db"
+    env.update(PYTHONPATH=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "src"),
+               STEPWATCH_DIR=str(tmp_path / "run"), STEPWATCH_CONSOLE="off", MLFLOW_TRACKING_URI=db)
+    script = MLFLOW_EXIT_SCRIPT
+    if ended == "by MLflow at exit":
+        script = script.replace("with mlflow.start_run() as run:", "run = mlflow.start_run()\nif True:")
+    r = subprocess.run([sys.executable, "-c", script, "6"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rid = r.stdout.strip().splitlines()[-1]
+    steps = sorted(m.step for m in MlflowClient(tracking_uri=db).get_metric_history(rid, "stepwatch/step_s"))
+    assert steps == list(range(6)), steps
 
 
 def test_import_watch_fires_once_after_the_first_import_and_leaves_sys_meta_path(tmp_path, monkeypatch):

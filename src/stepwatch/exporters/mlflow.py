@@ -18,6 +18,7 @@ mlflow is never imported here unless the script imported it.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -47,17 +48,44 @@ ROWS_PER_S = 2.0
 ROWS_BURST = 100
 
 
+_CHANGING = object()  # RunProbe._rid after settle(): neither a run id nor None
+
+
 class RunProbe:
     """Training thread: which MLflow run is active. ``changes`` holds ``(step, current)`` each time
     the answer changes, ``current`` being ``(run_id, tracking_uri)`` or None, so that each record
     goes to the run that was active when its step ended; ``seen`` says it has looked at least once."""
 
-    __slots__ = ("changes", "_rid")
+    __slots__ = ("changes", "_rid", "_ended_through")  # _rid: str, None, or _CHANGING
 
     def __init__(self) -> None:
         # Bounded: a record older than the oldest change kept goes to the oldest run kept.
         self.changes: deque[tuple[int, tuple[str, str] | None]] = deque(maxlen=64)
-        self._rid: str | None = None
+        self._rid: Any = None
+        self._ended_through = -(2**62)  # settle: steps up to this one have their run
+
+    def settle(self, last: int) -> None:
+        """Training thread, in ``mlflow.start_run`` / ``mlflow.end_run`` before the active run
+        changes (a ``with`` block's exit, the script's call, MLflow's own exit hook): the steps
+        up to ``last`` were trained in the run active now (or in none), whenever their records
+        are made. A step's record is made when the next step begins or at shutdown: looked for
+        then, the last step of a ``with`` block went nowhere, and a step trained with no run
+        went into the next one."""
+        mlflow = sys.modules.get("mlflow")
+        if mlflow is None or last <= self._ended_through:
+            # Settled already (no step since the last change): the next change, MLflow's exit
+            # hook ending a run the script ended, takes nothing from the run they were in.
+            return
+        try:
+            run = mlflow.active_run()
+            rid = run.info.run_id if run is not None else None
+            current = (rid, mlflow.get_tracking_uri()) if rid is not None else None
+        except Exception:  # an mlflow that misbehaves: as on_step_end, nothing known
+            return
+        if rid != self._rid or not self.changes:
+            self.changes.append((last, current))
+        self._rid = _CHANGING  # the next step end notes whatever it finds
+        self._ended_through = last
 
     @property
     def seen(self) -> bool:
@@ -65,7 +93,7 @@ class RunProbe:
 
     def on_step_end(self, step: int) -> None:
         mlflow = sys.modules.get("mlflow")
-        if mlflow is None:
+        if mlflow is None or step <= self._ended_through:
             return
         try:
             run = mlflow.active_run()
@@ -109,6 +137,7 @@ class MlflowExporter(TrackingExporter):
         self._artifact_dirty: set[tuple[str, str]] = set()
         self._artifact_at: dict[str, float] = {}
         self.watch: ImportWatch | None = None
+        self._wrapped: list[tuple[Any, str, Any, Any]] = []  # (module, name, mlflow's function, ours)
 
     def _client(self, uri: str) -> Any:
         c = self._clients.get(uri)
@@ -194,7 +223,31 @@ class MlflowExporter(TrackingExporter):
 
     # -- as a session feature (started at init, beside the others; see :func:`install`) --------
 
+    def wrap_run_changes(self, hub: "Hub") -> None:
+        """``mlflow.start_run`` and ``mlflow.end_run`` (and the names ``ActiveRun.__exit__`` and
+        MLflow's exit hook call in ``mlflow.tracking.fluent``) first tell the probe which steps
+        were trained under the run active until then: up to the step whose end is pending, else
+        the last one made (``RunProbe.settle``). Another thread's call says nothing: its steps
+        are not known there."""
+        fluent = sys.modules.get("mlflow.tracking.fluent")
+        mlflow = sys.modules.get("mlflow")
+        probe = self.probe
+        for name in ("start_run", "end_run"):
+            orig = getattr(fluent, name, None)
+            if orig is None or getattr(orig, "__stepwatch_wrapped__", None) is not None:
+                continue
+            ours = _settling(orig, probe, hub)
+            self._wrapped.append((fluent, name, orig, ours))
+            setattr(fluent, name, ours)
+            if mlflow is not None and getattr(mlflow, name, None) is orig:
+                setattr(mlflow, name, ours)
+                self._wrapped.append((mlflow, name, orig, ours))
+
     def stop(self) -> None:
+        for mod, name, orig, ours in self._wrapped:
+            if getattr(mod, name, None) is ours:
+                setattr(mod, name, orig)
+        self._wrapped = []
         if self.watch is not None:  # mlflow never imported: nothing left on sys.meta_path
             self.watch.stop()
         # force_flush/shutdown come with the other exporters
@@ -203,13 +256,33 @@ class MlflowExporter(TrackingExporter):
         return {"run_seen": self.probe.run_at(None) is not None, "off": self.off}
 
 
+def _settling(orig: Callable[..., Any], probe: RunProbe, hub: "Hub") -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            if hub.on_training_thread():
+                probe.settle(hub.step if hub.step_pending else hub.step - 1)
+        except Exception:  # noqa: BLE001 - never in the way of the user's call
+            pass
+        return orig(*args, **kwargs)
+
+    call.__stepwatch_wrapped__ = orig  # type: ignore[attr-defined]
+    return call
+
+
 def install(hub: "Hub") -> MlflowExporter | None:
     """Training thread, at init: the exporter, and its run probe among the step-end listeners
     from the first step on which mlflow is imported (now, or when the script imports it: no call
-    a step before). The session adds it to its exporters."""
+    a step before), with ``mlflow.start_run`` / ``end_run`` wrapped to tell it when the run changes. The session adds
+    it to its exporters."""
     e = MlflowExporter(hub.ctx)
-    if "mlflow" in sys.modules:
+
+    def watch(name: str = "mlflow") -> None:
         hub.add_listener(e.probe.on_step_end)
+        e.wrap_run_changes(hub)
+
+    if "mlflow" in sys.modules:
+        watch()
     else:
-        e.watch = ImportWatch(["mlflow"], lambda name: hub.add_listener(e.probe.on_step_end)).start()
+        e.watch = ImportWatch(["mlflow"], watch).start()
     return e
