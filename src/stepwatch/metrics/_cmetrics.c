@@ -770,6 +770,9 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
     Py_DECREF(grads);
     PyObject *values = NULL;
     if (norms != NULL && cpu && PyTuple_CheckExact(norms)) {
+        /* the norms too: a grad-free 0-d tensor each, referring to no Python object (the
+         * stacked tensor they replace was the one tracked object a step left in the queue) */
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(norms); i++) untrack(PyTuple_GET_ITEM(norms, i));
         values = untrack(norms);
     } else if (norms != NULL) {
         values = PyObject_CallOneArg(gn_stack, norms);

@@ -830,7 +830,11 @@ class GradNormProbe:
             return None
         try:
             norms = torch._foreach_norm(grads, 2.0, dtype=st.norm_dtype)
-            return untracked(norms) if grads[0].is_cpu else torch.stack(norms)  # a tuple
+            if grads[0].is_cpu:  # a tuple; its grad-free 0-d tensors refer to no Python object
+                for n in norms:
+                    untracked(n)
+                return untracked(norms)
+            return torch.stack(norms)
         except (RuntimeError, NotImplementedError, TypeError):
             st.plain = False
             return None
