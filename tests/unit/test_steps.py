@@ -1,6 +1,7 @@
 """Step boundaries and phases, measured through the real hooks on real (small) CPU training loops."""
 
 import gc
+import os
 import io
 import time
 
@@ -180,6 +181,33 @@ def test_eval_and_checkpoint_are_kept_out_of_step_time(sw):
     assert recs[1].eval_s == 0 and recs[1].checkpoint_s == 0
     # The eval DataLoader's waits are eval, not data wait.
     assert after.data_wait_s < 0.02
+
+
+def test_a_save_that_raises_has_no_bytes_not_the_old_files(sw, tmp_path):
+    """A save refused before it wrote (safetensors' tied weights, a read-only disk) left the
+    file an earlier save wrote at that path: it was credited with that file's size, at tens of
+    GB/s. Its bytes are unknown; the user's exception reaches them unchanged."""
+    stepwatch, mem, start = sw
+    start()
+    from safetensors.torch import save_file  # as a script imports it, after stepwatch.auto
+
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    path = str(tmp_path / "ck.safetensors")
+    for i in range(4):
+        m(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 1:
+            save_file({"w": m[0].weight.detach().clone()}, path)
+        if i == 2:
+            w = m[0].weight.detach()
+            with pytest.raises(RuntimeError, match="share memory"):
+                save_file({"w": w, "w_tied": w}, path)  # refused: nothing written
+    stepwatch.shutdown()
+    ok, refused = mem.records[2], mem.records[3]
+    assert ok.checkpoint_bytes == os.path.getsize(path) and ok.checkpoint_s > 0
+    assert refused.checkpoint_s > 0 and refused.checkpoint_bytes is None and refused.checkpoint_gbps is None
 
 
 def test_pickling_a_tensor_is_no_checkpoint_save(sw):

@@ -375,15 +375,21 @@ class Instrumentation:
             summing = inner_bytes and bool(t0)
             if summing:
                 self._save_sums = []
+            saved = False
             try:
-                return orig(*args, **kwargs)
+                out = orig(*args, **kwargs)
+                saved = True
+                return out
             finally:
                 if summing:
                     inner, self._save_sums = self._save_sums, sums
                     # none written (another rank's shards), or one unknown: unknown
-                    nbytes = sum(inner) if inner and None not in inner else None  # type: ignore[arg-type]
+                    nbytes = sum(inner) if saved and inner and None not in inner else None  # type: ignore[arg-type]
                 else:
-                    nbytes = _written(f, start)
+                    # A save that raised wrote what it wrote: unknown, not the size of the file
+                    # an earlier save left at that path (a refused safetensors save, a read-only
+                    # disk, were credited with the old file's bytes at tens of GB/s).
+                    nbytes = _written(f, start) if saved else None
                     if not t0 and sums is not None and not inner_bytes:  # a summing one's add up there
                         sums.append(nbytes)
                 tr.checkpoint_end(t0, nbytes)
