@@ -589,6 +589,54 @@ def test_a_rank_waiting_while_another_saves_gets_the_checkpoint_allowance(tmp_pa
     assert not marker.exists() and not waiter.others_checkpointing()
 
 
+def test_a_dead_trainers_checkpoint_marker_gives_no_allowance(tmp_path):
+    """A marker left by a trainer that is gone (a relaunch into the same run dir is attempt 0
+    again) gave every sidecar of the new launch the checkpoint allowance, 5x the hang timeout:
+    a 45 s stall was never reported."""
+    import argparse
+    import subprocess
+
+    from stepwatch._files import write_json_private
+    from stepwatch.watchdog.sidecar import Watchdog
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    write_json_private(str(tmp_path / "checkpointing.rank1"), {"pid": gone.pid, "attempt": 0})
+    w = Watchdog(argparse.Namespace(rank=0, trainer_pid=os.getpid(), run_dir=str(tmp_path), run_id="t",
+                                    store_addr=None, store_port=None, attempt=0, world_size=1, timeout=None))
+    assert not w.others_checkpointing()
+    write_json_private(str(tmp_path / "checkpointing.rank1"), {"pid": os.getpid(), "attempt": 0})
+    assert w.others_checkpointing()  # a live trainer's: its save is running
+
+
+def test_a_sidecar_stopped_inside_a_checkpoint_takes_its_marker_back(tmp_path, monkeypatch):
+    """SIGTERM while the trainer saves (shutdown's to a sidecar that had not polled yet, a
+    scheduler's preemption): the handler's SystemExit skipped the marker's removal at the end of
+    the loop, and 4 of 11 two-rank DCP runs left one behind."""
+    import argparse
+
+    from stepwatch.watchdog import sidecar as wd
+
+    w = wd.Watchdog(argparse.Namespace(rank=0, trainer_pid=os.getpid(), run_dir=str(tmp_path), run_id="t",
+                                       store_addr=None, store_port=None, attempt=0, world_size=1, timeout=None))
+    snaps = iter([{"closed": False, "steps_done": 0, "last_step_ns": 0, "last_progress_ns": 0, "dump_req": 0,
+                   "phase": "checkpoint"}])
+
+    class Board:
+        def read(self):
+            try:
+                return next(snaps)
+            except StopIteration:
+                raise SystemExit(0) from None  # what _on_term's sys.exit does, mid-loop
+
+    w.board = Board()
+    monkeypatch.setattr(w, "check_permissions", lambda: None)
+    monkeypatch.setattr(wd, "POLL_S", 0.0)
+    with pytest.raises(SystemExit):
+        w.run()
+    assert not (tmp_path / "checkpointing.rank0").exists()
+
+
 def test_the_checkpoint_question_is_asked_at_most_every_few_seconds(tmp_path, monkeypatch):
     """While stalled inside the allowance a sidecar polls 4 times a second; the run-dir listing
     and the store request behind "is another rank saving?" go out every CHECKPOINT_RECHECK_S."""

@@ -241,9 +241,13 @@ class Watchdog:
             if not n.startswith("checkpointing.rank") or n == f"checkpointing.rank{self.rank}":
                 continue
             try:
-                if read_json_private(os.path.join(self.run_dir, n)).get("attempt") == self.a.attempt:
-                    return True  # not a crashed attempt's
-            except (OSError, ValueError, AttributeError):
+                mark = read_json_private(os.path.join(self.run_dir, n))
+                # Not a crashed attempt's, nor a dead trainer's (a relaunch into the same run dir
+                # is attempt 0 again): a marker whose trainer is gone says no save is running.
+                pid = mark.get("pid")
+                if mark.get("attempt") == self.a.attempt and isinstance(pid, int) and pid > 0 and _alive(pid):
+                    return True
+            except (OSError, ValueError, AttributeError, TypeError):
                 continue
         n = self.store.add(f"checkpointing/{self.a.attempt}", 0) if self.a.world_size > 1 else None
         return bool(n and n > 0)
@@ -255,7 +259,6 @@ class Watchdog:
         return self._others_ckpt[1]
 
     def run(self) -> int:
-        global _busy
         deadline = time.monotonic() + 30
         while self.board is None:
             try:
@@ -265,6 +268,22 @@ class Watchdog:
                     return 1
                 time.sleep(0.1)
         self.check_permissions()
+        try:
+            return self._watch()
+        finally:
+            # SIGTERM (shutdown's, when this sidecar had not polled yet; a scheduler's preemption
+            # of the process group) ends the loop with SystemExit from the handler: a marker left
+            # in the run dir gave the next launch's sidecars the checkpoint allowance (5x the
+            # hang timeout) for the whole run. The file only: the store may be gone by now.
+            if self.checkpointing:
+                self.checkpointing = False
+                try:
+                    os.unlink(os.path.join(self.run_dir, f"checkpointing.rank{self.rank}"))
+                except OSError:
+                    pass
+
+    def _watch(self) -> int:
+        global _busy
         while _alive(self.pid):
             snap = self.board.read()
             if snap is None or snap["closed"]:
