@@ -193,3 +193,52 @@ def test_a_loop_on_another_thread_than_inits_is_the_training_thread(sw):
     recs = [r for r in mem.records if not r.tail]
     assert len(recs) == 6
     assert all(r.data_wait_s >= 0.012 * 0.9 for r in recs[1:]), [r.data_wait_s for r in recs]
+
+
+def test_a_loader_iterated_inside_another_loaders_fetch_is_timed_once(sw):
+    """Sequence packing: an IterableDataset that packs rows from an inner DataLoader of
+    documents. The inner fetches run inside the outer one: their time was added, then the outer
+    fetch's whole span again (data_wait_s twice the wait, more than step_s)."""
+    from torch.utils.data import IterableDataset
+
+    class Docs(Dataset):
+        def __len__(self):
+            return 48
+
+        def __getitem__(self, i):
+            time.sleep(0.003)
+            return torch.randint(1, 50, (3 + i % 9,))
+
+    class Packed(IterableDataset):
+        def __iter__(self):
+            buf = []
+            for doc in DataLoader(Docs(), batch_size=None):
+                buf.extend(doc.tolist())
+                while len(buf) >= 16:
+                    yield torch.tensor(buf[:16], dtype=torch.float32)
+                    buf = buf[16:]
+
+    stepwatch, mem, start = sw
+    start()
+    m = nn.Linear(16, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    waits = []
+    it = iter(DataLoader(Packed(), batch_size=2))
+    while True:
+        t = time.perf_counter()
+        try:
+            x = next(it)
+        except StopIteration:
+            break
+        waits.append(time.perf_counter() - t)
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == len(waits) >= 5
+    for r, w in zip(recs[1:], waits[1:]):
+        parts = r.data_wait_s + r.forward_s + r.backward_s + r.optimizer_s + r.other_s
+        assert abs(parts - r.step_s) < 1e-6 and r.data_wait_s <= r.step_s, r
+        assert r.data_wait_s <= w * 1.3 + 0.002, (r.data_wait_s, w)  # counted twice: ~2x
+        assert r.data_wait_s >= w * 0.7 - 0.002, (r.data_wait_s, w)

@@ -693,6 +693,8 @@ static int leave(PyObject **depth_slot, const char *name) {
 static PyObject *Core_data_begin(Core *self, PyObject *unused) {
     ENABLED_OR_RETURN(self, PyLong_FromLong(0));
     {
+        LL(self, in_data, depth);
+        if (depth > 0) return PyLong_FromLong(0); /* a fetch inside a fetch: the outer one times it */
         NOW(t);
         if (begin_work(self, &t) < 0) goto error;
         LL(self, in_data, d);

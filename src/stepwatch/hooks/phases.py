@@ -236,7 +236,10 @@ class _PyCore:
     # -- data loading -------------------------------------------------------------------------
 
     def data_begin(self) -> int:
-        if not self.enabled:
+        """The fetch's start, or 0 where it is not timed: a fetch inside a fetch (a DataLoader
+        iterated inside another's: sequence packing over a document loader) is the outer one's
+        time, which counted it twice (data_wait_s twice the wait, more than step_s)."""
+        if not self.enabled or self.in_data:
             return 0
         try:
             t = self._begin_work()
