@@ -93,6 +93,10 @@ def test_a_fetch_that_raises_is_reported_and_goes_on_unchanged(sw, both_tracker_
         opt.zero_grad()
     assert told == []
     stepwatch.shutdown()
+    # The ExceptionInfo holds the traceback, which holds this frame, which holds it: a cycle that
+    # kept the model and its optimizer alive into the next test, whose first-backward scan found
+    # an optimizer of a hooked root there (a loop without an optimizer then had no step at all).
+    del info
 
 
 class _Prefetcher:

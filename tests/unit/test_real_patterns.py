@@ -128,6 +128,27 @@ def test_loop_without_optimizer_has_the_pre_clip_grad_norm(sw, tmp_path):
     assert [r.grad_norm for r in recs] == pytest.approx(want, rel=1e-5)
 
 
+def test_another_models_stale_grads_are_not_in_a_manual_loops_norm(sw, tmp_path):
+    """A second model alive with grads of its own from before (a teacher backpropagated once, an
+    earlier model): the manual loop's norm is its own model's, the grads its backwards wrote."""
+    stepwatch, mem, start = sw
+    start(dir=str(tmp_path / "run"))
+    other = _model()
+    m = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2))
+    other(torch.randn(4, 16)).sum().backward()  # grads that stay, untouched from here on
+    want = []
+    for i in range(4):
+        m.zero_grad()
+        m(torch.randn(4, 16)).pow(2).mean().backward()
+        want.append(_norm_of(m))
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.1 * p.grad
+    stepwatch.shutdown()
+    got = [r.grad_norm for r in mem.records if not r.tail]
+    assert got[-4:] == pytest.approx(want, rel=1e-5)
+
+
 def _marked_steps_have_norms(sw, tmp_path, iterate, steps=4):
     """``steps`` iterations of ``iterate(model)``, which returns the norm of the grads its update
     used, each ended by ``stepwatch.step()`` (explicit from the first step: before its first call,
@@ -195,6 +216,36 @@ def test_one_optimizer_stepping_twice_in_a_marked_step_has_its_last_norm(sw, tmp
         return norm
 
     _marked_steps_have_norms(sw, tmp_path, iterate)
+
+
+def test_an_earlier_models_uncollected_optimizer_does_not_take_a_manual_loops_steps(sw, tmp_path):
+    """An earlier model and its optimizer, garbage a reference cycle still holds (a traceback kept
+    them in the test before this one): the first backward's scan found an optimizer of a hooked
+    root, and the loop without an optimizer had no step at all."""
+    import gc
+
+    class Holder:
+        pass
+
+    gc.disable()  # the garbage stays until stepwatch looks, as a cycle waits for a collection
+    try:
+        h = Holder()
+        h.self = h
+        h.model = _model()
+        h.opt = torch.optim.SGD(h.model.parameters(), lr=0.1)
+        del h
+        stepwatch, mem, start = sw
+        start(dir=str(tmp_path / "run"))
+        m = _model()
+        for i in range(3):
+            m.zero_grad()
+            m(torch.randn(4, 16)).pow(2).mean().backward()
+            for p in m.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+        stepwatch.shutdown()
+    finally:
+        gc.enable()
+    assert [r.step for r in mem.records] == [0, 1, 2]
 
 
 def test_optimizer_loop_says_optimizer_boundary(sw, tmp_path):

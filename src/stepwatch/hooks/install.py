@@ -267,6 +267,14 @@ class Instrumentation:
         # Always (not only when no scan ran yet): the first module call may have come before the
         # model was built.
         self._scan("first backward")
+        if self._optimizers_alive and not self._seen_optimizers and not len(self._scanned_optimizers):
+            # Every optimizer of a root was made before this session: maybe garbage a cycle keeps
+            # (an earlier model and its optimizer, held by a traceback), which made a loop without
+            # an optimizer one with no step at all. Collected once, then looked for again.
+            t0 = time.perf_counter()
+            gc.collect()
+            self.tracker.exclude(int((time.perf_counter() - t0) * 1e9))
+            self._scan("first backward, after a collection")
         tr = self.tracker
         if not self._optimizers_alive and not self._seen_optimizers and tr.boundary == "optimizer":
             tr.boundary = "backward"
@@ -300,6 +308,7 @@ class Instrumentation:
         inner = bw.inner
         tr = self.tracker
         params = _RootParams()
+        params.mark(self)
 
         @functools.wraps(inner)
         def backward(*args: Any, **kwargs: Any) -> Any:
@@ -802,27 +811,51 @@ def _found_inf(scaler: Any, optimizer: Any) -> Any:
 
 class _RootParams:
     """The optimizer a loop without one does not have, as the grad-norm probe reads one: its
-    ``param_groups`` hold the hooked roots' parameters that take a gradient, each once; a new
-    list when a root was hooked since (a new model)."""
+    ``param_groups`` hold the parameters of the hooked roots whose gradient the last backward
+    wrote (a new grad, or the same one changed: accumulated, or written after an in-place zero).
+    Another model's grads left from before (an earlier model still alive, an EMA, a teacher) are
+    not this update's and are left out."""
 
-    __slots__ = ("param_groups", "_roots", "__weakref__")
+    __slots__ = ("param_groups", "_roots", "_params", "_marks", "__weakref__")
 
     def __init__(self) -> None:
         self.param_groups: list[dict[str, Any]] = [{"params": []}]
         self._roots = -1
+        self._params: list[Any] = []
+        # id(param) -> (weakref to its grad, the grad's _version) as last seen (an id could be a
+        # new grad's at the old one's address)
+        self._marks: dict[int, tuple[Any, int]] = {}
+
+    def _candidates(self, inst: "Instrumentation") -> list[Any]:
+        if len(inst.roots) != self._roots:
+            seen: set[int] = set()
+            params = []
+            for m in list(inst._hooked):
+                for p in m.parameters():
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+            self._params = params
+            self._roots = len(inst.roots)
+        return self._params
+
+    def mark(self, inst: "Instrumentation") -> None:
+        """Before the first backward: the grads as they are (another model's stay unchanged)."""
+        self._marks = {id(p): (weakref.ref(g), g._version) for p in self._candidates(inst) if (g := p.grad) is not None}
 
     def refresh(self, inst: "Instrumentation") -> None:
-        if len(inst.roots) == self._roots:
-            return
-        seen: set[int] = set()
-        params = []
-        for m in list(inst._hooked):
-            for p in m.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        self.param_groups = [{"params": params}]
-        self._roots = len(inst.roots)
+        """After a backward: ``param_groups`` = the parameters whose grad it wrote."""
+        marks = self._marks
+        written = []
+        for p in self._candidates(inst):
+            g = p.grad
+            if g is None:
+                continue
+            was = marks.get(id(p))
+            if was is None or was[0]() is not g or was[1] != g._version:
+                marks[id(p)] = (weakref.ref(g), g._version)
+                written.append(p)
+        self.param_groups = [{"params": written}]
 
 
 def _no_call() -> None:
