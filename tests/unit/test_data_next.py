@@ -246,3 +246,38 @@ def test_a_loader_iterated_inside_another_loaders_fetch_is_timed_once(sw):
         assert abs(parts - r.step_s) < 1e-6 and r.data_wait_s <= r.step_s, r
         assert r.data_wait_s <= w * 1.3 + 0.002, (r.data_wait_s, w)  # counted twice: ~2x
         assert r.data_wait_s >= w * 0.7 - 0.002, (r.data_wait_s, w)
+
+
+def test_a_save_between_iter_and_the_first_fetch_is_counted_once(sw, tmp_path):
+    """``it = iter(loader); torch.save(...); next(it)`` each epoch: the first fetch was timed from
+    ``iter()``, so the save's time was in checkpoint_s and in data_wait_s, and the parts came to
+    more than step_s."""
+    stepwatch, mem, start = sw
+    start()
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    loader = DataLoader(Slow(4), batch_size=2)
+
+    class SlowFile:
+        def write(self, b):
+            time.sleep(0.0005)
+            return len(b)
+
+        def flush(self):
+            pass
+
+    for epoch in range(3):
+        it = iter(loader)
+        torch.save({"w": torch.randn(64, 64), "parts": [torch.randn(8) for _ in range(40)]}, SlowFile())
+        for x, y in it:
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    firsts = [recs[2], recs[4]]  # each later epoch's first step: the save before its first fetch
+    for r in firsts:
+        parts = r.data_wait_s + r.forward_s + r.backward_s + r.optimizer_s + r.other_s
+        assert r.checkpoint_s > 0.01, r
+        assert abs(parts - r.step_s) < 1e-6, r
+        assert r.data_wait_s < r.checkpoint_s / 2, r  # two samples of 3 ms, not the save again

@@ -782,6 +782,10 @@ class _Methods:
                 self._start_work(t)
             if self._eval_open:
                 self._close_eval(t)
+            # A save between iter(loader) and its first fetch: that fetch is timed from its own
+            # start, not from the iterator's (the save's time was checkpoint_s and data_wait_s
+            # both, and the step's parts came to more than step_s).
+            self._iter_t0 = None
             self._ckpt_t0 = t
             if self.progress is not None:
                 self.progress.set_phase(PHASE_CHECKPOINT)
