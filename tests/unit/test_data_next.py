@@ -281,3 +281,41 @@ def test_a_save_between_iter_and_the_first_fetch_is_counted_once(sw, tmp_path):
         assert r.checkpoint_s > 0.01, r
         assert abs(parts - r.step_s) < 1e-6, r
         assert r.data_wait_s < r.checkpoint_s / 2, r  # two samples of 3 ms, not the save again
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_work_between_iter_and_the_first_fetch_is_not_data_wait(sw, workers):
+    """``it = iter(loader)``, then the epoch's bookkeeping (no model call), then the first fetch:
+    that fetch was timed from ``iter()``, so the bookkeeping was data wait, and a
+    ``data_loading`` finding said the loader blocked. The wait is ``iter()``'s own time (where
+    non-persistent workers start) plus the fetch's."""
+    stepwatch, mem, start = sw
+    start()
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    loader = DataLoader(Slow(4), batch_size=2, num_workers=workers)
+    waits = []
+    for epoch in range(3):
+        t = time.perf_counter()
+        it = iter(loader)
+        made = time.perf_counter() - t
+        time.sleep(0.15)  # bookkeeping: logging, an LR schedule, writing metrics
+        first = True
+        while True:
+            t = time.perf_counter()
+            try:
+                x, y = next(it)
+            except StopIteration:
+                break
+            if first:
+                waits.append(made + time.perf_counter() - t)
+                first = False
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    for r, w in zip((recs[2], recs[4]), waits[1:]):
+        assert r.data_wait_s < w + 0.05, (r.data_wait_s, w)  # was >= the 0.15 s of bookkeeping
+        assert r.data_wait_s > w * 0.5 - 0.002, (r.data_wait_s, w)
+        assert r.other_s >= 0.15 * 0.9, r

@@ -55,7 +55,7 @@ typedef struct {
         *_prev_end, *_pending_end, *_pending_skipped, *_step_open, *_fwd_depth, *_fwd_t0,
         *_fwd_grad, *_bwd_depth, *_bwd_t0, *_opt_depth, *_opt_t0, *_opt_paused, *_fwd_paused_opt,
         *_bwd_paused_opt, *_ckpt_depth, *_ckpt_t0, *_eval_open, *_eval_t0, *_eval_end, *_eval_calls,
-        *_eval_pulls, *_eval_pulled, *_eval_fwd, *_span_judged, *_last_fetch_t0, *_last_fetch_ns, *_iter_t0, *_thread,
+        *_eval_pulls, *_eval_pulled, *_eval_fwd, *_span_judged, *_last_fetch_t0, *_last_fetch_ns, *_iter_t0, *_iter_t1, *_thread,
         *_in_scaler, *_scaler_fired, *_data, *_fwd, *_bwd, *_opt, *_eval, *_ckpt, *_own, *_ckpt_bytes, *_bwd_spans,
         *_phases, *_scalars;
 } Core; /* no __dict__ or __weakref__ of its own: phases.py's StepTracker, a subclass, has both */
@@ -68,7 +68,7 @@ typedef struct {
     X(_fwd_grad) X(_bwd_depth) X(_bwd_t0) X(_opt_depth) X(_opt_t0) X(_opt_paused) X(_fwd_paused_opt)   \
     X(_bwd_paused_opt) X(_ckpt_depth) X(_ckpt_t0) X(_eval_open) X(_eval_t0) X(_eval_end)               \
     X(_eval_calls) X(_eval_pulls) X(_eval_pulled) X(_eval_fwd) X(_span_judged)                         \
-    X(_last_fetch_t0) X(_last_fetch_ns) X(_iter_t0) X(_thread) X(_in_scaler) X(_scaler_fired)          \
+    X(_last_fetch_t0) X(_last_fetch_ns) X(_iter_t0) X(_iter_t1) X(_thread) X(_in_scaler) X(_scaler_fired) \
     X(_data) X(_fwd) X(_bwd)                                                                           \
     X(_opt) X(_eval) X(_ckpt) X(_own) X(_ckpt_bytes) X(_bwd_spans) X(_phases) X(_scalars)
 
@@ -718,6 +718,7 @@ static PyObject *data_end(Core *self, PyObject *t0_obj, long how) {
     if (t0_true < 0) return NULL;
     if (!t0_true) Py_RETURN_NONE;
     PyObject *start = Py_NewRef(t0_obj); /* where a span of this fetch starts */
+    long long made = 0;                   /* iter()'s own time, when the span starts at the iterator */
     {
         LL(self, in_data, d);
         PUT_LL(self, in_data, d > 1 ? d - 1 : 0);
@@ -729,6 +730,12 @@ static PyObject *data_end(Core *self, PyObject *t0_obj, long how) {
         if (self->_iter_t0 != Py_None) { /* the iterator's first fetch: where a span of it starts */
             PyObject *it0_obj = Py_NewRef(self->_iter_t0);
             put_obj(&self->_iter_t0, Py_None);
+            long long it1 = -1;
+            if (GET(self, _iter_t1) != NULL && self->_iter_t1 != Py_None && get_ll(self->_iter_t1, "_iter_t1", &it1) < 0) {
+                Py_DECREF(it0_obj);
+                goto error;
+            }
+            put_obj(&self->_iter_t1, Py_None);
             long long it0, pe, f0, b0, o0;
             int ok = GET(self, _prev_end) != NULL;
             if (ok && self->_prev_end != Py_None) {
@@ -737,6 +744,7 @@ static PyObject *data_end(Core *self, PyObject *t0_obj, long how) {
                        get_ll(self->_opt_t0, "_opt_t0", &o0) < 0);
                 if (ok && it0 >= pe && it0 >= f0 && it0 >= b0 && it0 >= o0) {
                     Py_SETREF(start, Py_NewRef(it0_obj));
+                    made = it1 >= it0 ? it1 - it0 : -1;
                 }
             }
             Py_DECREF(it0_obj);
@@ -762,6 +770,14 @@ static PyObject *data_end(Core *self, PyObject *t0_obj, long how) {
         } else { /* from the iterator's start, for its first fetch: the loop waited for its workers */
             long long s0;
             if (as_ll(start, &s0) < 0) goto error;
+            if (made >= 0 && s0 < t0) {
+                /* iter()'s own time and this fetch's: the loop's work between them is not the
+                 * loader's (phases.py data_end) */
+                s0 = t0 - made;
+                PyObject *st = PyLong_FromLongLong(s0);
+                if (st == NULL) goto error;
+                Py_SETREF(start, st);
+            }
             {
                 /* training work after an open span: where it ends, unless it takes this fetch */
                 TRUTH(self, _eval_open, open);

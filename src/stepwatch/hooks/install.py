@@ -984,7 +984,7 @@ def _timing_iter(tr: StepTracker, orig: Callable[..., Any]) -> Callable[..., Any
     def __iter__(loader: Any) -> Any:
         t0 = time.perf_counter_ns()
         it = orig(loader)
-        tr.iterator_made(t0)
+        tr.iterator_made(t0, time.perf_counter_ns())
         return it
 
     return __iter__

@@ -95,7 +95,7 @@ _STATE = (
     "_fwd_grad", "_bwd_depth", "_bwd_t0", "_opt_depth", "_opt_t0", "_opt_paused", "_fwd_paused_opt",
     "_bwd_paused_opt", "_ckpt_depth", "_ckpt_t0", "_eval_open", "_eval_t0", "_eval_end",
     "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_span_judged", "_last_fetch_t0", "_last_fetch_ns",
-    "_iter_t0", "_thread", "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
+    "_iter_t0", "_iter_t1", "_thread", "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
     "_opt", "_eval", "_ckpt", "_own", "_ckpt_bytes", "_bwd_spans", "_phases", "_scalars",
 )
 
@@ -263,18 +263,25 @@ class _PyCore:
             self.in_data = max(self.in_data - 1, 0)
             t = _now()
             d = t - t0
+            made = -1  # iter()'s own time, when the span starts at the iterator
             if self._iter_t0 is not None:  # the iterator's first fetch: where a span of it starts
-                it0 = self._iter_t0
-                self._iter_t0 = None
+                it0, it1 = self._iter_t0, self._iter_t1
+                self._iter_t0 = self._iter_t1 = None
                 if (self._prev_end is not None and it0 >= self._prev_end and it0 >= self._fwd_t0
                         and it0 >= self._bwd_t0 and it0 >= self._opt_t0):
-                    t0 = it0
+                    made = it1 - it0 if it1 is not None and it1 >= it0 else -1
+                    fetch_t0, t0 = t0, it0
             if how and (how & FETCH_NO_GRAD or self._eval_open):
                 self._open_eval(t0)
                 if not how & FETCH_END:
                     self._eval_pulls += 1
                 self._eval_pulled += d
             else:  # from the iterator's start, for its first fetch: the loop waited for its workers
+                if made >= 0 and t0 < fetch_t0:
+                    # iter()'s own time (where non-persistent workers start) and this fetch's; the
+                    # loop's work between them (an epoch's bookkeeping) is not the loader's: it
+                    # was data wait, and raised a data_loading finding
+                    t0 = fetch_t0 - made
                 if self._eval_open and not self._eval_end:
                     # training work after an open span: where the span ends (a forward that closes
                     # it comes after this fetch, which is data wait), unless the span takes this
@@ -630,6 +637,7 @@ class _Methods:
         self._last_fetch_t0: int | None = None
         self._last_fetch_ns = 0
         self._iter_t0: int | None = None  # a DataLoader iterator made, its first fetch not yet ended
+        self._iter_t1: int | None = None  # ... and when its iter() returned
         self._thread = threading.get_ident()  # the training thread (see the module's docstring)
         # GradScaler: did an optimizer step run inside scaler.step()?
         self._in_scaler = 0
@@ -949,12 +957,14 @@ class _Methods:
         if self._prev_end is not None:
             self._own += ns
 
-    def iterator_made(self, t0: int) -> None:
-        """A DataLoader iterator was made (``iter(loader)``, started at ``t0``; its workers start
-        there): an eval span that its first fetch opens or joins starts at ``t0``, if no training
-        work ran in between (``data_end``). Another thread's iterator is none of the tracker's."""
+    def iterator_made(self, t0: int, t1: int | None = None) -> None:
+        """A DataLoader iterator was made (``iter(loader)``, from ``t0`` to ``t1``; its workers
+        start there): an eval span that its first fetch opens or joins starts at ``t0``, and a
+        training fetch's wait counts ``t1 - t0`` too, if no training work ran in between
+        (``data_end``). Another thread's iterator is none of the tracker's."""
         if self.enabled and threading.get_ident() == self._thread:
             self._iter_t0 = t0
+            self._iter_t1 = t1
 
     def set_step(self, n: int) -> None:
         """The next step is numbered ``n``. With a step's end pending (``set_step`` right after
