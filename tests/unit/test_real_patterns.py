@@ -1279,6 +1279,73 @@ def test_an_evaluation_loop_of_many_no_grad_calls_stays_evaluation(sw):
     assert recs[2].forward_s < 0.020, [r.forward_s for r in recs]
 
 
+class _Jitter(nn.Module):
+    """A per-image augmentation (kornia's, torchvision v2's: an nn.Module without parameters),
+    1 ms a call."""
+
+    def forward(self, img):
+        time.sleep(0.001)
+        return img + 0.01 * torch.randn_like(img)
+
+
+def test_a_per_sample_augmentation_without_grad_is_the_steps_work_not_evaluation(sw):
+    """A loop that augments each image of the fetched batch under ``torch.no_grad()`` (a module
+    without parameters, called once per sample) before the model's forward. Eight grad-disabled
+    root calls after a fetch opened an evaluation span: the fetch's wait and the augmentation
+    went to ``eval_s``, ``data_wait_s`` read 0 and ``step_s`` the model's 1 ms of a 30 ms
+    iteration. A parameterless module is a transform, never an evaluation of its own."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    aug = _Jitter()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TransformData(40), batch_size=8)  # eight 2 ms samples a fetch
+    for x, y in loader:
+        with torch.no_grad():
+            x = torch.stack([aug(xi) for xi in x])
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 5
+    _all_identity(recs)
+    for r in recs:
+        assert r.eval_s == 0, r
+        assert r.data_wait_s >= 8 * 0.002, r  # the fetch's eight transforms
+        assert r.step_s >= 8 * 0.002 + 8 * 0.001, r  # and the eight augmentations
+    assert not [r for r in mem.records if r.tail]
+
+
+def test_a_parameterless_module_inside_an_evaluation_stays_evaluation(sw):
+    """The other side: an evaluation loop (grad-disabled forwards of the model on a grad-disabled
+    fetch) that also augments its batch. The augmentation is the evaluation's: in ``eval_s``."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    aug = _Jitter()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = DataLoader(TransformData(16), batch_size=8)
+    val = DataLoader(TransformData(16), batch_size=8)
+    for _ in range(2):
+        for x, y in train:
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            for x, y in val:
+                model(torch.stack([aug(xi) for xi in x]))
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    _all_identity(recs)
+    tail = [r for r in mem.records if r.tail]
+    evals = [r.eval_s for r in recs if r.eval_s > 0] + [r.eval_s for r in tail]
+    assert len(evals) == 2, (recs, tail)
+    assert all(e >= 2 * (8 * 0.002 + 8 * 0.001) for e in evals), evals  # two fetches, 16 augmentations
+
+
 def test_the_no_grad_call_limit_is_the_same_in_both_cores():
     from stepwatch.hooks import _ctracker, phases
 

@@ -1480,17 +1480,15 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
             }
         }
     }
-    PyObject *grad = PyObject_CallNoArgs(self->grad_enabled);
-    if (grad == NULL) return NULL;
-    if (grad == Py_True && self->follows == Py_True) {
-        /* A root without parameters (a loss module) is the open eval span's (install.py's
-           _PyRootCallCore says why). */
+    PyObject *grad;
+    if (self->follows == Py_True) {
+        /* A root without parameters (a loss module, an augmentation), grad or not, is the open
+           eval span's, else the step's work (install.py's _PyRootCallCore says why). */
         int open = TR_TRUTH(core, tr, _eval_open, s_eval_open);
-        if (open < 0) {
-            Py_DECREF(grad);
-            return NULL;
-        }
-        if (open) Py_SETREF(grad, Py_NewRef(Py_False));
+        if (open < 0) return NULL;
+        grad = Py_NewRef(open ? Py_False : Py_True);
+    } else if ((grad = PyObject_CallNoArgs(self->grad_enabled)) == NULL) {
+        return NULL;
     } else if (grad == Py_True) {
         /* A root in eval mode (model.eval()) is evaluation with grad enabled too: a validation
            loop without torch.no_grad() (install.py's _PyRootCallCore says why). */

@@ -1084,11 +1084,15 @@ class _PyRootCallCore:
             # A root in eval mode (model.eval()) is evaluation with grad enabled too: a validation
             # loop without torch.no_grad(). Training with the model in eval mode is still forward
             # time: the step's few calls before its backward are its own (_close_eval_for_work).
-            # A root without parameters (a loss module, never put in eval mode) follows: inside
-            # an open eval span it is the span's, else training.
-            grad = self.grad_enabled()
-            if grad:
-                grad = not tr._eval_open if self.follows else getattr(mod, "training", True) is not False
+            # A root without parameters (a loss module, never put in eval mode; an augmentation,
+            # often under torch.no_grad()) follows, grad or not: inside an open eval span it is
+            # the span's, else the step's work. Per-sample augmentations under no_grad made more
+            # grad-disabled calls than a step's own (IN_STEP_NO_GRAD_CALLS): an evaluation span
+            # took the fetch and the augmentation out of the step.
+            if self.follows:
+                grad = not tr._eval_open
+            else:
+                grad = self.grad_enabled() and getattr(mod, "training", True) is not False
             tr.forward_begin(grad)
             try:
                 return inner(*args, **kwargs)
