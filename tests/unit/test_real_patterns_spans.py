@@ -336,6 +336,88 @@ def test_torch_distributed_checkpoint_imported_at_the_first_save_is_a_checkpoint
     _run_expecting(script, "RESULT True True")
 
 
+def test_waiting_for_an_async_checkpoint_is_checkpoint_time(sw, tmp_path):
+    """torchtitan's pattern: ``dcp.async_save`` returns a future, and the loop waits on it with
+    ``future.result()`` before its next save and once more at the end. That wait is what the
+    checkpoint costs the training thread: it was the step's ``other_s`` (a slow step), and the
+    last one, after the last step, was in no record. Both are ``checkpoint_s`` now; a wait on a
+    save that had already finished is nothing. (A writer that takes 0.3 s makes the waits real.)"""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    class SlowWriter(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            time.sleep(0.3)
+            return super().write_data(plan, planner)
+
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    fut, waits = None, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+        for i in range(6):
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i in (1, 3):
+                if fut is not None:
+                    fut.result()  # the save of step 1 is done by now: no wait
+                fut = dcp.async_save({"m": m.state_dict()}, storage_writer=SlowWriter(str(tmp_path / f"ck{i}")))
+            if i in (2, 4):
+                t = time.perf_counter()
+                fut.result()
+                waits[i] = time.perf_counter() - t
+        t = time.perf_counter()
+        fut.result()  # after the last step: done already, nothing
+        waits["end"] = time.perf_counter() - t
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6
+    assert all(_identity_holds(r) for r in recs), recs
+    for i in (2, 4):  # after step i's optimizer: step i + 1's record, as a save there is
+        assert waits[i] > 0.1, waits  # the writer's 0.3 s, less the step since the save
+        assert recs[i + 1].checkpoint_s >= 0.9 * waits[i], (i, recs[i + 1], waits)
+        assert recs[i + 1].other_s < waits[i] / 2, (i, recs[i + 1], waits)
+    assert [r for r in mem.records if r.tail] == []  # the last, finished save's result: nothing
+
+
+def test_the_wait_for_an_async_checkpoint_after_the_last_step_is_in_the_tail_record(sw, tmp_path):
+    """The last ``future.result()`` after the loop waits for the run's last save: the tail record's
+    ``checkpoint_s``, so the run's totals count it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    class SlowWriter(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            time.sleep(0.3)
+            return super().write_data(plan, planner)
+
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(3):
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        fut = dcp.async_save({"m": m.state_dict()}, storage_writer=SlowWriter(str(tmp_path / "ck")))
+        t = time.perf_counter()
+        fut.result()
+        wait = time.perf_counter() - t
+    stepwatch.shutdown()
+    tail = [r for r in mem.records if r.tail]
+    assert wait > 0.1 and len(tail) == 1, (wait, mem.records)
+    assert tail[0].checkpoint_s >= 0.9 * wait, (tail, wait)
+
+
 def _run_expecting(script, line):
     """Run ``script`` in a fresh interpreter (the imports it makes are its first) with this
     checkout's stepwatch; it must exit 0 and print ``line``."""

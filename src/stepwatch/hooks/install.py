@@ -354,11 +354,12 @@ class Instrumentation:
         setattr(obj, name, new)
 
     def _checkpoint_wrapper(self, orig: Callable[..., Any], *, file_arg: int | None = None, file_kw: str = "f",
-                            inner_bytes: bool = False) -> Callable[..., Any]:
+                            inner_bytes: bool = False, futures: bool = False) -> Callable[..., Any]:
         """Time a save. Its bytes: for a save to a file (``torch.save``, safetensors' ``save_file``:
         the argument ``file_arg``, or ``file_kw``), the file's size or the file object's advance;
         for one that writes through such saves (``inner_bytes``: ``save_pretrained``), the sum of
-        theirs; else unknown (``torch.distributed.checkpoint``)."""
+        theirs; else unknown (``torch.distributed.checkpoint``). ``futures``: the save returns
+        futures (``async_save``) whose waits are checkpoint time too (:class:`_TimedWait`)."""
         tr = self.tracker
         import torch
 
@@ -388,6 +389,8 @@ class Instrumentation:
             try:
                 out = orig(*args, **kwargs)
                 saved = True
+                if futures:
+                    _time_waits(out, tr)
                 return out
             finally:
                 if summing:
@@ -442,7 +445,7 @@ class Instrumentation:
         for name in ("save", "async_save", "save_state_dict"):
             fn = getattr(dcp, name, None)
             if callable(fn):
-                self._patch(dcp, name, self._checkpoint_wrapper(fn))
+                self._patch(dcp, name, self._checkpoint_wrapper(fn, futures=name == "async_save"))
 
     def _patch_safetensors(self) -> None:
         """safetensors' ``save_file`` and ``save_model`` (Hugging Face's weights format: what
@@ -1002,6 +1005,42 @@ class _DataNext(_DataNextBase, _DataNextCore):  # type: ignore[misc,valid-type]
 
 class _PyDataNext(_DataNextBase, _PyDataNextCore):
     """The wrapped ``__next__`` in Python whatever was built (tests run both)."""
+
+
+class _TimedWait:
+    """``result`` of an async checkpoint's future (``dcp.async_save``'s, or its
+    ``AsyncSaveResponse``'s two): waiting on the training thread for a save still running is what
+    the checkpoint costs the step (torchtitan waits before its next save and once at the end),
+    ``checkpoint_s``; it was the step's ``other_s``, and the last one in no record. A finished
+    save's result, or a wait on another thread, is only the result. The future weakly: it holds
+    this in its ``__dict__``."""
+
+    __slots__ = ("fut", "tr")
+
+    def __init__(self, fut: Any, tr: StepTracker) -> None:
+        self.fut = weakref.ref(fut)
+        self.tr = tr
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fut = self.fut()
+        result = type(fut).result
+        tr = self.tr
+        if fut.done() or _get_ident() != tr._thread:
+            return result(fut, *args, **kwargs)
+        t0 = tr.checkpoint_begin()
+        try:
+            return result(fut, *args, **kwargs)
+        finally:
+            tr.checkpoint_end(t0, None)  # what the save wrote is unknown, as for the save itself
+
+
+def _time_waits(out: Any, tr: StepTracker) -> None:
+    """Time the waits on what an async save returned (:class:`_TimedWait`); anything else as it is."""
+    from concurrent.futures import Future
+
+    for fut in (out, getattr(out, "staging_completion", None), getattr(out, "upload_completion", None)):
+        if isinstance(fut, Future) and "result" not in fut.__dict__:
+            fut.result = _TimedWait(fut, tr)
 
 
 class _PyOptPreCore:
