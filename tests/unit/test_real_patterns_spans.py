@@ -418,6 +418,43 @@ def test_the_wait_for_an_async_checkpoint_after_the_last_step_is_in_the_tail_rec
     assert tail[0].checkpoint_s >= 0.9 * wait, (tail, wait)
 
 
+def test_zeros_consolidation_is_communication_not_a_checkpoint(sw):
+    """``ZeroRedundancyOptimizer.consolidate_state_dict(to=0)`` is a collective: each rank but the
+    receiver ``torch.save``s its shard into a ``BytesIO`` and broadcasts it (torch's
+    ``_broadcast_object``, called here as it calls it, on a one-rank group). It was a checkpoint
+    on the sending ranks only: a tail record of a few kB "at 0.002 GB/s" on rank 1 and none on
+    rank 0, so the ranks' record counts differed. A save that torch.distributed makes to
+    communicate is no checkpoint; a user's own save to a BytesIO still is (uploaded elsewhere)."""
+    import io
+
+    import torch.distributed as dist
+    from torch.distributed.optim.zero_redundancy_optimizer import _broadcast_object
+
+    stepwatch, mem, start = sw
+    start()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        m = _big_model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        x, y = torch.randn(4, 16), torch.randn(4, 4)
+        for i in range(3):
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                _broadcast_object(opt.state_dict(), src_rank=0, group=dist.group.WORLD, device=torch.device("cpu"))
+        _broadcast_object(opt.state_dict(), src_rank=0, group=dist.group.WORLD, device=torch.device("cpu"))
+        buf = io.BytesIO()
+        torch.save(m.state_dict(), buf)  # the user's own in-memory checkpoint: still one
+    finally:
+        dist.destroy_process_group()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    tail = [r for r in mem.records if r.tail]
+    assert len(recs) == 3 and all(r.checkpoint_s == 0 and r.checkpoint_bytes is None for r in recs), recs
+    assert len(tail) == 1 and tail[0].checkpoint_bytes == buf.tell(), tail
+
+
 def _run_expecting(script, line):
     """Run ``script`` in a fresh interpreter (the imports it makes are its first) with this
     checkout's stepwatch; it must exit 0 and print ``line``."""

@@ -376,6 +376,11 @@ class Instrumentation:
                 # A storage's own __reduce__: pickling a tensor (pickle.dumps, all_gather_object)
                 # saves each storage into a BytesIO. No checkpoint; torch.save(model) never does it.
                 return orig(*args, **kwargs)
+            if _communicates(sys._getframe(1)):
+                # torch.distributed's own save to send an object (ZeroRedundancyOptimizer's
+                # consolidate_state_dict): communication on the sending ranks only, no checkpoint
+                # (it made a tail record on rank 1 and none on rank 0).
+                return orig(*args, **kwargs)
             t0 = tr.checkpoint_begin()
             sums = self._save_sums  # an open save that sums its saves' bytes, when this is inside it
             f = None
@@ -1005,6 +1010,13 @@ class _DataNext(_DataNextBase, _DataNextCore):  # type: ignore[misc,valid-type]
 
 class _PyDataNext(_DataNextBase, _PyDataNextCore):
     """The wrapped ``__next__`` in Python whatever was built (tests run both)."""
+
+
+def _communicates(frame: Any) -> bool:
+    """A save called by torch.distributed itself, not by its checkpoint package: an object it
+    serializes to send (``zero_redundancy_optimizer._broadcast_object``)."""
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return name.startswith("torch.distributed.") and not name.startswith("torch.distributed.checkpoint")
 
 
 class _TimedWait:
