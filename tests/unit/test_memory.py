@@ -17,6 +17,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -314,6 +315,128 @@ def test_requested_size_parsed_from_cuda_and_cpu_messages():
     import torch
 
     assert is_oom(torch.OutOfMemoryError("x")) and is_oom(MemoryError()) and not is_oom(RuntimeError("x"))
+
+
+def test_torchs_cpu_allocator_and_a_dataloader_workers_oom_are_ooms():
+    """On CPU torch's allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't allocate
+    memory"), and a DataLoader worker's MemoryError (numpy's "Unable to allocate", whose type
+    torch cannot rebuild) reaches the trainer as a RuntimeError "Caught MemoryError in DataLoader
+    worker process 0". Neither was recorded. Both are real exceptions here, not made up."""
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader
+
+    class Huge:
+        def __init__(self, make):
+            self.make = make
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return self.make()
+
+    caught = []
+    for make in (lambda: torch.empty(1 << 50), lambda: np.empty(1 << 50)):
+        try:
+            make()
+        except Exception as e:  # noqa: BLE001
+            caught.append(e)
+        try:
+            next(iter(DataLoader(Huge(make), num_workers=1)))
+        except Exception as e:  # noqa: BLE001
+            caught.append(e)
+    assert len(caught) == 4 and type(caught[0]) is RuntimeError and type(caught[1]) is RuntimeError, caught
+    assert all(is_oom(e) for e in caught), [(type(e), str(e)[:80]) for e in caught]
+    assert requested_bytes(str(caught[0])) == 4 << 50  # float32: 4 bytes an element
+    assert requested_bytes(str(caught[2])) == 8 << 50  # numpy's float64: "Unable to allocate 8.00 PiB"
+    assert not is_oom(RuntimeError("Caught ValueError in DataLoader worker process 0."))
+    assert not is_oom(RuntimeError("shape mismatch: can't allocate memory for nothing"))
+
+
+def test_a_cpu_oom_in_the_forward_is_written_down_with_a_cpu_action(sw, tmp_path):
+    """A real CPU allocation failure in the forward: an oom finding with its phase, step and the
+    requested size, and an action for a CPU job: no CUDA file or setting it does not have."""
+    import torch
+
+    stepwatch, mem, start = sw
+
+    class Greedy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, too_big):
+            if too_big:
+                torch.empty(1 << 50)
+            return self.lin(x)
+
+    start()
+    m = Greedy()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
+        for i in range(5):
+            m(torch.ones(2, 4), i == 3).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    stepwatch.shutdown()
+    ooms = [f for f in mem.findings if f.kind == "oom"]
+    assert len(ooms) == 1, [f.kind for f in mem.findings]
+    f = ooms[0]
+    assert f.step == 3 and f.data["phase"] == "forward" and f.data["requested_bytes"] == 4 << 50, f
+    report = json.loads((tmp_path / "run" / "oom-1" / "report.json").read_text())
+    assert report["files"] == ["records.jsonl", "report.json"]
+    for word in ("memory_summary", "memory_snapshot", "PYTORCH_CUDA_ALLOC_CONF"):
+        assert word not in f.action and word not in f.diagnosis, (word, f.action, f.diagnosis)
+    assert "report.json" in f.action and "records.jsonl" in f.action and "memray" in f.action, f.action
+
+
+def test_a_leak_whose_rss_pauses_is_named_once_in_twenty_windows():
+    """RSS of a steady leak pauses for a while when malloc reuses freed memory: a check that saw no
+    growth there reset the repeat limit, and the same leak was named again 300 steps later (the
+    docs: at most every 20 windows, 4,000 steps). Only a series that stopped rising is judged anew."""
+    det = MemoryGrowthDetector(200, 16 * MiB)
+    found, v = [], 2 * G
+    for i in range(3000):
+        if i % 160 < 110:  # rises 0.4 MiB a step for 110 steps, then 50 flat ones
+            v += int(0.4 * MiB)
+        found += det.observe(StepRecord(step=i, rank=0, time=float(i), step_s=0.01, host_rss_bytes=v))
+    assert len(found) == 1, [f.step for f in found]
+
+
+def test_a_leak_that_stopped_and_came_back_is_named_again():
+    """The other side: a series flat for a whole window has stopped; a leak after it is news."""
+    det = MemoryGrowthDetector(200, 16 * MiB)
+    found, v = [], 2 * G
+    for i in range(1500):
+        if i < 400 or i >= 900:
+            v += int(0.4 * MiB)
+        found += det.observe(StepRecord(step=i, rank=0, time=float(i), step_s=0.01, host_rss_bytes=v))
+    assert len(found) == 2 and found[0].step < 400 and found[1].step > 900, [f.step for f in found]
+
+
+def test_a_cpu_jobs_peak_never_falls(sw):
+    """On CPU ``mem_peak_bytes`` is the process's high-water mark: it never falls from one record to
+    the next. It did, by up to 0.4 MiB, in a steady loop: a record's RSS read (every 10th step)
+    came in above the cached ``ru_maxrss``, and the next ``ru_maxrss`` read replaced it."""
+    import torch
+
+    stepwatch, mem, start = sw
+    start(training_metrics=False, comm=False, gpu_telemetry=False)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                            torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    for i in range(300):
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    peaks = [r.mem_peak_bytes for r in mem.records]
+    assert all(p is not None for p in peaks) and len(peaks) == 300
+    falls = [(i, a - b) for i, (a, b) in enumerate(zip(peaks, peaks[1:])) if b < a]
+    assert not falls, falls[:5]
 
 
 def test_host_readers_current_rss_and_own_smaps():

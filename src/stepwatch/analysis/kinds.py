@@ -410,9 +410,9 @@ KINDS: dict[str, Kind] = {
         Kind(
             "oom",
             "critical",
-            "The job ran out of memory (torch.OutOfMemoryError or MemoryError) in the phase and step "
-            "named; oom-<n>/ holds the last records, the allocator's statistics and summary, and a "
-            "snapshot for PyTorch's memory visualizer.",
+            "The job ran out of memory (torch.OutOfMemoryError, MemoryError, or torch's CPU allocator's "
+            "RuntimeError) in the phase and step named; oom-<n>/ holds the last records and, where CUDA "
+            "is in use, the allocator's statistics and summary and a snapshot for PyTorch's memory visualizer.",
             "Read oom-<n>/report.json (requested size, allocated/reserved/free) and memory_summary.txt; "
             "open memory_snapshot.pickle in https://pytorch.org/memory_viz. Then reduce the micro-batch, "
             "checkpoint activations, offload or shard optimizer state, or set "

@@ -180,7 +180,9 @@ class MemoryFeature:
         if rec.mem_peak_bytes is None and self.probe.device is None:
             if now >= self._next_rusage:
                 self._next_rusage = now + 0.05
-                self._peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+                # never below a record's RSS already taken as the mark (ru_maxrss comes in under a
+                # statm read by up to 0.4 MiB: the peak fell from one record to the next)
+                self._peak_rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, self._peak_rss or 0)
             # a high-water mark is at least the record's own RSS (read on the training thread,
             # after the cached maximum: peak below rss in 28 of 60 reads, by up to 0.24 MiB)
             if rec.host_rss_bytes is not None and rec.host_rss_bytes > self._peak_rss:

@@ -131,7 +131,11 @@ class MemoryGrowthDetector:
             self._next_eval[series] = rec.step + max(self.window // 8, 1)
             rate = growth_of(list(pts), self.min_rise)
             if rate is None:
-                self._fired_at.pop(series, None)
+                # Judged anew only once the series stopped rising over a whole window: a steady
+                # leak's RSS pauses while malloc reuses freed memory, and a check in the pause
+                # must not make the same leak news again 300 steps later.
+                if _fit(list(pts))[0] * (pts[-1][0] - pts[0][0]) < self.min_rise:
+                    self._fired_at.pop(series, None)
                 continue
             last = self._fired_at.get(series)
             if last is not None and rec.step - last < self.repeat_windows * self.window:

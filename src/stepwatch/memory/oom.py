@@ -28,11 +28,18 @@ from ..record import Finding
 # Most oom-<n>/ directories one rank writes (a loop that catches OOMs and retries must not fill the disk).
 MAX_DUMPS = 5
 
-_UNITS = {"b": 1, "bytes": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40}
+_UNITS = {"b": 1, "bytes": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "pib": 1 << 50,
+          "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40, "pb": 1 << 50}
 # CUDA: "Tried to allocate 20.00 MiB" (c10/cuda/CUDACachingAllocator.cpp); CPU:
-# "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8000000000000 bytes".
-_REQ = re.compile(r"tried to allocate\s+([0-9][0-9.,]*)\s*([KMGT]i?B|bytes|B)\b", re.IGNORECASE)
+# "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8000000000000 bytes"; numpy:
+# "Unable to allocate 6.00 GiB for an array with shape ...".
+_REQ = re.compile(r"(?:tried|unable) to allocate\s+([0-9][0-9.,]*)\s*([KMGTP]i?B|bytes|B)\b", re.IGNORECASE)
+# torch's own CPU out-of-memory is a plain RuntimeError (c10's alloc_cpu.cpp: "can't allocate
+# memory", "not enough memory"), and a DataLoader worker's MemoryError whose type cannot be rebuilt
+# from its message (numpy's) reaches the trainer as one: torch's ExceptionWrapper writes
+# "Caught MemoryError in DataLoader worker process 0". Their messages are torch's own.
+_CPU_OOM = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
+                      r"|\ACaught \w*(?:MemoryError|OutOfMemoryError) in DataLoader worker process")
 
 
 def requested_bytes(message: str) -> int | None:
@@ -50,7 +57,14 @@ def is_oom(exc: BaseException) -> bool:
         return True
     torch = sys.modules.get("torch")
     cls = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    return cls is not None and isinstance(exc, cls)
+    if cls is not None and isinstance(exc, cls):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    try:
+        return _CPU_OOM.search(str(exc)) is not None
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails is not ours to judge
+        return False
 
 
 def _free_dir(run_dir: str) -> tuple[str, int]:
@@ -158,12 +172,23 @@ class OomForensics:
             data={k: report.get(k) for k in ("phase", "exception", "message", "requested_bytes", "cuda", "host")}
             | {"dir": where},
         )
+        if "cuda" not in report:
+            finding.action = CPU_ACTION
         if where is not None:
             try:
                 write_json_private(os.path.join(where, "report.json"), report | {"finding": finding.to_dict()})
             except OSError:
                 pass
         return finding
+
+
+# The ``oom`` action where no CUDA device is in use: the host's files and tools (the catalogue's
+# action reads the CUDA allocator's summary and snapshot, which a CPU job has not).
+CPU_ACTION = ("Read oom-<n>/report.json (requested size; the trainer's RSS, the DataLoader workers' memory "
+              "and the host limit) and records.jsonl (host_rss_bytes and workers_pss_bytes step by step: a "
+              "steady rise is a leak, see memory_growth). Then reduce the batch, load fewer samples at once "
+              "(fewer DataLoader workers, a smaller prefetch_factor), or find what is kept with memray run "
+              "--native train.py.")
 
 
 def _human(n: int) -> str:
