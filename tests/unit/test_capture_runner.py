@@ -179,3 +179,15 @@ def test_run_delivers_group_signals_once_and_passes_sigterm_on(tmp_path):
     p = start()
     os.kill(p.pid, signal.SIGTERM)  # the runner alone
     assert p.wait(timeout=30) == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "abc"])
+def test_a_dump_timeout_that_is_no_time_is_refused_naming_the_option(capsys, value):
+    """``--timeout inf`` was a Python traceback (``subprocess.run(timeout=inf)``); ``nan`` a line that
+    named no option; ``0`` and ``-1`` were taken (a dump that failed at once, or a silent fallback
+    to SIGUSR1)."""
+    with pytest.raises(SystemExit) as e:
+        main(["dump", "--timeout", value, str(os.getpid())])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--timeout" in err and "Traceback" not in err, err

@@ -106,6 +106,16 @@ def test_storage_measure_small(tmp_path):
         measure(str(tmp_path), size_bytes=1 << 20, block_bytes=1 << 20, jobs=0)
 
 
+def test_a_storage_test_that_wrote_nothing_grades_nothing(tmp_path):
+    """``--storage-seconds 1e-6 --storage-jobs 16``: nothing was written in the time, and the
+    verdict was "0.00 GB/s -> degraded" with "check the filesystem". Nothing measured is unknown."""
+    r = measure(str(tmp_path), size_bytes=16 << 20, block_bytes=1 << 20, max_seconds=1e-9, jobs=16)
+    if r.write_bytes:  # a stream that got its first block in: a measurement after all
+        pytest.skip(f"wrote {r.write_bytes} bytes within 1 ns")
+    d = r.to_dict()
+    assert d["write_gbps"] is None and d["verdict"] == "unknown", d
+
+
 @pytest.mark.parametrize("sig, rc", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)])
 def test_doctor_storage_stopped_by_a_signal_removes_its_files(tmp_path, sig, rc):
     """The real command, signalled while its storage test writes: its files are removed, one line

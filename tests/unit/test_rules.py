@@ -117,6 +117,33 @@ def test_rules_cli_bad_input_names_the_argument(capsys):
     assert "--ttft-p99-slo" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["inf", "1e400", "nan", "0"])
+def test_an_slo_that_can_never_be_crossed_is_refused(capsys, value):
+    """``--ttft-p99-slo inf`` wrote ``... > inf``: an alert that can never fire (its own promtool
+    test failed). Every SLO is a finite number above 0."""
+    with pytest.raises(SystemExit):
+        main(["rules", "--ttft-p99-slo", value])
+    err = capsys.readouterr().err
+    assert "--ttft-p99-slo" in err and "finite number > 0" in err, err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--uid", "my dash/board"], "--uid"),
+    (["--uid", "x" * 41], "--uid"),
+    (["--uid", ""], "--uid"),
+    (["--title", ""], "--title"),
+    (["--title", "   "], "--title"),
+])
+def test_a_dashboard_grafana_would_refuse_is_not_written(tmp_path, capsys, args, says):
+    """Grafana takes a uid of at most 40 characters of letters, digits, '-' and '_', and a title
+    that is not empty: either written as given made a file Grafana refused, exit 0."""
+    out = tmp_path / "d.json"
+    with pytest.raises(SystemExit) as e:
+        main(["dashboard", "-o", str(out), *args])
+    assert e.value.code == 2 and not out.exists()
+    assert says in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("cmd", ["rules", "dashboard"])
 def test_an_output_that_cannot_be_written_is_one_line_naming_it(tmp_path, capsys, cmd):
     """``-o`` a directory (or below a file) raised IsADirectoryError's traceback."""

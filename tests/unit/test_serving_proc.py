@@ -205,7 +205,7 @@ def test_cli_rejects_bad_arguments(capsys):
 @pytest.mark.parametrize("opt, value, says", [
     ("--prometheus-port", "99999", "expected a TCP port 1-65535, got '99999'"),
     ("--prometheus-port", "0", "expected a TCP port 1-65535, got '0'"),
-    ("--stall-timeout", "x", "expected a number > 0, got 'x'"),
+    ("--stall-timeout", "x", "expected a finite number > 0, got 'x'"),
     ("--max-num-seqs", "0", "expected an integer > 0, got '0'"),
     ("--kv-threshold", "2", "expected a number within (0, 1], got '2'"),
     ("--windows", "a", "expected seconds like 60,300, got 'a'"),

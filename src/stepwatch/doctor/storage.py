@@ -48,11 +48,12 @@ class StorageResult:
 
     @property
     def write_gbps(self) -> float | None:
-        return self.write_bytes / self.write_s / 1e9 if self.write_s > 0 else None
+        # nothing written in the time (a tiny --storage-seconds) is no measurement, not 0 GB/s
+        return self.write_bytes / self.write_s / 1e9 if self.write_s > 0 and self.write_bytes else None
 
     @property
     def read_gbps(self) -> float | None:
-        return self.read_bytes / self.read_s / 1e9 if self.read_s > 0 else None
+        return self.read_bytes / self.read_s / 1e9 if self.read_s > 0 and self.read_bytes else None
 
     def to_dict(self) -> dict:
         return {"path": self.path, "direct_io": self.direct, "jobs": self.jobs, "block_bytes": self.block_bytes,

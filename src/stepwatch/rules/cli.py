@@ -8,15 +8,7 @@ import os
 import sys
 from typing import Any
 
-
-def _positive(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {s!r}")
-    return v
+from .._argtypes import grafana_uid, non_empty, positive
 
 
 def register(sub: Any) -> None:
@@ -28,14 +20,15 @@ def register(sub: Any) -> None:
     )
     p.add_argument("-o", "--output", default="-", help="rules file, its missing folders made (default: stdout)")
     p.add_argument("--tests", metavar="FILE", help="also write a promtool test file for the rules (needs -o FILE)")
-    p.add_argument("--ttft-p99-slo", type=_positive, default=2.0, metavar="S", help="TTFT P99 SLO in seconds (default 2)")
-    p.add_argument("--itl-p99-slo", type=_positive, default=0.1, metavar="S", help="inter-token latency P99 SLO in seconds (default 0.1)")
+    p.add_argument("--ttft-p99-slo", type=positive(), default=2.0, metavar="S", help="TTFT P99 SLO in seconds (default 2)")
+    p.add_argument("--itl-p99-slo", type=positive(), default=0.1, metavar="S", help="inter-token latency P99 SLO in seconds (default 0.1)")
     p.set_defaults(func=_rules)
 
     d = sub.add_parser("dashboard", help="write a Grafana dashboard JSON", description="Write a Grafana dashboard for stepwatch's metrics.")
     d.add_argument("-o", "--output", default="-", help="dashboard file, its missing folders made (default: stdout)")
-    d.add_argument("--title", default="stepwatch")
-    d.add_argument("--uid", default="stepwatch")
+    d.add_argument("--title", type=non_empty, default="stepwatch", help="dashboard title (default stepwatch)")
+    d.add_argument("--uid", type=grafana_uid, default="stepwatch",
+                   help="dashboard uid: 1-40 letters, digits, '-' or '_' (default stepwatch)")
     d.set_defaults(func=_dashboard)
 
 

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from .. import _env
+from .._argtypes import positive
 from .._files import make_private_dir, private_run_dir
 
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
@@ -60,7 +61,7 @@ def register(subparsers: Any) -> None:
     )
     d.add_argument("target", metavar="RUN_DIR|PID")
     d.add_argument("--native", action="store_true", help="include native frames (slower)")
-    d.add_argument("--timeout", type=float, default=10.0, help="seconds per py-spy dump (default 10)")
+    d.add_argument("--timeout", type=positive(), default=10.0, help="seconds per py-spy dump (default 10)")
     d.set_defaults(func=dump_main)
 
 

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any
 
+from .._argtypes import positive
 from .._files import private_run_dir
 
 # The exit status of an attached watch whose --pid exited: neither 0 (stopped by SIGINT/SIGTERM),
@@ -37,26 +38,8 @@ EXIT_SERVER_GONE = 3
 GONE_JOIN_S = 1.0
 
 
-# argparse's message already names the option ("argument --grace: ..."): these say what is valid.
-
-
-def _positive(kind: type):
-    """An int > 0, or a finite float > 0 (``inf`` as --interval killed the watcher thread:
-    no wait is that long; ``nan`` compares false with everything)."""
-    what = "an integer" if kind is int else "a number"
-
-    def parse(s: str) -> Any:
-        try:
-            v = kind(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what} > 0, got {s!r}") from None
-        if kind is float and not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s!r}")
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"expected {what} > 0, got {s!r}")
-        return v
-
-    return parse
+# argparse's message already names the option ("argument --grace: ..."): these say what is valid
+# (stepwatch/_argtypes.py holds the ones other commands use too).
 
 
 def _seconds_or_zero(s: str) -> float:
@@ -125,26 +108,26 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--run-dir", metavar="D", help="where findings and stall dumps go (default ./stepwatch-runs/serve-<time>)")
-    p.add_argument("--stall-timeout", type=_positive(float), default=60.0, metavar="S",
+    p.add_argument("--stall-timeout", type=positive(float), default=60.0, metavar="S",
                    help="seconds without token progress, with requests in flight, that make a stall (default 60)")
-    p.add_argument("--interval", type=_positive(float), default=2.0, metavar="S",
+    p.add_argument("--interval", type=positive(float), default=2.0, metavar="S",
                    help="seconds between scrapes (default 2)")
     p.add_argument("--attach", action="append", type=_url, metavar="URL",
                    help="watch a running server instead of launching one (repeat for several API servers)")
-    p.add_argument("--pid", type=_positive(int), metavar="PID",
+    p.add_argument("--pid", type=positive(int), metavar="PID",
                    help="with --attach: the server's top process, for stall stacks; the watch ends (exit status 3) when it exits")
     p.add_argument("--url", action="append", type=_url, metavar="URL",
                    help="launched: scrape this URL instead of the one from the command's --host/--port (repeatable)")
-    p.add_argument("--ttft-slo", type=_positive(float), metavar="S",
+    p.add_argument("--ttft-slo", type=positive(float), metavar="S",
                    help="TTFT P99 SLO in seconds: a finding when the P99 over --slo-window exceeds it (default off)")
-    p.add_argument("--e2e-slo", type=_positive(float), metavar="S",
+    p.add_argument("--e2e-slo", type=positive(float), metavar="S",
                    help="end-to-end latency P99 SLO in seconds, over --slo-window (default off)")
-    p.add_argument("--itl-threshold", type=_positive(float), default=0.1, metavar="S",
+    p.add_argument("--itl-threshold", type=positive(float), default=0.1, metavar="S",
                    help="inter-token latency (was TPOT) P99 above which a finding fires, seconds (default 0.1, reference B.6)")
-    p.add_argument("--max-num-seqs", type=_positive(int), metavar="N",
+    p.add_argument("--max-num-seqs", type=positive(int), metavar="N",
                    help="the server's max_num_seqs, for the batch-full finding (default: read from the launched "
                         "command's --max-num-seqs; attached: off unless given)")
-    p.add_argument("--queue-threshold", type=_positive(float), default=50.0, metavar="N",
+    p.add_argument("--queue-threshold", type=positive(float), default=50.0, metavar="N",
                    help="requests waiting above which a queue_depth finding fires (default 50, reference B.6)")
     p.add_argument("--kv-threshold", type=_ratio, default=0.82, metavar="R",
                    help="KV-cache usage (0-1) for the cascade finding (default 0.82, reference B.6)")
@@ -154,14 +137,14 @@ def register(subparsers: Any) -> None:
                    help="speculative-decoding acceptance below which a finding fires (default 0.65, reference B.6)")
     p.add_argument("--error-threshold", type=_ratio, default=0.05, metavar="R",
                    help="share of failed requests that makes a serving_errors finding (default 0.05)")
-    p.add_argument("--slo-window", type=_positive(float), default=300.0, metavar="S",
+    p.add_argument("--slo-window", type=positive(float), default=300.0, metavar="S",
                    help="window of the TTFT, spec-decode and error findings, seconds (default 300, as B.7's [5m])")
     p.add_argument("--windows", type=_windows, default="60,300", metavar="S,S",
                    help="windows of the exported quantiles and rates, seconds (default 60,300)")
     p.add_argument("--prometheus-port", type=_port, metavar="PORT",
                    help="serve the stepwatch_serving_* metrics on this TCP port, 1-65535 (default off)")
     p.add_argument("--prometheus-host", default="127.0.0.1", metavar="HOST", help="(default 127.0.0.1)")
-    p.add_argument("--grace", type=_positive(float), default=20.0, metavar="S",
+    p.add_argument("--grace", type=positive(float), default=20.0, metavar="S",
                    help="seconds the server gets to stop after SIGTERM before its tree is killed (default 20)")
     p.add_argument("--no-load-tracking", action="store_true",
                    help="do not add --enable-server-load-tracking to the vLLM command")
