@@ -219,7 +219,10 @@ def write_private(path: str, text: str | bytes, *, mode: int = 0o600) -> None:
     d, base = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=d)
     try:
-        with (os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8")) as f:
+        # surrogateescape: a path read from a directory whose name is not UTF-8 is written back as
+        # the bytes it was (it was a UnicodeEncodeError: report.html of such a run dir, and no summary)
+        with (os.fdopen(fd, "wb") if isinstance(text, bytes)
+              else os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape")) as f:
             if mode != 0o600:
                 umask = os.umask(0)
                 os.umask(umask)

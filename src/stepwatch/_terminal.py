@@ -65,6 +65,18 @@ def _render_plain(tables: list[Table], out: TextIO) -> None:
         print(file=out)
 
 
+
+def printable(s: str) -> str:
+    """``s`` as any terminal can take it: a byte that is not UTF-8 in a name read from the disk (a
+    surrogate from ``os.listdir``: a run dir's path, its run id) shows as ``\\xff`` (it was a
+    UnicodeEncodeError, and no summary)."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def render(tables: list[Table], file: TextIO | None = None, width: int | None = None) -> None:
     out = file if file is not None else sys.stdout
     try:
@@ -108,11 +120,11 @@ def render(tables: list[Table], file: TextIO | None = None, width: int | None = 
             for k, r in enumerate(rows):
                 tag = t.tags[k] if k < len(t.tags) else ""
                 # Text, not str: record contents may hold brackets that rich reads as markup.
-                rt.add_row(*(Text(r[i]) for i in cols), style=_STYLES.get(tag))
+                rt.add_row(*(Text(printable(r[i])) for i in cols), style=_STYLES.get(tag))
             if rows:
                 console.print(rt)
         if not rows:
             console.print(Text(t.title, style="bold"))
         for n in t.notes:
-            console.print(Padding(Text(n, style="dim"), (0, 0, 0, 2)))
+            console.print(Padding(Text(printable(n), style="dim"), (0, 0, 0, 2)))
         console.print()

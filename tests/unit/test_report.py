@@ -922,3 +922,56 @@ def test_a_slow_first_batch_alone_marks_no_rank_for_data_wait(tmp_path):
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "Per rank" in p.stdout and "most data wait" not in p.stdout
+
+
+# --- what the CLI hunt of the thirty-second session found -------------------------------------
+
+
+def test_a_finding_about_other_ranks_is_listed_under_them(tmp_path):
+    """The straggler finding is written by rank 0 about rank 1 (``data.ranks``): the Findings
+    table's ranks column said 0, pointing on-call at the wrong rank."""
+    f = finding(0, 40, kind="straggler", summary="rank 1 computes 30 ms per step vs 12 ms")
+    f.data = {"ranks": [1], "subject": "ranks 1"}
+    make_run(tmp_path, ranks=2, n=50, findings=[f, finding(1, 45)])
+    groups = {g.kind: g for g in summarize(load_run(str(tmp_path))).findings}
+    assert groups["straggler"].ranks == [1]
+    assert groups["data_loading"].ranks == [1]  # a finding about its own rank: the rank that wrote it
+
+
+def test_a_rank_without_records_is_named_and_job_figures_say_they_miss_it(tmp_path, capsys):
+    """world_size 2 and rank 1's steps file gone (a node's disk lost, a copy that missed it): the
+    report said only "ranks with records 0", and the job's tokens/s was rank 0's alone."""
+    make_run(tmp_path, ranks=2, n=20, tokens=512)
+    (tmp_path / "steps.rank1.jsonl").unlink()
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"ranks without records\s+1 \(of world size 2\)", out), out
+    assert "count only the ranks with records" in out, out
+
+
+def test_a_relaunch_into_the_same_directory_starts_at_the_first_launch(tmp_path, capsys):
+    """Two launches one after the other into one run dir: "started" was the second launch's start,
+    while the step figures and the wall time covered both."""
+    make_run(tmp_path, ranks=1, n=10)
+    m = json.loads((tmp_path / "run.json").read_text())
+    (tmp_path / "run.json").write_text(json.dumps(m | {"start_time": 1.7e9 - 100, "end_time": 1.7e9 + 1}))
+    (tmp_path / "run.1.json").write_text(json.dumps(m | {"start_time": 1.7e9 + 50, "end_time": 1.7e9 + 60}))
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"started\s+\S+ \S+ UTC \(the first of 2 launches; the last started \S+ \S+ UTC\)", out), out
+    import time as _time
+
+    first = _time.strftime("%Y-%m-%d %H:%M:%S", _time.gmtime(1.7e9 - 100))
+    assert f"started  {first}" in out or re.search(rf"started\s+{re.escape(first)}", out), out
+
+
+def test_a_run_dir_whose_path_is_not_utf8_gets_its_summary_and_page(tmp_path, capsys):
+    """A run dir named with a byte that is not UTF-8 (a job ran into it fine): the report was a
+    traceback writing report.html, with no summary printed."""
+    d = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/bad\xffbyte"))
+    make_run(d, ranks=1, n=10)
+    assert cli(["report", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "step time" in out.lower(), out
+    page = (d / "report.html").read_bytes()
+    assert b"<html" in page.lower()

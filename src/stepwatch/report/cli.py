@@ -88,5 +88,5 @@ def run_report(args: argparse.Namespace) -> int:
               f"({html_error.strerror}); choose another place with --html PATH or skip it with --no-html",
               file=sys.stderr)
         return 1
-    print(f"HTML report: {path}")
+    print(f"HTML report: {terminal.printable(path)}")
     return 0

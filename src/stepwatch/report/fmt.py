@@ -9,6 +9,8 @@ def dur(s: float | None) -> str:
     if s is None:
         return UNKNOWN
     a = abs(s)
+    if a >= 1e7:  # past ~4 months a corrupt value, not a time: a 300-digit number broke the tables
+        return f"{s:.3g} s"
     if a >= 100:
         return f"{s:.0f} s"
     if a >= 10:

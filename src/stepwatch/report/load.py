@@ -61,6 +61,10 @@ class Run:
     # out, two jobs that wrote into one directory at once.
     notes: list[str] = field(default_factory=list)
     concurrent: bool = False  # two launches' files overlap in time: not an elastic restart
+    # Launches into this directory (run.json, run.1.json, ...) and the first one's start_time
+    # (the step figures cover every launch; the manifest read is the last one's).
+    launches: int = 1
+    first_start: float | None = None
 
     @property
     def name(self) -> str:
@@ -183,6 +187,16 @@ def _read_manifest(path: str, names: list[str]) -> tuple[dict | None, str | None
     return obj, name, None
 
 
+def _first_launch(path: str, names: list[str]) -> tuple[int, float | None]:
+    """How many launches wrote a manifest here, and the first one's ``start_time`` when several did."""
+    found = sorted((int(m.group(1) or 0), n) for n in names if (m := _MANIFEST_RE.match(n)))
+    if len(found) < 2:
+        return len(found) or 1, None
+    start = (_read_json(os.path.join(path, found[0][1])) or {}).get("start_time")
+    ok = isinstance(start, (int, float)) and not isinstance(start, bool) and math.isfinite(start) and start > 0
+    return len(found), float(start) if ok else None
+
+
 def _read_rank_info(path: str, names: list[str]) -> tuple[dict[int, dict[str, Any]], list[tuple[int, int, str | None]]]:
     """Each rank's info from its latest launch's file (the highest K), and the ranks of every
     launch that did not end with a shutdown (``Run.rank_ends``; files from before the twenty-ninth
@@ -228,6 +242,7 @@ def load_run(path: str) -> Run:
     run = Run(path=path, manifest=manifest, columns={}, findings=[], manifest_error=manifest_error,
               manifest_name=manifest_name, notes=notes)
     run.rank_info, run.rank_ends = _read_rank_info(path, names)
+    run.launches, run.first_start = _first_launch(path, names)
     # (rank, launch K) -> [first time, last time, first step, has a rotated segment]
     spans: dict[tuple[int, int], list[Any]] = {}
     attempts: dict[int, set[int]] = {}

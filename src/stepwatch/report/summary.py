@@ -282,19 +282,30 @@ def _worst(a: str, b: str) -> str:
     return a if rank.get(a, -1) >= rank.get(b, -1) else b
 
 
+def _about(f: Any) -> list[Any]:
+    """The ranks a finding is about: those it names (``data.ranks``: a straggler rank 0 found on
+    rank 1), else the rank that wrote it."""
+    named = f.data.get("ranks") if isinstance(getattr(f, "data", None), dict) else None
+    if isinstance(named, list) and named and all(type(r) is int for r in named):
+        return named
+    return [f.rank]
+
+
 def group_findings(run: Run) -> list[FindingGroup]:
     groups: dict[str, FindingGroup] = {}
     for f in run.findings:  # ordered by time: the last one seen is the latest
         g = groups.get(f.kind)
         if g is None:
             groups[f.kind] = FindingGroup(
-                f.kind, f.severity, 1, [f.rank], f.step, f.step, f.summary, f.diagnosis, f.action
+                f.kind, f.severity, 1, list(dict.fromkeys(_about(f))), f.step, f.step, f.summary, f.diagnosis,
+                f.action
             )
             continue
         g.count += 1
         g.severity = _worst(f.severity, g.severity)
-        if f.rank not in g.ranks:
-            g.ranks.append(f.rank)
+        for r in _about(f):
+            if r not in g.ranks:
+                g.ranks.append(r)
         if f.step is not None:
             g.first_step = f.step if g.first_step is None else min(g.first_step, f.step)
             g.last_step = f.step if g.last_step is None else max(g.last_step, f.step)

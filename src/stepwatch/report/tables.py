@@ -38,7 +38,12 @@ def run_info(s: Summary) -> Table:
                 rows.append(["phase clock", feats["timing_clock"]])
         start, end = m.get("start_time"), m.get("end_time")
         if _is_time(start):
-            rows.append(["started", _utc(start)])
+            first = run.first_start
+            if first is not None and first < start:  # a relaunch: the figures cover every launch
+                rows.append(["started", f"{_utc(first)} (the first of {run.launches} launches; the last started "
+                                        f"{_utc(start)})"])
+            else:
+                rows.append(["started", _utc(start)])
         if _is_time(end):
             how = m.get("ended_by")
             stopped = isinstance(how, str) and how and how != "shutdown"
@@ -46,6 +51,11 @@ def run_info(s: Summary) -> Table:
         elif "end_time" in m:
             rows.append(["ended", "no end time: still running, or it crashed"])
     rows.append(["ranks with records", ", ".join(map(str, run.ranks)) or "none"])
+    world = m.get("world_size")
+    missing = [r for r in range(world) if r not in run.columns] if type(world) is int and 0 < world <= 1 << 16 else []
+    if missing and run.columns:
+        shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+        rows.append(["ranks without records", f"{shown} (of world size {world})"])
     restarts = sorted({a for att in run.attempts.values() for a in att})
     if len(restarts) > 1:
         what = "two jobs at the same time: see below" if run.concurrent else "elastic restarts or relaunches"
@@ -60,6 +70,10 @@ def run_info(s: Summary) -> Table:
             said.append((f"attempt {a} " if several else "") + f"rank {r}: {what}")
         rows.append(["ranks that stopped", "; ".join(said)])
     t = Table("Run", ["", ""], rows)
+    if missing and run.columns:
+        t.notes.append(f"{len(missing)} of {world} ranks have no step records here (their steps files are missing "
+                       "or empty): the job's figures (tokens/s, the slowest rank's steps/s) count only the ranks "
+                       "with records.")
     if not m:
         t.notes.append(run.manifest_error or "run.json missing: versions and command unknown.")
     if isinstance(m.get("dropped_records"), int) and m["dropped_records"] > 0:
