@@ -1015,6 +1015,42 @@ def test_a_step_the_scaler_skips_is_marked_under_the_explicit_boundary_too(sw):
     _all_identity(mem.records)
 
 
+@pytest.mark.parametrize("order", ["stepped first", "skipped first"])
+def test_a_step_where_the_scaler_skipped_one_of_two_optimizers_is_not_skipped(sw, order):
+    """One GradScaler, two optimizers over two halves of a model, a NaN in one half's gradients:
+    ``scaler.step`` updates one and skips the other. The record said ``skipped`` when the skipped
+    one stepped last (half the model was updated), and not when it stepped first. ``skipped``
+    means no optimizer of the step updated; ``grad_norm`` is NaN either way."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.01), torch.optim.SGD(b.parameters(), lr=0.01)
+    bad = opt_b if order == "stepped first" else opt_a
+    scaler = torch.amp.GradScaler("cpu")
+    for i in range(5):
+        scaler.scale(b(a(torch.randn(4, 8))).pow(2).mean()).backward()
+        if i == 2:
+            for g in bad.param_groups:
+                for p in g["params"]:
+                    p.grad[0].fill_(float("nan"))
+        if i == 3:  # both skipped: the step is
+            for o in (opt_a, opt_b):
+                for g in o.param_groups:
+                    for p in g["params"]:
+                        p.grad[0].fill_(float("inf"))
+        scaler.step(opt_a)
+        scaler.step(opt_b)
+        scaler.update()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert [r.skipped for r in recs] == [False, False, False, True, False], [(r.step, r.skipped) for r in recs]
+    assert recs[2].grad_norm != recs[2].grad_norm  # NaN: a non-finite gradient all the same
+    _all_identity(recs)
+
+
 def test_a_forward_of_plain_tensor_code_gets_the_same_line(sw, caplog):
     """A hand-written model with no nn.Module (``x @ W``): nothing to hook, the same one line."""
     import logging

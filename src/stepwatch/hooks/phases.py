@@ -766,7 +766,12 @@ class _Methods:
                 self._start_work(t0)
             self._opt += t - t0
             if self.boundary != "explicit":
+                # Another optimizer of this step updated (one scaler, two optimizers, the NaN in
+                # one's gradients): the step is not skipped, half the model moved.
+                updated = self._pending_end is not None and not self._pending_skipped
                 self._pending_end = t
+                if updated:
+                    return
             self._pending_skipped = True  # explicit: the step stepwatch.step() ends is marked skipped
         except Exception as e:
             self._fail("scaler_end", e)
