@@ -975,3 +975,11 @@ def test_a_run_dir_whose_path_is_not_utf8_gets_its_summary_and_page(tmp_path, ca
     assert "step time" in out.lower(), out
     page = (d / "report.html").read_bytes()
     assert b"<html" in page.lower()
+
+
+def test_a_corrupt_huge_time_prints_short():
+    """``step_s`` 1e300 in a hand-corrupted record printed a 300-digit number and broke the tables."""
+    from stepwatch.report import fmt
+
+    assert fmt.dur(1e300) == "1e+300 s" and fmt.dur(1e30) == "1e+30 s"
+    assert fmt.dur(3600.4) == "3600 s" and fmt.dur(12.34) == "12.3 s"
