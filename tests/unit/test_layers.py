@@ -15,7 +15,7 @@ ROOT = os.path.dirname(stepwatch.__file__)
 # Lowest first. A top-level module or a folder (a package) is one unit.
 LAYERS = [
     # core: the schema, files, logging, configuration, OS and device tools
-    {"record", "_log", "_version", "_table", "_terminal", "_files", "_dist", "_env", "context", "config", "_os", "cuda_ext",
+    {"record", "_log", "_version", "_table", "_terminal", "_argtypes", "_files", "_dist", "_env", "context", "config", "_os", "cuda_ext",
      "_speedups", "_excepthook", "_imports"},
     # core: the training thread's hooks and the findings catalogue, rate limit, generic detectors
     {"hooks", "analysis"},
