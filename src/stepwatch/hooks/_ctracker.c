@@ -1821,10 +1821,45 @@ static PyObject *mod_set_clock(PyObject *m, PyObject *fn) {
 
 static PyObject *mod_untracked(PyObject *m, PyObject *obj) { return Py_NewRef(untrack(obj)); }
 
+/* instances(objects, a, b) -> (the objects whose type is a subclass of a, those of b): the module
+   discovery's pass over gc.get_objects() (install.py's _instances, line for line). A scan went
+   over every object of the heap in Python, ~170 ns each: ~60 ms for 300k objects, three times at
+   a session's start. A type's answer is kept for the objects of the same type that follow. */
+static PyObject *mod_instances(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyType_Check(args[1]) || !PyType_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "instances(objects: list, a: type, b: type)");
+        return NULL;
+    }
+    PyTypeObject *a = (PyTypeObject *)args[1], *b = (PyTypeObject *)args[2];
+    PyObject *objects = args[0], *out_a = PyList_New(0), *out_b = PyList_New(0);
+    if (out_a == NULL || out_b == NULL) goto fail;
+    PyTypeObject *last = NULL;
+    int which = 0; /* of last: 0 neither, 1 a, 2 b */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objects); i++) {
+        PyObject *o = PyList_GET_ITEM(objects, i);
+        PyTypeObject *tp = Py_TYPE(o);
+        if (tp != last) {
+            last = tp;
+            which = PyType_IsSubtype(tp, a) ? 1 : PyType_IsSubtype(tp, b) ? 2 : 0;
+        }
+        if (which && PyList_Append(which == 1 ? out_a : out_b, o) < 0) goto fail;
+    }
+    PyObject *r = PyTuple_Pack(2, out_a, out_b);
+    Py_DECREF(out_a);
+    Py_DECREF(out_b);
+    return r;
+fail:
+    Py_XDECREF(out_a);
+    Py_XDECREF(out_b);
+    return NULL;
+}
+
 static PyMethodDef mod_methods[] = {
     {"untracked", mod_untracked, METH_O,
      "untracked(obj) -> obj, no longer tracked by the cyclic GC: for a step's payload that cannot be part "
      "of a reference cycle (see \"The cyclic GC\" in hooks/_ctracker.c)."},
+    {"instances", (PyCFunction)(void (*)(void))mod_instances, METH_FASTCALL,
+     "instances(objects, a, b) -> (objects of a subclass of a, of b): the module discovery's heap pass."},
     {"_bind", mod_bind, METH_O, "_bind(RawStep): the record class _finalize builds."},
     {"_bound_directly", mod_bound_directly, METH_NOARGS, "Whether _finalize fills RawStep's slots itself."},
     {"_set_clock", mod_set_clock, METH_O, "_set_clock(fn | None): tests only; every C timestamp is fn()."},
