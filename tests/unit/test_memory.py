@@ -94,6 +94,27 @@ def _series(values, start=0):
     return [(start + i, int(v)) for i, v in enumerate(values)]
 
 
+def _Greedy(allocate):
+    """A model whose forward, asked for a batch too big, runs ``allocate`` (which fails)."""
+    import torch
+
+    class Greedy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, too_big):
+            if too_big:
+                allocate()
+            return self.lin(x)
+
+    return Greedy()
+
+
+def _raise_memory_error():
+    raise MemoryError()
+
+
 def test_each_oom_a_loop_catches_and_drops_is_written_down(sw, tmp_path):
     """A loop that catches a MemoryError in the forward, drops it and goes on (a batch too large,
     skipped): only the first was written down. The next MemoryError was made at the freed one's
@@ -103,18 +124,8 @@ def test_each_oom_a_loop_catches_and_drops_is_written_down(sw, tmp_path):
 
     stepwatch, mem, start = sw
 
-    class Greedy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 1)
-
-        def forward(self, x, too_big):
-            if too_big:
-                raise MemoryError()
-            return self.lin(x)
-
     start()
-    m = Greedy()
+    m = _Greedy(_raise_memory_error)
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     for i in range(13):
         try:
@@ -361,18 +372,8 @@ def test_a_cpu_oom_in_the_forward_is_written_down_with_a_cpu_action(sw, tmp_path
 
     stepwatch, mem, start = sw
 
-    class Greedy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 1)
-
-        def forward(self, x, too_big):
-            if too_big:
-                torch.empty(1 << 50)
-            return self.lin(x)
-
     start()
-    m = Greedy()
+    m = _Greedy(lambda: torch.empty(1 << 50))
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
         for i in range(5):

@@ -336,6 +336,18 @@ def test_torch_distributed_checkpoint_imported_at_the_first_save_is_a_checkpoint
     _run_expecting(script, "RESULT True True")
 
 
+def _slow_writer():
+    """A DCP file writer whose write takes 0.3 s: an async save still running when the loop waits."""
+    import torch.distributed.checkpoint as dcp
+
+    class SlowWriter(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            time.sleep(0.3)
+            return super().write_data(plan, planner)
+
+    return SlowWriter
+
+
 def test_waiting_for_an_async_checkpoint_is_checkpoint_time(sw, tmp_path):
     """torchtitan's pattern: ``dcp.async_save`` returns a future, and the loop waits on it with
     ``future.result()`` before its next save and once more at the end. That wait is what the
@@ -346,11 +358,7 @@ def test_waiting_for_an_async_checkpoint_is_checkpoint_time(sw, tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    class SlowWriter(dcp.FileSystemWriter):
-        def write_data(self, plan, planner):
-            time.sleep(0.3)
-            return super().write_data(plan, planner)
-
+    SlowWriter = _slow_writer()
     stepwatch, mem, start = sw
     start()
     m = _model()
@@ -392,11 +400,7 @@ def test_the_wait_for_an_async_checkpoint_after_the_last_step_is_in_the_tail_rec
 
     import torch.distributed.checkpoint as dcp
 
-    class SlowWriter(dcp.FileSystemWriter):
-        def write_data(self, plan, planner):
-            time.sleep(0.3)
-            return super().write_data(plan, planner)
-
+    SlowWriter = _slow_writer()
     stepwatch, mem, start = sw
     start()
     m = _model()
