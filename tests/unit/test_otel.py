@@ -4,7 +4,11 @@ samples are plain dicts shaped like the telemetry sampler's."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+import textwrap
 import time
 import urllib.request
 
@@ -395,6 +399,45 @@ def test_a_bad_otlp_compression_names_the_variable_not_an_internal_error(tmp_pat
     ok.shutdown()
 
 
+@pytest.mark.parametrize("env, says", [
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4317"}, True),
+    ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "collector:4317"}, True),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:4317"}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "https://collector:4317"}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4317", "OTEL_EXPORTER_OTLP_INSECURE": "true"}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4317", "OTEL_EXPORTER_OTLP_METRICS_INSECURE": "false"}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4317", "OTEL_EXPORTER_OTLP_CERTIFICATE": "/etc/ca.pem"}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, False),
+])
+def test_an_endpoint_without_a_scheme_is_said_to_mean_tls(env, says):
+    """``OTEL_EXPORTER_OTLP_ENDPOINT=localhost:4317`` (no scheme, nothing said about TLS): the SDK's
+    gRPC exporter connects with TLS, a plaintext collector refuses the handshake, and gRPC's own C
+    logging printed a handshake failure about once a second while stepwatch said only "collector
+    unreachable?". Only that case gets a line; a scheme, an explicit INSECURE or a certificate
+    is the user's choice, and HTTP has no such default."""
+    from stepwatch.exporters._otlp_env import tls_by_default
+
+    said = tls_by_default(env)
+    if says:
+        assert next(iter(env)) in said and "http://" in said and "OTEL_EXPORTER_OTLP_INSECURE=true" in said, said
+    else:
+        assert said is None
+
+
+def test_the_exporter_says_it_once_at_start(tmp_path, caplog, monkeypatch):
+    import logging
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "0.2")  # the SDK's: its last export's wait
+
+    from stepwatch.context import RunContext
+
+    ctx = RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="r", run_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        OTelExporter(ctx, environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "127.0.0.1:9"}, export_interval_ms=60_000).shutdown()
+    lines = [r.getMessage() for r in caplog.records if "TLS" in r.getMessage()]
+    assert len(lines) == 1 and "OTEL_EXPORTER_OTLP_ENDPOINT='127.0.0.1:9'" in lines[0], lines
+
+
 def test_no_otlp_without_endpoint(mem_exporter):
     e, _ = mem_exporter()
     assert e.otlp_endpoint is None and e.dropped_by() == {"unmapped": 0}
@@ -430,6 +473,43 @@ def test_docs_list_every_exported_name():
     doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "metrics.md"), encoding="utf-8").read()
     missing = [m.name for m in N.ALL if f"`{m.name}" not in doc] + [f for f in N.DCGM_FIELDS if f"`{f}`" not in doc]
     assert not missing, f"docs/metrics.md does not list: {missing}"
+
+
+def test_a_fork_after_the_first_thread_pool_does_not_hang_the_child(tmp_path):
+    """The OTel SDK's MeterProvider registers an at-fork handler that submits to a thread pool in
+    the child; ``concurrent.futures.thread`` reinitialises the lock it holds across a fork in its
+    own handler, which ran after the SDK's when the module was first imported after the exporter
+    was made (the first ThreadPoolExecutor of the job). Every fork's child then hung: a DataLoader
+    worker that never starts. A fresh interpreter, so that the module is not imported yet."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from stepwatch.context import RunContext
+        from stepwatch.exporters.otel import OTelExporter
+        assert "concurrent.futures.thread" not in sys.modules
+        e = OTelExporter(RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="r",
+                                    run_dir={str(tmp_path)!r}), environ={{}})
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            ex.submit(int)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                print("CHILD EXITED")
+                break
+            time.sleep(0.02)
+        else:
+            os.kill(pid, 9)
+            print("CHILD HUNG")
+        e.shutdown()
+    """)
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPWATCH_", "OTEL_"))}
+    env["PYTHONPATH"] = src
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert "CHILD EXITED" in p.stdout, (p.stdout, p.stderr[-2000:])
 
 
 def test_forked_child_does_not_keep_the_endpoint_socket(mem_exporter):

@@ -16,6 +16,8 @@ ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDP
 PROTOCOL_VARS = ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 # The Python SDK's default OTLP protocol is gRPC (its `otlp` exporter entry point), kept here.
 PROTOCOLS = ("grpc", "http/protobuf")
+INSECURE_VARS = ("OTEL_EXPORTER_OTLP_METRICS_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE")
+CERTIFICATE_VARS = ("OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE")
 DEFAULT_SERVICE_NAME = "stepwatch"
 
 
@@ -30,4 +32,29 @@ def otlp_endpoint(environ: Mapping[str, str]) -> str | None:
         v = environ.get(var, "").strip()
         if v:
             return v
+    return None
+
+
+def tls_by_default(environ: Mapping[str, str]) -> str | None:
+    """The line to say when the gRPC exporter will use TLS only because the endpoint has no scheme
+    (``localhost:4317``; the SDK takes TLS unless the scheme is ``http`` or INSECURE is set): a
+    plaintext collector then refuses every handshake, and gRPC's C core logs each one. None when
+    the user said what they want (a scheme, INSECURE, a certificate) or the protocol is HTTP."""
+    for var in PROTOCOL_VARS:
+        v = environ.get(var, "").strip().lower()
+        if v:
+            if v != "grpc":
+                return None
+            break
+    if any(environ.get(v, "").strip() for v in INSECURE_VARS + CERTIFICATE_VARS):
+        return None
+    for var in ENDPOINT_VARS:
+        v = environ.get(var, "").strip()
+        if v:
+            if "://" in v:
+                return None
+            return (f"stepwatch: {var}={v!r} has no scheme, so the OpenTelemetry SDK connects to it with TLS; "
+                    f"a plaintext collector refuses that (gRPC then logs a handshake failure about once a second). "
+                    f"For a plaintext collector write http://{v}, or set OTEL_EXPORTER_OTLP_INSECURE=true; for TLS, "
+                    f"https://{v}.")
     return None

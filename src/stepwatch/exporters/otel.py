@@ -43,7 +43,7 @@ log = logging.getLogger("stepwatch.exporters.otel")
 
 from ._otlp_env import (  # noqa: F401 (names this module's users read from it)
     DEFAULT_SERVICE_NAME, ENDPOINT_VARS, OTEL_METRICS_EXPORTER, OTEL_RESOURCE_ATTRIBUTES, OTEL_SDK_DISABLED,
-    OTEL_SERVICE_NAME, PROTOCOL_VARS, PROTOCOLS, otlp_endpoint,
+    OTEL_SERVICE_NAME, PROTOCOL_VARS, PROTOCOLS, otlp_endpoint, tls_by_default,
 )
 
 _EXTRA_NAME = re.compile(r"^stepwatch_[a-z0-9_]{1,120}$")
@@ -236,6 +236,9 @@ def _make_otlp_exporter(environ: Mapping[str, str]) -> MetricExporter:
                 raise ValueError(f"{var}={v!r} is not a compression the OTLP exporter knows; valid: {', '.join(COMPRESSIONS)}")
             break
     OTLPMetricExporter = importlib.import_module(OTLP_MODULES[otlp_protocol(environ)]).OTLPMetricExporter
+    tls = tls_by_default(environ)
+    if tls:
+        log.warning(tls)
     # Endpoint, headers, timeout, compression, TLS, temporality and histogram aggregation
     # (OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=base2_exponential_bucket_histogram
     # for exponential ones): the exporter reads the standard variables itself. Explicit buckets
@@ -304,6 +307,13 @@ class OTelExporter(Exporter):
                                                  prometheus_settings or PrometheusEndpoint.JOB_SETTINGS)
 
         views = [View(instrument_name=f.lower(), name=f) for f in N.DCGM_FIELDS]
+        # Before the provider registers its at-fork handler: the SDK's handler submits to a
+        # ThreadPoolExecutor in the child, and concurrent.futures.thread reinitialises its global
+        # lock (held across the fork) in a handler of its own, run after those registered before
+        # it. Imported later (the first ThreadPoolExecutor after this), every fork's child hung
+        # in the SDK's handler: a DataLoader worker that never started.
+        import concurrent.futures.thread  # noqa: F401
+
         self.provider = MeterProvider(
             metric_readers=all_readers,
             resource=build_resource(ctx, env),
