@@ -320,3 +320,41 @@ def test_work_between_iter_and_the_first_fetch_is_not_data_wait(sw, workers):
         assert r.data_wait_s < w + 0.05, (r.data_wait_s, w)  # was >= the 0.15 s of bookkeeping
         assert r.data_wait_s > w * 0.5 - 0.002, (r.data_wait_s, w)
         assert r.other_s >= 0.15 * 0.9, r
+
+
+class _SlowStart(torch.utils.data.Sampler):
+    """A sampler whose iteration takes 0.1 s to start (an index built per epoch): with workers,
+    ``iter(loader)`` prefetches and so takes that time itself."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        time.sleep(0.1)
+        return iter(range(self.n))
+
+
+def test_two_loaders_zipped_both_start_in_the_data_wait(sw):
+    """``zip(labeled, unlabeled)`` (semi-supervised, domain adaptation) makes both iterators before
+    the first fetch. Only the last ``iter()`` was kept: the labeled loader's 0.1 s start (its
+    workers, its sampler) was the step's ``other_s``. Both iterators' own times are data wait."""
+    stepwatch, mem, start = sw
+    start()
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    labeled = DataLoader(Slow(8), batch_size=2, sampler=_SlowStart(8), num_workers=2)
+    unlabeled = DataLoader(Slow(8), batch_size=2)
+    for _ in range(3):
+        for (xa, ya), (xb, yb) in zip(labeled, unlabeled):
+            nn.functional.mse_loss(m(xa), ya).backward()
+            opt.step()
+            opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 12
+    for r in (recs[4], recs[8]):  # the first steps of epochs 2 and 3
+        assert r.data_wait_s >= 0.1, r
+        assert r.other_s < 0.05, r

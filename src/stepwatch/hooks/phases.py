@@ -968,6 +968,15 @@ class _Methods:
         training fetch's wait counts ``t1 - t0`` too, if no training work ran in between
         (``data_end``). Another thread's iterator is none of the tracker's."""
         if self.enabled and threading.get_ident() == self._thread:
+            p0, p1 = self._iter_t0, self._iter_t1
+            if (p0 is not None and p1 is not None and t1 is not None and self._prev_end is not None
+                    and p0 >= self._prev_end and p0 >= self._fwd_t0 and p0 >= self._bwd_t0 and p0 >= self._opt_t0):
+                # Another iterator made since the last training work, its first fetch still to
+                # come: ``zip(labeled, unlabeled)``. Both iter() times are the first fetch's wait
+                # (the first loader's start, its workers, was other_s): from the first's start,
+                # with the second's own time added to the first's.
+                self._iter_t1 = p1 + (t1 - t0)
+                return
             self._iter_t0 = t0
             self._iter_t1 = t1
 
