@@ -388,6 +388,8 @@ class Pipeline:
             self._internal_findings = []
             if records:
                 findings.extend(self._detect(records))
+            if final:
+                findings.extend(self._finish_detectors())
             samples: list[dict[str, Any]] = []
             for f in self.features:
                 collect = getattr(f, "collect", None)
@@ -461,6 +463,20 @@ class Pipeline:
         merged = [f for mine in got for f in mine]
         merged.sort(key=_step_order)  # stable: each step's findings stay in the detectors' order
         return merged
+
+    def _finish_detectors(self) -> list[Finding]:
+        """The last pass: each detector that judges what a run left unjudged (``finish``: a run
+        shorter than one window), once."""
+        out: list[Finding] = []
+        for d in self.detectors:
+            finish = getattr(d, "finish", None)
+            if finish is None:
+                continue
+            try:
+                out.extend(finish())
+            except Exception as e:
+                self.report_error(f"detector.{type(d).__name__}", e)
+        return out
 
     def _take_enrichers(self) -> None:
         new = self._new_enrichers

@@ -2383,3 +2383,42 @@ def test_a_list_of_per_sample_tensors_counts_one_sample_per_tensor(sw, kind):
     recs = [r for r in mem.records if not r.tail]
     assert [r.samples for r in recs] == sizes
     assert [r.tokens for r in recs] == ([None] * 4 if kind == "images" else lengths)
+
+
+class _SlowLoad(Dataset):
+    """A dataset whose samples take ``ms`` each (decoding, a network file system)."""
+
+    def __init__(self, n, ms):
+        self.n, self.ms = n, ms
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.ms / 1e3)
+        return torch.randn(16), torch.randn(4)
+
+
+@pytest.mark.parametrize("slow, found", [(True, True), (False, False)], ids=["slow loader", "fast loader"])
+def test_a_run_shorter_than_one_window_is_judged_for_data_loading_at_its_end(sw, slow, found):
+    """A first try: 30 steps, each waiting 20 ms for its batch (the default window is 50 steps).
+    The run ended before a window filled, and no data_loading finding was ever raised. A run that
+    never filled a window is judged at its end on its steps after the first (step 0 waits for the
+    workers to start, in any run); the same run with a fast loader has none."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    loader = DataLoader(_SlowLoad(60, 10 if slow else 0), batch_size=2)
+    for x, y in loader:
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    got = [f for f in mem.findings if f.kind == "data_loading"]
+    assert len([r for r in mem.records if not r.tail]) == 30
+    if found:
+        assert len(got) == 1 and got[0].data["first_step"] == 1 and got[0].data["last_step"] == 29, got
+        assert got[0].data["mean_wait_ms"] >= 20, got
+    else:
+        assert got == [], got

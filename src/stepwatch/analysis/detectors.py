@@ -23,11 +23,30 @@ WAIT_SHARE = 0.5
 
 
 class WindowedDetector:
+    # A run that ends before its first window fills is judged at its end (``finish``) on at least
+    # this many steps after its first; 0: never (a partial window is too little for the rule).
+    final_min_steps = 0
+
     def __init__(self, window: int, repeat_windows: int = 20) -> None:
         self.window = window
         self.repeat_windows = repeat_windows
         self._buf: list[StepRecord] = []
         self._bad_windows = 0  # consecutive bad windows (0 = healthy)
+        self._judged = False  # a full window was judged
+
+    def finish(self) -> list[Finding]:
+        """The run's end (the pipeline's last pass): a run shorter than one window, never judged,
+        is judged on its steps but the first (step 0 waits for workers to start and caches to
+        fill, in any run) and the tail record, when there are ``final_min_steps`` of them."""
+        buf, self._buf = self._buf, []
+        if not self.final_min_steps or self._judged:
+            return []
+        steps = [r for r in buf[1:] if not r.tail]
+        if len(steps) < self.final_min_steps:
+            return []
+        self._judged = True
+        finding = self.judge(steps)
+        return [finding] if finding is not None else []
 
     def observe(self, rec: StepRecord) -> list[Finding]:
         self._buf.append(rec)
@@ -54,6 +73,7 @@ class WindowedDetector:
 
     def _close(self, buf: list[StepRecord]) -> list[Finding]:
         """A full window judged: its finding, unless it repeats one within ``repeat_windows``."""
+        self._judged = True
         finding = self.judge(buf)
         if finding is None:
             self._bad_windows = 0
@@ -68,7 +88,10 @@ class WindowedDetector:
 
 
 class DataLoadingDetector(WindowedDetector):
-    """Reference B.9: mean DataLoader wait per step above 10 ms means data loading is the bottleneck."""
+    """Reference B.9: mean DataLoader wait per step above 10 ms means data loading is the bottleneck.
+    A run shorter than one window (a first try of 30 steps) is judged at its end."""
+
+    final_min_steps = 10
 
     def __init__(self, window: int, threshold_ms: float, repeat_windows: int = 20) -> None:
         super().__init__(window, repeat_windows)
