@@ -2422,3 +2422,68 @@ def test_a_run_shorter_than_one_window_is_judged_for_data_loading_at_its_end(sw,
         assert got[0].data["mean_wait_ms"] >= 20, got
     else:
         assert got == [], got
+
+
+class _LazyTarget(nn.Module):
+    """lucidrains/byol-pytorch's target encoder: made with ``copy.deepcopy`` at the first forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.online = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+        self.target = None
+
+    def forward(self, x):
+        import copy
+
+        if self.target is None:
+            self.target = copy.deepcopy(self.online)
+            for p in self.target.parameters():
+                p.requires_grad = False
+        with torch.no_grad():
+            t = self.target(x)
+        return ((self.online(x) - t) ** 2).mean()
+
+
+def test_a_forward_that_deepcopies_a_module_gets_no_warning_from_the_flop_count(sw):
+    """The FLOP count replays the forward on fake tensors, where ``copy.deepcopy`` of a module reads
+    each tensor's data pointer: torch warned "Accessing the data pointer of FakeTensor is
+    deprecated ... almost definitely a bug in your code", a line the script without stepwatch
+    never prints. Under warnings-as-errors the deepcopy failed half way, and the half-built module
+    it left on the heap crashed the module scan (``'Sequential' object has no attribute
+    '_modules'``: discovery off for the rest of the run)."""
+    import warnings
+
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    m = _LazyTarget()
+    opt = torch.optim.SGD(m.online.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            loss = m(torch.randn(4, 8))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    stepwatch.shutdown()
+    assert not [w for w in seen if "FakeTensor" in str(w.message)], [str(w.message)[:80] for w in seen]
+    assert len([r for r in mem.records if not r.tail]) == 3 and all(r.flops for r in mem.records if not r.tail)
+    assert not [f for f in mem.findings if f.kind == "internal_error"], mem.findings
+
+
+def test_a_half_built_module_on_the_heap_does_not_stop_the_scan(sw):
+    """A module whose ``__init__`` never ran (a deepcopy or an unpickling that failed half way) is
+    on the heap without ``_modules``: the scan crashed on it and stayed off for the rest of the run,
+    so a model made later was never found. It is passed over."""
+    stepwatch, mem, start = sw
+    half = nn.Sequential.__new__(nn.Sequential)  # noqa: F841 - alive through the run
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(3):
+        nn.functional.mse_loss(m(torch.randn(4, 16)), torch.randn(4, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert not [f for f in mem.findings if f.kind == "internal_error"], mem.findings
+    assert all(r.samples == 4 for r in mem.records if not r.tail), mem.records

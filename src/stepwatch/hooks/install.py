@@ -641,7 +641,9 @@ class Instrumentation:
             del objects
             # stepwatch's own modules (the FLOP count's replay, alive while another thread's scan
             # runs) are neither roots nor parents: the model they hold stays a root.
-            modules = [m for m in modules if not is_replay_module(m)]
+            # A module whose __init__ never ran (a deepcopy or an unpickling that failed half way)
+            # has no _modules: it crashed the scan, and discovery stayed off for the run.
+            modules = [m for m in modules if "_modules" in getattr(m, "__dict__", ()) and not is_replay_module(m)]
             children: set[int] = set()
             for m in modules:
                 for c in m._modules.values():

@@ -48,6 +48,7 @@ import math
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -1048,8 +1049,14 @@ def _count(
     user_hooks = copies = False
     while True:  # at most 4 tries: each failure below turns one flag on, or raises
         try:
-            return _replay(root, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices,
-                           real=real, user_hooks=user_hooks, copies=copies)
+            with warnings.catch_warnings():
+                # A forward that deepcopies a module (a lazily made target network) reads each fake
+                # tensor's data pointer: torch's warning blames the user's code, which without the
+                # replay never warns; under warnings-as-errors the copy failed half way.
+                warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor",
+                                        category=UserWarning)
+                return _replay(root, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices,
+                               real=real, user_hooks=user_hooks, copies=copies)
         except _FailedWithoutHooks:
             if user_hooks:  # pragma: no cover - raised only while some hooks are set aside
                 raise
