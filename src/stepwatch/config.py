@@ -51,7 +51,7 @@ def _int_range(lo: int, hi: int) -> Callable[[Any], int]:
             v = int(s)
         except (TypeError, ValueError, OverflowError):
             raise ValueError(f"expected {want}") from None
-        if isinstance(s, float) and s != v:
+        if not isinstance(s, (int, str)) and s != v:  # 5.5 as a float, np.float32, Fraction, Decimal
             raise ValueError(f"expected {want}")
         if not lo <= v <= hi:
             raise ValueError(f"expected {want}")
@@ -128,6 +128,20 @@ def _opt_str(s: Any) -> str | None:
         return None
     v = str(s)
     return v if v.strip() else None
+
+
+def _opt_path(s: Any) -> str | None:
+    """A path: text, bytes or a path object (``dir=b"/abs"`` ran into a folder named ``b'/abs'``,
+    ``dir=True`` into ``./True``); empty: the default."""
+    if s is None:
+        return None
+    if not isinstance(s, (str, bytes, os.PathLike)):
+        raise ValueError(f"expected a path (text, bytes or a path object), got {type(s).__name__}")
+    v = os.fsdecode(os.fspath(s))
+    return v if v.strip() else None
+
+
+_opt_path.valid = "a path (empty: the default)"  # type: ignore[attr-defined]
 
 
 _port = _int_range(1, 65535)
@@ -229,7 +243,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_DIR",
             "Run directory. Default `./stepwatch-runs/<run id>/` (see 'Run directory').",
-            _opt_str,
+            _opt_path,
         ),
     )
     run_id: str | None = field(
@@ -375,7 +389,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_PROMETHEUS_HOST",
             "Address the Prometheus endpoint binds to (`0.0.0.0` to be scraped from other hosts).",
-            lambda s: (str(s).strip() or "127.0.0.1"),
+            lambda s: ("127.0.0.1" if s is None else str(s).strip() or "127.0.0.1"),
         ),
     )
     otel: bool = field(

@@ -171,3 +171,40 @@ def test_every_on_off_argument_takes_1_and_0_as_its_valid_column_says(f):
         with pytest.raises(ConfigError) as e:
             Config.from_env({}, **{f.name: bad})
         assert f"{f.name}=" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("value", ["np.float32(5.5)", "Fraction(11, 2)", "Decimal('5.5')"])
+def test_a_number_with_a_fraction_is_refused_for_an_integer_setting_whatever_its_type(value):
+    """``window=np.float32(5.5)``, a ``Fraction`` or a ``Decimal`` became 5 silently, where the float
+    5.5 is refused."""
+    from decimal import Decimal  # noqa: F401
+    from fractions import Fraction  # noqa: F401
+
+    import numpy as np  # noqa: F401
+
+    with pytest.raises(ConfigError, match="window"):
+        Config.from_env({}, window=eval(value))
+    assert Config.from_env({}, window=eval(value.replace("5.5", "5").replace("11, 2", "5, 1"))).window == 5
+
+
+@pytest.mark.parametrize("value", [True, 123, 1.5])
+def test_a_run_directory_that_is_not_a_path_is_refused(value):
+    """``dir=True`` ran into ``./True``, ``dir=123`` into ``./123``: accepted as text."""
+    with pytest.raises(ConfigError, match="dir"):
+        Config.from_env({}, dir=value)
+
+
+def test_a_run_directory_given_as_bytes_or_a_path_object_is_that_path(tmp_path):
+    """``dir=b"/abs/path"`` ran into a relative folder named ``b'/abs/path'``."""
+    import os
+
+    assert Config.from_env({}, dir=os.fsencode(str(tmp_path))).dir == str(tmp_path)
+    assert Config.from_env({}, dir=tmp_path).dir == str(tmp_path)
+
+
+def test_a_prometheus_host_of_none_is_the_default():
+    """``init(prometheus_host=None)`` bound to the host name "None" (a warning, no endpoint), where
+    every other optional setting takes None as its default."""
+    assert Config.from_env({}, prometheus_host=None).prometheus_host == "127.0.0.1"
+    assert Config.from_env({}, prometheus_host=" ").prometheus_host == "127.0.0.1"
+    assert Config.from_env({}, prometheus_host="0.0.0.0").prometheus_host == "0.0.0.0"

@@ -947,8 +947,12 @@ class _Methods:
             self._eval_t0 += ns
         if self._last_fetch_t0 is not None:
             self._last_fetch_t0 += ns
-        for name in self._phase_t0:  # the user's open phases (a FLOP count inside "fwd")
-            self._phase_t0[name] += ns
+        if self._phase_t0:  # the user's open phases (a FLOP count inside "fwd")
+            # Never past the work's end: a phase opened while it ran (another thread's) was moved
+            # into the future, and its time came out negative.
+            now = _now()
+            for name, t0 in list(self._phase_t0.items()):
+                self._phase_t0[name] = min(t0 + ns, now)
         # The phase whose clock runs leaves it out too: a FLOP count of a root's first call made
         # inside a backward (a checkpointed model's recompute) was kept out of step_s but stayed
         # in backward_s. The innermost clock runs: an optimizer's unless a closure paused it, a
