@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 from .config import Config, ConfigError
 
+# set_step takes what STEPWATCH_STEP_OFFSET takes: one parser
+_STEP_NUMBER = next(f.metadata["parse"] for f in __import__("dataclasses").fields(Config) if f.name == "step_offset")
+
 if TYPE_CHECKING:
     from ._session import Session
 
@@ -149,9 +152,13 @@ def step() -> None:
 
 
 def set_step(n: int) -> None:
-    """Number the next step ``n`` (e.g. after resuming from a checkpoint)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ConfigError(f"stepwatch.set_step(n={n!r}): n must be an integer >= 0")
+    """Number the next step ``n`` (e.g. after resuming from a checkpoint): the values
+    ``STEPWATCH_STEP_OFFSET`` takes (a numpy integer too; not past 2**53, which a record's float
+    consumers could not hold)."""
+    try:
+        n = _STEP_NUMBER(n)
+    except ValueError as e:
+        raise ConfigError(f"stepwatch.set_step(n={n!r}): n must be {str(e).removeprefix('expected ')}") from None
     s = _session
     if s is not None:
         s.set_step(n)

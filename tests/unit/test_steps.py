@@ -316,6 +316,27 @@ def test_step_offset_and_set_step(sw):
     assert [r.step for r in mem.records] == [100, 101, 500]
 
 
+def test_set_step_takes_what_the_step_offset_takes(sw):
+    """``set_step(np.int64(100))`` was refused where ``step_offset=np.int64(100)`` is taken, and
+    ``set_step(10**30)`` taken (records with step 10**30) where the offset stops at 2**53."""
+    import numpy as np
+
+    from stepwatch.config import ConfigError
+
+    stepwatch, mem, start = sw
+    start()
+    stepwatch.set_step(np.int64(100))
+    for bad in (10**30, 2**53 + 1, -1, 1.5, True, "x"):
+        with pytest.raises(ConfigError, match="set_step"):
+            stepwatch.set_step(bad)
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    nn.functional.mse_loss(m(torch.randn(4, 16)), torch.randn(4, 4)).backward()
+    opt.step()
+    stepwatch.shutdown()
+    assert mem.records[0].step == 100
+
+
 def test_set_step_right_after_the_optimizer_numbers_the_next_step(sw):
     """A loop that counts its own steps: ``opt.step(); stepwatch.log(my_step=g); g += 1;
     stepwatch.set_step(g)``. The step just ended is final only once the next iteration's work
