@@ -2385,20 +2385,6 @@ def test_a_list_of_per_sample_tensors_counts_one_sample_per_tensor(sw, kind):
     assert [r.tokens for r in recs] == ([None] * 4 if kind == "images" else lengths)
 
 
-class _SlowLoad(Dataset):
-    """A dataset whose samples take ``ms`` each (decoding, a network file system)."""
-
-    def __init__(self, n, ms):
-        self.n, self.ms = n, ms
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        time.sleep(self.ms / 1e3)
-        return torch.randn(16), torch.randn(4)
-
-
 @pytest.mark.parametrize("slow, found", [(True, True), (False, False)], ids=["slow loader", "fast loader"])
 def test_a_run_shorter_than_one_window_is_judged_for_data_loading_at_its_end(sw, slow, found):
     """A first try: 30 steps, each waiting 20 ms for its batch (the default window is 50 steps).
@@ -2409,7 +2395,7 @@ def test_a_run_shorter_than_one_window_is_judged_for_data_loading_at_its_end(sw,
     start()
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    loader = DataLoader(_SlowLoad(60, 10 if slow else 0), batch_size=2)
+    loader = DataLoader(_SlowSamples(60, 10 if slow else 0), batch_size=2)
     for x, y in loader:
         nn.functional.mse_loss(m(x), y).backward()
         opt.step()
