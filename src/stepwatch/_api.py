@@ -6,10 +6,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .config import Config, ConfigError
-
-# set_step takes what STEPWATCH_STEP_OFFSET takes: one parser
-_STEP_NUMBER = next(f.metadata["parse"] for f in __import__("dataclasses").fields(Config) if f.name == "step_offset")
+from .config import Config, ConfigError, step_number
 
 if TYPE_CHECKING:
     from ._session import Session
@@ -156,7 +153,7 @@ def set_step(n: int) -> None:
     ``STEPWATCH_STEP_OFFSET`` takes (a numpy integer too; not past 2**53, which a record's float
     consumers could not hold)."""
     try:
-        n = _STEP_NUMBER(n)
+        n = step_number(n)  # what STEPWATCH_STEP_OFFSET takes
     except ValueError as e:
         raise ConfigError(f"stepwatch.set_step(n={n!r}): n must be {str(e).removeprefix('expected ')}") from None
     s = _session

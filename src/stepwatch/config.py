@@ -145,6 +145,8 @@ _opt_path.valid = "a path (empty: the default)"  # type: ignore[attr-defined]
 
 
 _port = _int_range(1, 65535)
+# A step number: STEPWATCH_STEP_OFFSET and stepwatch.set_step (int64 fields, floats in the exporters).
+step_number = _int_range(0, 2**53)
 
 
 def _opt_port(s: Any) -> int | None:
@@ -257,7 +259,7 @@ class Config:
     )
     step_offset: int = field(
         default=0,
-        metadata=_opt("STEPWATCH_STEP_OFFSET", "Number of the first step (set it when a job resumes).", _int_range(0, 2**53)),
+        metadata=_opt("STEPWATCH_STEP_OFFSET", "Number of the first step (set it when a job resumes).", step_number),
     )
     step_boundary: str = field(
         default="auto",

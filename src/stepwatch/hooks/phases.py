@@ -267,8 +267,7 @@ class _PyCore:
             if self._iter_t0 is not None:  # the iterator's first fetch: where a span of it starts
                 it0, it1 = self._iter_t0, self._iter_t1
                 self._iter_t0 = self._iter_t1 = None
-                if (self._prev_end is not None and it0 >= self._prev_end and it0 >= self._fwd_t0
-                        and it0 >= self._bwd_t0 and it0 >= self._opt_t0):
+                if self._no_work_since(it0):
                     made = it1 - it0 if it1 is not None and it1 >= it0 else -1
                     fetch_t0, t0 = t0, it0
             if how and (how & FETCH_NO_GRAD or self._eval_open):
@@ -966,6 +965,12 @@ class _Methods:
         if self._prev_end is not None:
             self._own += ns
 
+    def _no_work_since(self, t: int) -> bool:
+        """No training work (a step's end, a forward, a backward, an optimizer step) began after
+        ``t``, and a step began before it: an iterator made at ``t`` is the next fetch's."""
+        return (self._prev_end is not None and t >= self._prev_end and t >= self._fwd_t0
+                and t >= self._bwd_t0 and t >= self._opt_t0)
+
     def iterator_made(self, t0: int, t1: int | None = None) -> None:
         """A DataLoader iterator was made (``iter(loader)``, from ``t0`` to ``t1``; its workers
         start there): an eval span that its first fetch opens or joins starts at ``t0``, and a
@@ -973,8 +978,7 @@ class _Methods:
         (``data_end``). Another thread's iterator is none of the tracker's."""
         if self.enabled and threading.get_ident() == self._thread:
             p0, p1 = self._iter_t0, self._iter_t1
-            if (p0 is not None and p1 is not None and t1 is not None and self._prev_end is not None
-                    and p0 >= self._prev_end and p0 >= self._fwd_t0 and p0 >= self._bwd_t0 and p0 >= self._opt_t0):
+            if p0 is not None and p1 is not None and t1 is not None and self._no_work_since(p0):
                 # Another iterator made since the last training work, its first fetch still to
                 # come: ``zip(labeled, unlabeled)``. Both iter() times are the first fetch's wait
                 # (the first loader's start, its workers, was other_s): from the first's start,
