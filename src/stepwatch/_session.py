@@ -102,7 +102,7 @@ class Session:
         self._started = False
         self._closed = False
         self._finishing = False  # a shutdown of the started session is under way (or done)
-        self._final_written = False
+        self._final = threading.Event()  # the final manifest is written
         self._sigterm = SigtermFinisher(self._shutdown_quietly)
         # How the job ended, for run.json's ``ended_by``: SIGTERM, an uncaught exception (seen by
         # ``_excepthook``), else a shutdown (stepwatch.shutdown(), or the interpreter's exit).
@@ -256,9 +256,11 @@ class Session:
             if deferred:
                 try:
                     if signal.getsignal(signal.SIGTERM) == later:
-                        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as the shutdown leaves it
+                        # As the shutdown leaves it; ours again when there was none to make (one
+                        # already under way on another thread: the handler then waits for it).
+                        signal.signal(signal.SIGTERM, self._sigterm._handler if self._sigterm.installed else signal.SIG_DFL)
                     if termed:
-                        os.kill(os.getpid(), termed[0])  # the default action: dies as it would have
+                        os.kill(os.getpid(), termed[0])  # as it would have been handled: dies of it
                 except (ValueError, OSError):
                     pass
 
@@ -273,10 +275,10 @@ class Session:
             self.ended_by = "SIGTERM"
         try:
             if self._finishing:
-                # SIGTERM during a shutdown already under way (its thread is the one the handler
-                # interrupted, or waits on an exporter): the final manifest now, as it stands; the
-                # records file was flushed by every pass. The process then dies of SIGTERM.
-                if not self._final_written:
+                # SIGTERM during a shutdown under way on another thread (one on the main thread
+                # defers the signal: ``_sigterm_waits``): it may finish within ``timeout_s``; else
+                # the final manifest now, as it stands. The process then dies of SIGTERM.
+                if not self._final.wait(timeout_s):
                     self._write_final_manifest()
                 return
             self.shutdown(timeout_s=timeout_s)
@@ -287,14 +289,18 @@ class Session:
         """Finish the last step, stop hooks and the pipeline, flush and close every exporter,
         all within ``timeout_s`` (but the features' own stop); what is left is counted."""
         deadline = time.monotonic() + timeout_s
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if not self._started or os.getpid() != self.pid:
-            return
-        self._finishing = True
+        # On the main thread the SIGTERM handler waits from before this shutdown is marked under
+        # way: a signal landing between the two found it under way and wrote the manifest as it
+        # stood (a Pool's worker leaving on its end-of-work sentinel as ``terminate()`` signals
+        # it lost up to half of its records, none counted as dropped).
         with self._sigterm_waits():
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+            if not self._started or os.getpid() != self.pid:
+                return
+            self._finishing = True
             self._shut_down(timeout_s, deadline)
 
     def _shut_down(self, timeout_s: float, deadline: float) -> None:
@@ -329,7 +335,7 @@ class Session:
         """The end of this shutdown, or a SIGTERM that came during it before the manifest was
         written (no lock: the handler may have interrupted the thread that holds one)."""
         self._write_manifest(final=True)
-        self._final_written = True
+        self._final.set()
 
     def _stand_down_if_launcher(self) -> None:
         """``torch.multiprocessing.spawn`` (or ``start_processes``) is launching processes, and this
