@@ -14,11 +14,13 @@ bash scripts/setup_vllm.sh >/dev/null || echo "run_tests: vLLM set-up failed; se
 if [ "$#" -gt 0 ]; then  # the tests asked for, in one run
     exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
 fi
-# The whole suite in two runs. Unit and framework tests on two workers (pytest-xdist): they hold
-# no timing bound a second worker could break. Integration tests one at a time: real
-# multi-process jobs whose bounds (hang timeouts, shutdown within 2 s, stragglers named within
-# a second of evidence) are about load, and a second test beside them would be load.
+# The whole suite in two runs. First the unit and framework tests, with the integration tests
+# whose module says they share cores (tests/integration/conftest.py), on pytest-xdist workers: they
+# hold no timing bound a test beside them could break. Then the other integration tests one at a
+# time: real multi-process jobs whose bounds (hang timeouts, shutdown within 2 s, stragglers named
+# within a second of evidence) are about load, and a second test beside them would be load.
 rc=0
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -n 2 tests/unit tests/frameworks || rc=$?
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 tests/integration || rc=$((rc ? rc : $?))
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -n 2 --dist worksteal -m "not alone" \
+  tests/unit tests/frameworks tests/integration || rc=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 -m alone tests/integration || rc=$((rc ? rc : $?))
 exit "$rc"

@@ -14,7 +14,7 @@ import pytest
 from stepwatch.runner import cli as runner
 from test_hang import ROOT, start_job, stop_job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.shares_cores]
 
 
 def stepwatch_cli(*args):

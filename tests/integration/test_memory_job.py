@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = [pytest.mark.integration, pytest.mark.shares_cores]
 
 OOM_SCRIPT = textwrap.dedent("""
     import sys, torch

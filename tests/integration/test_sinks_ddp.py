@@ -23,6 +23,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit"))
 
 STEPS = 30
 
+if __name__ != "__main__":  # under pytest (the job itself need not import it)
+    import pytest
+
+    pytestmark = [pytest.mark.integration, pytest.mark.shares_cores]
+
 
 def job(out: str, steps: int) -> None:
     import mlflow

@@ -23,7 +23,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HARNESS = os.path.join(ROOT, "tests", "integration", "teardown_harness.py")
 TINY = ["--steps", "2", "--batch-size", "2", "--seq", "16", "--d-model", "16", "--layers", "1", "--vocab", "64"]
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.shares_cores]
 
 
 @pytest.mark.parametrize("runs, stepwatch_args", [(8, ["--no-stepwatch"]), (4, [])], ids=["without", "with"])

@@ -423,7 +423,7 @@ def test_a_cpu_jobs_peak_never_falls(sw):
     import torch
 
     stepwatch, mem, start = sw
-    start(training_metrics=False, comm=False, gpu_telemetry=False)
+    s = start(training_metrics=False, comm=False, gpu_telemetry=False)
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                             torch.nn.ReLU(), torch.nn.Linear(1024, 10))
@@ -434,7 +434,10 @@ def test_a_cpu_jobs_peak_never_falls(sw):
         opt.step()
         opt.zero_grad()
     stepwatch.shutdown()
-    peaks = [r.mem_peak_bytes for r in mem.records]
+    # The records file, written by the final pass itself: an exporter on its own thread gets what
+    # it takes within shutdown's bound (on a busy machine, 159 of 300 here; the rest counted).
+    with open(os.path.join(s.ctx.run_dir, "steps.rank0.jsonl")) as f:
+        peaks = [json.loads(line)["mem_peak_bytes"] for line in f if line.strip()]
     assert all(p is not None for p in peaks) and len(peaks) == 300
     falls = [(i, a - b) for i, (a, b) in enumerate(zip(peaks, peaks[1:])) if b < a]
     assert not falls, falls[:5]
