@@ -14,6 +14,11 @@ if not logger.handlers:
     logger.propagate = False
 
 
+def retried_note(short: bool = False) -> str:
+    """What happens to a part that failed but goes on (an exporter: the next batch is tried)."""
+    return "tried again with the next batch" if short else "tried again with the next batch; failures counted in run.json"
+
+
 class FailureLog:
     """Counts internal failures per place; logs the first one of each place with its traceback
     (an ``OSError``, the machine's failure, in one line without it)."""
@@ -22,19 +27,22 @@ class FailureLog:
         self._lock = threading.Lock()
         self.counts: dict[str, int] = {}
 
-    def record(self, where: str, exc: BaseException) -> bool:
-        """Count a failure; return True the first time this place fails."""
+    def record(self, where: str, exc: BaseException, *, retried: bool = False) -> bool:
+        """Count a failure; return True the first time this place fails. ``retried``: the part
+        goes on (an exporter gets the next batch), and the log line says so, not "disabled"."""
         with self._lock:
             n = self.counts.get(where, 0) + 1
             self.counts[where] = n
+        fate = retried_note(True) if retried else "disabled"
         if n == 1 and isinstance(exc, OSError):
             # The machine's, not stepwatch's: a full disk, a path that is a file, no permission.
             # One line that says which part and why; a traceback would point at stepwatch.
-            logger.warning("%s cannot go on (disabled; training continues): %s", where, exc)
+            logger.warning("%s cannot go on (%s; training continues): %s", where, fate, exc)
         elif n == 1:
             logger.warning(
-                "internal error in %s (disabled; training continues): %s: %s",
+                "internal error in %s (%s; training continues): %s: %s",
                 where,
+                fate,
                 type(exc).__name__,
                 exc,
                 exc_info=(type(exc), exc, exc.__traceback__),

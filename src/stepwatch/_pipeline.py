@@ -19,11 +19,12 @@ on where it is a stage of its own, and costs no other stage.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from typing import Any, Callable, Iterable
 
-from ._log import FailureLog, logger
+from ._log import FailureLog, logger, retried_note
 from .analysis.kinds import make_finding
 from .analysis.ratelimit import FindingLimiter
 from .context import RunContext
@@ -203,19 +204,21 @@ class Pipeline:
         -> list[Finding]`` too, the same over a pass's records in one call."""
         self.detectors.append(detector)
 
-    def report_error(self, where: str, exc: BaseException) -> None:
+    def report_error(self, where: str, exc: BaseException, *, retried: bool = False) -> None:
         """Count, log once, and (the first time for ``where``) an ``internal_error`` finding in
-        the next pass. Never raises."""
+        the next pass. ``retried``: the part goes on (an exporter gets the next batch). Never
+        raises."""
         try:
-            if not self.failures.record(where, exc):
+            if not self.failures.record(where, exc, retried=retried):
                 return
             step = self._step_of() if self._step_of is not None else None
+            fate = f"is {retried_note()}" if retried else "was disabled"
             self._internal_findings.append(
                 make_finding(
                     "internal_error",
                     rank=self.ctx.rank,
                     step=step,
-                    summary=f"{where} failed ({type(exc).__name__}: {exc}) and was disabled",
+                    summary=f"{where} failed ({type(exc).__name__}: {exc}) and {fate}",
                     data={"where": where, "error": f"{type(exc).__name__}: {exc}", "subject": where},
                 )
             )
@@ -354,7 +357,8 @@ class Pipeline:
                 except Exception as e:
                     self.report_error(f"exporter.{spec.name}.start", e)
                 continue
-            self.workers.append(ExporterWorker(spec.name, spec.build, capacity=self._cap, on_error=self.report_error))
+            self.workers.append(ExporterWorker(spec.name, spec.build, capacity=self._cap, on_error=self.report_error,
+                                               on_retry=functools.partial(self.report_error, retried=True)))
         if self._on_open is not None:
             self._on_open()
 

@@ -252,3 +252,57 @@ def test_an_exporter_that_consumes_its_batch_in_place_costs_no_other():
     for e in (inline, first, last):
         assert [r.step for r in e.records] == list(range(15))
     assert first.records[0] is last.records[0]  # the records themselves are shared: only the lists are copies
+
+
+def test_an_exporter_that_fails_once_is_said_to_be_tried_again_not_disabled(caplog):
+    """A sink whose ``export`` raises (W&B's network, a full disk under TensorBoard) is tried again
+    with the next batch. The log line and the ``internal_error`` finding said "disabled", and a
+    user looking at the sink's data still coming in could not tell which was true."""
+    class FlakyOnce(Exporter):
+        name = "flaky"
+
+        def __init__(self) -> None:
+            self.records: list = []
+            self.calls = 0
+
+        def export(self, batch: Batch) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                raise ConnectionError("network is unreachable")
+            self.records.extend(batch.records)
+
+    flaky, out = FlakyOnce(), InMemoryExporter()
+    p = _make(flaky, inline=out)
+    p.enqueue(_raw(0))
+    p.run_pass()
+    assert p.drain(10)
+    p.enqueue(_raw(1))
+    p.run_pass()  # writes the first pass's internal_error finding
+    assert p.drain(10)
+    p.shutdown(5)
+    assert [r.step for r in flaky.records] == [1] and p.failures.counts == {"exporter.e0": 1}
+    [finding] = [f for f in out.findings if f.kind == "internal_error"]
+    assert "disabled" not in finding.summary and "tried again" in finding.summary, finding.summary
+    said = [r.getMessage() for r in caplog.records if "exporter.e0" in r.getMessage()]
+    assert len(said) == 1 and "disabled" not in said[0] and "tried again" in said[0], said
+
+
+def test_a_tracking_sink_that_turns_itself_off_is_said_to_be_disabled():
+    from stepwatch.exporters.tracking import TrackingExporter
+
+    class Refused(TrackingExporter):
+        name = "refused"
+
+        def _export(self, batch: Batch) -> None:
+            raise PermissionError("the tracking server refuses writes")
+
+    refused, out = Refused(), InMemoryExporter()
+    p = _make(refused, inline=out)
+    for i in range(2):
+        p.enqueue(_raw(i))
+        p.run_pass()
+        assert p.drain(10)
+    p.shutdown(5)
+    assert refused.off and refused.dropped() == 1
+    [finding] = [f for f in out.findings if f.kind == "internal_error"]
+    assert finding.summary.endswith("and was disabled"), finding.summary

@@ -134,7 +134,8 @@ KINDS: dict[str, Kind] = {
         Kind(
             "internal_error",
             "warning",
-            "A part of stepwatch failed and disabled itself; training is unaffected.",
+            "A part of stepwatch failed and disabled itself (a user's exporter whose export raised is tried again "
+            "with the next batch); training is unaffected.",
             "Report it with the logged traceback; the rest of stepwatch keeps working.",
             "stepwatch rule: never break the job",
         ),

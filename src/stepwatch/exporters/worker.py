@@ -27,7 +27,9 @@ def batch_size(batch: Batch) -> int:
 class ExporterWorker:
     """Runs ``build()`` (an exporter, or None for "off") and then its ``export`` on a daemon
     thread named ``stepwatch-export-<name>``. ``capacity`` bounds the items (records, findings,
-    samples) waiting for it. ``on_built(exporter)`` runs on the thread once it is built."""
+    samples) waiting for it. ``on_built(exporter)`` runs on the thread once it is built. A failure
+    that leaves the exporter off goes to ``on_error``; an ``export`` that raised (the next batch is
+    tried) to ``on_retry`` (``on_error`` when not given)."""
 
     def __init__(
         self,
@@ -37,6 +39,7 @@ class ExporterWorker:
         capacity: int,
         on_error: OnError,
         on_built: Callable[[Exporter], None] | None = None,
+        on_retry: OnError | None = None,
     ) -> None:
         self.name = name
         self.exporter: Exporter | None = None
@@ -44,6 +47,7 @@ class ExporterWorker:
         self._build = build
         self._cap = capacity
         self._on_error = on_error
+        self._on_retry = on_retry or on_error  # an export that raised: the next batch is tried
         self._on_built = on_built
         self._queue: collections.deque[Batch] = collections.deque()
         self._queued = 0
@@ -135,7 +139,10 @@ class ExporterWorker:
             try:
                 exporter.export(batch)
             except Exception as e:  # noqa: BLE001 - counted, logged once; the next batch is tried
-                self._on_error(f"exporter.{self.name}", e)
+                # A sink that turns itself off on a failure (the tracking sinks: ``off``) is said
+                # to be off; any other is tried again with the next batch, and said so.
+                off = getattr(exporter, "off", False) is True
+                (self._on_error if off else self._on_retry)(f"exporter.{self.name}", e)
             except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt: counted, this exporter off
                 self._on_error(f"exporter.{self.name}", e)
                 self._give_up(busy_too=True)
