@@ -105,6 +105,43 @@ def test_tensorboard_dir_gets_one_step_s_per_step_in_the_rank_folder(sw, tmp_pat
     assert any("data_loading" in t for t in texts), texts
 
 
+def test_tensorboard_gets_every_name_apart_no_made_up_infinity_and_no_made_up_last_step(sw, tmp_path):
+    """What a user's logging met in the sinks: two names that clean up to one key ('a:b' and
+    'a_b') overwrote each other in every sink; a finite 1e300 became float32 inf in TensorBoard;
+    and the tail record (an evaluation after the last step) came out as one more training step,
+    step_s 0, at the end of every curve."""
+    stepwatch, mem, start = sw
+    tb = tmp_path / "tb"
+    start(tensorboard=str(tb))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for i in range(6):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        stepwatch.log(**{"a:b": float(i), "a_b": 100.0 + i, "big": 1e300, "ok": 2.0})
+    model.eval()
+    with torch.no_grad():  # an evaluation after the last step: the tail record
+        for _ in range(8):
+            model(torch.randn(4, 8))
+    stepwatch.log(val_loss=0.5)
+    stepwatch.shutdown()
+    assert [r.step for r in mem.records if r.tail] == [6]
+    acc, step_s = _scalars(str(tb / "rank0"), "stepwatch/step_s")
+    assert [s for s, _ in step_s] == list(range(6))  # no step 6 of 0 s
+    tags = acc.Tags()["scalars"]
+    ab = [t for t in tags if t.startswith("stepwatch/scalars/a_b")]
+    assert len(ab) == 2, tags  # one key each
+    series = sorted(sorted(v for _, v in _scalars(str(tb / "rank0"), t)[1]) for t in ab)
+    assert series == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]]
+    assert "stepwatch/scalars/big" not in tags  # beyond float32: left out, as a non-finite value is
+    assert [v for _, v in _scalars(str(tb / "rank0"), "stepwatch/scalars/ok")[1]] == [2.0] * 6
+    _, val = _scalars(str(tb / "rank0"), "stepwatch/scalars/val_loss")
+    _, ev = _scalars(str(tb / "rank0"), "stepwatch/eval_s")
+    assert [s for s, _ in val] == [6] and [s for s, _ in ev] == list(range(7)) and ev[-1][1] > 0  # the tail's own
+
+
 def test_tensorboard_finding_text_sits_at_each_findings_step(sw, tmp_path):
     """docs/sinks.md: the text summary ``stepwatch/findings`` at the finding's step. Findings of
     one background pass went into one text entry at the pass's last finding's step: a grad-norm
@@ -388,6 +425,27 @@ def test_wandb_offline_run_gets_summary_and_history(sw, wandb_offline, tmp_path)
     assert len([r for r in rows if "train/loss" in r]) == STEPS  # none of the user's rows lost
     steps = [r["_step"] for r in rows]
     assert steps == sorted(steps) and len(set(steps)) == len(steps)
+
+
+def test_wandb_steps_after_the_run_finished_with_no_new_run_are_counted(sw, wandb_offline, tmp_path):
+    """A sweep that finishes its W&B run and trains on (or ends) with no run: the records that
+    came after were thrown away uncounted (``exporter_drops`` was empty while W&B lacked them)."""
+    wandb = wandb_offline
+    stepwatch, mem, start = sw
+    s = start()
+    wandb.init(project="stepwatch-test", mode="offline")
+    _train_plain(10)
+    deadline = time.monotonic() + 30
+    while s.pipeline.steps_seen < 9 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the run is picked up by a pass, with the steps trained in it
+    time.sleep(0.3)
+    wandb.finish()
+    s.pipeline.stop_thread()  # what follows reaches the sink with no run active
+    _train_plain(5)
+    stepwatch.shutdown()
+    manifest = json.loads(open(os.path.join(s.ctx.run_dir, "run.json")).read())
+    dropped = manifest["exporter_drops"].get("wandb", {}).get("points", 0)
+    assert dropped >= 5, manifest["exporter_drops"]
 
 
 def test_rows_are_sampled_above_the_rate_and_keep_the_newest():

@@ -25,6 +25,8 @@ FINDINGS_TAG = PREFIX + "findings"
 # Seconds between the writer's own flushes to disk (torch's default is 120 s: a crash would lose
 # two minutes of curves, and TensorBoard would show them late).
 FLUSH_SECS = 5
+# The largest float32 (TensorBoard's scalar type).
+FLOAT32_MAX = 3.4028234663852886e38
 # Rows (steps) a second at most (tracking.RowLimiter): without TensorFlow, TensorBoard checksums
 # each event record in pure Python, ~0.7 ms for a step's ~25 scalars on the writer's thread.
 ROWS_PER_S = 20.0
@@ -71,7 +73,8 @@ class TensorBoardExporter(TrackingExporter):
     def _export(self, batch: Batch) -> None:
         w = self._open()
         for r in self.rows.admit(batch.records):
-            values = record_scalars(r)
+            # TensorBoard keeps float32: a finite value beyond it (1e300) would read inf there.
+            values = {k: v for k, v in record_scalars(r).items() if abs(v) <= FLOAT32_MAX}
             if self._fast:
                 fw, Summary = self._fast
                 summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])

@@ -11,6 +11,7 @@ import logging
 import math
 import re
 import time
+import zlib
 from collections import deque
 from typing import Any, Callable
 
@@ -33,6 +34,8 @@ FIELDS: tuple[str, ...] = (
     "comm_s", "comm_exposed_s", "overlap", "allreduce_s", "algbw_gbps", "busbw_gbps",
     "comm_wait_s", "checkpoint_bytes", "checkpoint_gbps",
 )
+# What a tail record (StepRecord.tail) has of its own.
+TAIL_FIELDS: tuple[str, ...] = ("eval_s", "checkpoint_s", "mem_peak_bytes", "checkpoint_bytes", "checkpoint_gbps")
 
 # MLflow accepts alphanumerics, _ - . / and space in a key (mlflow/utils/validation.py,
 # _VALID_PARAM_AND_METRIC_NAMES); the other tools accept those too. User-chosen names (phases,
@@ -40,8 +43,24 @@ FIELDS: tuple[str, ...] = (
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-./ ]")
 
 
+# Which name holds each key (first come): two names that clean up to one key ('a:b' and 'a_b')
+# overwrote each other in every sink. The second gets its own key, the first's with a hash of
+# its name. Bounded: past this many keys, names are no longer told apart.
+_MAX_KEYS = 10_000
+_holder: dict[str, str] = {}
+
+
 def _key(group: str, name: str) -> str:
-    return f"{PREFIX}{group}/{_UNSAFE.sub('_', str(name))[:200]}"
+    name = str(name)
+    key = f"{PREFIX}{group}/{_UNSAFE.sub('_', name)[:200]}"
+    held = _holder.get(key)
+    if held is None:
+        if len(_holder) >= _MAX_KEYS:
+            return key
+        held = _holder.setdefault(key, name)
+    if held == name:
+        return key
+    return f"{key}_{zlib.crc32(name.encode('utf-8', 'surrogatepass')):08x}"
 
 
 def _num(v: Any) -> float | None:
@@ -57,14 +76,17 @@ def _num(v: Any) -> float | None:
 def record_scalars(r: StepRecord) -> dict[str, float]:
     """The record as ``{stepwatch/<field>: value}``: unknown (None) and non-finite values left out."""
     out: dict[str, float] = {}
-    for name in FIELDS:
+    # A tail record (evaluation or a checkpoint after the last step) is no training step: its
+    # training phases are 0 by construction, and were one more point of 0 s at every curve's end.
+    for name in TAIL_FIELDS if r.tail else FIELDS:
         v = _num(getattr(r, name, None))
         if v is not None:
             out[PREFIX + name] = v
-    tps = _num(_tokens_per_s(r))
-    if tps is not None:
-        out[PREFIX + "tokens_per_s"] = tps
-    out[PREFIX + "skipped"] = 1.0 if r.skipped else 0.0
+    if not r.tail:
+        tps = _num(_tokens_per_s(r))
+        if tps is not None:
+            out[PREFIX + "tokens_per_s"] = tps
+        out[PREFIX + "skipped"] = 1.0 if r.skipped else 0.0
     for group, values in (("phases", r.phases), ("scalars", r.scalars), ("gpu", r.gpu)):
         for k, v in (values or {}).items():
             f = _num(v) if not isinstance(v, bool) else None

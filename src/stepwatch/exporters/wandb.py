@@ -67,6 +67,7 @@ class WandbExporter(TrackingExporter):
         self._table_at = -TABLE_EVERY_S
         # The run W&B finished before stepwatch was done with it: the rest for it is dropped.
         self._ended: Any = None
+        self._between_runs_said = False
 
     def _active_run(self) -> Any:
         wandb = sys.modules.get("wandb")
@@ -110,6 +111,15 @@ class WandbExporter(TrackingExporter):
     def _export(self, batch: Batch) -> None:
         run = self._active_run()
         if run is None:
+            if self._run is not None and batch.records:
+                # The run this sink logged into was finished, and no new one is active (a sweep's
+                # last run, or steps trained between two runs): these are counted, not lost unsaid.
+                self._dropped += len(batch.records)
+                if not self._between_runs_said:
+                    self._between_runs_said = True
+                    log.info("stepwatch: the W&B run was finished and no new run is active; stepwatch's records for "
+                             "that time are not in W&B (counted in run.json's exporter_drops; every step is in "
+                             "steps.rank<R>.jsonl)")
             return
         if run is self._ended:
             self._drop(run, len(batch.records), None)
