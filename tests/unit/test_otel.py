@@ -245,7 +245,7 @@ def test_telemetry_fields_all_have_a_dcgm_name():
     assert not missing, f"sampler fields without an export name: {sorted(missing)}"
 
 
-def test_unknown_and_bounded_names_are_counted_not_exported(mem_exporter):
+def test_unknown_and_bounded_names_are_counted_not_exported(mem_exporter, caplog):
     e, reader = mem_exporter()
     recs = [rec(i, scalars={f"s{i}": 1.0}) for i in range(N.MAX_SCALAR_NAMES + 5)]
     e.export(Batch(records=recs, samples=[{"gpu": 0, "DCGM_FI_DEV_NOT_A_FIELD": 1.0, "stepwatch_serving_ttft_p99_seconds": 0.5, "labels": {"engine": "0"}}]))
@@ -255,6 +255,9 @@ def test_unknown_and_bounded_names_are_counted_not_exported(mem_exporter):
     assert e.dropped() == 6
     dp = {p.attributes["exporter"]: p.value for p in ms["stepwatch_exporter_dropped_total"].data.data_points}
     assert dp == {"unmapped": 6}
+    # One line for the names past the bound, not one per name (there were one per name, up to 16).
+    said = [r.getMessage() for r in caplog.records if "distinct names" in r.getMessage()]
+    assert len(said) == 1, said
     extra = ms["stepwatch_serving_ttft_p99_seconds"].data.data_points[0]
     assert extra.value == 0.5 and dict(extra.attributes) == {"rank": 1, "engine": "0"}
 

@@ -488,7 +488,7 @@ class OTelExporter(Exporter):
         if name in seen:
             return True
         if len(seen) >= limit:
-            self._count_unmapped(f"more than {limit} distinct names (e.g. {name!r})")
+            self._count_unmapped(f"more than {limit} distinct names (e.g. {name!r})", kind=f"names>{limit}")
             return False
         seen.add(name)
         return True
@@ -540,12 +540,14 @@ class OTelExporter(Exporter):
         self._m.create_observable_gauge(name, callbacks=[g.observe], **kw)
         return g
 
-    def _count_unmapped(self, why: str) -> None:
+    def _count_unmapped(self, why: str, *, kind: str | None = None) -> None:
+        """Count one value not exported; say ``why`` once per ``kind`` (default: ``why`` itself)."""
+        kind = why if kind is None else kind
         with self._lock:
             self._unmapped += 1
-            first = why not in self._warned_unmapped and len(self._warned_unmapped) < 16
+            first = kind not in self._warned_unmapped and len(self._warned_unmapped) < 16
             if first:
-                self._warned_unmapped.add(why)
+                self._warned_unmapped.add(kind)
         if first:
             log.warning("stepwatch: not exported: %s (counted in stepwatch_exporter_dropped_total)", why)
 
