@@ -983,3 +983,21 @@ def test_a_corrupt_huge_time_prints_short():
 
     assert fmt.dur(1e300) == "1e+300 s" and fmt.dur(1e30) == "1e+30 s"
     assert fmt.dur(3600.4) == "3600 s" and fmt.dur(12.34) == "12.3 s"
+
+
+def test_summary_with_many_and_long_scalar_names_keeps_its_numbers_and_the_loss(tmp_path, capsys):
+    """A run that logged 20 names, one of them 300 characters long, with ``loss`` late in the
+    alphabet: the Summary's value column came out cut ("3.38 ms" for "3.38 ms / 9.1 ms", nothing
+    at all past 300 characters), and "last loss" was not among the first eight names."""
+    long = "x" * 300
+    names = [f"a{i:02d}" for i in range(6)] + [long, "loss"] + [f"z{i:02d}" for i in range(12)]
+    rows = [StepRecord(step=i, rank=0, time=100.0 + i, step_s=0.1 * (i + 1),
+                       scalars={n: float(i) for n in names}).to_dict() for i in range(5)]
+    write_jsonl(tmp_path / "steps.rank0.jsonl", rows)
+    write_manifest(tmp_path, 1)
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"step time mean / max\s+300 ms / 500 ms\s", out), out
+    assert re.search(r"last loss\s+4", out), out
+    assert "12 more scalars" in out, out
+    assert "last " + "x" * 39 + "…" in out and "x" * 41 not in out  # a long name is cut, with an ellipsis

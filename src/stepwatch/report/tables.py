@@ -12,6 +12,11 @@ from .summary import (
 )
 
 
+# The Summary's "last <scalar>" rows: how many, and a name's characters at most.
+SUMMARY_SCALARS = 8
+SCALAR_LABEL_CHARS = 40
+
+
 def run_info(s: Summary) -> Table:
     run, m = s.run, s.run.manifest or {}
     rows = [["path", run.path]]
@@ -130,13 +135,19 @@ def overview(s: Summary) -> Table:
          f"{fmt.dur(o.eval_total)} / {fmt.dur(o.checkpoint_total)}"],
         ["wall time (first to last step)", fmt.dur(o.wall_s)],
     ]
-    for k, v in sorted(o.scalars_last.items())[:8]:
-        rows.append([f"last {k}", fmt.num(v)])
+    # The losses first, then the other names; a long name is cut (a 300-character one left the
+    # value column no room: the numbers above came out cut, or empty).
+    names = sorted(o.scalars_last, key=lambda k: ("loss" not in k.lower(), k))
+    for k in names[:SUMMARY_SCALARS]:
+        label = k if len(k) <= SCALAR_LABEL_CHARS else k[: SCALAR_LABEL_CHARS - 1] + "…"
+        rows.append([f"last {label}", fmt.num(o.scalars_last[k])])
     t = Table("Summary (all ranks)", ["", ""], rows)
     t.notes.append(
         "Percentiles and mean leave out skipped steps; steps/s is the slowest rank's; "
         "tokens/s adds up the ranks; eval and checkpoint time are outside step time."
     )
+    if len(names) > SUMMARY_SCALARS:
+        t.notes.append(f"{len(names) - SUMMARY_SCALARS} more scalars logged: every value is in steps.rank<R>.jsonl.")
     return t
 
 
