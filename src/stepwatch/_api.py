@@ -19,7 +19,16 @@ _fork_handler_installed = False
 def _after_fork_in_child() -> None:
     s = _session
     if s is not None:
+        running = s._started and not s._closed
         s.after_fork_in_child()
+        if running and not _in_dataloader_worker():
+            # A fork that trains (a Pool's worker under Linux's default 'fork'): a session of its
+            # own from its first optimizer, as a spawned one. It was left unmeasured, unsaid. A
+            # DataLoader worker (marked while its loader starts it) makes no optimizer.
+            import dataclasses
+
+            cfg = s.config
+            _start_at_first_optimizer({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
 
 
 def init(**config: Any) -> "Session":
@@ -92,6 +101,8 @@ def _start_at_first_optimizer(config: dict[str, Any]) -> None:
         if Optimizer.__init__ is __init__:
             Optimizer.__init__ = orig  # once; the session patches its own in
         orig(opt, *args, **kwargs)
+        if get_session() is not None:  # the process started one itself
+            return
         try:
             init(**config)
         except Exception as e:  # a bad setting was checked before; anything else: no session

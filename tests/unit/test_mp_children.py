@@ -178,3 +178,19 @@ def test_a_fork_child_that_calls_init_finishes_its_run_directory(tmp_path):
     parent = [d for d in glob.glob(str(tmp_path / "stepwatch-runs" / "run-*")) if not d.endswith(f"-{c['pid']}")]
     assert len(parent) == 1 and _manifest(parent[0])["ended_by"] == "shutdown"
     assert not os.path.exists(os.path.join(parent[0], "steps.rank0.jsonl")) or _records(parent[0]) == []
+
+
+def test_pool_workers_forked_from_a_job_with_a_session_measure_what_they_train(tmp_path):
+    """Linux's default start method: a Pool's workers are forks of a process whose session is
+    running (``import stepwatch.auto``). The fork leaves the parent's session off in the child,
+    as in a DataLoader worker, and a worker that trained was not measured at all, without a word.
+    Such a worker now starts a session of its own at its first optimizer, as a spawned one does."""
+    out, r = _run(tmp_path, "fork", "pool")
+    pids = out["pool"]["pids"]
+    for pid in sorted(set(pids)):
+        _assert_finished(_run_dir(tmp_path, pid), pids.count(pid) * N)
+    pids = out["pool_with"]["pids"]
+    for pid in sorted(set(pids)):
+        d = _run_dir(tmp_path, pid)
+        _assert_finished(d, pids.count(pid) * N, ended_by=_manifest(d)["ended_by"])
+        assert _manifest(d)["ended_by"] in ("shutdown", "SIGTERM")
