@@ -94,6 +94,7 @@ def test_overlap_low_for_one_bucket_high_for_small_buckets_and_matches_the_profi
 VARIANTS = ("none", "fp16", "powersgd", "fsdp")
 
 
+@pytest.mark.shares_cores  # exact results, no timing bound
 def test_hooks_kept_and_training_bit_identical_with_stepwatch_on_and_off(tmp_path):
     """One job trains four fresh models in turn, with stepwatch and without: `none` (stepwatch
     registers its own AllReduce hook in place of DDP's builtin path), `fp16` and `powersgd` (the
@@ -132,6 +133,7 @@ def test_hooks_kept_and_training_bit_identical_with_stepwatch_on_and_off(tmp_pat
                 assert all(r["allreduce_s"] > 0 and r["overlap"] is not None for r in mine)
 
 
+@pytest.mark.shares_cores  # exact results, no timing bound
 def test_bench_comm_ratio_is_exactly_the_ring_factor(tmp_path):
     out = tmp_path / "bench.json"
     r = torchrun(["bench-comm", "-b", "4K", "-e", "256K", "-f", "4", "-n", "3", "-w", "1", "--json", str(out)], {},
