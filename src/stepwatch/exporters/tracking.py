@@ -43,9 +43,9 @@ TAIL_FIELDS: tuple[str, ...] = ("eval_s", "checkpoint_s", "mem_peak_bytes", "che
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-./ ]")
 
 
-# Which name holds each key (first come): two names that clean up to one key ('a:b' and 'a_b')
-# overwrote each other in every sink. The second gets its own key, the first's with a hash of
-# its name. Bounded: past this many keys, names are no longer told apart.
+# Which name holds each key (the first one logged): two names that clean up to one key ('a:b'
+# and 'a_b') overwrote each other in every sink. A later name gets that key with its own CRC-32
+# after it. Bounded: past this many keys, names are no longer told apart.
 _MAX_KEYS = 10_000
 _holder: dict[str, str] = {}
 
