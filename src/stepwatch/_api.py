@@ -25,10 +25,13 @@ def _after_fork_in_child() -> None:
             # A fork that trains (a Pool's worker under Linux's default 'fork'): a session of its
             # own from its first optimizer, as a spawned one. It was left unmeasured, unsaid. A
             # DataLoader worker (marked while its loader starts it) makes no optimizer.
+            # The parent's settings, less its own exporter objects: a copy of one (its socket, its
+            # file) writing from the child would interleave with the parent's.
             import dataclasses
 
             cfg = s.config
-            _start_at_first_optimizer({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+            own = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "exporters"}
+            _start_at_first_optimizer(own)
 
 
 def init(**config: Any) -> "Session":
