@@ -140,6 +140,20 @@ def _assert_finished(run_dir, steps, ended_by="shutdown"):
     assert m["steps"] == steps and m["ended_by"] == ended_by and m["end_time"] is not None, m
 
 
+def _assert_pools_finished(tmp_path, out):
+    """Every Pool worker's run directory holds the steps of the tasks it ran. ``with Pool``: a
+    worker terminated while it waits for work finishes on SIGTERM; one that was shutting down
+    already finishes that shutdown first (then dies of the SIGTERM)."""
+    pids = out["pool"]["pids"]
+    for pid in sorted(set(pids)):
+        _assert_finished(_run_dir(tmp_path, pid), pids.count(pid) * N)
+    pids = out["pool_with"]["pids"]
+    for pid in sorted(set(pids)):
+        d = _run_dir(tmp_path, pid)
+        _assert_finished(d, pids.count(pid) * N, ended_by=_manifest(d)["ended_by"])
+        assert _manifest(d)["ended_by"] in ("shutdown", "SIGTERM")
+
+
 def test_forkserver_children_and_pool_workers_finish_their_run_directories(tmp_path):
     """'forkserver' children that start at their first optimizer (``import stepwatch.auto``):
     one that returns (after it forked a grandchild that left through multiprocessing's exit with
@@ -157,16 +171,7 @@ def test_forkserver_children_and_pool_workers_finish_their_run_directories(tmp_p
     assert json.loads((tmp_path / "res" / "by_hand.json").read_text()) == {"freed": True, "left": 0}
     _assert_finished(_run_dir(tmp_path, out["grandchild"]["pid"]), N)
     assert json.loads((tmp_path / "res" / "grandchild.json").read_text()) == {"same_session": True}
-    pids = out["pool"]["pids"]
-    for pid in sorted(set(pids)):
-        _assert_finished(_run_dir(tmp_path, pid), pids.count(pid) * N)
-    # ``with Pool``: a worker terminated while it waits for work finishes on SIGTERM; one that
-    # was shutting down already finishes that shutdown first (then dies of the SIGTERM)
-    pids = out["pool_with"]["pids"]
-    for pid in sorted(set(pids)):
-        d = _run_dir(tmp_path, pid)
-        _assert_finished(d, pids.count(pid) * N, ended_by=_manifest(d)["ended_by"])
-        assert _manifest(d)["ended_by"] in ("shutdown", "SIGTERM")
+    _assert_pools_finished(tmp_path, out)
 
 
 def test_a_fork_child_that_calls_init_finishes_its_run_directory(tmp_path):
@@ -186,11 +191,4 @@ def test_pool_workers_forked_from_a_job_with_a_session_measure_what_they_train(t
     as in a DataLoader worker, and a worker that trained was not measured at all, without a word.
     Such a worker now starts a session of its own at its first optimizer, as a spawned one does."""
     out, r = _run(tmp_path, "fork", "pool")
-    pids = out["pool"]["pids"]
-    for pid in sorted(set(pids)):
-        _assert_finished(_run_dir(tmp_path, pid), pids.count(pid) * N)
-    pids = out["pool_with"]["pids"]
-    for pid in sorted(set(pids)):
-        d = _run_dir(tmp_path, pid)
-        _assert_finished(d, pids.count(pid) * N, ended_by=_manifest(d)["ended_by"])
-        assert _manifest(d)["ended_by"] in ("shutdown", "SIGTERM")
+    _assert_pools_finished(tmp_path, out)
