@@ -114,7 +114,7 @@ class WandbExporter(TrackingExporter):
             if self._run is not None and batch.records:
                 # The run this sink logged into was finished, and no new one is active (a sweep's
                 # last run, or steps trained between two runs): these are counted, not lost unsaid.
-                self._dropped += len(batch.records)
+                self._drop(None, len(batch.records), None)
                 if not self._between_runs_said:
                     self._between_runs_said = True
                     log.info("stepwatch: the W&B run was finished and no new run is active; stepwatch's records for "
