@@ -472,6 +472,54 @@ def test_sigusr1_handler_installed_after_stepwatch_still_runs(tmp_path, usr1):
     st.uninstall()
 
 
+_USER_FAULTHANDLER_JOB = r"""
+import faulthandler, json, os, signal, sys, time
+import torch
+mine = open(sys.argv[2], "w")
+faulthandler.register(signal.SIGUSR1, file=mine, all_threads=True)  # the job's own hang debugging
+import stepwatch
+stepwatch.init(dir=sys.argv[1], watchdog="on", console="off")
+m = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+def sent_dump():
+    before = os.path.getsize(sys.argv[2])
+    os.kill(os.getpid(), signal.SIGUSR1)
+    for _ in range(200):
+        if os.path.getsize(sys.argv[2]) > before:
+            return True
+        time.sleep(0.01)
+    return False
+for i in range(5):
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+during = sent_dump()
+stepwatch.shutdown()
+after = sent_dump()  # the process must live through it: the user's dump is still theirs
+print(json.dumps({"during": during, "after": after}))
+"""
+
+
+@pytest.mark.skipif(not signals.supported(), reason="faulthandler.register needs Linux")
+def test_a_jobs_own_faulthandler_sigusr1_dump_is_left_as_it_was(tmp_path):
+    """``faulthandler.register(SIGUSR1, file=...)`` is invisible to ``signal.getsignal``: stepwatch
+    registered over it (the job's dumps went to stepwatch's file), and its unregister at shutdown
+    put back the action from before any registration, SIG_DFL: the next SIGUSR1 killed the job."""
+    script = tmp_path / "job.py"
+    script.write_text(_USER_FAULTHANDLER_JOB)
+    run, mine = tmp_path / "run", tmp_path / "mine.txt"
+    p = subprocess.run([sys.executable, str(script), str(run), str(mine)], capture_output=True, text=True,
+                       timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"during": True, "after": True}
+    assert "sent_dump" in mine.read_text()
+    assert "handler set outside Python's signal module" in p.stderr  # said, once
+    assert p.stderr.count("outside Python's signal module") == 1
+    hw = json.loads((run / "run.json").read_text())["features"]["capture"]["hang_watchdog"]
+    assert hw["sigusr1"] == {"off": "the job's own handler, set outside Python's signal module"}
+    assert hw["dump_signal"]["signal"].startswith("SIGRTMIN")  # stepwatch dump and the watchdog still get stacks
+
+
 # -- config ---------------------------------------------------------------------------------------------
 
 

@@ -67,6 +67,7 @@ class Feature:
         self.ptrace_grant: str | None = None
         self.signal: Any = None
         self.dump_signal: Any = None  # stepwatch's own stack-dump signal (signals.dump_signal)
+        self.signal_off: str | None = None  # why SIGUSR1 writes no stacks
         self.captures: Any = None
         self.timeout: float | None = None
         self.action = "dump"
@@ -140,8 +141,9 @@ class Feature:
             warn_once("watchdog.nopyspy", "stepwatch: watchdog rank %d: py-spy not found (next to this Python "
                       "or on PATH); hang stacks come from faulthandler (Python frames only). Fix: pip install "
                       "py-spy.", ctx.rank)
-        if self.signal is not None:
-            cmd += ["--signal-file", self.signal.path]
+        stacks = self.signal or self.dump_signal  # the same file
+        if stacks is not None:
+            cmd += ["--signal-file", stacks.path]
         if self.dump_signal is not None:
             cmd += ["--dump-signal", str(self.dump_signal.signum)]
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -160,8 +162,13 @@ class Feature:
         ctx = self.hub.ctx
         path = os.path.join(ctx.run_dir, f"sigusr1.rank{ctx.rank}.txt")
         sig = StackSignal(path)
-        sig.install()
-        self.signal = sig
+        if sig.install():
+            self.signal = sig
+        else:
+            self.signal_off = "the job's own handler, set outside Python's signal module"
+            logger.warning("stepwatch: SIGUSR1 has a handler set outside Python's signal module (the job's "
+                           "faulthandler.register?): stepwatch leaves it as it is, and kill -USR1 writes no "
+                           "stacks to %s (stepwatch dump still does)", path)
         rt = dump_signal()
         if rt is not None:
             private = StackSignal(path, rt, private=True)
@@ -354,7 +361,8 @@ class Feature:
                 "action": self.action,
                 "stack_dump": methods,
                 "ptrace": self.ptrace_grant,
-                "sigusr1": self.signal.manifest() if self.signal is not None else None,
+                "sigusr1": (self.signal.manifest() if self.signal is not None
+                            else {"off": self.signal_off} if self.signal_off else None),
                 "dump_signal": self.dump_signal.manifest() if self.dump_signal is not None else None,
                 "flight_recorder": self.flight_recorder,
             }

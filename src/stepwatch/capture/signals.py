@@ -51,30 +51,56 @@ class _Sigaction(ctypes.Structure):
     ]
 
 
-def sa_flags(signum: int) -> int | None:
-    """The flags of the installed action for ``signum`` (None when sigaction is unavailable)."""
+def _action(signum: int) -> _Sigaction | None:
+    """The installed action for ``signum`` (None when sigaction is unavailable)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         act = _Sigaction()
         if libc.sigaction(signum, None, ctypes.byref(act)) != 0:
             return None
-        return int(act.flags)
+        return act
     except (OSError, AttributeError):
         return None
 
 
+def sa_flags(signum: int) -> int | None:
+    """The flags of the installed action for ``signum`` (None when sigaction is unavailable)."""
+    act = _action(signum)
+    return None if act is None else int(act.flags)
+
+
 def _add_restart(signum: int) -> bool:
+    act = _action(signum)
+    if act is None:
+        return False
+    if act.flags & SA_RESTART:
+        return True
+    act.flags |= SA_RESTART
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        act = _Sigaction()
-        if libc.sigaction(signum, None, ctypes.byref(act)) != 0:
-            return False
-        if act.flags & SA_RESTART:
-            return True
-        act.flags |= SA_RESTART
-        return libc.sigaction(signum, ctypes.byref(act), None) == 0
+        return ctypes.CDLL(None, use_errno=True).sigaction(signum, ctypes.byref(act), None) == 0
     except (OSError, AttributeError):
         return False
+
+
+# The signals this process's stepwatch registered with faulthandler. A forked child inherits the
+# registration with this set: the handler it finds there is stepwatch's, not the job's.
+_REGISTERED: set[int] = set()
+
+
+def native_handler(signum: int) -> bool:
+    """The job handles ``signum`` outside Python's ``signal`` module: ``faulthandler.register``
+    (a common way to debug hangs), or a C library. ``signal.getsignal`` does not see such a
+    handler. Registering over it would take it away: faulthandler keeps one file per signal, and
+    its ``unregister`` puts back the action from before the first registration (SIG_DFL, whose
+    action for SIGUSR1 ends the process)."""
+    if signum in _REGISTERED:
+        return False
+    if callable(signal.getsignal(signum)):
+        return False  # a Python handler (Python's own C handler is the installed action)
+    act = _action(signum)
+    if act is None:
+        return False
+    return (act.handler or 0) not in (int(signal.SIG_DFL), int(signal.SIG_IGN))
 
 
 def _has_handler(h: Any) -> bool:
@@ -140,8 +166,10 @@ class StackSignal:
         self._flags_t = 0.0
 
     def install(self) -> bool:
-        """False (nothing installed) for a private signal the job already handles."""
-        if self.private and _has_handler(signal.getsignal(self.signum)):
+        """False (nothing installed) where the job handles the signal already and a registration
+        would take its handler away: a private signal it handles at all, or any signal it handles
+        outside Python's ``signal`` module (:func:`native_handler`)."""
+        if native_handler(self.signum) or (self.private and _has_handler(signal.getsignal(self.signum))):
             return False
         self._file = open_private(self.path, exclusive=False, buffering=1)
         self._register()
@@ -154,6 +182,7 @@ class StackSignal:
         prev = signal.getsignal(self.signum)
         self.chained = _has_handler(prev)
         faulthandler.register(self.signum, file=self._file, all_threads=True, chain=self.chained)
+        _REGISTERED.add(self.signum)
         self.restart = _add_restart(self.signum) if self.chained else True
         self._seen = prev
 
@@ -192,6 +221,7 @@ class StackSignal:
         theirs = signal.getsignal(self.signum)
         try:
             faulthandler.unregister(self.signum)
+            _REGISTERED.discard(self.signum)
             if _has_handler(theirs) and threading.current_thread() is threading.main_thread():
                 signal.signal(self.signum, theirs)
         except (ValueError, OSError, RuntimeError):
