@@ -107,6 +107,7 @@ class Session:
         # How the job ended, for run.json's ``ended_by``: SIGTERM, an uncaught exception (seen by
         # ``_excepthook``), else a shutdown (stepwatch.shutdown(), or the interpreter's exit).
         self.ended_by: str | None = None
+        self._printed_before: BaseException | None = None
         self._prev_excepthook: Any = None
         # In a multiprocessing child: its shutdown in multiprocessing's exit (``_at_mp_exit``).
         self._mp_exit: Any = None
@@ -167,6 +168,7 @@ class Session:
         self._started = True
         self._prev_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
+        self._printed_before = _last_printed()  # an earlier one (a REPL's) is not this job's end
         atexit.register(self.shutdown)
         # A multiprocessing child ('fork', 'forkserver': a Pool's worker, a rank of
         # torch.multiprocessing) leaves through os._exit(), without atexit: see _at_mp_exit.
@@ -323,6 +325,12 @@ class Session:
                 self.instrumentation.uninstall()
             except Exception as e:
                 self.report_error("hooks.uninstall", e)
+        if self.ended_by is None and os.getpid() == self.pid:
+            # A hook that replaced ours and calls no other (rich's, loguru's) kept the exception
+            # from ``_excepthook``; the interpreter keeps the one it printed (atexit runs after).
+            v = _last_printed()
+            if v is not None and v is not self._printed_before:
+                self.ended_by = _uncaught(type(v), v)
         # The exporters flush in parallel while the features stop.
         self.pipeline.shutdown(timeout_s, deadline=deadline, meanwhile=self._stop_features)
         self._write_final_manifest()
@@ -489,6 +497,13 @@ class Session:
             ),
             final=final,
         )
+
+
+def _last_printed() -> BaseException | None:
+    """The last uncaught exception the interpreter printed (it keeps it before it calls
+    ``sys.excepthook``): ``sys.last_exc`` from Python 3.12, ``sys.last_value`` before."""
+    v = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return v if isinstance(v, BaseException) else None
 
 
 def _uncaught(t: Any, v: BaseException) -> str:

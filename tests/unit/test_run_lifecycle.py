@@ -253,6 +253,12 @@ def wrap():
         prev(t, v, tb)
     sys.excepthook = hook
 
+def replace():
+    # A hook installed after stepwatch's that prints the exception itself and calls no other, as
+    # rich.traceback.install() and loguru do.
+    import traceback
+    sys.excepthook = lambda t, v, tb: traceback.print_exception(t, v, tb)
+
 def start_stepwatch():
     import stepwatch
     stepwatch.init(dir=sys.argv[1], console="off", memory=sys.argv[3] == "memory")
@@ -268,6 +274,8 @@ else:
         wandb.init(project="p", mode="offline")
     elif order == "then_a_wrapper":
         wrap()
+    elif order == "then_a_replacement":
+        replace()
 m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
 for i in range(5):
     if i == 3:
@@ -277,7 +285,7 @@ for i in range(5):
 
 
 @pytest.mark.parametrize("order, memory", [
-    *[(order, "no_memory") for order in ("alone", "then_wandb", "wandb_first", "then_a_wrapper")],
+    *[(order, "no_memory") for order in ("alone", "then_wandb", "wandb_first", "then_a_wrapper", "then_a_replacement")],
     ("then_wandb", "memory"),
 ])
 def test_a_crash_prints_its_traceback_once_whoever_hooks_after_stepwatch(tmp_path, order, memory):
@@ -285,7 +293,8 @@ def test_a_crash_prints_its_traceback_once_whoever_hooks_after_stepwatch(tmp_pat
     replaced; when that was stepwatch's (``import stepwatch.auto`` first, then ``wandb.init()``),
     stepwatch's called Python's default printer: the user's traceback twice. A hook that only
     passes the exception on (a stand-in shaped as sentry_sdk's) must still get it printed once;
-    and run.json says how the job ended, whatever the order."""
+    and run.json says how the job ended, whatever the order: also when a hook that calls no other
+    (rich's, loguru's) replaced stepwatch's, which then never saw the exception (``shutdown``)."""
     if order in ("then_wandb", "wandb_first"):
         pytest.importorskip("wandb")
     env = _env()
