@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
 # Modules that provide subcommands, in the order `stepwatch --help` lists them.
 SUBCOMMAND_MODULES = (
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    saved = sys.stdout
+    sys.stdout = _Stdout(saved)  # type: ignore[assignment]
     try:
         rc = _run(argv)
         # What is still buffered goes out here, where a reader that has gone is caught (below),
@@ -48,6 +51,72 @@ def main(argv: list[str] | None = None) -> int:
         if not _reader_gone():
             raise  # another pipe than the command's own output: a real error
         return READER_GONE
+    except _Unwritable as e:
+        print(f"stepwatch: cannot write to standard output: {e}", file=sys.stderr)
+        _to_devnull(saved)  # what is still buffered: not again at the interpreter's exit
+        return 1
+    finally:
+        sys.stdout = saved
+
+
+class _Unwritable(OSError):
+    """Standard output refused a write: a full disk (``> /dev/full``), or closed (``>&-``)."""
+
+
+class _Stdout:
+    """``sys.stdout`` while a command runs: a write that standard output refuses is told apart
+    from the command's own I/O errors (a run directory it cannot read), and said in one line
+    instead of a traceback. An output encoding that cannot take a character (a C locale's ASCII)
+    gets a ``?`` for it instead of the command's end."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        reconfigure = getattr(stream, "reconfigure", None)
+        encoding = str(getattr(stream, "encoding", "utf-8") or "utf-8").lower().replace("_", "-")
+        if reconfigure is not None and not encoding.startswith("utf"):
+            try:
+                reconfigure(errors="replace")
+            except (ValueError, OSError):
+                pass
+
+    def write(self, text: str) -> int:
+        if self._stream is None:
+            raise _Unwritable("it is closed")
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _Unwritable(str(e)) from e
+
+    def flush(self) -> None:
+        if self._stream is None:
+            return
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _Unwritable(str(e)) from e
+
+    def isatty(self) -> bool:
+        return self._stream is not None and self._stream.isatty()
+
+    def __getattr__(self, name: str) -> Any:
+        if self._stream is None:
+            raise AttributeError(name)
+        return getattr(self._stream, name)
+
+
+def _to_devnull(stream: Any) -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # no stream, no descriptor (in-process use)
+        pass
 
 
 def _run(argv: list[str] | None) -> int:

@@ -103,3 +103,30 @@ def test_report_into_head_still_writes_its_html_report(tmp_path):
     text = page.read_text()
     assert text.rstrip().endswith("</html>") and "Per rank" in text
     assert json.loads((tmp_path / "run.json").read_text())["run_id"] in text
+
+
+def test_an_ascii_only_stdout_gets_the_report_with_its_characters_replaced(run_dir):
+    """A minimal container's C locale (``LC_ALL=C``, no UTF-8 mode): stdout's encoding is ASCII,
+    and the report's dashes and ellipses ended the command with a UnicodeEncodeError traceback."""
+    env = {**_env(), "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": "ascii"}
+    p = subprocess.run(_stepwatch(["report", run_dir, "--no-html"]), capture_output=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    assert p.stderr == b""
+    out = p.stdout.decode("ascii")  # what reached the terminal is ASCII
+    assert out.startswith("Run") and "Per rank" in out
+
+
+def test_a_full_or_closed_stdout_gets_one_line_not_a_traceback(run_dir):
+    """``stepwatch report RUN > /dev/full`` (a full disk) said so in a traceback; with stdout
+    closed (``>&-``) the command died of ``None.flush()``."""
+    argv = _stepwatch(["report", run_dir, "--no-html"])
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, env=_env(), timeout=300)
+    err = p.stderr.decode()
+    assert p.returncode == 1
+    assert err.strip() == "stepwatch: cannot write to standard output: [Errno 28] No space left on device", err
+    p = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(), timeout=300,
+                       preexec_fn=lambda: os.close(1))
+    err = p.stderr.decode()
+    assert p.returncode == 1
+    assert err.strip() == "stepwatch: cannot write to standard output: it is closed", err
