@@ -55,3 +55,34 @@ def test_the_grad_norm_outlives_the_window_and_is_shown_bare_when_current():
     e.export(Batch(records=[rec(20, 0.75)]))
     line = out.text.splitlines()[-1]
     assert "| step 20 |" in line and line.endswith("grad-norm 0.75"), line
+
+
+def test_a_job_without_stderr_or_with_a_write_only_one_gets_no_internal_error(sw, monkeypatch):
+    """A job started with stderr closed (``2>&-``: ``sys.stderr`` is None), or whose
+    ``sys.stderr`` is the user's object with ``write`` and no ``flush``: the live console raised
+    on every line, each an ``internal_error`` finding telling the user to report it."""
+    import sys
+
+    class WriteOnly:
+        def __init__(self):
+            self.text = ""
+
+        def write(self, s):
+            self.text += s
+
+    stepwatch, mem, start = sw
+    for stderr in (None, WriteOnly()):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        start(console="on", console_interval_s=0.1)
+        m = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(30):
+            opt.zero_grad()
+            m(torch.randn(2, 4)).sum().backward()
+            opt.step()
+        sess = stepwatch.get_session()
+        stepwatch.shutdown()
+        assert dict(sess.failures.counts) == {}, (stderr, dict(sess.failures.counts))
+        assert not [f for f in mem.findings if f.kind == "internal_error"]
+        if stderr is not None:
+            assert "| step 29 |" in stderr.text  # the lines went where the job pointed stderr

@@ -90,7 +90,7 @@ class ConsoleExporter(Exporter):
         stream: IO[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.stream = stream or sys.stderr
+        self.stream: IO[str] | None = stream or sys.stderr
         self.clock = clock
         tty = bool(getattr(self.stream, "isatty", lambda: False)())
         if config.console == "on" or tty:
@@ -113,9 +113,14 @@ class ConsoleExporter(Exporter):
         return line + (f" | {n:,} dropped" if n else "")
 
     def _write(self, line: str) -> None:
+        stream = self.stream
+        if stream is None:  # started with stderr closed (``2>&-``, a daemon): nowhere to show it
+            return
         try:
-            self.stream.write(line + "\n")
-            self.stream.flush()
+            stream.write(line + "\n")
+            flush = getattr(stream, "flush", None)  # a user's stand-in for sys.stderr may have none
+            if flush is not None:
+                flush()
         except (OSError, ValueError):  # a closed stream at interpreter exit
             pass
 
