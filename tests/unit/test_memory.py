@@ -428,7 +428,7 @@ def test_a_cpu_jobs_peak_never_falls(sw):
     m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                             torch.nn.ReLU(), torch.nn.Linear(1024, 10))
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    x, y = torch.randn(16, 256), torch.randint(0, 10, (16,))
     for i in range(300):
         torch.nn.functional.cross_entropy(m(x), y).backward()
         opt.step()
