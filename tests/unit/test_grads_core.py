@@ -141,12 +141,32 @@ def test_frozen_parameters_and_a_step_with_no_grad_at_all(fresh_tap, full):
     assert steps[2] is None and all(steps[i] is not None for i in (0, 1, 3))
 
 
-def test_two_parameter_groups_take_the_python(fresh_tap, full):
+def test_two_parameter_groups_run_in_c(fresh_tap, full):
+    """AdamW's common recipe, decay and no-decay groups (nanoGPT's configure_optimizers, HF's
+    Trainer): the Python ran every step, a call per parameter tensor on top of the floor."""
     def make(m):
-        return torch.optim.SGD([{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 0.1}], lr=1e-2)
-    steps, _, _ = _lockstep(make, 4)
+        decay = [p for p in m.parameters() if p.dim() >= 2]
+        no_decay = [p for p in m.parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                 lr=1e-2)
+    steps, m, _ = _lockstep(make, 5)
     assert all(s is not None for s in steps)
-    assert full.n == 4  # every step: the C path keeps to one group
+    assert full.n == 1  # the first step meets the optimizer; every later one is C's
+    want = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item()
+    assert abs(_norm(steps[-1]) - want) <= 1e-6 * want
+
+
+def test_a_replaced_list_in_the_second_of_three_groups_is_noticed(fresh_tap, full):
+    def make(m):
+        return torch.optim.SGD([{"params": [m[0].weight]}, {"params": [m[0].bias, m[2].weight]},
+                                {"params": [m[2].bias]}], lr=1e-2)
+
+    def between(i, m, o):
+        if i == 2:  # another list object of the same length in the middle group
+            o.param_groups[1]["params"] = list(reversed(o.param_groups[1]["params"]))
+    steps, _, _ = _lockstep(make, 5, between=between)
+    assert all(s is not None for s in steps)
+    assert full.n == 2  # the first step, and the step that met the new list
 
 
 def test_a_parameter_group_added_mid_run_is_followed(fresh_tap, full):

@@ -618,26 +618,40 @@ static PyObject *gn_probe_py(GradNormCore *self, PyObject *probe, PyObject *opti
     Py_RETURN_NONE;
 }
 
-/* 1: st's recorded parameter list is optimizer's (one group, the same list object and length:
- * _OptState.parameters would return it unchanged); 0: not, or not known here; -1: an error. */
+/* 1: group["params"] is the list that pair (id, len) recorded, that long; 0: not; -1: an error. */
+static int group_matches(PyObject *group, PyObject *pair) {
+    if (!PyDict_CheckExact(group) || !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+        !PyLong_CheckExact(PyTuple_GET_ITEM(pair, 0)) || !PyLong_CheckExact(PyTuple_GET_ITEM(pair, 1)))
+        return 0;
+    PyObject *ps = PyDict_GetItemWithError(group, s_params); /* borrowed */
+    if (ps == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (!PyList_CheckExact(ps)) return 0;
+    void *id = PyLong_AsVoidPtr(PyTuple_GET_ITEM(pair, 0));
+    Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return id == (void *)ps && n == PyList_GET_SIZE(ps);
+}
+
+/* 1: st's recorded parameter list is optimizer's (_OptState.parameters would return it unchanged:
+ * each group's list the same object and length; one group's recorded as its (id, len) pair, several
+ * as a tuple of them); 0: not, or not known here; -1: an error. Several groups are the common AdamW
+ * recipe (decay and no-decay): they took the Python every step, a call per parameter tensor. */
 static int same_params(PyObject *optimizer, PyObject *st) {
     PyObject *groups = PyObject_GetAttr(optimizer, s_param_groups);
     if (groups == NULL) return -1;
     int same = 0;
-    if (PyList_CheckExact(groups) && PyList_GET_SIZE(groups) == 1 && PyDict_CheckExact(PyList_GET_ITEM(groups, 0))) {
-        PyObject *ps = PyDict_GetItemWithError(PyList_GET_ITEM(groups, 0), s_params); /* borrowed */
-        PyObject *shape = SLOT(st, os_off[OS_SHAPE]);
-        if (ps == NULL) {
-            same = PyErr_Occurred() ? -1 : 0;
-        } else if (PyList_CheckExact(ps) && shape != NULL && PyTuple_CheckExact(shape) && PyTuple_GET_SIZE(shape) == 2 &&
-                   PyLong_CheckExact(PyTuple_GET_ITEM(shape, 0)) && PyLong_CheckExact(PyTuple_GET_ITEM(shape, 1))) {
-            void *id = PyLong_AsVoidPtr(PyTuple_GET_ITEM(shape, 0));
-            Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, 1));
-            if (PyErr_Occurred()) {
-                PyErr_Clear();
-            } else {
-                same = id == (void *)ps && n == PyList_GET_SIZE(ps);
-            }
+    PyObject *shape = SLOT(st, os_off[OS_SHAPE]);
+    if (PyList_CheckExact(groups) && shape != NULL && PyTuple_CheckExact(shape)) {
+        Py_ssize_t ng = PyList_GET_SIZE(groups);
+        if (ng == 1) {
+            same = group_matches(PyList_GET_ITEM(groups, 0), shape);
+        } else if (ng > 1 && PyTuple_GET_SIZE(shape) == ng) {
+            same = 1;
+            for (Py_ssize_t i = 0; i < ng && same == 1; i++)
+                same = group_matches(PyList_GET_ITEM(groups, i), PyTuple_GET_ITEM(shape, i));
         }
     }
     Py_DECREF(groups);
