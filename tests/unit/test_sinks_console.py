@@ -11,15 +11,19 @@ from stepwatch.exporters.console import ConsoleExporter
 from stepwatch.record import StepRecord
 
 
-def test_the_final_line_shows_the_last_known_grad_norm_with_grad_norm_every(sw, capfd):
-    stepwatch, mem, start = sw
-    start(console="on", grad_norm_every=7)
+def _train(steps: int) -> None:
     m = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    for _ in range(20):
+    for _ in range(steps):
         opt.zero_grad()
         m(torch.randn(2, 4)).sum().backward()
         opt.step()
+
+
+def test_the_final_line_shows_the_last_known_grad_norm_with_grad_norm_every(sw, capfd):
+    stepwatch, mem, start = sw
+    start(console="on", grad_norm_every=7)
+    _train(20)
     stepwatch.shutdown()
     probed = [r for r in mem.records if r.grad_norm is not None]
     assert [r.step for r in probed] == [0, 7, 14], [r.step for r in mem.records]
@@ -74,12 +78,7 @@ def test_a_job_without_stderr_or_with_a_write_only_one_gets_no_internal_error(sw
     for stderr in (None, WriteOnly()):
         monkeypatch.setattr(sys, "stderr", stderr)
         start(console="on", console_interval_s=0.1)
-        m = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for _ in range(30):
-            opt.zero_grad()
-            m(torch.randn(2, 4)).sum().backward()
-            opt.step()
+        _train(30)
         sess = stepwatch.get_session()
         stepwatch.shutdown()
         assert dict(sess.failures.counts) == {}, (stderr, dict(sess.failures.counts))
