@@ -306,6 +306,7 @@ class Session:
             self._shut_down(timeout_s, deadline)
 
     def _shut_down(self, timeout_s: float, deadline: float) -> None:
+        replaced = sys.excepthook != self._excepthook  # by a hook that may not pass exceptions on
         try:
             # The SIGTERM handler stays until the final manifest is written (at the end): a SIGTERM
             # during this shutdown on another thread still writes it (``_shutdown_quietly``), then
@@ -325,9 +326,10 @@ class Session:
                 self.instrumentation.uninstall()
             except Exception as e:
                 self.report_error("hooks.uninstall", e)
-        if self.ended_by is None and os.getpid() == self.pid:
+        if self.ended_by is None and replaced and os.getpid() == self.pid:
             # A hook that replaced ours and calls no other (rich's, loguru's) kept the exception
             # from ``_excepthook``; the interpreter keeps the one it printed (atexit runs after).
+            # Only then: a notebook keeps a cell's exception there too, and goes on.
             v = _last_printed()
             if v is not None and v is not self._printed_before:
                 self.ended_by = _uncaught(type(v), v)

@@ -345,3 +345,25 @@ def test_an_exporter_moving_the_exit_shutdown_while_exit_hooks_run_never_cancels
     assert p.returncode == 0, p.stderr
     manifest = json.loads((run / "run.json").read_text())
     assert manifest["end_time"] is not None and manifest["steps"] == 3 and manifest["ended_by"] == "shutdown", manifest
+
+
+def test_an_exception_a_notebook_kept_is_not_how_the_job_ended(sw, monkeypatch):
+    """The interpreter keeps the last exception it printed (``sys.last_value``), and so does a
+    notebook for a cell's, and the job goes on. Only one printed while the session ran, with
+    stepwatch's excepthook replaced by one that may not pass it on, is taken as the job's end."""
+    stepwatch, _, start = sw
+    cases = [("before init, hook replaced", True, True), ("while running, our hook in place", False, False)]
+    for label, before, replace in cases:
+        monkeypatch.delattr(sys, "last_value", raising=False)
+        monkeypatch.delattr(sys, "last_exc", raising=False)
+        if before:
+            monkeypatch.setattr(sys, "last_value", RuntimeError("a cell of before"), raising=False)
+        s = start(console="off")
+        if replace:
+            monkeypatch.setattr(sys, "excepthook", lambda *a: None)
+        if not before:
+            monkeypatch.setattr(sys, "last_value", RuntimeError("a cell that failed"), raising=False)
+        stepwatch.shutdown()
+        monkeypatch.undo()
+        with open(os.path.join(s.ctx.run_dir, "run.json")) as f:
+            assert json.load(f)["ended_by"] == "shutdown", label
