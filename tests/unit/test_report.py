@@ -196,6 +196,22 @@ def test_findings_grouped_by_kind_with_worst_severity(tmp_path):
     assert g.summary == "latest one"  # ordered by time: step 300 is the latest
 
 
+def test_findings_the_rate_limit_held_back_are_counted_in_the_report(tmp_path):
+    """A spike on rank 0 every 50 steps (a checkpoint) and the rank waiting for it: 7 findings,
+    written as 4 lines by the rate limit (an opening, then "[episode over: 3 in all]"). The
+    report's count was the lines: 5 of 7, or 2 of 3 for one rank alone."""
+    from stepwatch.analysis.ratelimit import FindingLimiter
+
+    lim = FindingLimiter(window=60)
+    raw = [finding(r, s, kind="step_time_spike") for s in (50, 100, 150) for r in (0, 1)]
+    raw.append(finding(1, 400, kind="step_time_spike"))  # a later episode: one line, one finding
+    lines = [f for one in raw for f in lim.filter([one])] + lim.flush()
+    assert len(lines) == 5
+    make_run(tmp_path, ranks=2, n=10, findings=lines)
+    (g,) = summarize(load_run(str(tmp_path))).findings
+    assert (g.kind, g.count, g.ranks, g.first_step, g.last_step) == ("step_time_spike", 7, [0, 1], 50, 400)
+
+
 def test_a_hang_the_job_was_ended_for_is_read_from_the_watchdogs_own_file(tmp_path):
     """The sidecar writes its ``hang`` finding to ``findings.watchdog.rank<R>.jsonl`` and the
     trainer copies it into ``findings.rank<R>.jsonl`` within a second: a trainer ended right

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..record import SEVERITIES
+from ..record import SEVERITIES, Finding
 from .columns import PooledColumns, RankColumns, Series, pool
 from .load import Run
 
@@ -291,17 +291,31 @@ def _about(f: Any) -> list[Any]:
     return [f.rank]
 
 
+def _occurrences(f: Finding) -> int:
+    """How many findings a line of the findings file stands for. The rate limit
+    (analysis/ratelimit.py) writes one line per episode and repeat: a line carries the findings
+    held back since the last line (``data.episode.held_back``); a closing line is itself the last
+    of those held back."""
+    ep = f.data.get("episode") if isinstance(f.data, dict) else None
+    if not isinstance(ep, dict):
+        return 1
+    held = ep.get("held_back")
+    if type(held) is not int or held < 0:
+        return 1
+    return held if ep.get("final") is True and held else held + 1
+
+
 def group_findings(run: Run) -> list[FindingGroup]:
     groups: dict[str, FindingGroup] = {}
     for f in run.findings:  # ordered by time: the last one seen is the latest
         g = groups.get(f.kind)
         if g is None:
             groups[f.kind] = FindingGroup(
-                f.kind, f.severity, 1, list(dict.fromkeys(_about(f))), f.step, f.step, f.summary, f.diagnosis,
-                f.action
+                f.kind, f.severity, _occurrences(f), list(dict.fromkeys(_about(f))), f.step, f.step, f.summary,
+                f.diagnosis, f.action
             )
             continue
-        g.count += 1
+        g.count += _occurrences(f)
         g.severity = _worst(f.severity, g.severity)
         for r in _about(f):
             if r not in g.ranks:
