@@ -52,3 +52,27 @@ def test_threshold_variable_is_validated_with_its_name():
     assert Config.from_env({"STEPWATCH_LOW_MFU": "0.3"}).low_mfu == 0.3
     with pytest.raises(ConfigError, match="STEPWATCH_LOW_MFU='40'"):
         Config.from_env({"STEPWATCH_LOW_MFU": "40"})
+
+
+def test_a_cpu_jobs_low_mfu_gives_advice_for_a_cpu(sw):
+    """A CPU job gets an MFU from a peak the user gives (docs/mfu.md). Its ``low_mfu`` finding
+    told it to look for idle gaps between CUDA kernels with nsys, then at SM_ACTIVE and Tensor
+    Core activity: none of which a CPU has."""
+    import torch
+
+    stepwatch, mem, start = sw
+    start(peak_tflops=1000.0, console="off")
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(LOW_MFU_MIN_STEPS + 10):
+        opt.zero_grad()
+        m(torch.randn(16, 32)).pow(2).mean().backward()
+        opt.step()
+    stepwatch.shutdown()
+    (f,) = [f for f in mem.findings if f.kind == "low_mfu"]
+    text = " ".join((f.summary, f.diagnosis, f.action))
+    for gpu_only in ("SM_ACTIVE", "Tensor Core", "NCCL", "nccl", "--trace=cuda", "CUDA launches", "nccl-tests"):
+        assert gpu_only not in text, (gpu_only, text)
+    from stepwatch.metrics.lowmfu import _FIRST_LOOK_CPU
+
+    assert f.summary.endswith(_FIRST_LOOK_CPU[f.data["look_first"]][1]), f.summary

@@ -71,9 +71,9 @@ KINDS: dict[str, Kind] = {
             "MFU (window median) is below 40%: most of the step is not model math on the device. "
             "The summary says where the step time goes (data wait, forward, backward, optimizer, "
             "other, exposed communication) and which part to look at first.",
-            "Start where the summary points; for compute-side time, profile a few steps "
-            "(nsys profile --trace=cuda,nvtx,nccl, or the capture stepwatch took) and look for idle "
-            "gaps between kernels on the timeline.",
+            "Start where the summary points; for compute-side time, profile a few steps (the capture "
+            "stepwatch took, `stepwatch capture`, or nsys on a GPU) and look on the timeline for idle "
+            "gaps between kernels or ops, and for the few that take the time.",
             "B.10 'Low MFU in training (< 40%) -> nsys --trace=cuda,nvtx,nccl -> Timeline: idle gaps "
             "between kernels'; threshold configurable (STEPWATCH_LOW_MFU)",
         ),
@@ -91,10 +91,12 @@ KINDS: dict[str, Kind] = {
             "allreduce_not_overlapped",
             "warning",
             "AllReduce is not overlapped with backward: most gradient communication runs after the "
-            "backward compute instead of behind it (overlap below the 80% target); expect a 10-30% "
-            "throughput loss.",
-            "Enable gradient_as_bucket_view=True in DDP, and use buckets small enough to start during "
-            "backward (bucket_cap_mb, default 25); check that no hook or sync point delays the first bucket.",
+            "backward compute instead of behind it (overlap below the 80% target). The exposed time "
+            "the summary states is throughput lost every step (10-30% of it in the reference "
+            "sheet's typical case).",
+            "Use buckets small enough to start during backward (DDP's bucket_cap_mb, default 25: a "
+            "model whose gradients fit in one bucket cannot overlap at all), and enable "
+            "gradient_as_bucket_view=True in DDP; check that no hook or sync point delays the first bucket.",
             "B.2 'NCCL spans overlap backward kernels -> measure overlap fraction, target > 80%'; "
             "'NCCL spans are sequential after backward -> Allreduce not overlapped, 10-30% throughput "
             "loss -> Enable gradient_as_bucket_view=True in DDP'",
@@ -123,7 +125,8 @@ KINDS: dict[str, Kind] = {
             "straggler",
             "warning",
             "Straggler rank: its compute time (step time minus data wait and exposed communication) "
-            "exceeds the median of the other ranks' for several windows in a row; every collective "
+            "exceeds the median of the other ranks' by the margin in every window of a run of them "
+            "(the summary says how many, at least a second of steps in all); every collective "
             "waits for it, so the other ranks' step time grows by the same amount.",
             "Inspect the named ranks and hosts: GPU throttling, XIDs, ECC (`dcgmi dmon -e 1003` across "
             "nodes), CPU contention or a noisy neighbour, uneven data (sequence lengths) or extra work "

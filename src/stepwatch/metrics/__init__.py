@@ -52,7 +52,8 @@ class TrainingMetrics:
         hub.add_detector(GradNormSpikeDetector(cfg.grad_norm_spike_abs, cfg.grad_norm_spike_factor, cfg.grad_norm_window,
                                                sources=sources))
         hub.add_detector(MfuDropDetector(cfg.mfu_drop_points, cfg.mfu_drop_window_s))
-        hub.add_detector(LowMfuDetector(cfg.low_mfu, cfg.window, captures_dir=os.path.join(hub.ctx.run_dir, "captures")))
+        hub.add_detector(LowMfuDetector(cfg.low_mfu, cfg.window, captures_dir=os.path.join(hub.ctx.run_dir, "captures"),
+                                        device=lambda: self.device))
         hub.add_forward_observer(self._first_forward)
         hub.add_forward_observer(self.throughput.on_forward)
         hub.add_reevaluation_observer(self.throughput.on_reevaluation)

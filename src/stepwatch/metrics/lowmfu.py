@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ..analysis.kinds import make_finding
 from ..record import Finding, StepRecord
 
@@ -31,6 +33,24 @@ _FIRST_LOOK = {
 }
 
 
+# The same on a CPU (a peak given with STEPWATCH_PEAK_TFLOPS is how a CPU run gets an MFU,
+# docs/mfu.md): no kernels, no SM_ACTIVE, no NCCL there; the sheet's tools are for GPUs.
+_FIRST_LOOK_CPU = {
+    "data": ("data loading",
+             "DataLoader num_workers and prefetch_factor (B.9); `stepwatch dump` shows what the rank "
+             "does while it waits for a batch"),
+    "comm": ("exposed communication",
+             "overlap with backward (bucket_cap_mb; B.2); gloo's collectives run on the host's cores, "
+             "beside the compute"),
+    "other": ("host time outside forward/backward/optimizer (logging, Python between phases)",
+              "`stepwatch dump` (py-spy) on the rank: what the Python between the phases does"),
+    "compute": ("the compute itself",
+                "a torch.profiler capture (`stepwatch capture`, or the one stepwatch took) for the ops "
+                "that take the time; torch's intra-op threads (torch.get_num_threads(), OMP_NUM_THREADS) "
+                "against the cores the rank has; whether the peak given is this CPU's for this dtype"),
+}
+
+
 def _median(vals: list[float]) -> float:
     s = sorted(vals)
     n = len(s)
@@ -47,7 +67,9 @@ class LowMfuDetector:
     ``captures_dir`` holds one. Background thread; memory bounded by the window.
     """
 
-    def __init__(self, threshold: float, window: int, captures_dir: str | None = None) -> None:
+    def __init__(self, threshold: float, window: int, captures_dir: str | None = None,
+                 device: Callable[[], str | None] = lambda: None) -> None:
+        """``device``: the device's name once known (``"cpu"`` on a CPU), for where to look."""
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"threshold must be within (0, 1], got {threshold!r}")
         if window < 1:
@@ -55,6 +77,7 @@ class LowMfuDetector:
         self.threshold = threshold
         self.window = max(int(window), LOW_MFU_MIN_STEPS)
         self.captures_dir = captures_dir
+        self._device = device
         self._buf: list[StepRecord] = []
         self._in_episode = False
 
@@ -109,7 +132,8 @@ class LowMfuDetector:
         parts = {"data": share["data_wait"], "comm": comm or 0.0, "other": share["other"]}
         big = {k: v for k, v in parts.items() if v >= FIRST_LOOK_SHARE}
         first = max(big, key=big.get) if big else "compute"  # type: ignore[arg-type]
-        what, where = _FIRST_LOOK[first]
+        on_cpu = self._device() == "cpu"
+        what, where = (_FIRST_LOOK_CPU if on_cpu else _FIRST_LOOK)[first]
         last = buf[-1]
         split = ", ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in share.items())
         if comm is not None:
