@@ -287,10 +287,18 @@ class Pipeline:
             meanwhile()
         for w in self.workers:
             if not w.join(deadline):
-                logger.warning(
-                    "stepwatch: exporter %s did not finish within the %.1f s of shutdown; what it still held is "
-                    "counted in run.json's exporter_drops", w.name, timeout_s,
-                )
+                if w.left_at_deadline:
+                    logger.warning(
+                        "stepwatch: exporter %s did not finish within the %.1f s of shutdown; the %d records, "
+                        "findings and samples it still held are counted in run.json's exporter_drops",
+                        w.name, timeout_s, w.left_at_deadline,
+                    )
+                else:
+                    logger.warning(
+                        "stepwatch: exporter %s did not finish within the %.1f s of shutdown: it had sent every "
+                        "batch, and was still flushing or shutting down (its destination may lack the last "
+                        "values it was sending)", w.name, timeout_s,
+                    )
         if self._records is not None:
             # What failed after the final pass was handed out (a sink on its thread, a feature's
             # stop) left its internal_error finding for a pass that will not come: the records

@@ -386,3 +386,37 @@ def test_a_stuck_pass_costs_shutdown_its_budget_only_and_what_it_held_is_counted
         release.set()
     assert took < 2.0
     assert p.dropped == 6  # the queued records that no pass will take, and the one the stuck pass took
+
+
+def test_an_exporter_stuck_in_its_flush_at_shutdown_is_not_said_to_have_records_counted(caplog):
+    """OTLP with the collector down: every batch was exported (into the SDK), and the exporter's
+    own flush was still trying when shutdown's time was up. The warning said what it held was
+    counted in ``exporter_drops``, which was empty: nothing was held, the last push was pending."""
+
+    class SlowFlush(Recording):
+        def force_flush(self, timeout_s=None):
+            time.sleep(1.0)
+
+    class StuckExport(Recording):
+        def __init__(self):
+            super().__init__()
+            self.release = threading.Event()
+
+        def export(self, batch):
+            self.release.wait(5)
+
+    slow, stuck = SlowFlush(), StuckExport()
+    p = make(others=[("slowflush", slow), ("stuck", stuck)])
+    p.start()
+    t0 = p.perf_ref_ns
+    for i in range(3):
+        p.enqueue(raw(i, t_end=t0 + i * MS))
+    with caplog.at_level("WARNING", logger="stepwatch"):
+        p.shutdown(0.4)
+    stuck.release.set()
+    said = {r.getMessage().split(" did not finish")[0].rsplit(" ", 1)[-1]: r.getMessage() for r in caplog.records
+            if "did not finish" in r.getMessage()}
+    assert set(said) == {"slowflush", "stuck"}, said
+    assert "counted" not in said["slowflush"] and "still flushing" in said["slowflush"]
+    assert "the 3 records, findings and samples it still held are counted" in said["stuck"], said["stuck"]
+    assert [r.step for r in slow.records] == [0, 1, 2]

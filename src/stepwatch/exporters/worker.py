@@ -44,6 +44,9 @@ class ExporterWorker:
         self.name = name
         self.exporter: Exporter | None = None
         self.dropped = {"records": 0, "findings": 0, "samples": 0}
+        # What join() counted as dropped when shutdown's time was up (None: it finished). 0: the
+        # exporter held no batch, it was still in its own flush or shutdown (a collector down).
+        self.left_at_deadline: int | None = None
         self._build = build
         self._cap = capacity
         self._on_error = on_error
@@ -90,7 +93,7 @@ class ExporterWorker:
         self._thread.join(max(deadline - time.monotonic(), 0.0))
         if not self._thread.is_alive():
             return True
-        self._give_up(busy_too=True)
+        self.left_at_deadline = self._give_up(busy_too=True)
         return False
 
     def idle(self) -> bool:
@@ -159,9 +162,11 @@ class ExporterWorker:
         except BaseException as e:  # noqa: BLE001
             self._on_error(f"exporter.{self.name}", e)
 
-    def _give_up(self, busy_too: bool = False) -> None:
-        """Take nothing more; count what is queued (and, ``busy_too``, the batch in ``export``)."""
+    def _give_up(self, busy_too: bool = False) -> int:
+        """Take nothing more; count what is queued (and, ``busy_too``, the batch in ``export``).
+        Returns how many records, findings and samples that was."""
         with self._cv:
+            before = sum(self.dropped.values())
             self._gone = True
             for b in self._queue:
                 self._count(b)
@@ -170,6 +175,7 @@ class ExporterWorker:
             if busy_too and self._busy is not None:
                 self._count(self._busy)
                 self._busy = None
+            return sum(self.dropped.values()) - before
 
 
 def describe_drops(workers: list[ExporterWorker], exporters: Any = ()) -> dict[str, dict[str, Any]]:
