@@ -307,8 +307,8 @@ def test_spike_detector_absolute_relative_and_nonfinite():
     assert all(d.observe_result(i, _res(1.0 + 0.01 * i)) is None for i in range(12))
     f = d.observe_result(12, _res(6.0))  # 5.x times the median of ~1.05
     assert f.kind == "grad_norm_spike" and "rolling median" in f.summary
-    assert d.observe_result(13, _res(7.0)) is None  # same episode
-    assert d.observe_result(14, _res(1.0)) is None  # recovered: re-armed
+    assert d.observe_result(13, _res(7.0)).kind == "grad_norm_spike"  # each step: the rate limit counts them
+    assert d.observe_result(14, _res(1.0)) is None  # recovered
     f = d.observe_result(15, _res(11.0))
     assert f.kind == "grad_norm_spike" and "above 10" in f.summary
     f = d.observe_result(16, _res(float("inf"), skipped=True))
@@ -579,7 +579,7 @@ def test_spike_detector_keeps_the_rolling_median_without_sorting_per_record():
     from stepwatch.metrics.grads import GradNormSpikeDetector
 
     def reference(norms, window, abs_threshold, factor):
-        recent, in_spike, out = deque(maxlen=window), False, []
+        recent, out = deque(maxlen=window), []
         for step, norm in enumerate(norms):
             if norm is None:
                 continue
@@ -588,11 +588,7 @@ def test_spike_detector_keeps_the_rolling_median_without_sorting_per_record():
                 continue
             median = statistics.median(recent) if len(recent) >= min(window, 10) else None
             recent.append(norm)
-            over = norm > abs_threshold or (median is not None and median > 0 and norm > factor * median)
-            if not over:
-                in_spike = False
-            elif not in_spike:
-                in_spike = True
+            if norm > abs_threshold or (median is not None and median > 0 and norm > factor * median):
                 out.append((step, "grad_norm_spike", median))
         return out
 
@@ -1030,3 +1026,32 @@ def test_the_common_probe_matches_get_total_norm_in_float64_and_bfloat16(hooked)
         assert p.per_tensor and type(p.values) is tuple and len(p.values) == len(list(m.parameters()))
         assert all(v.dim() == 0 and v.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) for v in p.values)
         assert rel(h.values()[0].norm, want) < tol, dtype
+
+
+def test_a_spike_that_lasts_50_steps_is_counted_as_50_in_the_findings_file(sw):
+    """The loss scaled by 1e4 for steps 100-149: 50 steps with a grad norm above 10. The detector
+    gave one finding for the whole spike (it held the others back itself), so the rate limit had
+    nothing to count: the findings file said one step. Every step over the threshold is a finding
+    now; the rate limit writes the episode's opening and its closing "N in all"."""
+    import json
+    import os
+
+    stepwatch, _, start = sw
+    s = start(console="off", grad_norm_every=1)
+    torch.manual_seed(0)
+    m = nn.Linear(8, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-6)
+    for step in range(200):
+        loss = m(torch.randn(16, 8)).pow(2).mean() * (1e4 if 100 <= step < 150 else 1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    stepwatch.shutdown()
+    with open(os.path.join(s.ctx.run_dir, "steps.rank0.jsonl")) as f:
+        over = [r["step"] for r in map(json.loads, f) if (r.get("grad_norm") or 0) > 10]
+    assert over == list(range(100, 150))
+    with open(os.path.join(s.ctx.run_dir, "findings.rank0.jsonl")) as f:
+        spikes = [x for x in map(json.loads, f) if x["kind"] == "grad_norm_spike"]
+    assert spikes[0]["step"] == 100 and spikes[-1]["data"]["episode"]["final"], spikes
+    assert spikes[-1]["data"]["episode"]["count"] == 50 and "[episode over: 50 in all over steps 100-149]" in \
+        spikes[-1]["summary"], spikes[-1]["summary"]

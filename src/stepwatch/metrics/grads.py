@@ -1250,25 +1250,24 @@ class GradNormSources:
 
 class _Window:
     """One rolling history of finite norms: in arrival order and sorted (the median without a
-    sort per record), and whether a spike episode is open."""
+    sort per record)."""
 
-    __slots__ = ("recent", "sorted", "in_spike")
+    __slots__ = ("recent", "sorted")
 
     def __init__(self) -> None:
         from collections import deque
 
         self.recent: deque[float] = deque()
         self.sorted: list[float] = []
-        self.in_spike = False
 
 
 class GradNormSpikeDetector:
     """Turns resolved grad norms into findings (background thread).
 
     ``nonfinite_grads`` for every non-finite norm (skipped steps included); ``grad_norm_spike``
-    when the norm exceeds ``abs_threshold`` (reference B.7: 10) or ``factor`` x the rolling
-    median of the last ``window`` finite norms (after ``min(window, 10)`` of them), once per
-    episode: re-armed when the norm is back under both thresholds.
+    for each step whose norm exceeds ``abs_threshold`` (reference B.7: 10) or ``factor`` x the
+    rolling median of the last ``window`` finite norms (after ``min(window, 10)`` of them). The
+    session's rate limit makes a run of them one episode, counted.
 
     The rolling history is kept per optimizer (per set of optimizers, for a record whose step
     stepped several): a process that trains two models with optimizers of their own (a small
@@ -1379,21 +1378,20 @@ class GradNormSpikeDetector:
         return self._finite(step, norm, rank, when, key)
 
     def _finite(self, step: int | None, norm: float, rank: int, when: float | None, key: Any = None) -> Any:
-        """A finite norm: into its optimizer's window; a ``grad_norm_spike`` Finding once per
-        episode, else None."""
+        """A finite norm: into its optimizer's window; a ``grad_norm_spike`` Finding when it is
+        over a threshold, else None."""
         w = self._main if key is None else self._history(key)
         median = self._median(w)
         self._add(norm, w)
         over_abs = norm > self.abs_threshold
         over_rel = median is not None and median > 0 and norm > self.factor * median
         if not (over_abs or over_rel):
-            w.in_spike = False
             return None
-        if w.in_spike:
-            return None
+        # Every step over a threshold is a finding: the rate limit (analysis/ratelimit.py) writes
+        # an episode's first and its closing "N in all". Held back here, a 50-step spike was one
+        # finding, and the findings file said one step.
         from ..analysis.kinds import make_finding
 
-        w.in_spike = True
         why = f"above {self.abs_threshold:g}" if over_abs else f"{norm / median:.1f}x the rolling median {median:.3g}"
         return make_finding(
             "grad_norm_spike",
