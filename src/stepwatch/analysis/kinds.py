@@ -31,8 +31,8 @@ KINDS: dict[str, Kind] = {
             "warning",
             "Data loading is a bottleneck: the training loop waits on the DataLoader "
             "(mean wait over the window above 10 ms).",
-            "Increase num_workers, set pin_memory=True, prefetch (prefetch_factor), "
-            "or move decoding off the critical path.",
+            "Increase num_workers, prefetch (prefetch_factor), or move decoding off the critical "
+            "path; on a GPU, pin_memory=True for the host-to-device copy.",
             "B.9 Storage and I/O: 'If avg_wait_ms > 10ms -> data loading is bottlenecking GPU'",
         ),
         # -- MFU, FLOPs and grad norm (metrics/flops.py, metrics/peaks.py, metrics/grads.py) --
@@ -60,7 +60,8 @@ KINDS: dict[str, Kind] = {
             "warning",
             "MFU dropped by more than 5 percentage points compared with 10 minutes earlier.",
             "Look at what changed: data wait, exposed communication, a straggler rank, thermal "
-            "throttling; capture a profile of a slow step (nsys --trace=cuda,nvtx,nccl).",
+            "throttling; capture a profile of a slow step (`stepwatch capture`, or nsys "
+            "--trace=cuda,nvtx,nccl on a GPU).",
             "B.7 'MFU drop detection (alert if drops > 5 pp in 10 min)'; the sheet's PromQL "
             "`training_mfu - training_mfu offset 10m > 0.05` fires on a rise, so stepwatch "
             "uses `training_mfu offset 10m - training_mfu > 0.05`",
@@ -128,9 +129,9 @@ KINDS: dict[str, Kind] = {
             "exceeds the median of the other ranks' by the margin in every window of a run of them "
             "(the summary says how many, at least a second of steps in all); every collective "
             "waits for it, so the other ranks' step time grows by the same amount.",
-            "Inspect the named ranks and hosts: GPU throttling, XIDs, ECC (`dcgmi dmon -e 1003` across "
-            "nodes), CPU contention or a noisy neighbour, uneven data (sequence lengths) or extra work "
-            "on that rank (logging, eval, checkpoint on rank 0).",
+            "Inspect the named ranks and hosts: CPU contention or a noisy neighbour, uneven data "
+            "(sequence lengths) or extra work on that rank (logging, eval, checkpoint on rank 0); on "
+            "GPUs, throttling, XIDs, ECC (`dcgmi dmon -e 1003` across nodes).",
             "B.4 matrix 'Variable / Any / Any -> Straggler'; B.10 'Straggler node suspected -> outlier "
             "SM_ACTIVE vs. rest of fleet'; B.7 step time P99",
         ),
@@ -406,8 +407,8 @@ KINDS: dict[str, Kind] = {
             "Memory is close to the limit: device free memory below 5000 MiB, or host memory in use "
             "above 90% of the cgroup limit (or physical RAM). The next larger batch or sequence will OOM.",
             "Shrink what the step holds: a smaller micro-batch (with gradient accumulation), "
-            "activation checkpointing, optimizer state offload or sharding (FSDP/ZeRO); on the host, "
-            "fewer DataLoader workers, persistent_workers=True, a smaller prefetch_factor.",
+            "activation checkpointing, sharding (FSDP/ZeRO), on a GPU optimizer state offload; on the "
+            "host, fewer DataLoader workers, persistent_workers=True, a smaller prefetch_factor.",
             "B.7 'FREE GPU MEMORY (low = risk of OOM): DCGM_FI_DEV_FB_FREE < 5000' (MiB); host: 90% of "
             "the limit, stepwatch's default",
         ),
@@ -433,7 +434,8 @@ KINDS: dict[str, Kind] = {
             "device or the network.",
             "Read hang-<n>/report.json and the laggard's stacks.rank<R>.txt: its top frames show "
             "where it is stuck (data loading, a rank-dependent branch, I/O, a GIL-holding C call). "
-            "When no rank is behind, check the GPUs (XIDs, ECC) and the network (NCCL_DEBUG=INFO).",
+            "When no rank is behind, check the network and, on GPUs, the devices (XIDs, ECC) and "
+            "NCCL (NCCL_DEBUG=INFO).",
             "stepwatch rule; B.6 troubleshooting 'Training hang ... py-spy dump --pid'",
         ),
         # -- trace analysis (traces/, docs/traces.md): what a capture's timeline shows --
