@@ -60,8 +60,8 @@ KINDS: dict[str, Kind] = {
             "warning",
             "MFU dropped by more than 5 percentage points compared with 10 minutes earlier.",
             "Look at what changed: data wait, exposed communication, a straggler rank, thermal "
-            "throttling; capture a profile of a slow step (`stepwatch capture`, or nsys "
-            "--trace=cuda,nvtx,nccl on a GPU).",
+            "throttling; capture a profile of a slow step (`stepwatch capture`, or on a GPU nsys "
+            "--trace=cuda,nvtx,nccl).",
             "B.7 'MFU drop detection (alert if drops > 5 pp in 10 min)'; the sheet's PromQL "
             "`training_mfu - training_mfu offset 10m > 0.05` fires on a rise, so stepwatch "
             "uses `training_mfu offset 10m - training_mfu > 0.05`",
@@ -73,7 +73,7 @@ KINDS: dict[str, Kind] = {
             "The summary says where the step time goes (data wait, forward, backward, optimizer, "
             "other, exposed communication) and which part to look at first.",
             "Start where the summary points; for compute-side time, profile a few steps (the capture "
-            "stepwatch took, `stepwatch capture`, or nsys on a GPU) and look on the timeline for idle "
+            "stepwatch took, `stepwatch capture`, or on a GPU nsys) and look on the timeline for idle "
             "gaps between kernels or ops, and for the few that take the time.",
             "B.10 'Low MFU in training (< 40%) -> nsys --trace=cuda,nvtx,nccl -> Timeline: idle gaps "
             "between kernels'; threshold configurable (STEPWATCH_LOW_MFU)",
