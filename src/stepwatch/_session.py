@@ -54,8 +54,10 @@ def _features_wanted(cfg: Config) -> list[tuple[str, bool, str]]:
         ("comm", cfg.comm, "stepwatch.comm"),
         # Memory fields, memory findings, OOM forensics (docs/memory.md).
         ("memory", cfg.memory, "stepwatch.memory"),
-        # Hang watchdog, SIGUSR1 stack dumps, anomaly-triggered captures (docs/hang.md).
-        ("capture", cfg.watchdog != "off" or cfg.capture != "off", "stepwatch.capture"),
+        # Hang watchdog, SIGUSR1 stack dumps, anomaly-triggered captures (docs/hang.md). Always
+        # started: it registers the step-time spike detector, a finding with those off too, and
+        # stops there when both are off.
+        ("capture", True, "stepwatch.capture"),
         # MLflow sink: its probe of the thread-local active run sits on the training thread.
         ("mlflow", cfg.mlflow, "stepwatch.exporters.mlflow"),
     ]

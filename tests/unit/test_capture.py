@@ -928,15 +928,17 @@ def test_an_observer_that_removes_itself_runs_once_and_the_others_still_run(tmp_
     assert calls == ["first", "next", "next", "next"]
 
 
-def test_a_step_time_spike_is_a_finding_in_a_one_process_job_without_captures(sw):
+@pytest.mark.parametrize("settings", [{}, {"watchdog": "off", "capture": "off"}], ids=["default", "both_off"])
+def test_a_step_time_spike_is_a_finding_in_a_one_process_job_without_captures(sw, settings):
     """Captures are off in a one-process job by default (``capture=auto``); the spike detector
     was registered only with them, so a 0.5 s stall among ~1 ms steps gave no finding, though the
-    README lists ``step_time_spike`` among the default detectors."""
+    README lists ``step_time_spike`` among the default detectors. With the watchdog and captures
+    both set off, the feature that registers it was not started at all: no spike either."""
     import torch
 
     stepwatch, mem, start = sw
-    session = start()
-    assert session.config.capture == "auto"
+    session = start(**settings)
+    assert session.config.capture == settings.get("capture", "auto")
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=0.0)
     model = torch.nn.Identity()
