@@ -13,6 +13,7 @@ Findings that trigger a capture (``TRIGGER_KINDS``): the spike, the data-loading
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 from typing import Callable
@@ -55,6 +56,7 @@ class StepTimeSpikeDetector:
     def __init__(self, window: int = 50, *, mads: float = 6.0, min_ratio: float = 2.0, min_history: int | None = None,
                  hold: int | None = None, excluded: Callable[[int], bool] | None = None) -> None:
         self.hist: deque[float] = deque(maxlen=max(window, 5))
+        self._sorted: list[float] = []  # hist, sorted: its median without a sort per record
         self.comm_hist: deque[float] = deque(maxlen=self.hist.maxlen)  # collective_s, where measured
         self.mads = mads
         self.min_ratio = min_ratio
@@ -69,10 +71,15 @@ class StepTimeSpikeDetector:
             return []
         x = rec.step_s
         out: list[Finding] = []
-        if len(self.hist) >= self.min_history:
-            med = statistics.median(self.hist)
-            mad = statistics.median(abs(v - med) for v in self.hist)
-            limit = med + max(self.mads * MAD_TO_SIGMA * mad, (self.min_ratio - 1.0) * med, MIN_SPIKE_EXCESS_S)
+        hist, srt = self.hist, self._sorted
+        n = len(srt)
+        if n >= self.min_history:
+            med = srt[n // 2] if n % 2 else (srt[n // 2 - 1] + srt[n // 2]) / 2  # as statistics.median
+            floor = med + max((self.min_ratio - 1.0) * med, MIN_SPIKE_EXCESS_S)
+            # The MAD (a median of deviations: ~10 us a record) only where it can matter: the limit
+            # is never below ``floor``, so a step under it is no spike whatever the MAD.
+            mad = statistics.median(abs(v - med) for v in hist) if x > floor else 0.0
+            limit = max(med + self.mads * MAD_TO_SIGMA * mad, floor)
             if x > limit:
                 f = spike_finding(rec, median_s=med, mad_s=mad, limit_s=limit,
                                   collective_median_s=statistics.median(self.comm_hist) if self.comm_hist else None)
@@ -84,7 +91,10 @@ class StepTimeSpikeDetector:
                     else:
                         self._last_fire = rec.step
                     out.append(f)
-        self.hist.append(x)
+        if len(hist) == hist.maxlen:
+            del srt[bisect.bisect_left(srt, hist[0])]
+        hist.append(x)
+        bisect.insort(srt, x)
         c = collective_s(rec)
         if c is not None:
             self.comm_hist.append(c)
