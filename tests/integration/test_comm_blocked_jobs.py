@@ -149,7 +149,7 @@ def test_the_rank_waiting_in_a_logging_all_reduce_or_a_barrier_is_not_blamed(tmp
     assert wait["step_s"] >= PAUSE_S * 0.8 and wait["comm_exposed_s"] >= PAUSE_S * 0.8, wait
     spikes = {f["step"]: f for f in of_kind(run, 1, "step_time_spike")}
     f = spikes.get(EVERY)
-    if f is None:  # an earlier wait spike of a loaded machine, within the detector's hold, stands for it
+    if f is None:  # an earlier wait spike of a loaded machine opened the episode; the rate limit held this one back
         assert [s for s, g in spikes.items() if EVERY - 50 < s < EVERY and g["data"]["cause"] == "collective_wait"], spikes
     else:
         assert f["severity"] == "info" and f["data"]["cause"] == "collective_wait", f

@@ -105,7 +105,7 @@ def spikes(run, rank):
 
 def assert_told_it_waited(run, rank):
     """``rank``'s step EVERY: no warning; an info spike that names the wait (unless an earlier
-    wait spike of a loaded machine, within the detector's hold, stands for it)."""
+    wait spike of a loaded machine opened the rate limit's episode and this one was held back in it)."""
     found = spikes(run, rank)
     rec = {r["step"]: r for r in lines(run, "steps", rank)}[EVERY]
     assert rec["step_s"] >= PAUSE_S * 0.8 and rec["comm_exposed_s"] >= PAUSE_S * 0.8, rec  # the wait, as measured
@@ -154,7 +154,7 @@ def feed(det, recs):
 
 
 def test_a_wait_spike_is_info_and_does_not_hold_off_the_ranks_own_spike_after_it():
-    det = StepTimeSpikeDetector(window=20, hold=20)
+    det = StepTimeSpikeDetector(window=20)
     recs = [rec(i) for i in range(25)]
     recs.append(rec(25, step_s=0.304, exposed=0.301))  # waited 300 ms in the AllReduce
     recs += [rec(i) for i in range(26, 30)]
@@ -206,7 +206,7 @@ def test_a_spike_waiting_for_a_peer_asks_for_no_capture_of_this_ranks_steps():
     still asks for one."""
     from stepwatch.capture.triggers import triggers_capture
 
-    det = StepTimeSpikeDetector(window=20, hold=20)
+    det = StepTimeSpikeDetector(window=20)
     recs = [rec(i) for i in range(25)] + [rec(25, step_s=0.304, exposed=0.301)]
     recs += [rec(i) for i in range(26, 30)] + [rec(30, step_s=0.304, forward=0.301)]
     got = feed(det, recs)

@@ -42,28 +42,27 @@ class StepTimeSpikeDetector:
     MIN_SPIKE_EXCESS_S)``: at least ``min_ratio`` (2) times the median, so the jitter of a busy
     host is no spike, and at least 2 ms over it, so neither is a tiny step's blip.
 
-    The second term keeps a very steady job (MAD near 0) from calling jitter a spike. At most one
-    finding per ``hold`` steps: a burst of slow steps is one event. A step ``excluded(step)`` says
-    is ours (a capture's profiler slowed it) is neither judged nor kept in the history.
+    The second term keeps a very steady job (MAD near 0) from calling jitter a spike. Every slow
+    step is a finding: the one rate limit every finding passes (analysis/ratelimit.py) makes a
+    burst one episode and counts it, and a bigger spike right after a small one is still told
+    (in the episode's repeat or closing line). A step ``excluded(step)`` says is ours (a
+    capture's profiler slowed it) is neither judged nor kept in the history.
 
     A spike most of whose excess over the median the step spent waiting in a collective (exposed
     AllReduce beyond its own rolling median) is another rank's -- a checkpoint, an evaluation or a
     slow step there -- and is ``info``, its summary saying how much was waiting and to look at the
     other ranks at that step; any other spike (compute, data, optimizer) is this rank's own,
-    a ``warning``. The two are held apart, so a peer's periodic save never holds off the rank's
-    own spike (``analysis.detectors.spike_finding`` decides)."""
+    a ``warning`` (``analysis.detectors.spike_finding`` decides). The two are episodes of their
+    own in the rate limit, so a peer's periodic save never holds back the rank's own spike."""
 
     def __init__(self, window: int = 50, *, mads: float = 6.0, min_ratio: float = 2.0, min_history: int | None = None,
-                 hold: int | None = None, excluded: Callable[[int], bool] | None = None) -> None:
+                 excluded: Callable[[int], bool] | None = None) -> None:
         self.hist: deque[float] = deque(maxlen=max(window, 5))
         self._sorted: list[float] = []  # hist, sorted: its median without a sort per record
         self.comm_hist: deque[float] = deque(maxlen=self.hist.maxlen)  # collective_s, where measured
         self.mads = mads
         self.min_ratio = min_ratio
         self.min_history = min_history if min_history is not None else max(5, min(window, 20))
-        self.hold = hold if hold is not None else max(window, 5)
-        self._last_fire: int | None = None
-        self._last_wait: int | None = None  # the last spike that was waiting for a peer
         self.excluded = excluded
 
     def observe(self, rec: StepRecord) -> list[Finding]:
@@ -81,16 +80,8 @@ class StepTimeSpikeDetector:
             mad = statistics.median(abs(v - med) for v in hist) if x > floor else 0.0
             limit = max(med + self.mads * MAD_TO_SIGMA * mad, floor)
             if x > limit:
-                f = spike_finding(rec, median_s=med, mad_s=mad, limit_s=limit,
-                                  collective_median_s=statistics.median(self.comm_hist) if self.comm_hist else None)
-                waited = f.severity == "info"
-                last = self._last_wait if waited else self._last_fire
-                if last is None or rec.step - last >= self.hold:
-                    if waited:
-                        self._last_wait = rec.step
-                    else:
-                        self._last_fire = rec.step
-                    out.append(f)
+                out.append(spike_finding(rec, median_s=med, mad_s=mad, limit_s=limit,
+                                         collective_median_s=statistics.median(self.comm_hist) if self.comm_hist else None))
         if len(hist) == hist.maxlen:
             del srt[bisect.bisect_left(srt, hist[0])]
         hist.append(x)

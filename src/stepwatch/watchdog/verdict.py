@@ -296,7 +296,8 @@ def summary(report: dict[str, Any]) -> str:
                        f"{ranks_text(waiting)} {verb} in. " + "; ".join(parts) + ".")
     elif report["verdict"] == "device_or_network":
         text = head + (f"Every rank entered the {where} and it does not complete: no rank is behind, so "
-                       "suspect the device or the network (a GPU, a link, the NCCL/gloo transport).")
+                       "suspect the device or the network (NCCL: a GPU, an NVLink or InfiniBand link, the transport; "
+                       "gloo: the network between the hosts, or a host that stopped answering).")
     else:
         text = head + "The ranks' progress does not name a laggard; read the stacks."
     if report.get("missing_ranks"):
