@@ -175,7 +175,7 @@ def test_overlap_detector_waits_for_the_straggler_exchange_two_windows_at_most()
     """Before the exchange's first verdict the time waiting for peers is unknown (comm_wait_s
     null): a window then is not judged; a job whose ranks never get one (no c10d store) is judged
     from its third window on, as before."""
-    d = OverlapDetector(window=4, threshold=0.8, repeat_windows=1)
+    d = OverlapDetector(window=4, threshold=0.8)
     got = [[f for i in range(w * 4, w * 4 + 4) for f in d.observe(rec(i, overlap=0.1, comm_exposed_s=0.03))]
            for w in range(3)]
     assert [len(g) for g in got] == [0, 0, 1]

@@ -42,11 +42,11 @@ def records(seed: int, n: int = 3000) -> list[StepRecord]:
 
 
 DETECTORS = {
-    "data_loading": lambda: DataLoadingDetector(window=50, threshold_ms=10, repeat_windows=3),
+    "data_loading": lambda: DataLoadingDetector(window=50, threshold_ms=10),
     "grad_norm_spike": lambda: GradNormSpikeDetector(20.0, 10.0, 50),
     "mfu_drop": lambda: MfuDropDetector(points=5.0, window_s=5.0),
     "low_mfu": lambda: LowMfuDetector(0.4, 100),
-    "overlap": lambda: OverlapDetector(window=40, threshold=0.5, repeat_windows=2),
+    "overlap": lambda: OverlapDetector(window=40, threshold=0.5),
     "fragmentation": lambda: FragmentationDetector(window=30),
     "near_limit": lambda: NearLimitDetector(window=30),
 }

@@ -100,3 +100,23 @@ def test_seconds_positions_for_serve_vllm():
     # The opening, one repeat after 20 windows (6000 s), and the closing count.
     assert [f.time - 1e9 for f in out] == [0, 6000, 3 * 3600 - 2]
     assert out[-1].data["episode"]["count"] == 3 * 3600 // 2 and "over 10798 s" in out[-1].summary
+
+
+def test_four_bad_data_loading_windows_are_counted_four():
+    """The windowed detectors (data_loading, allreduce_not_overlapped, memory_near_limit,
+    memory_fragmentation) held back the bad windows after the first themselves, so the rate limit
+    had nothing to count: four bad windows read as one, with no closing count. Every bad window is
+    a finding now, and the episode's closing line says how many."""
+    from stepwatch.analysis.detectors import DataLoadingDetector
+    from stepwatch.record import StepRecord
+
+    det = DataLoadingDetector(window=10, threshold_ms=10)
+    lim = FindingLimiter(window=10, repeat_windows=20)
+    out = []
+    for s in range(60):
+        rec = StepRecord(step=s, rank=0, time=float(s), step_s=0.05, data_wait_s=0.03 if s < 40 else 0.001)
+        out += lim.filter(det.observe(rec), now=s)
+    out += lim.flush()
+    assert [(f.step, f.data["episode"]["final"]) for f in out] == [(9, False), (39, True)]
+    assert out[-1].data["episode"]["count"] == 4
+    assert "[episode over: 4 in all over steps 9-39]" in out[-1].summary, out[-1].summary

@@ -2,10 +2,11 @@
 
 A detector has ``observe(record) -> list[Finding]``, and may have ``observe_many(records) ->
 list[Finding]``: the same over a pass's records in one call (the pipeline calls it instead;
-one Python call a record per detector was a tenth of the background's cost). Each judges
-non-overlapping windows of ``window`` steps, raises a finding when a window turns bad, and
-repeats it at most every ``repeat_windows`` windows while it stays bad, so a persistent
-problem is not log spam.
+one Python call a record per detector was a tenth of the background's cost). A windowed one
+judges non-overlapping windows of ``window`` steps and makes a finding of every bad window: the
+one rate limit every finding passes (analysis/ratelimit.py) writes a run of them as an episode,
+its first window, a repeat every ``STEPWATCH_FINDING_REPEAT_WINDOWS`` and a closing count, so a
+persistent problem is not log spam and its length is not lost.
 
 ``spike_finding`` builds the step-time spike's finding (the detector, with its rolling median, is
 capture/triggers.py's): it says whose time the spike was, this rank's or a peer's it waited for.
@@ -27,11 +28,9 @@ class WindowedDetector:
     # this many steps after its first; 0: never (a partial window is too little for the rule).
     final_min_steps = 0
 
-    def __init__(self, window: int, repeat_windows: int = 20) -> None:
+    def __init__(self, window: int) -> None:
         self.window = window
-        self.repeat_windows = repeat_windows
         self._buf: list[StepRecord] = []
-        self._bad_windows = 0  # consecutive bad windows (0 = healthy)
         self._judged = False  # a full window was judged
 
     def finish(self) -> list[Finding]:
@@ -72,16 +71,10 @@ class WindowedDetector:
             out.extend(self._close(buf))
 
     def _close(self, buf: list[StepRecord]) -> list[Finding]:
-        """A full window judged: its finding, unless it repeats one within ``repeat_windows``."""
+        """A full window judged: its finding, if it was bad."""
         self._judged = True
         finding = self.judge(buf)
-        if finding is None:
-            self._bad_windows = 0
-            return []
-        self._bad_windows += 1
-        if (self._bad_windows - 1) % self.repeat_windows == 0:
-            return [finding]
-        return []
+        return [finding] if finding is not None else []
 
     def judge(self, window: list[StepRecord]) -> Finding | None:  # pragma: no cover - interface
         return None
@@ -93,8 +86,8 @@ class DataLoadingDetector(WindowedDetector):
 
     final_min_steps = 10
 
-    def __init__(self, window: int, threshold_ms: float, repeat_windows: int = 20) -> None:
-        super().__init__(window, repeat_windows)
+    def __init__(self, window: int, threshold_ms: float) -> None:
+        super().__init__(window)
         self.threshold_s = threshold_ms / 1000.0
 
     def judge(self, window: list[StepRecord]) -> Finding | None:

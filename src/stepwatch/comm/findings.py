@@ -80,9 +80,9 @@ def verdict(busbw: float, nbytes: int, base: dict[str, Any] | None) -> str:
 class OverlapDetector(WindowedDetector):
     """B.2: overlap of AllReduce with backward should exceed 80%."""
 
-    def __init__(self, window: int, threshold: float, repeat_windows: int = 20,
+    def __init__(self, window: int, threshold: float,
                  exposed_of: Callable[[StepRecord], float | None] | None = None) -> None:
-        super().__init__(window, repeat_windows)
+        super().__init__(window)
         self.threshold = threshold
         # The AllReduce part of a record's comm_exposed_s (the enricher's ``ddp_exposed_s``): the
         # time blocked in the job's other collectives (a logging all_reduce, a barrier) is in

@@ -207,8 +207,8 @@ class NearLimitDetector(WindowedDetector):
     """Device free memory under 5000 MiB (B.7), or host memory in use above 90% of the limit.
     ``host()`` returns the latest ``(used_bytes, limit_bytes, limit_kind)`` sample or None."""
 
-    def __init__(self, window: int, host: Callable[[], Any] | None = None, repeat_windows: int = 20) -> None:
-        super().__init__(window, repeat_windows)
+    def __init__(self, window: int, host: Callable[[], Any] | None = None) -> None:
+        super().__init__(window)
         self.host = host
 
     def judge(self, window: list[StepRecord]) -> Finding | None:
