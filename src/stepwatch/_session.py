@@ -26,6 +26,7 @@ from ._files import cannot_write, private_run_dir, say_unwritable
 from ._log import FailureLog, logger
 from ._manifest import Manifest, RunFacts
 from ._sigterm import FINISH_S, SigtermFinisher, _die
+from .analysis.checkpoint import CheckpointWatch
 from .analysis.detectors import DataLoadingDetector, UnseenForwardCheck
 from .config import Config
 from .context import RunContext, from_env, refresh_from_dist
@@ -119,7 +120,8 @@ class Session:
             flush_interval_s=config.flush_interval_s,
             window=config.window,
             repeat_windows=config.finding_repeat_windows,
-            detectors=[DataLoadingDetector(config.window, config.data_wait_threshold_ms), UnseenForwardCheck()],
+            detectors=[DataLoadingDetector(config.window, config.data_wait_threshold_ms), UnseenForwardCheck(),
+                       CheckpointWatch()],
             features=self.features_started,
             sinks=self._sinks,
             on_open=lambda: self._write_manifest(final=False),

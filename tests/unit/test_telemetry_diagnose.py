@@ -265,3 +265,43 @@ def test_a_save_at_the_start_or_in_a_short_run_is_not_judged_a_share_of_the_run(
     # A write under 2 GB/s is storage, whatever the run's length.
     slow = StepRecord(step=0, rank=0, time=0.0, step_s=0.01, checkpoint_s=10.0, checkpoint_bytes=10_000_000_000)
     assert [f.kind for f in CheckpointWatch().update([slow])] == ["slow_checkpoint"]
+
+
+@pytest.mark.parametrize("gpu_telemetry", [True, False])
+def test_a_slow_save_is_found_with_gpu_telemetry_on_or_off(sw, gpu_telemetry):
+    """The checkpoint rules (B.9) read the step records only, but ran inside the GPU sampler's
+    analysis: a CPU job that set ``gpu_telemetry=False`` never got ``slow_checkpoint``. A save of
+    100 MB that takes 0.3 s (under 2 GB/s) is found either way, and the summary leads with the
+    rule that fired (the share of run time needs a minute of run behind it, not there yet)."""
+    import io
+    import time
+
+    import torch
+    import torch.nn as nn
+
+    class SlowFile(io.BytesIO):  # storage that writes at ~0.3 GB/s
+        slept = False
+
+        def write(self, b):
+            if not self.slept:
+                self.slept = True
+                time.sleep(0.3)
+            return super().write(b)
+
+    stepwatch, mem, start = sw
+    start(gpu_telemetry=gpu_telemetry)
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    big = torch.zeros(25_000_000)  # 100 MB
+    for step in range(20):
+        m(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 10:
+            torch.save(big, SlowFile())
+    stepwatch.shutdown()
+    rec = next(r for r in mem.records if r.checkpoint_s > 0)
+    assert rec.checkpoint_bytes >= 100_000_000 and rec.checkpoint_gbps < 2.0, rec
+    (f,) = [f for f in mem.findings if f.kind == "slow_checkpoint"]
+    assert f.summary.startswith("saves wrote 0."), f.summary
+    assert "(< 2 GB/s: storage degraded)" in f.summary

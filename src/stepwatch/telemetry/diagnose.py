@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from ..analysis.checkpoint import CheckpointWatch, checkpoint_fields  # noqa: F401 - here before analysis/
 from ..analysis.kinds import make_finding
 from ..record import Finding, StepRecord
 from .fields import REASONS_KEY, XIDS_KEY
@@ -44,13 +45,6 @@ DATA_WAIT_SHARE = 0.10
 MATRIX_WINDOW_S = 60.0
 MATRIX_MIN_SAMPLES = 5
 MATRIX_REPEAT_S = 600.0
-# Reference B.9: "a healthy training job loses 2-8% MFU to checkpoint overhead"; storage checklist
-# "> 10 GB/s healthy; < 2 GB/s -> storage degraded".
-CHECKPOINT_SHARE_MAX = 0.08
-CHECKPOINT_GBPS_DEGRADED = 2.0
-# stepwatch: the share of run time is judged once this much run time is behind it (a save of the
-# initial weights at step 0, or in a run of seconds, is most of the run so far and says nothing).
-CHECKPOINT_SHARE_MIN_RUN_S = 60.0
 # Reference B.4 field table rows judged over a window of samples (ratios, as DCGM exports them):
 # "GR_ENGINE_ACTIVE < 60% -> overhead-bound"; "SM_OCCUPANCY < 25% -> occupancy limiter";
 # "DRAM_ACTIVE constant 100% -> BW bottleneck"; "MEM_MAX_OP_TEMP > 90 C -> HBM thermal limit";
@@ -88,11 +82,6 @@ def nvlink_baseline(gpu_name: str | None) -> float | None:
     if "H100" not in name or "PCIE" in name or "NVL" in name.replace("NVLINK", ""):
         return None
     return NVLINK_BASELINE_BPS
-
-
-# stepwatch: a save smaller than this says nothing about storage bandwidth (its time is open,
-# pickling and metadata latency; a 2 KB save "writes" 0.00 GB/s): only larger saves are judged.
-CHECKPOINT_MIN_BYTES = 100_000_000
 
 
 # stepwatch: straggler = a rank whose SM activity std-dev is >= 0.10 while the others' median is
@@ -468,65 +457,3 @@ def find_gpu_stragglers(series: dict[int, Sequence[float]], *, rank: int = 0, st
                       "mean": sum(vals) / len(vals), "ranks": len(stds)},
             ))
     return out
-
-
-def checkpoint_fields(nbytes: int | None, seconds: float) -> dict[str, float | int | None]:
-    """The record fields for one checkpoint save: bytes and GB/s (None when unknown)."""
-    gbps = (nbytes / seconds / 1e9) if (nbytes and seconds > 0) else None
-    return {"checkpoint_bytes": nbytes, "checkpoint_gbps": gbps}
-
-
-def _ck_bytes(r: StepRecord) -> float | None:
-    v = getattr(r, "checkpoint_bytes", None)
-    if v is None:
-        v = r.scalars.get("checkpoint_bytes") if r.scalars else None
-    return v
-
-
-class CheckpointWatch:
-    """Checkpoint share of run time since the start, judged each time a record carries a save,
-    once ``CHECKPOINT_SHARE_MIN_RUN_S`` of run time is behind it; the saves' write speed at once.
-
-    O(1) memory (running sums). Reports at most once per ``repeat_s`` of record time.
-    """
-
-    def __init__(self, rank: int = 0, repeat_s: float = 1800.0) -> None:
-        self.rank = rank
-        self.repeat_s = repeat_s
-        self.run_s = 0.0
-        self.ck_s = 0.0
-        self.ck_bytes = 0.0
-        self.ck_bytes_s = 0.0  # checkpoint seconds of the saves whose bytes are known
-        self.saves = 0
-        self._last: float | None = None
-
-    def update(self, records: Sequence[StepRecord]) -> list[Finding]:
-        out: list[Finding] = []
-        for r in records:
-            self.run_s += r.step_s + r.eval_s + r.checkpoint_s
-            if r.checkpoint_s <= 0:
-                continue
-            self.saves += 1
-            self.ck_s += r.checkpoint_s
-            b = _ck_bytes(r)
-            if b and b >= CHECKPOINT_MIN_BYTES:
-                self.ck_bytes += b
-                self.ck_bytes_s += r.checkpoint_s
-            share = self.ck_s / self.run_s if self.run_s > 0 else 0.0
-            gbps = self.ck_bytes / self.ck_bytes_s / 1e9 if self.ck_bytes_s > 0 else None
-            slow = ((share > CHECKPOINT_SHARE_MAX and self.run_s >= CHECKPOINT_SHARE_MIN_RUN_S)
-                    or (gbps is not None and gbps < CHECKPOINT_GBPS_DEGRADED))
-            if not slow or (self._last is not None and r.time - self._last < self.repeat_s):
-                continue
-            self._last = r.time
-            parts = [f"checkpointing took {share:.1%} of run time in {self.saves} step{'s' * (self.saves != 1)} "
-                     f"with a save ({self.ck_s:.1f} s of {self.run_s:.1f} s; 2-8% is normal)"]
-            if gbps is not None:
-                parts.append(f"saves wrote {gbps:.2f} GB/s"
-                             + (" (< 2 GB/s: storage degraded)" if gbps < CHECKPOINT_GBPS_DEGRADED else ""))
-            out.append(make_finding(
-                "slow_checkpoint", rank=self.rank, step=r.step, when=r.time, summary="; ".join(parts),
-                data={"checkpoint_s": self.ck_s, "run_s": self.run_s, "share": share, "gb_per_s": gbps,
-                      "saves": self.saves},
-            ))
-        return out

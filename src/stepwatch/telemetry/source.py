@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from .._log import warn_once
 from ..record import Finding, StepRecord
-from .diagnose import Analyzer, CheckpointWatch
+from .diagnose import Analyzer
 from .summary import samples_between, summarize_window
 
 log = logging.getLogger("stepwatch.telemetry")
@@ -87,7 +87,6 @@ class TelemetrySource:
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._analyzer = Analyzer(rank)
-        self._checkpoints = CheckpointWatch(rank)
         self.dropped = 0
         self.errors = 0
         self.status: dict[str, Any] = {"enabled": enabled, "running": False}
@@ -135,10 +134,9 @@ class TelemetrySource:
         return summarize_window(samples_between(self._recent, t0, t1))
 
     def analyze(self, samples: Sequence[dict[str, Any]], records: Sequence[StepRecord] = ()) -> list[Finding]:
-        """Findings from new samples and records. Safe to call without a GPU (checkpoint share only)."""
-        out = self._analyzer.analyze(samples, records)
-        out.extend(self._checkpoints.update(records))
-        return out
+        """Findings from new samples and records (the checkpoint rules are a detector of the
+        session's own: analysis/checkpoint.py)."""
+        return self._analyzer.analyze(samples, records)
 
     # -- the sampler thread --
     def _open(self) -> tuple[Any, Any, Any] | None:
