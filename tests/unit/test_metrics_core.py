@@ -441,3 +441,32 @@ def test_a_new_model_after_the_last_ones_unstepped_micro_batch_has_the_step_in_b
     assert first == [(18 + 7, (3, None))]
     assert after == [(18 + 7, (3, None))] * 2
     assert both == again == [(18 + 7, (3, None)), (18 + 7, None)]
+
+
+def test_two_alternating_signatures_both_take_the_hot_path_in_both_collectors():
+    """Two micro-batch lengths in turn (or a shared encoder on queries, then on documents): each
+    root remembered only its last call's signature, so every call missed and took the full path
+    (~43 Python calls: the cache key, its lookup, the signature made again). The root keeps the
+    signature before its last too now: after each one's first call, both take the hot path. A
+    third one in the cycle still misses (each call pushes out the one it needs next)."""
+    model, loss_mod = nn.Linear(6, 6), nn.MSELoss()
+    a, b, c = torch.randn(3, 6), torch.randn(5, 6), torch.randn(7, 6)
+    cols = [_counting(cls)(cache=FlopCache(counter=_counter))
+            for cls in (tokens.ThroughputCollector, tokens.PyThroughputCollector)]
+    got = [[], []]
+    for _ in range(6):
+        for col, steps in zip(cols, got):
+            for x in (a, b):
+                col.on_forward(model, (x,), {})
+                col.on_forward(loss_mod, (x, x), {})
+                steps.append(_items(col))
+    assert got[0] == got[1]
+    assert got[0] == [[(18 + 7, (3, None)), (36 + 7, None)], [(30 + 7, (5, None)), (60 + 7, None)]] * 6
+    assert [col.full for col in cols] == [4, 4]  # the first call of each signature, the model's and the loss's
+    for col in cols:
+        col.full = 0
+        for _ in range(3):
+            for x in (a, b, c):
+                col.on_forward(model, (x,), {})
+                col.take()
+        assert col.full == 7, type(col).__mro__[1]  # all but the first a and b (still remembered)

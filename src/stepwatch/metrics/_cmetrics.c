@@ -420,23 +420,34 @@ static PyObject *Throughput_on_forward(ThroughputCore *self, PyObject *const *ar
             PyErr_SetString(PyExc_TypeError, "ThroughputCollector: a hit must be a (signature, item) pair");
             return NULL;
         }
-        PyObject *sig = PyTuple_GET_ITEM(hit, 0);
-        int m;
-        if (sig == any_call) {
-            m = 1;
-        } else if (PyObject_TypeCheck(sig, SigCore_type)) {
-            m = sig_matches((SigCore *)sig, args, kwargs, Py_True); /* grad mode is on: asked above */
-        } else {
-            PyObject *r = PyObject_CallMethodObjArgs(sig, s_matches, args, kwargs, NULL);
-            m = r == NULL ? -1 : PyObject_IsTrue(r);
-            Py_XDECREF(r);
+        /* The hit's signature, then the one before it (its third part, when a tuple): two in
+           turn (two micro-batch lengths) both stay on this path (tokens.py's _remember). */
+        PyObject *cand = hit, *sig = NULL;
+        int m = 0;
+        for (int tries = 0; tries < 2; tries++) {
+            if (tries) {
+                if (PyTuple_GET_SIZE(hit) < 3) break;
+                cand = PyTuple_GET_ITEM(hit, 2);
+                if (!PyTuple_Check(cand) || PyTuple_GET_SIZE(cand) < 2) break;
+            }
+            sig = PyTuple_GET_ITEM(cand, 0);
+            if (sig == any_call) {
+                m = 1;
+            } else if (PyObject_TypeCheck(sig, SigCore_type)) {
+                m = sig_matches((SigCore *)sig, args, kwargs, Py_True); /* grad mode is on: asked above */
+            } else {
+                PyObject *r = PyObject_CallMethodObjArgs(sig, s_matches, args, kwargs, NULL);
+                m = r == NULL ? -1 : PyObject_IsTrue(r);
+                Py_XDECREF(r);
+            }
+            if (m) break;
         }
         if (m < 0) {
             Py_DECREF(hit);
             return NULL;
         }
         if (m) {
-            PyObject *item = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+            PyObject *item = Py_NewRef(PyTuple_GET_ITEM(cand, 1));
             int may_open = sig != any_call && PyTuple_Check(item) && PyTuple_GET_SIZE(item) >= 2 &&
                            PyTuple_GET_ITEM(item, 1) == Py_None; /* not the model when remembered */
             Py_DECREF(hit);

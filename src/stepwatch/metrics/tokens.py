@@ -449,7 +449,11 @@ class _PyThroughputCore:
             self._on_forward_full(module, args, kwargs)  # type: ignore[attr-defined]
             return
         hit = self._hits.get(id(module))
-        if hit is not None and (hit[0] is self._any_call or hit[0].matches(args, kwargs)):
+        if hit is not None and not (hit[0] is self._any_call or hit[0].matches(args, kwargs)):
+            hit = hit[2]  # the signature before the last (two in turn: micro-batch lengths)
+            if hit is not None and not hit[0].matches(args, kwargs):
+                hit = None
+        if hit is not None:
             item = hit[1]
             if (item[1] is None and hit[0] is not self._any_call and not self._items
                     and id(module) not in self._followers):  # one without parameters never does
@@ -539,7 +543,8 @@ class _ThroughputMethods(Collector):
         self._dtype_keys: dict[int, str] = {}
         # Per root module (by id), when its last call had a flat signature: that signature and
         # what the call appended.
-        self._hits: dict[int, tuple[Any, tuple[Any, Any]]] = {}  # (CallSig or _ANY_CALL, what it appended)
+        # (CallSig or _ANY_CALL, what it appended, the same for the signature before or None)
+        self._hits: dict[int, tuple[Any, tuple[Any, Any], Any]] = {}
         self._items: list[tuple[Any, BatchCounts | None]] = []
         self._appended = False  # the last on_forward appended (on_exception takes it back)
         self._again: tuple[list[Any], int] | None = None  # (the step's items, where a re-evaluation began)
@@ -727,12 +732,13 @@ class _ThroughputMethods(Collector):
         tokens, until another root opens one (a new model, or the other of two models trained in
         turn: an actor and a critic, each stepping after its own forward). The last model's hit is
         dropped: its calls count no samples now, and its next call that opens a step takes the
-        full path and takes over again. What a model's first call learnt of its layout stays
+        full path and takes over again; so are the new model's (remembered as a follower's). What a model's first call learnt of its layout stays
         with it (``_layouts``)."""
         old = self._token_root
         if old is not None:
             self._hits.pop(old, None)
             self._layouts[old] = (self._seq_first, self._layout_layers, self._conv_input)
+        self._hits.pop(mid, None)  # what it appended before, as a follower, counted no samples
         self._token_root = mid
         self._opened = self._items
         kept = self._layouts.pop(mid, None)
@@ -837,13 +843,24 @@ class _ThroughputMethods(Collector):
             sig = _ANY_CALL
         else:
             sig = CallSig.of(args, kwargs, fc.tf32_sensitive)
+        mid = id(module)
         if sig is None:
-            self._hits.pop(id(module), None)
+            self._hits.pop(mid, None)
             return
         if counts is not None and (counts._pending is not None or self.pad_token_id is not None or kwargs
                                    or not args or type(args[0]) is not _tensor_type()):
             counts = _RECOUNT
-        self._hits[id(module)] = (sig, (fc, counts))
+        # The last signature but one stays as the hit's third part, so two in turn (two
+        # micro-batch lengths, a shared encoder on queries and on documents) both take the hot
+        # path; a third in the cycle misses each time, as before.
+        old = self._hits.get(mid)
+        if old is None or old[0] is _ANY_CALL or sig is _ANY_CALL:
+            before = None
+        elif old[0].matches(args, kwargs):  # the same one again (the full path ran for a hit): keep the other
+            before = old[2]
+        else:
+            before = (old[0], old[1], None)
+        self._hits[mid] = (sig, (fc, counts), before)
 
     def _dtype_key(self, module: Any) -> str:
         import torch
