@@ -478,3 +478,37 @@ def test_cli_launched_server_that_dies_ends_the_watch_in_one_line(tmp_path):
         assert json.loads((tmp_path / "findings.serve.jsonl").read_text().splitlines()[0])["kind"] == "queue_depth"
     finally:
         _kill_all(w, tree)
+
+
+def test_the_wrappers_signal_handler_takes_no_lock_the_main_loop_may_hold():
+    """``serve-vllm``'s SIGTERM handler set the watch's ``threading.Event``, which the main loop
+    waited on. A handler runs in the main thread between two bytecodes; one that landed while the
+    loop was inside that Event's ``wait`` (holding its lock) waited for the lock forever: in one
+    suite run the server stopped and the wrapper slept on, for good. The loop now sleeps without a
+    lock and the handler only records the signal and passes it on. Here the real handler
+    interrupts the real sleep every millisecond, in the main thread: the sleep ends at once, and
+    every signal was passed on."""
+    from stepwatch.serving.cli import Interrupts
+
+    sent = []
+
+    class Server:
+        def send_signal(self, sig):
+            sent.append(sig)
+
+    it = Interrupts(Server())
+    old = signal.signal(signal.SIGALRM, it.handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
+        t0 = time.monotonic()
+        it.sleep(5.0)
+        took = time.monotonic() - t0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert took < 0.5, took
+    assert it.got and set(it.got) == {signal.SIGALRM} and sent == it.got
+    quiet = Interrupts()
+    t0 = time.monotonic()
+    quiet.sleep(0.2)
+    assert 0.15 <= time.monotonic() - t0 < 1.0

@@ -236,17 +236,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     exporters = build_exporters(args, run_id, run_dir)
 
-    stop = threading.Event()
-    got: list[int] = []
+    stop = threading.Event()  # the watcher's: set by this thread once the loop below ends
+    interrupts = Interrupts(server)
+    got = interrupts.got
     server_gone = False  # the watch ended because the --pid process did
 
-    def on_signal(signum: int, frame: Any) -> None:
-        got.append(signum)
-        if server is not None:
-            server.send_signal(signum)  # the server shuts its tree down itself; we wait for it
-        stop.set()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, interrupts.handler) for s in (signal.SIGINT, signal.SIGTERM)}
     watcher = None
     t: threading.Thread | None = None
     try:
@@ -266,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
                                on_gone=lambda url, pid: None)
         t = threading.Thread(target=watcher.run, args=(stop,), name="stepwatch-serve-watch", daemon=True)
         t.start()
-        while not stop.is_set():
+        while not got:
             if server is not None:
                 server.refresh_tree()
                 if server.poll() is not None:
@@ -280,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
                                "(run dir %s; exit status %d)", watched.pid, run_dir, EXIT_SERVER_GONE)
                 server_gone = True
                 break
-            stop.wait(0.5)
+            interrupts.sleep(0.5)
     finally:
         stop.set()
         rc = EXIT_SERVER_GONE if server_gone else 0
@@ -301,6 +296,32 @@ def run(args: argparse.Namespace) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     return rc
+
+
+class Interrupts:
+    """SIGINT/SIGTERM for the wrapper's main loop: ``handler`` records the signal and passes it on
+    to the server, and takes no lock. It used to set the watch's ``threading.Event``: a signal
+    that landed while the main thread was inside that Event's ``wait``, holding its lock, made
+    the handler wait for that lock forever, and ``serve-vllm`` never exited after SIGTERM (seen
+    once in the suite, the server stopped and the wrapper asleep). ``sleep`` ends early once a
+    signal came (a signal wakes the sleep; the handler has run by then)."""
+
+    def __init__(self, server: Any = None) -> None:
+        self.server = server
+        self.got: list[int] = []
+
+    def handler(self, signum: int, frame: Any) -> None:
+        self.got.append(signum)
+        if self.server is not None:
+            self.server.send_signal(signum)  # the server shuts its tree down itself; we wait for it
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self.got:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.05))
 
 
 def reap_zombies_safe(server: Any) -> None:
