@@ -9,6 +9,11 @@ bash scripts/install_prometheus.sh
 # The vLLM CPU server for the serving tests: a cached venv (~2 min and ~3.4 GB the first time).
 # If it cannot be installed, the serving integration tests skip and say why (pytest's summary).
 bash scripts/setup_vllm.sh >/dev/null || echo "run_tests: vLLM set-up failed; serving integration tests will skip" >&2
+# Bytecode for our own sources, written once: where PYTHONDONTWRITEBYTECODE is set (this VM's
+# environment sets it) every process the tests start -- each job, rank and watchdog sidecar --
+# compiled stepwatch's modules again (~0.14 s of a job's ~5.8 s of CPU, measured side by side);
+# the packages' bytecode was written by pip.
+.venv/bin/python -m compileall -q -j 0 src tests examples benchmarks >/dev/null
 # pytest exits 5 when it ran no test: that is a failure here too.
 # --durations: the slowest tests, so the suite's 15-minute budget can be kept in view.
 if [ "$#" -gt 0 ]; then  # the tests asked for, in one run
