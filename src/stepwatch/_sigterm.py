@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Callable
 
 # Time to write the last records and the manifest (torchrun waits 30 s before SIGKILL).
@@ -127,12 +128,17 @@ class SigtermFinisher:
     # -- finishing ------------------------------------------------------------------------------
 
     def _finish_once(self) -> None:
-        with self._lock:
-            first = not self._started.is_set()
-            self._started.set()
+        # Runs in the signal handler, which a second SIGTERM's handler can interrupt between any
+        # two bytecodes: no lock is held across it and none is waited for (the first held a lock
+        # and waited on ``_done``; a nested one that landed inside either waited forever). The
+        # lock is taken once, by the first caller (the handler or the watcher), and kept.
+        first = self._lock.acquire(blocking=False)
         if first:
+            self._started.set()
             threading.Thread(target=self._run_finish, name="stepwatch-sigterm-finish", daemon=True).start()
-        self._done.wait(FINISH_S)
+        deadline = time.monotonic() + FINISH_S
+        while not self._done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _run_finish(self) -> None:
         finish = self.finish

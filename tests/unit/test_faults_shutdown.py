@@ -306,3 +306,32 @@ def test_a_tracking_sink_that_turns_itself_off_is_said_to_be_disabled():
     assert refused.off and refused.dropped() == 1
     [finding] = [f for f in out.findings if f.kind == "internal_error"]
     assert finding.summary.endswith("and was disabled"), finding.summary
+
+
+def test_a_second_sigterm_handler_nested_in_the_first_does_not_wait_for_its_lock(monkeypatch):
+    """Two SIGTERMs microseconds apart (torchrun stopping its ranks while ``scancel`` signals
+    every process of the step): the second's handler runs nested in the first, between two of
+    its bytecodes. The first took a lock, and waited on an Event (``_done.wait``), in the handler;
+    a nested handler that landed while the first held that Event's lock waited for it forever,
+    and the job hung instead of dying. Here a thread holds ``_done``'s lock as the interrupted
+    first handler would, and runs the handler's finishing as the nested one: it returns within
+    the finishing time, and the finishing itself still runs once."""
+    import threading
+
+    from stepwatch import _sigterm
+
+    monkeypatch.setattr(_sigterm, "FINISH_S", 0.5)
+    calls = []
+    fin = _sigterm.SigtermFinisher(lambda timeout_s: calls.append(timeout_s))
+    returned = threading.Event()
+
+    def nested():
+        with fin._done._cond:  # what the interrupted handler's Event.wait holds between checks
+            fin._finish_once()
+        returned.set()
+
+    threading.Thread(target=nested, daemon=True).start()
+    assert returned.wait(3.0), "the nested handler waited for a lock its own thread holds"
+    assert fin._done.wait(3.0) and calls == [0.25]
+    fin._finish_once()  # a later one: nothing started again
+    assert calls == [0.25]
