@@ -211,3 +211,20 @@ def test_a_spike_waiting_for_a_peer_asks_for_no_capture_of_this_ranks_steps():
     recs += [rec(i) for i in range(26, 30)] + [rec(30, step_s=0.304, forward=0.301)]
     got = feed(det, recs)
     assert [(f.step, triggers_capture(f)) for f in got] == [(25, False), (30, True)]
+
+
+def test_an_episodes_closing_line_asks_for_no_capture():
+    """Every slow step is a finding now, so a burst ends with the rate limit's closing line
+    ("[episode over: N in all ...]"), a copy of its last spike. The captures took it for a new
+    spike and profiled normal steps 30 steps after the burst (a hunt: a second capture, counted
+    against capture_max, its cooldown restarted). The opening line asks for one; the closing does not."""
+    from stepwatch.analysis.ratelimit import FindingLimiter
+    from stepwatch.capture.triggers import triggers_capture
+
+    det = StepTimeSpikeDetector(window=20)
+    recs = [rec(i) for i in range(25)] + [rec(i, step_s=0.304, forward=0.301) for i in range(25, 30)]
+    recs += [rec(i) for i in range(30, 60)]
+    lim = FindingLimiter(window=20)
+    told = [f for r in recs for f in lim.filter(det.observe(r), now=r.step)] + lim.flush()
+    assert [(f.step, f.data["episode"]["final"]) for f in told] == [(25, False), (29, True)], told
+    assert [triggers_capture(f) for f in told] == [True, False]

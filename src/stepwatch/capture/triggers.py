@@ -26,8 +26,14 @@ TRIGGER_KINDS = ("step_time_spike", "data_loading", "mfu_drop", "grad_norm_spike
 
 def triggers_capture(f: Finding) -> bool:
     """Whether ``f`` asks for a capture of the next steps. Not a spike that was waiting for
-    another rank: this rank's next steps are normal, the peer's are what to look at."""
-    return f.kind in TRIGGER_KINDS and f.data.get("cause") != "collective_wait"
+    another rank: this rank's next steps are normal, the peer's are what to look at. Nor the
+    rate limit's closing line of an episode ("[episode over: N in all ...]", a copy of its last
+    finding, written once the condition has been quiet for a window): the steps after it are
+    normal ones."""
+    if f.kind not in TRIGGER_KINDS or f.data.get("cause") == "collective_wait":
+        return False
+    episode = f.data.get("episode")
+    return not (isinstance(episode, dict) and episode.get("final"))
 
 # MAD -> standard deviation for normal data (1 / Phi^-1(3/4); Rousseeuw & Croux 1993).
 MAD_TO_SIGMA = 1.4826
