@@ -43,8 +43,8 @@ class CheckpointWatch:
     The summary leads with the rule that fired.
 
     A detector (``observe``/``observe_many``); its findings are ``rank``'s, else each record's
-    own rank (the session's: its rank is known only once the process group is). O(1) memory (running sums). Reports at most once
-    per ``repeat_s`` of record time.
+    own rank (the session's: its rank is known only once the process group is). O(1) memory
+    (running sums). Reports at most once per ``repeat_s`` of record time.
     """
 
     def __init__(self, rank: int | None = None, repeat_s: float = 1800.0) -> None:
@@ -92,8 +92,9 @@ class CheckpointWatch:
                              + (" (< 2 GB/s: storage degraded)" if slow_write else ""))
             if not long_share:  # the share is judged only after a minute of run: what it is so far
                 parts.append(f"{self.ck_s:.1f} s of checkpointing in {saves} so far")
+            rank = r.rank if self.rank is None else self.rank
             out.append(make_finding(
-                "slow_checkpoint", rank=r.rank if self.rank is None else self.rank, step=r.step, when=r.time, summary="; ".join(parts),
+                "slow_checkpoint", rank=rank, step=r.step, when=r.time, summary="; ".join(parts),
                 data={"checkpoint_s": self.ck_s, "run_s": self.run_s, "share": share, "gb_per_s": gbps,
                       "saves": self.saves},
             ))
