@@ -732,7 +732,8 @@ class _ThroughputMethods(Collector):
         tokens, until another root opens one (a new model, or the other of two models trained in
         turn: an actor and a critic, each stepping after its own forward). The last model's hit is
         dropped: its calls count no samples now, and its next call that opens a step takes the
-        full path and takes over again; so are the new model's (remembered as a follower's). What a model's first call learnt of its layout stays
+        full path and takes over again. So are the new model's hits (remembered while it was a
+        follower, they count no samples). What a model's first call learnt of its layout stays
         with it (``_layouts``)."""
         old = self._token_root
         if old is not None:

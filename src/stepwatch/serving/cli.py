@@ -303,8 +303,8 @@ class Interrupts:
     to the server, and takes no lock. It used to set the watch's ``threading.Event``: a signal
     that landed while the main thread was inside that Event's ``wait``, holding its lock, made
     the handler wait for that lock forever, and ``serve-vllm`` never exited after SIGTERM (seen
-    once in the suite, the server stopped and the wrapper asleep). ``sleep`` ends early once a
-    signal came (a signal wakes the sleep; the handler has run by then)."""
+    once in the suite, the server stopped and the wrapper asleep). ``sleep`` ends within 50 ms
+    of a signal."""
 
     def __init__(self, server: Any = None) -> None:
         self.server = server

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from ..analysis.checkpoint import CheckpointWatch, checkpoint_fields  # noqa: F401 - here before analysis/
+from ..analysis.checkpoint import CheckpointWatch, checkpoint_fields  # noqa: F401 - re-exported (once here)
 from ..analysis.kinds import make_finding
 from ..record import Finding, StepRecord
 from .fields import REASONS_KEY, XIDS_KEY
