@@ -889,6 +889,36 @@ def test_hang_timeout_stays_within_half_the_process_group_timeout(tmp_path):
     b.close()
 
 
+def test_a_sidecar_that_ended_on_sigterm_is_not_restarted(sw, tmp_path, caplog):
+    """torchrun (and ``scancel``) end a rank with SIGTERM to its process group, so the watchdog
+    sidecar gets it too and exits 0; the rank's shutdown pass then took that for a crash: a
+    warning that it "exited unexpectedly", a new sidecar started on the way out, and
+    ``restarts: 1`` in run.json (a hunt: 4 runs of 5). A sidecar that exits 0 (its SIGTERM
+    handler) or dies of SIGTERM was asked to end: not restarted, not warned about; the status
+    says so."""
+    import logging
+
+    stepwatch, mem, start = sw
+    s = start(watchdog="on", capture="off", hang_timeout=60)
+    (feat,) = [f for f in s.features_started if getattr(f, "name", "") == "capture"]
+    first = feat.sidecar
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        os.kill(first.pid, signal.SIGTERM)
+        first.wait(10)
+        assert first.returncode in (0, -signal.SIGTERM)  # its handler's exit, or before it was set
+        for _ in range(20):
+            with stepwatch.phase("work"):
+                time.sleep(0.005)
+            stepwatch.step()
+            time.sleep(0.05)
+            if feat.sidecar_dead is not None:
+                break
+        assert feat.sidecar is first and feat.sidecar_restarts == 0
+        assert "asked to end" in (feat.sidecar_dead or ""), feat.sidecar_dead
+        stepwatch.shutdown()
+    assert not [r.getMessage() for r in caplog.records if "sidecar" in r.getMessage()]
+
+
 def test_a_killed_sidecar_is_noticed_said_once_and_restarted_once(sw, tmp_path, caplog):
     """SIGKILL the watchdog sidecar (what the OOM killer does): the next background pass notices,
     warns once and starts a new one; a second death is said once more and not restarted."""

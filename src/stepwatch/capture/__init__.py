@@ -213,6 +213,13 @@ class Feature:
         code = sc.poll()
         if code is None:
             return
+        if code in (0, -signal.SIGTERM):
+            # Asked to end (its SIGTERM handler exits 0): torchrun and scancel signal the rank's
+            # whole process group, and the rank's own shutdown pass saw the sidecar gone first.
+            # No crash: not restarted (it was, on the way out), not warned about.
+            self.sidecar_dead = f"ended with {code}: asked to end (SIGTERM); not restarted"
+            logger.debug("hang watchdog sidecar (pid %d) %s", sc.pid, self.sidecar_dead)
+            return
         if self.sidecar_restarts >= 1:
             self.sidecar_dead = f"exited with {code} after one restart"
             logger.warning("hang watchdog sidecar (pid %d) exited again (code %s): this rank has no "
