@@ -115,6 +115,90 @@ def test_board_writes_fit_the_step_budget(tmp_path):
     assert best < 20_000, f"{best:.0f} ns per step"
 
 
+_ZEROS_READER = r"""
+import mmap, os, struct, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+mm = mmap.mmap(fd, 4096 if os.fstat(fd).st_size >= 4096 else os.fstat(fd).st_size, prot=mmap.PROT_READ)
+q = struct.Struct("<q")
+print("READY", flush=True)
+zeros = reads = 0
+while not os.path.exists(sys.argv[2]):
+    for _ in range(1000):
+        zeros += q.unpack_from(mm, 32)[0] == 0
+    reads += 1000
+print(zeros, reads, flush=True)
+"""
+
+
+def test_a_reader_never_sees_the_last_progress_time_pass_through_zero(tmp_path):
+    """The sidecar reads the board while the trainer writes it, with no lock between them. A
+    ``struct.pack_into`` zeroes the bytes it packs before it writes the fields (CPython's
+    ``s_pack_internal``), so a sidecar that read the last-progress time in that window saw 0, "no
+    progress for <the machine's uptime>", and declared a hang at once: in a suite run a 12-step
+    job under ``STEPWATCH_WATCHDOG=on`` wrote "Hang 1: no progress for 80857 s (timeout 30 s)",
+    and the dump signal then reached a trainer that had just shut down (rc -40). The time is now
+    stored whole (one aligned 8-byte store): a reader in another process, spinning on it while this
+    one writes phases, steps and collectives, never reads 0."""
+    b = progress.Board(str(tmp_path / "b"), rank=0)
+    stop = tmp_path / "stop"
+    reader = subprocess.Popen([sys.executable, "-c", _ZEROS_READER, b.path, str(stop)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert reader.stdout.readline().strip() == "READY"
+        end = time.monotonic() + 1.0
+        i = 0
+        while time.monotonic() < end:
+            for _ in range(200):
+                i += 1
+                b.set_phase(1)
+                b.set_phase(0)
+                b.coll_enter("allreduce", 0, i, 100)
+                b.coll_exit(i)
+                b.set_step(i)
+        stop.touch()
+        zeros, reads = map(int, reader.stdout.readline().split())
+    finally:
+        reader.kill()
+        reader.wait()
+        b.close()
+    assert reads > 0
+    assert zeros == 0, f"{zeros} of {reads} reads saw the last-progress time as 0"
+
+
+def test_a_torn_read_of_the_board_is_no_hang(tmp_path, monkeypatch):
+    """Whatever one read of the board shows, a hang is judged only on a last-progress time the
+    sidecar saw unchanged on two polls in a row: a read that caught a write half-done (the time
+    0, or any value it never held) is followed by the real one, which is a change."""
+    from stepwatch.watchdog import sidecar as wd
+
+    b = progress.Board(str(tmp_path / "b"), rank=0)
+    b.set_step(1)
+    real = progress.Reader(b.path)
+    job = subprocess.Popen(["sleep", "60"])
+    w = _hang_sidecar(tmp_path, 0, job.pid, board=b.path)
+    seen = []
+
+    class Torn:  # the real board, with one read in the middle torn
+        def read(self):
+            snap = real.read()
+            seen.append(snap)
+            if len(seen) == 3:
+                return {**snap, "last_progress_ns": 0}
+            if len(seen) >= 6:
+                return {**snap, "closed": True}
+            return snap
+
+    w.board = Torn()
+    monkeypatch.setattr(wd, "POLL_S", 0.01)
+    try:
+        assert w._watch() == 0
+    finally:
+        job.kill()
+        job.wait()
+        b.close()
+    assert len(seen) == 6 and w.episode == 0 and not os.path.exists(w.hang_dir(1))
+
+
 # -- verdict ----------------------------------------------------------------------------------------
 
 

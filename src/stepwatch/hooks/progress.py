@@ -6,11 +6,16 @@ process, so reading never needs the trainer's GIL. Timestamps are ``time.monoton
 (CLOCK_MONOTONIC: one clock for every process of a host, so the sidecar can compare them with
 its own clock).
 
-A read may see a half-written update (there is no lock between the processes). The watchdog
-only judges a board that has stopped changing for seconds, where no update is in flight, and
-a snapshot is re-read when two consecutive reads differ.
+There is no lock between the processes. The trainer writes each field with one aligned store
+of its own width (``memoryview.cast``), never with ``struct.pack_into``: that zeroes the bytes it
+packs before it writes the fields (CPython's ``s_pack_internal``), and a sidecar that read the
+last-progress time in that window saw 0, "no progress for <the machine's uptime>", and declared a
+hang. A read may still see one update and not the next (a step's number before its duration):
+``Reader.read`` decodes a copy of the bytes that two reads in a row agreed on, and the watchdog
+judges only a last-progress time it saw unchanged on two polls in a row.
 
-Layout (little endian), ``SIZE`` bytes:
+Layout (native byte order: the board never leaves its host), ``SIZE`` bytes; every field is
+aligned to its width:
 
 ====== ===== ===============================================================
 offset type  field
@@ -51,17 +56,20 @@ from .phases import PHASE_NAMES, PHASE_OTHER
 MAGIC = 0x42505753  # b"SWPB" little endian
 VERSION = 1
 RING = 8
-_HEAD = struct.Struct("<IIIi")  # magic, version, pid, rank
-_STEP = struct.Struct("<qi4xqqq")  # step, phase, last progress, last step ns, steps done (at 16)
-_PHASE = struct.Struct("<i4xq")  # phase, last progress (at 24)
-_U32 = struct.Struct("<I")
-_I64 = struct.Struct("<q")
-_ENTRY = struct.Struct("<iiqqqqq")  # op, group, seq, nbytes, enter, exit, step
+_HEAD = struct.Struct("=IIIi")  # magic, version, pid, rank
+_STEP = struct.Struct("=qi4xqqq")  # step, phase, last progress, last step ns, steps done (at 16)
+_U32 = struct.Struct("=I")
+_I64 = struct.Struct("=q")
+_ENTRY = struct.Struct("=iiqqqqq")  # op, group, seq, nbytes, enter, exit, step
 GROUPS = 4
-_GROUP = struct.Struct("<i28s")
+_GROUP = struct.Struct("=i28s")
+# The fields as indexes of the board viewed as int64s (_Q) and int32s (_L): byte offset / width.
+_Q_STEP, _Q_PROGRESS, _Q_LAST_STEP, _Q_DONE, _Q_COLLS = 2, 4, 5, 6, 8
+_L_PHASE, _L_DUMP_REQ, _L_CLOSED, _L_PG_TIMEOUT = 6, 14, 15, 18
 _GROUPS_AT = 128
 _RING_AT = _GROUPS_AT + GROUPS * _GROUP.size
 SIZE = _RING_AT + RING * _ENTRY.size
+_RING_Q, _RING_L, _ENTRY_Q, _ENTRY_L = _RING_AT // 8, _RING_AT // 4, _ENTRY.size // 8, _ENTRY.size // 4
 
 # Collective names as codes (the comm hook passes a name; the board stores an int).
 OPS = (
@@ -187,6 +195,10 @@ class Board:
             raise
         os.close(fd)
         self._buf = self._mm
+        whole = memoryview(self._mm)
+        self._q, self._l = whole.cast("q"), whole.cast("i")  # released by close()
+        whole.release()
+        # Before a sidecar reads it: the pack's zeroing is harmless here (the file was all zeros).
         _HEAD.pack_into(self._buf, 0, MAGIC, VERSION, os.getpid(), rank)
         self._step = 0
         self._phase = PHASE_OTHER
@@ -203,7 +215,8 @@ class Board:
 
     def set_phase(self, code: int) -> None:
         self._phase = code
-        _PHASE.pack_into(self._buf, 24, code, _now())
+        self._l[_L_PHASE] = code
+        self._q[_Q_PROGRESS] = _now()
 
     def set_step(self, n: int) -> None:
         t = _now()
@@ -211,7 +224,11 @@ class Board:
         self._t_step = t
         self._step = n
         self._done += 1
-        _STEP.pack_into(self._buf, 16, n, self._phase, t, dur, self._done)
+        q = self._q
+        q[_Q_STEP] = n
+        q[_Q_LAST_STEP] = dur
+        q[_Q_PROGRESS] = t
+        q[_Q_DONE] = self._done
 
     def coll_enter(self, op: Any, group: Any, seq: int, nbytes: int) -> None:
         """A collective was enqueued (called by the comm hook; any thread)."""
@@ -222,9 +239,16 @@ class Board:
         self._colls += 1
         t = _now()
         self._slot_seq[i] = (group, seq)
-        _ENTRY.pack_into(self._buf, _RING_AT + i * _ENTRY.size, codes[0], codes[1], seq, nbytes, t, 0, self._step)
-        _I64.pack_into(self._buf, 64, self._colls)
-        _I64.pack_into(self._buf, 32, t)
+        q, e, el = self._q, _RING_Q + i * _ENTRY_Q, _RING_L + i * _ENTRY_L
+        q[e + 4] = 0  # exit: open
+        self._l[el] = codes[0]
+        self._l[el + 1] = codes[1]
+        q[e + 1] = seq
+        q[e + 2] = nbytes
+        q[e + 3] = t  # enter
+        q[e + 5] = self._step
+        q[_Q_COLLS] = self._colls
+        q[_Q_PROGRESS] = t
 
     def _codes_for(self, op: Any, group: Any) -> tuple[int, int]:
         g = group_code(group)
@@ -241,27 +265,30 @@ class Board:
         t = _now()
         slots = self._slot_seq
         key = (group, seq)
+        q = self._q
         for i in range(RING):
             if slots[i] == key:
-                _I64.pack_into(self._buf, _RING_AT + i * _ENTRY.size + 32, t)
+                q[_RING_Q + i * _ENTRY_Q + 4] = t  # exit
                 break
-        _I64.pack_into(self._buf, 32, t)
+        q[_Q_PROGRESS] = t
 
     # -- background thread ---------------------------------------------------------------------
 
     def set_pg_timeout(self, seconds: float) -> None:
         """The default process group's timeout: the sidecar must act before it ends the job."""
-        _U32.pack_into(self._buf, 72, max(int(seconds), 1))
+        self._l[_L_PG_TIMEOUT] = min(max(int(seconds), 1), 2**31 - 1)
 
     def request_dump(self) -> int:
         """Ask the sidecar for a stack dump; returns the request number it will answer."""
-        self._dump_req += 1
-        _U32.pack_into(self._buf, 56, self._dump_req)
+        self._dump_req = self._dump_req % (2**31 - 1) + 1
+        self._l[_L_DUMP_REQ] = self._dump_req
         return self._dump_req
 
     def close(self, *, unlink: bool = True) -> None:
         try:
-            _U32.pack_into(self._buf, 60, 1)
+            self._l[_L_CLOSED] = 1
+            self._q.release()
+            self._l.release()
             self._mm.close()
         except (ValueError, OSError):
             pass
@@ -332,14 +359,15 @@ class Reader:
             os.close(fd)
 
     def read(self) -> dict[str, Any] | None:
-        # Two equal reads in a row: no update was in flight.
-        a = read(self._mm)
+        """The board, decoded from a copy of its bytes that two reads in a row agreed on (no
+        update was in flight), or the last of four reads."""
+        a = self._mm[:SIZE]
         for _ in range(3):
-            b = read(self._mm)
+            b = self._mm[:SIZE]
             if a == b:
-                return b
+                break
             a = b
-        return a
+        return read(a)
 
     def close(self) -> None:
         self._mm.close()

@@ -293,7 +293,11 @@ class Watchdog:
                 if snap["last_step_ns"] > 0 and self.last_done > 0:
                     self.steps.append(snap["last_step_ns"] / 1e9)
                 self.last_done = snap["steps_done"]
-            if snap["last_progress_ns"] != self.last_progress:
+            # A time this poll saw for the first time is progress, not a hang: one read can catch
+            # an update half done (hooks/progress.py), so only a time seen unchanged on two polls
+            # in a row is judged.
+            fresh = snap["last_progress_ns"] != self.last_progress
+            if fresh:
                 self.last_progress = snap["last_progress_ns"]
                 if self.in_hang:
                     self.end_episode(snap)
@@ -304,7 +308,7 @@ class Watchdog:
             stalled = (now - snap["last_progress_ns"]) / 1e9
             self.publish_checkpoint(snap)
             # The clock starts after the first step (steps_done counts step ends).
-            if snap["steps_done"] >= 1 and not self.in_hang:
+            if snap["steps_done"] >= 1 and not self.in_hang and not fresh:
                 limit = self.timeout(snap)
                 if (stalled > limit and not self.a.timeout and snap["phase"] != "checkpoint"
                         and self.others_checkpointing_now(now / 1e9)):
