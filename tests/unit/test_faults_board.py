@@ -169,3 +169,44 @@ def test_sigterm_with_a_stopped_sidecar_still_writes_the_final_manifest(tmp_path
     while pids and _alive(pids[0]) and time.monotonic() < end:
         time.sleep(0.05)
     assert not pids or not _alive(pids[0])
+
+
+_BUSY = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    import torch, torch.nn as nn
+    import stepwatch
+    d = sys.argv[1]
+    s = stepwatch.init(dir=d, console="off", watchdog="on")
+    feat = next(f for f in s.features_started if hasattr(f, "sidecar"))
+    sig = int(feat.dump_signal.signum) if feat.dump_signal is not None else int(signal.SIGUSR1)
+    m = nn.Linear(8, 1); opt = torch.optim.SGD(m.parameters(), lr=0.01); x = torch.randn(4, 8)
+    for i in range(5):
+        opt.zero_grad(); m(x).sum().backward(); opt.step()
+    # The sidecar in the middle of a hang dump, as shutdown finds it: it ignores SIGTERM, and asks
+    # the trainer for its stacks (its way without py-spy) once the trainer has shut down.
+    busy = subprocess.Popen([sys.executable, "-c",
+        "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('R', flush=True); "
+        "time.sleep(2.5); os.kill(int(sys.argv[1]), int(sys.argv[2]))", str(os.getpid()), str(sig)],
+        stdout=subprocess.PIPE)
+    assert busy.stdout.readline().strip() == b"R"
+    real, feat.sidecar = feat.sidecar, busy
+    real.terminate(); real.wait()
+    stepwatch.shutdown()  # within 1.5 s: the signal comes after it
+    print("SHUT", flush=True)
+    busy.wait(10)  # the job's own work after shutdown (an evaluation, an upload)
+    print("END", flush=True)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and real-time signals")
+def test_a_sidecar_left_finishing_a_dump_cannot_end_the_trainer_with_its_signal(tmp_path):
+    """Shutdown leaves a sidecar that is inside a hang dump to finish it, after the trainer. Without
+    py-spy that dump asks the trainer for its stacks with the dump signal (SIGRTMIN+6), and
+    shutdown had put that signal's default action back: it ended the trainer (a suite run: rc -40
+    after a 12-step job's clean shutdown). The registrations stay while such a sidecar runs."""
+    script = tmp_path / "job.py"
+    script.write_text(_BUSY)
+    d = str(tmp_path / "run")
+    p = subprocess.run([sys.executable, str(script), d], capture_output=True, text=True, timeout=120, env=_env())
+    assert p.returncode == 0 and "END" in p.stdout, (p.returncode, p.stdout, p.stderr[-3000:])
+    assert "finishing a stack dump" in p.stderr

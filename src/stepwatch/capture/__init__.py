@@ -246,6 +246,11 @@ class Feature:
             self.board.close()  # sets the closed flag: the sidecar exits on its next poll
         if self.sidecar is not None:
             self._stop_sidecar(self.sidecar)
+        if self.sidecar_left:
+            # A sidecar finishing a hang dump after us may still ask for our stacks with these
+            # signals (its way without py-spy); their default action would end the process. The
+            # registrations stay until the process exits (they only write stacks to the run dir).
+            return
         if self.signal is not None:
             self.signal.uninstall()
         if self.dump_signal is not None:
