@@ -118,8 +118,8 @@ def test_board_writes_fit_the_step_budget(tmp_path):
 _ZEROS_READER = r"""
 import mmap, os, struct, sys
 fd = os.open(sys.argv[1], os.O_RDONLY)
-mm = mmap.mmap(fd, 4096 if os.fstat(fd).st_size >= 4096 else os.fstat(fd).st_size, prot=mmap.PROT_READ)
-q = struct.Struct("<q")
+mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+q = struct.Struct("=q")
 print("READY", flush=True)
 zeros = reads = 0
 while not os.path.exists(sys.argv[2]):

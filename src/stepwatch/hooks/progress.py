@@ -209,7 +209,7 @@ class Board:
         self._dump_req = 0
         self._groups: dict[int, int] = {}  # code -> table slot
         self._codes: dict[tuple[Any, Any], tuple[int, int]] = {}
-        _STEP.pack_into(self._buf, 16, 0, PHASE_OTHER, _now(), 0, 0)
+        _STEP.pack_into(self._buf, _Q_STEP * 8, 0, PHASE_OTHER, _now(), 0, 0)
 
     # -- training thread -----------------------------------------------------------------------
 
@@ -304,11 +304,12 @@ def read(buf: Any) -> dict[str, Any] | None:
     magic, version, pid, rank = _HEAD.unpack_from(buf, 0)
     if magic != MAGIC or version != VERSION:
         return None
-    step, phase, progress, last_step, done = _STEP.unpack_from(buf, 16)
-    (dump_req,) = _U32.unpack_from(buf, 56)
-    (closed,) = _U32.unpack_from(buf, 60)
-    (count,) = _I64.unpack_from(buf, 64)
-    (pg_timeout,) = _U32.unpack_from(buf, 72)
+    # The writers' field indexes, as byte offsets: one statement of the layout for both sides.
+    step, phase, progress, last_step, done = _STEP.unpack_from(buf, _Q_STEP * 8)
+    (dump_req,) = _U32.unpack_from(buf, _L_DUMP_REQ * 4)
+    (closed,) = _U32.unpack_from(buf, _L_CLOSED * 4)
+    (count,) = _I64.unpack_from(buf, _Q_COLLS * 8)
+    (pg_timeout,) = _U32.unpack_from(buf, _L_PG_TIMEOUT * 4)
     names = {}
     for j in range(GROUPS):
         code, raw = _GROUP.unpack_from(buf, _GROUPS_AT + j * _GROUP.size)
