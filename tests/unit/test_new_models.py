@@ -126,6 +126,35 @@ def test_a_sweeps_models_are_freed_as_the_script_drops_them(sw):
     assert len(recs) == 9 and all(r.samples == 8 for r in recs)
 
 
+def test_a_sweeps_models_are_freed_with_a_frozen_heap(sw):
+    """The same sweep where the heap is frozen: the module discovery then walks its callers'
+    locals (``gc.freeze()`` hides what it froze from ``gc.get_objects()``), and so on every Python
+    3.12 job, which reports ~375 objects of its own as frozen from its start. The walk read them
+    through ``frame.f_locals``: before 3.13 a snapshot dict that the frame keeps, so each trial's
+    model, loss module and weights outlived the script's ``del`` (on 3.12.1, every trial of the
+    test above, freed with stepwatch off). From 3.12 on they are read without it (C module);
+    before 3.12 nothing else can read them, and this is a known limit (README)."""
+    import sys
+
+    from stepwatch.hooks import install
+
+    if sys.version_info < (3, 12) or install._frame_values(sys._getframe()) is None:
+        pytest.skip("before Python 3.12 (or without the C module) only frame.f_locals reads a caller's locals")
+    stepwatch, mem, start = sw
+    loader = _loader()
+    gc.collect()
+    gc.freeze()
+    try:
+        off = _sweep(loader)
+        start()
+        on = _sweep(loader)
+        stepwatch.shutdown()
+    finally:
+        gc.unfreeze()
+    assert all(o or not f for t_on, t_off in zip(on, off) for o, f in zip(t_on, t_off)), (on, off)
+    assert all(model and loss for model, loss, _ in on), on
+
+
 def _sweep(loader):
     """Three trials, the cyclic collector off: per trial, which of (model, loss module, first
     weight) were freed once the script dropped them."""

@@ -1854,12 +1854,65 @@ fail:
     return NULL;
 }
 
+/* frame_values(frame) -> the values of a function frame's bound local variables (a cell's or free
+   variable's contents included), or None where only ``frame.f_locals`` can tell (before Python
+   3.12, or a frame that is not a function's). Read without ``frame.f_locals``: before 3.13 that is
+   a snapshot dict the frame keeps, and every local it copied (a trial's model, dropped by the
+   script a moment later) stays alive until the next snapshot or the function's return. The
+   module discovery's walk (install.py's _reachable) reads its callers' locals this way. */
+static PyObject *mod_frame_values(PyObject *m, PyObject *frame) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyFrame_Check(frame)) {
+        PyErr_SetString(PyExc_TypeError, "frame_values(frame): a frame object");
+        return NULL;
+    }
+    PyCodeObject *code = PyFrame_GetCode((PyFrameObject *)frame);
+    if (!(code->co_flags & CO_OPTIMIZED)) {
+        Py_DECREF(code);
+        Py_RETURN_NONE; /* a module's or a class body's: its f_locals is its namespace, no snapshot */
+    }
+    PyObject *out = PyList_New(0);
+    PyObject *groups[3] = {PyCode_GetVarnames(code), PyCode_GetCellvars(code), PyCode_GetFreevars(code)};
+    Py_DECREF(code);
+    for (int g = 0; g < 3 && out != NULL; g++) {
+        PyObject *names = groups[g];
+        if (names == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++) {
+            PyObject *v = PyFrame_GetVar((PyFrameObject *)frame, PyTuple_GET_ITEM(names, i));
+            if (v == NULL) {
+                if (PyErr_ExceptionMatches(PyExc_NameError)) { /* unbound, or deleted by the script */
+                    PyErr_Clear();
+                    continue;
+                }
+                Py_CLEAR(out);
+                break;
+            }
+            int r = PyList_Append(out, v);
+            Py_DECREF(v);
+            if (r < 0) {
+                Py_CLEAR(out);
+                break;
+            }
+        }
+    }
+    for (int g = 0; g < 3; g++) Py_XDECREF(groups[g]);
+    return out;
+#else
+    Py_RETURN_NONE;
+#endif
+}
+
 static PyMethodDef mod_methods[] = {
     {"untracked", mod_untracked, METH_O,
      "untracked(obj) -> obj, no longer tracked by the cyclic GC: for a step's payload that cannot be part "
      "of a reference cycle (see \"The cyclic GC\" in hooks/_ctracker.c)."},
     {"instances", (PyCFunction)(void (*)(void))mod_instances, METH_FASTCALL,
      "instances(objects, a, b) -> (objects of a subclass of a, of b): the module discovery's heap pass."},
+    {"frame_values", mod_frame_values, METH_O,
+     "frame_values(frame) -> a function frame's local values, read without f_locals's snapshot; None before 3.12."},
     {"_bind", mod_bind, METH_O, "_bind(RawStep): the record class _finalize builds."},
     {"_bound_directly", mod_bound_directly, METH_NOARGS, "Whether _finalize fills RawStep's slots itself."},
     {"_set_clock", mod_set_clock, METH_O, "_set_clock(fn | None): tests only; every C timestamp is fn()."},

@@ -1289,6 +1289,19 @@ def _without_root_hooks(state: Any) -> Any:
     return state
 
 
+# ``frame_values(frame)``: a function frame's local values read without ``frame.f_locals``, or None
+# where only f_locals can tell (hooks/_ctracker.c says why). Read through f_locals, Python 3.12's
+# snapshot kept each caller's locals of the scan's time alive: a sweep's dropped model lived on
+# until the next scan, or to the end of the function (3.12 reports its own objects as frozen, so
+# every scan walked there). Before 3.12, and without the C module on 3.12, it still does, for a
+# heap the script froze; 3.13's f_locals is a view, with no snapshot.
+try:
+    from ._ctracker import frame_values as _frame_values
+except ImportError:
+    def _frame_values(frame: Any) -> list[Any] | None:
+        return None
+
+
 # The walk of :func:`_reachable`: how many references deep from a frame's locals, and how many
 # objects at most (the benchmark loop's frozen heap: ~20 ms a scan here, kept out of the step).
 WALK_DEPTH = 6
@@ -1310,7 +1323,11 @@ def _reachable(frame: Any, kinds: tuple[type, ...]) -> list[Any]:
     opaque = (type, types.ModuleType, types.FrameType, str, bytes, int, float, torch.Tensor)
     frontier: list[Any] = []
     while frame is not None:
-        frontier.append(frame.f_locals)
+        values = _frame_values(frame)
+        if values is None:
+            frontier.append(frame.f_locals)
+        else:
+            frontier += values
         frame = frame.f_back
     main = sys.modules.get("__main__")
     if main is not None:
