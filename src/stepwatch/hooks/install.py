@@ -1324,10 +1324,9 @@ def _reachable(frame: Any, kinds: tuple[type, ...]) -> list[Any]:
     frontier: list[Any] = []
     while frame is not None:
         values = _frame_values(frame)
-        if values is None:
-            frontier.append(frame.f_locals)
-        else:
-            frontier += values
+        # f_locals's values: from 3.13 on a function frame's is a view, whose referents (what
+        # the walk reads of an object) are the frame alone, not the locals
+        frontier += list(frame.f_locals.values()) if values is None else values
         frame = frame.f_back
     main = sys.modules.get("__main__")
     if main is not None:
