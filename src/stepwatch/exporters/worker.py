@@ -59,8 +59,17 @@ class ExporterWorker:
         self._closing = False
         self._gone = False  # failed to start, off, or given up at shutdown: drop what comes
         self._deadline = 0.0
-        self._thread = threading.Thread(target=self._run, name=f"stepwatch-export-{name}", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, name=f"stepwatch-export-{name}", daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError as e:
+            # The interpreter refuses a new thread: Python 3.12.0-3.12.2 in an atexit hook
+            # (CPython gh-113964), where a short job's first pass comes at its exit shutdown.
+            # This exporter is off, alone: the pass, and the records file it writes, go on.
+            self._thread = None
+            self._on_error(f"exporter.{name}.start", e)
+            self._give_up()
 
     # -- the pipeline's side (its background thread) ------------------------------------------
 
@@ -90,6 +99,8 @@ class ExporterWorker:
     def join(self, deadline: float) -> bool:
         """Wait for the worker until ``deadline``; True if it finished. If not, what it still
         holds (queued, and the batch in its ``export``) is counted as dropped."""
+        if self._thread is None:  # never started (see __init__)
+            return True
         self._thread.join(max(deadline - time.monotonic(), 0.0))
         if not self._thread.is_alive():
             return True
