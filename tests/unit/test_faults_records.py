@@ -121,7 +121,7 @@ def test_a_disk_that_fills_leaves_whole_lines_counts_the_lost_and_says_so_twice(
 
 
 FILLS_THE_DISK = r"""
-import os, sys, torch, stepwatch
+import os, sys, time, torch, stepwatch
 run, filler = sys.argv[1], sys.argv[2]
 stepwatch.init(dir=run, console="off", watchdog="off", capture="off", flush_interval_s=0.05)
 m = torch.nn.Linear(64, 64); opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -129,6 +129,13 @@ for i in range(300):
     m(torch.randn(8, 64)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
     stepwatch.log(loss=0.5, note_a=1.0, note_b=2.0)
     if i == 40:  # another writer fills the disk, and keeps it full to the end
+        # once the first pass wrote run.json (its first write, with the room it keeps): on a
+        # loaded machine 40 quick steps can come before that pass, and then the disk was full
+        # before stepwatch had written anything (the suite saw no run.json at all, once)
+        for _ in range(400):
+            if os.path.exists(os.path.join(run, "run.json")):
+                break
+            time.sleep(0.025)
         try:
             with open(filler, "wb") as f:
                 while True:
