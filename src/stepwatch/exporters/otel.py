@@ -32,6 +32,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.metrics.view import View
 from opentelemetry.sdk.resources import Resource
 
+from .._os.threads import start
 from . import names as N
 from .base import Batch, Exporter
 
@@ -404,8 +405,9 @@ class OTelExporter(Exporter):
                 t = self._flush_thread = threading.Thread(
                     target=self._flush_now, args=(timeout_s,), name="stepwatch-otel-flush", daemon=True
                 )
-        if not busy:
-            t.start()
+        if not busy and not start(t):  # the interpreter refuses a thread at its exit (_os/threads.py)
+            self._flush_now(timeout_s)  # here: within the OTLP exporter's own timeout (10 s, a collector down)
+            return self._flush_ok
         t.join(timeout_s)
         return not t.is_alive() and self._flush_ok
 

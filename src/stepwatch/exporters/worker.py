@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .._os.threads import start
 from .base import Batch, Exporter
 
 OnError = Callable[[str, BaseException], None]
@@ -61,14 +62,13 @@ class ExporterWorker:
         self._deadline = 0.0
         self._thread: threading.Thread | None = threading.Thread(
             target=self._run, name=f"stepwatch-export-{name}", daemon=True)
-        try:
-            self._thread.start()
-        except RuntimeError as e:
-            # The interpreter refuses a new thread: Python 3.12.0-3.12.2 in an atexit hook
-            # (CPython gh-113964), where a short job's first pass comes at its exit shutdown.
-            # This exporter is off, alone: the pass, and the records file it writes, go on.
+        if not start(self._thread):
+            # The interpreter refuses a new thread (_os/threads.py): a short job's first pass
+            # comes at its exit shutdown. This exporter is off, alone: the pass, and the records
+            # file it writes, go on.
             self._thread = None
-            self._on_error(f"exporter.{name}.start", e)
+            self._on_error(f"exporter.{name}.start", RuntimeError("the interpreter refused a new thread at its exit "
+                                                                 "(Python 3.12.0-3.12.2; fixed in 3.12.3)"))
             self._give_up()
 
     # -- the pipeline's side (its background thread) ------------------------------------------
