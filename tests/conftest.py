@@ -94,3 +94,24 @@ def one_rank_group():
         yield dist
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def refuse_threads(monkeypatch):
+    """``refuse(prefix)``: from then on ``threading.Thread.start`` raises for a thread whose name
+    starts with ``prefix``, as Python 3.12.0-3.12.2 do for any thread started in an atexit hook
+    (CPython gh-113964), where stepwatch's exit shutdown runs. The suite runs on 3.11: this is
+    those releases, simulated (_os/threads.py)."""
+    import threading
+
+    real_start = threading.Thread.start
+
+    def refuse(prefix):
+        def refusing(self):
+            if self.name.startswith(prefix):
+                raise RuntimeError("can't create new thread at interpreter shutdown")
+            return real_start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", refusing)
+
+    return refuse

@@ -323,24 +323,15 @@ def test_a_rank_slow_through_a_partial_last_window_is_named_at_finish(store):
     assert dets[0].exchange.pending == {}
 
 
-def test_the_last_window_is_judged_where_the_interpreter_refuses_a_thread(store, monkeypatch):
+def test_the_last_window_is_judged_where_the_interpreter_refuses_a_thread(store, refuse_threads):
     """Python 3.12.0-3.12.2 refuse a new thread in an atexit hook (CPython gh-113964), where
     ``finish`` runs: it started its bounded wait on a thread, and the refusal was an internal
     error, the last window unjudged. Now the wait runs on the calling thread, within the store's
     timeouts. Simulated (the suite runs on 3.11): ``Thread.start`` raises as those releases do."""
-    import threading
-
     server, client = store
     dets, _ = detectors(client, 2, every=4, windows=3)
     assert run_steps(dets, 30, slow_from(20)) == []
-    real_start = threading.Thread.start
-
-    def refusing(self):
-        if self.name == "stepwatch-straggler-finish":
-            raise RuntimeError("can't create new thread at interpreter shutdown")
-        return real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", refusing)
+    refuse_threads("stepwatch-straggler-finish")
     found = finish_all(dets)
     assert [f.data["ranks"] for f in found] == [[1]], found
 

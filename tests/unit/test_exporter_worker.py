@@ -103,7 +103,7 @@ def test_an_idle_exporter_takes_a_batch_larger_than_its_queue():
     assert stuck.got == 12 and w.dropped["records"] == 6
 
 
-def test_an_exporter_whose_thread_the_interpreter_refuses_is_off_alone(sw, monkeypatch, tmp_path):
+def test_an_exporter_whose_thread_the_interpreter_refuses_is_off_alone(sw, refuse_threads, tmp_path):
     """Python 3.12.0-3.12.2 refuse a new thread in an atexit hook (CPython gh-113964, fixed in
     3.12.3), where a short job's first pass, and its exporters' start, come at the exit shutdown.
     The refusal raised out of the pass: "internal error in pipeline", and the records file of the
@@ -113,18 +113,11 @@ def test_an_exporter_whose_thread_the_interpreter_refuses_is_off_alone(sw, monke
     import json
 
     stepwatch, mem, start = sw
-    real_start = threading.Thread.start
-
-    def refusing(self):
-        if self.name.startswith("stepwatch-export-"):
-            raise RuntimeError("can't create new thread at interpreter shutdown")
-        return real_start(self)
-
     start(flush_interval_s=60.0)  # no pass before the shutdown
     run = tmp_path / "run"
     for _ in range(5):
         stepwatch.step()
-    monkeypatch.setattr(threading.Thread, "start", refusing)
+    refuse_threads("stepwatch-export-")
     stepwatch.shutdown()
     steps = [json.loads(line) for line in open(f"{run}/steps.rank0.jsonl")]
     manifest = json.loads(open(f"{run}/run.json").read())

@@ -579,24 +579,15 @@ def test_counting_exporter_counts_failures_and_sends_nothing_from_a_fork():
     e.shutdown()
 
 
-def test_a_flush_runs_here_where_the_interpreter_refuses_its_thread(monkeypatch):
+def test_a_flush_runs_here_where_the_interpreter_refuses_its_thread(refuse_threads):
     """Python 3.12.0-3.12.2 refuse a new thread in an atexit hook (CPython gh-113964), where the
     exit shutdown flushes: the flush's helper thread raised, and the last metrics were not sent.
     Now the flush runs on the calling thread. Simulated (the suite runs on 3.11): ``Thread.start``
     raises as those releases do, for the flush's thread only."""
-    import threading
-
     src = InMemoryMetricReader()
     e = OTelExporter(ctx(), readers=[src], environ={})
     e.export(Batch(records=[rec(1, mfu=0.5)]))
-    real_start = threading.Thread.start
-
-    def refusing(self):
-        if self.name == "stepwatch-otel-flush":
-            raise RuntimeError("can't create new thread at interpreter shutdown")
-        return real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", refusing)
+    refuse_threads("stepwatch-otel-flush")
     try:
         assert e.force_flush(2.0) is True
     finally:
