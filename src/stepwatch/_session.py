@@ -112,6 +112,11 @@ class Session:
         self.ended_by: str | None = None
         self._printed_before: BaseException | None = None
         self._prev_excepthook: Any = None
+        # ``sys.exit`` while the session runs (``_recording_exit``), the one it replaced, and what
+        # the main thread last asked for: (status, the tracker's step then).
+        self._exit_fn: Any = None
+        self._prev_exit: Any = None
+        self._exit_asked: tuple[Any, Any] | None = None
         # In a multiprocessing child: its shutdown in multiprocessing's exit (``_at_mp_exit``).
         self._mp_exit: Any = None
         self.pipeline = Pipeline(
@@ -172,6 +177,8 @@ class Session:
         self._started = True
         self._prev_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
+        self._prev_exit = sys.exit
+        self._exit_fn = sys.exit = _recording_exit(self, sys.exit)
         self._printed_before = _last_printed()  # an earlier one (a REPL's) is not this job's end
         atexit.register(self.shutdown)
         # A multiprocessing child ('fork', 'forkserver': a Pool's worker, a rank of
@@ -209,6 +216,18 @@ class Session:
             pass
         pass_on(self._excepthook, self._prev_excepthook, t, v, tb)
 
+    def _exit_called(self, status: Any) -> None:
+        """The script called ``sys.exit(status)`` (the SystemExit it raises reaches no hook):
+        kept for ``ended_by`` when the main thread of this process called it. A thread's
+        ``sys.exit`` ends that thread alone; a SystemExit the script catches and trains on after
+        is let go at the shutdown (the step moved on)."""
+        if threading.current_thread() is threading.main_thread() and os.getpid() == self.pid:
+            self._exit_asked = (status, self._step_now())
+
+    def _step_now(self) -> Any:
+        tr = self.tracker
+        return tr.step if tr is not None else None
+
     def _at_mp_exit(self) -> None:
         """The shutdown of a session started in a multiprocessing child, from the child's exit:
         ``BaseProcess._bootstrap`` runs the process's target, then in its ``finally``
@@ -224,8 +243,9 @@ class Session:
         it, as during any shutdown on the main thread (:meth:`_sigterm_waits`)."""
         try:
             t, v, _ = sys.exc_info()  # the exception leaving the target, in that ``finally``
-            if v is not None and not isinstance(v, SystemExit) and self.ended_by is None and os.getpid() == self.pid:
-                self.ended_by = _uncaught(t, v)
+            if v is not None and self.ended_by is None and os.getpid() == self.pid:
+                # ``raise SystemExit(3)`` too: here the exit is seen, however it was raised.
+                self.ended_by = _exit_said(v.code) if isinstance(v, SystemExit) else _uncaught(t, v)
         except Exception:  # noqa: BLE001 - the shutdown comes first
             pass
         self.shutdown()
@@ -320,8 +340,13 @@ class Session:
             self._drop_mp_exit()
             if sys.excepthook == self._excepthook:
                 sys.excepthook = self._prev_excepthook
+            if sys.exit is self._exit_fn:
+                sys.exit = self._prev_exit
         except Exception:
             pass
+        asked = self._exit_asked
+        if self.ended_by is None and asked is not None and asked[1] == self._step_now():
+            self.ended_by = _exit_said(asked[0])
         if self.tracker is not None:
             self.tracker.flush()
             self.tracker.enabled = False
@@ -516,6 +541,39 @@ def _uncaught(t: Any, v: BaseException) -> str:
     """``ended_by`` of a process that an exception ended."""
     first = str(v).strip().splitlines()
     return f"uncaught {getattr(t, '__name__', t)}" + (f": {first[0][:200]}" if first else "")
+
+
+def _exit_said(status: Any) -> str | None:
+    """``ended_by`` of a process that ``sys.exit(status)`` ended, as the interpreter reads the
+    status: None for 0 or None (a finished job's ``shutdown``), ``exit <code>`` for another
+    integer, ``exit 1: <message>`` for anything else (printed, then exit status 1)."""
+    if status is None:
+        return None
+    if isinstance(status, int):
+        return f"exit {int(status)}" if status else None
+    first = str(status).strip().splitlines()
+    return "exit 1" + (f": {first[0][:200]}" if first else "")
+
+
+def _recording_exit(session: Session, prev: Any) -> Any:
+    """``sys.exit`` while ``session`` runs: tells the session, then calls ``prev`` (the one it
+    replaced), which raises the SystemExit as before. W&B's ``ExitHooks`` wraps ``sys.exit`` the
+    same way, before or after this one. It holds the session weakly: one wrapped over by another
+    library outlives it, and then only passes the call on."""
+    ref = weakref.ref(session)
+
+    def exit(status: Any = None, /) -> Any:  # noqa: A001 - it is sys.exit
+        s = ref()
+        if s is not None:
+            try:
+                s._exit_called(status)
+            except Exception:  # noqa: BLE001 - the exit comes first
+                pass
+        return prev(status)
+
+    exit.__doc__ = getattr(prev, "__doc__", None)
+    exit.__wrapped__ = prev  # type: ignore[attr-defined]
+    return exit
 
 
 def _in_mp_child() -> bool:

@@ -60,6 +60,8 @@ def child(kind, n, done, out):
     done.value = time.monotonic()  # trained: from here to its exit is the session's shutdown
     if kind == "raise":
         raise ValueError("boom in the child")
+    if kind == "exit":  # a child that gives up with an exit status of its own
+        sys.exit(3)
 
 if __name__ == "__main__":
     method, what, n, res = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -158,18 +160,19 @@ def test_forkserver_children_and_pool_workers_finish_their_run_directories(tmp_p
     """'forkserver' children that start at their first optimizer (``import stepwatch.auto``):
     one that returns (after it forked a grandchild that left through multiprocessing's exit with
     a copy of its finalizers: it must not end its parent's session), one that dies of an
-    exception, one shut down by hand (then freed, and nothing of it left in multiprocessing's exit
+    exception, one that calls ``sys.exit(3)``, one shut down by hand (then freed, and nothing of it left in multiprocessing's exit
     registry); a Pool's worker that trains (one session over the tasks it ran), closed and
     joined; and the workers of a Pool used as a context manager (terminated)."""
-    out, r = _run(tmp_path, "forkserver", "grandchild,raise,by_hand,pool")
+    out, r = _run(tmp_path, "forkserver", "grandchild,raise,exit,by_hand,pool")
     for kind, c in out.items():
         if not kind.startswith("pool"):
-            assert c["exitcode"] == (1 if kind == "raise" else 0), (kind, c, r.stderr[-3000:])
+            assert c["exitcode"] == {"raise": 1, "exit": 3}.get(kind, 0), (kind, c, r.stderr[-3000:])
         assert c["took"] < 15, (kind, c)  # it exits promptly (shutdown: 1.5 s; a busy machine: more)
     # From Python 3.13 on, multiprocessing's child catches the exception (and prints it) before
     # its exit runs the finalizers and atexit hooks: the shutdown no longer sees it (README).
     raised = "uncaught ValueError: boom in the child" if sys.version_info < (3, 13) else "shutdown"
     _assert_finished(_run_dir(tmp_path, out["raise"]["pid"]), N, ended_by=raised)
+    _assert_finished(_run_dir(tmp_path, out["exit"]["pid"]), N, ended_by="exit 3")  # as a script's sys.exit(3)
     _assert_finished(_run_dir(tmp_path, out["by_hand"]["pid"]), N)
     assert json.loads((tmp_path / "res" / "by_hand.json").read_text()) == {"freed": True, "left": 0}
     _assert_finished(_run_dir(tmp_path, out["grandchild"]["pid"]), N)

@@ -212,32 +212,62 @@ def test_a_checkpoint_after_the_last_step_is_no_step_in_the_manifest_or_the_cons
     assert len(done) == 1 and done[0].endswith("done: 6 steps") and "| step 5 |" in done[0], done
 
 
-@pytest.mark.parametrize("how", ["finished", "raised"])
+ENDED = {  # how the job ends at step 3: (its exit status, run.json's ended_by)
+    "finished": (0, "shutdown"),
+    "raised": (1, "uncaught RuntimeError: bad batch at step 3"),
+    "exit_3": (3, "exit 3"),
+    "exit_message": (1, "exit 1: no data left"),
+    "exit_0": (0, "shutdown"),
+    "exit_caught": (0, "shutdown"),  # a SystemExit the script caught, training on after it
+}
+
+
+@pytest.mark.parametrize("how", list(ENDED))
 def test_the_manifest_says_how_the_job_ended(tmp_path, how):
     """A rank that died of an uncaught exception wrote the same end_time as one that finished:
     the report showed "ended <time>" for a crashed job. run.json's ``ended_by`` says which, and
-    the report shows it beside the end time."""
+    the report shows it beside the end time. A script that ends itself with ``sys.exit(3)`` (a
+    NaN check, a failed precondition) read ``shutdown`` as a finished one did: the rank that gave
+    up was the one the report did not name among the ranks that stopped."""
     code = (
         "import sys, torch, stepwatch\n"
+        "how, interpreters = sys.argv[2], sys.exit\n"
         "stepwatch.init(dir=sys.argv[1], console='off')\n"
         "m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
         "for i in range(5):\n"
-        "    if sys.argv[2] == 'raised' and i == 3:\n"
+        "    if i == 3 and how == 'raised':\n"
         "        raise RuntimeError('bad batch at step 3')\n"
+        "    if i == 3 and how == 'exit_3':\n"
+        "        sys.exit(3)\n"
+        "    if i == 3 and how == 'exit_message':\n"
+        "        sys.exit('no data left')\n"
+        "    if i == 3 and how == 'exit_0':\n"
+        "        sys.exit(0)\n"
+        "    if i == 1 and how == 'exit_caught':\n"
+        "        try:\n"
+        "            sys.exit(3)\n"
+        "        except SystemExit:\n"
+        "            pass\n"
         "    m(torch.randn(8, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "if how == 'exit_caught':\n"
+        "    stepwatch.shutdown()\n"
+        "    assert sys.exit is interpreters, 'the shutdown leaves sys.exit as it found it'\n"
     )
     run = tmp_path / "run"
     p = subprocess.run([sys.executable, "-c", code, str(run), how], env=_env(), capture_output=True, text=True,
                        timeout=120)
-    assert (p.returncode != 0) == (how == "raised"), p.stderr
+    status, want = ENDED[how]
+    assert p.returncode == status, p.stderr  # the script's own exit status, unchanged
     m = json.loads((run / "run.json").read_text())
     assert m["end_time"] is not None
-    want = "shutdown" if how == "finished" else "uncaught RuntimeError: bad batch at step 3"
     assert m["ended_by"] == want
+    rank = json.loads((run / "rank0.json").read_text())
+    assert rank["ended_by"] == want
     r = subprocess.run([sys.executable, "-m", "stepwatch", "report", str(run), "--no-html"], env=_env(),
                        capture_output=True, text=True, timeout=120)
     ended = next(line for line in r.stdout.splitlines() if line.strip().startswith("ended"))
-    assert ("RuntimeError" in ended) == (how == "raised"), ended
+    assert ("stopped, not finished" in ended) == (want != "shutdown"), ended
+    assert want == "shutdown" or want in ended, ended
 
 
 
@@ -278,6 +308,8 @@ else:
         replace()
 m = torch.nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
 for i in range(5):
+    if i == 3 and sys.argv[4:] == ["exit"]:
+        sys.exit(3)
     if i == 3:
         raise RuntimeError("bad batch at step 3")
     m(torch.randn(8, 4)).sum().backward(); opt.step(); opt.zero_grad()
@@ -307,6 +339,22 @@ def test_a_crash_prints_its_traceback_once_whoever_hooks_after_stepwatch(tmp_pat
     assert p.stderr.count("RuntimeError: bad batch at step 3") == 1, p.stderr
     assert p.stderr.count("Traceback (most recent call last)") == 1, p.stderr
     assert json.loads((run / "run.json").read_text())["ended_by"] == "uncaught RuntimeError: bad batch at step 3"
+
+
+@pytest.mark.parametrize("order", ["then_wandb", "wandb_first"])
+def test_an_exit_status_is_said_whoever_else_wraps_sys_exit(tmp_path, order):
+    """W&B wraps ``sys.exit`` to learn the exit status (``ExitHooks``), as stepwatch does for
+    ``ended_by``: with real wandb (offline) wrapped over stepwatch's or under it, ``sys.exit(3)``
+    still ends the job with status 3, and run.json says so."""
+    pytest.importorskip("wandb")
+    env = {k: v for k, v in _env().items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", CRASH, str(run), order, "no_memory", "exit"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 3, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert json.loads((run / "run.json").read_text())["ended_by"] == "exit 3"
 
 
 ADOPT_AT_EXIT = r"""
