@@ -539,8 +539,17 @@ def _last_printed() -> BaseException | None:
 
 def _uncaught(t: Any, v: BaseException) -> str:
     """``ended_by`` of a process that an exception ended."""
+    return f"uncaught {getattr(t, '__name__', t)}" + _said(v)
+
+
+def _said(v: Any, limit: int = 200) -> str:
+    """``": <the first line of str(v)>"`` for ``ended_by`` (``…`` where more was cut), or "" when
+    it says nothing."""
     first = str(v).strip().splitlines()
-    return f"uncaught {getattr(t, '__name__', t)}" + (f": {first[0][:200]}" if first else "")
+    if not first:
+        return ""
+    line = first[0]
+    return ": " + (line if len(line) <= limit and len(first) == 1 else line[:limit] + "…")
 
 
 def _exit_said(status: Any) -> str | None:
@@ -551,8 +560,7 @@ def _exit_said(status: Any) -> str | None:
         return None
     if isinstance(status, int):
         return f"exit {int(status)}" if status else None
-    first = str(status).strip().splitlines()
-    return "exit 1" + (f": {first[0][:200]}" if first else "")
+    return "exit 1" + _said(status)
 
 
 def _recording_exit(session: Session, prev: Any) -> Any:
