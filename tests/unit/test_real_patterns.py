@@ -991,6 +991,38 @@ def test_a_model_called_through_forward_gets_one_line_that_says_so(sw, caplog):
             assert said == []
 
 
+@pytest.mark.parametrize("how", ["trace", "script"])
+def test_a_torchscript_model_is_the_steps_forward(sw, caplog, how):
+    """A model made by ``torch.jit.trace`` keeps its parameters and submodules in the script
+    module it calls (``_actual_script_module``), not in ``_modules``: the scan hooked that inner
+    module and its submodules' as roots, which nothing calls through ``__call__``. Every step had
+    forward_s 0 and null FLOPs and samples, and the log blamed a ``model.forward(x)`` call. The
+    traced model is the root now, as a ``torch.jit.script`` one is."""
+    import logging
+
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    eager = _model()
+    m = torch.jit.trace(eager, torch.randn(4, 16)) if how == "trace" else torch.jit.script(eager)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        for _ in range(8):
+            (m(torch.randn(4, 16)) - torch.randn(4, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        roots = list(stepwatch.get_session().instrumentation.roots)
+        stepwatch.shutdown()
+    recs = mem.records[-8:]
+    _all_identity(recs)
+    assert all(r.forward_s > 0 and r.samples == 4 for r in recs[1:]), recs
+    # The forward (2 x 4 x 640 multiply-adds), the weight gradients (as many), and the input
+    # gradient of the second layer only (2 x 4 x 32 x 4): as for the eager model.
+    assert all(r.flops == 2 * 4 * 640 * 2 + 2 * 4 * 32 * 4 for r in recs[1:]), [r.flops for r in recs]
+    assert not [r for r in caplog.records if "model.forward(x)" in r.getMessage()]
+    assert type(m).__name__ in roots, roots
+
+
 def test_a_step_the_scaler_skips_is_marked_under_the_explicit_boundary_too(sw):
     """With ``step_boundary="explicit"`` a GradScaler step that skips the optimizer (an inf in
     the batch) no longer ends a step itself; the step ``stepwatch.step()`` ends is marked

@@ -643,10 +643,14 @@ class Instrumentation:
             # runs) are neither roots nor parents: the model they hold stays a root.
             # A module whose __init__ never ran (a deepcopy or an unpickling that failed half way)
             # has no _modules: it crashed the scan, and discovery stayed off for the run.
-            modules = [m for m in modules if "_modules" in getattr(m, "__dict__", ()) and not is_replay_module(m)]
+            # A module made by torch.jit.trace has no _modules: its forward calls the script
+            # module it holds (_actual_script_module), which holds the parameters and submodules.
+            # That one is its child here, so the traced module, which the script calls, is the root.
+            modules = [m for m in modules if _has_children_dict(m) and not is_replay_module(m)]
             children: set[int] = set()
             for m in modules:
-                for c in m._modules.values():
+                d = m.__dict__
+                for c in d["_modules"].values() if "_modules" in d else (d["_actual_script_module"],):
                     if c is not None:
                         children.add(id(c))
             for m in modules:
@@ -1367,6 +1371,13 @@ def _marking_workers(orig_init: Callable[..., Any]) -> Callable[..., Any]:
                 os.environ[DATALOADER_WORKER] = before
 
     return __init__
+
+
+def _has_children_dict(m: Any) -> bool:
+    """``m``'s ``__init__`` ran (a deepcopy or an unpickling that failed half way left no
+    ``_modules``), or it is a traced module, whose children are its script module's."""
+    d = getattr(m, "__dict__", ())
+    return "_modules" in d or "_actual_script_module" in d
 
 
 def _steps_a_root(optimizers: list[Any], roots: list[Any]) -> bool:
