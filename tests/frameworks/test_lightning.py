@@ -140,8 +140,13 @@ def test_lightning_without_any_session_gets_no_callback():
 
 def test_lightning_without_the_callback(tmp_path):
     """STEPWATCH_LIGHTNING_CALLBACK=0 and no callback: step boundaries, the optimizer phase and
-    the grad norm are still right (they come from the core hooks); forward time, FLOPs and
-    tokens are unknown, never wrong (see docs/frameworks.md)."""
+    the grad norm are still right (they come from the core hooks). Lightning calls
+    ``training_step``, never the LightningModule: forward time, FLOPs and tokens are unknown
+    (null, never wrong) until a step with a backward and no root forward has the LightningModule's
+    submodules hooked (hooks/install.py ``_UnseenForward``), as the callback declares them; from
+    the step after, they are the callback's (see docs/frameworks.md). Until the thirty-eighth
+    session they stayed null for the whole run."""
+    ref_flops = plain_loop_flops(tmp_path, make_model(), batch_of(range(BS)))
     mem = start(tmp_path, "on", lightning_callback=False)
     lit, trainer = fit([], sleep_s=SLEEP)
     stepwatch.shutdown()
@@ -149,12 +154,19 @@ def test_lightning_without_the_callback(tmp_path):
     assert _stepwatch_callbacks(trainer) == []
     recs = mem.records
     assert [r.step for r in recs] == list(range(STEPS))
+    # Step 0 is not judged; step 1's end hooks the submodules, before step 2's first fetch.
     for i, r in enumerate(recs):
         assert identity_holds(r), r
         assert r.optimizer_s < SLEEP or i == 0, r
         assert r.grad_norm == pytest.approx(lit.norms[i], rel=1e-5)
-        assert r.flops is None and r.tokens is None
         assert "loss" not in r.scalars
+        micro = slice(i * ACCUM, (i + 1) * ACCUM)
+        if i < 2:
+            assert r.flops is None and r.tokens is None and r.forward_s == 0, r
+        else:
+            assert r.forward_s >= ACCUM * SLEEP * 0.95, r
+            assert r.tokens == sum(lit.tokens[micro])
+            assert r.flops == pytest.approx(ACCUM * ref_flops, rel=0.02)
 
 
 @pytest.mark.integration

@@ -958,39 +958,6 @@ def test_stepwatch_step_right_after_the_optimizer_keeps_one_step_an_iteration(sw
     assert all(r.optimizer_s > 0 for r in mem.records)
 
 
-def test_a_model_called_through_forward_gets_one_line_that_says_so(sw, caplog):
-    """``model.forward(x)`` skips ``nn.Module.__call__``, so no hook sees the forward: its time
-    is in other_s and FLOPs stay null. One log line says why and what to write instead; a loop
-    that calls ``model(x)`` gets no such line."""
-    import logging
-
-    from stepwatch import _log
-
-    stepwatch, mem, start = sw
-    for direct in (False, True):
-        _log._warned.discard("unseen-forward")
-        caplog.clear()
-        start()
-        m = _model()
-        opt = torch.optim.SGD(m.parameters(), lr=0.01)
-        for _ in range(8):
-            out = m.forward(torch.randn(4, 16)) if direct else m(torch.randn(4, 16))
-            out.pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-        with caplog.at_level(logging.WARNING, logger="stepwatch"):
-            stepwatch.shutdown()
-        said = [r.getMessage() for r in caplog.records if "model.forward(x)" in r.getMessage()]
-        recs = mem.records[-8:]
-        _all_identity(recs)
-        if direct:
-            assert all(r.forward_s == 0 and r.flops is None for r in recs)
-            assert len(said) == 1 and "steps up to" in said[0], said
-        else:
-            assert all(r.forward_s > 0 for r in recs[1:])
-            assert said == []
-
-
 @pytest.mark.parametrize("how", ["trace", "script"])
 def test_a_torchscript_model_is_the_steps_forward(sw, caplog, how):
     """A model made by ``torch.jit.trace`` keeps its parameters and submodules in the script
@@ -1000,26 +967,29 @@ def test_a_torchscript_model_is_the_steps_forward(sw, caplog, how):
     traced model is the root now, as a ``torch.jit.script`` one is."""
     import logging
 
+    from stepwatch import _log
+
     stepwatch, mem, start = sw
+    _log._warned.discard("unseen-forward")
     start()
     torch.manual_seed(0)
     eager = _model()
     m = torch.jit.trace(eager, torch.randn(4, 16)) if how == "trace" else torch.jit.script(eager)
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
-        for _ in range(8):
+        for _ in range(12):  # past the 8 steps the one log line waits for
             (m(torch.randn(4, 16)) - torch.randn(4, 4)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
         roots = list(stepwatch.get_session().instrumentation.roots)
         stepwatch.shutdown()
-    recs = mem.records[-8:]
+    recs = mem.records[-12:]
     _all_identity(recs)
     assert all(r.forward_s > 0 and r.samples == 4 for r in recs[1:]), recs
     # The forward (2 x 4 x 640 multiply-adds), the weight gradients (as many), and the input
     # gradient of the second layer only (2 x 4 x 32 x 4): as for the eager model.
     assert all(r.flops == 2 * 4 * 640 * 2 + 2 * 4 * 32 * 4 for r in recs[1:]), [r.flops for r in recs]
-    assert not [r for r in caplog.records if "model.forward(x)" in r.getMessage()]
+    assert not [r for r in caplog.records if "no module call was timed as forward" in r.getMessage()]
     assert type(m).__name__ in roots, roots
 
 
@@ -1083,8 +1053,80 @@ def test_a_step_where_the_scaler_skipped_one_of_two_optimizers_is_not_skipped(sw
     _all_identity(recs)
 
 
+class _Agent(nn.Module):
+    """An actor-critic that the loop calls through its methods (CleanRL's PPO agent and its
+    ``get_action_and_value``), never through ``agent(x)``; ``features`` loops over a ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        self.critic = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.actor = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def value_and_logits(self, x):
+        return self.critic(x), self.actor(x)
+
+    def features(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+    def forward(self, x, what="both"):
+        return self.features(x) if what == "features" else self.value_and_logits(x)
+
+
+@pytest.mark.parametrize("how", ["method", "forward", "layers"])
+def test_a_model_called_through_its_methods_gets_its_submodules_timed(sw, caplog, how):
+    """A loop that calls its model's methods (``agent.value_and_logits(x)``, ``model.forward(x)``,
+    a method looping over a ModuleList) runs no root's ``__call__``: every step had forward_s 0,
+    null FLOPs and samples, its forward time in other_s, and one log line. A step that runs
+    backward with no root forward now has the roots' submodules hooked as roots at its end, a
+    level further down at the next such step: from then on the records read as with
+    ``agent(x)``: the same FLOPs, samples and a timed forward."""
+    import logging
+
+    from stepwatch import _log
+
+    stepwatch, mem, start = sw
+
+    def train(call):
+        torch.manual_seed(0)
+        agent = _Agent()
+        opt = torch.optim.SGD(agent.parameters(), lr=0.01)
+        for _ in range(12):  # past the 8 steps the one log line waits for
+            out = call(agent, torch.randn(4, 8))
+            sum(o.pow(2).mean() for o in (out if isinstance(out, tuple) else (out,))).backward()
+            opt.step()
+            opt.zero_grad()
+        stepwatch.shutdown()
+        recs = mem.records[-12:]
+        _all_identity(recs)
+        return recs
+
+    what = "features" if how == "layers" else "both"
+    start()
+    want = train(lambda agent, x: agent(x, what))
+    assert all(r.forward_s > 0 and r.flops for r in want[1:])
+    _log._warned.discard("unseen-forward")
+    start()
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        got = train({"method": lambda agent, x: agent.value_and_logits(x),
+                     "forward": lambda agent, x: agent.forward(x),
+                     "layers": lambda agent, x: agent.features(x)}[how])
+    # Step 0 is not judged; a step's end is final at the next one's backward here (no
+    # DataLoader), after its forward: each level hooked times the step after that one. The
+    # ModuleList is never called: its layers are, a level further down.
+    levels = 2 if how == "layers" else 1
+    seen = got[1 + 2 * levels:]
+    assert all(r.forward_s > 0 for r in seen), [(r.step, r.forward_s) for r in got]
+    assert [r.flops for r in seen] == [r.flops for r in want[1 + 2 * levels:]]
+    assert all(r.samples == 4 for r in seen), [r.samples for r in got]
+    assert not [r for r in caplog.records if "no module call was timed as forward" in r.getMessage()]
+
+
 def test_a_forward_of_plain_tensor_code_gets_the_same_line(sw, caplog):
-    """A hand-written model with no nn.Module (``x @ W``): nothing to hook, the same one line."""
+    """A hand-written model with no nn.Module (``x @ W``): nothing to hook, and one line says so
+    (after 8 steps with a backward: a model called through its methods is looked into first)."""
     import logging
 
     from stepwatch import _log
@@ -1095,14 +1137,14 @@ def test_a_forward_of_plain_tensor_code_gets_the_same_line(sw, caplog):
     torch.manual_seed(0)
     W = torch.randn(16, 4, requires_grad=True)
     opt = torch.optim.SGD([W], lr=0.01)
-    for _ in range(8):
+    for _ in range(12):
         (torch.randn(4, 16) @ W).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
         stepwatch.shutdown()
     said = [r.getMessage() for r in caplog.records if "plain tensor code" in r.getMessage()]
-    assert len(said) == 1 and len(mem.records) == 8
+    assert len(said) == 1 and len(mem.records) == 12
 
 
 class _CheckpointedBlocks(nn.Module):

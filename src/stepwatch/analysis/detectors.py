@@ -121,13 +121,15 @@ class DataLoadingDetector(WindowedDetector):
 
 class UnseenForwardCheck:
     """A line in the log (no finding) when training steps run backward but no forward is ever
-    timed: the model is called so that ``nn.Module.__call__`` does not run (``model.forward(x)``
-    instead of ``model(x)``), and with it none of the hooks, or the forward is tensor code with no
-    module: forward time lands in ``other_s`` and FLOPs, MFU and samples stay null. Judged on the first ``steps`` records with a backward,
-    past the run's first record (whose forward may run before the model is found); then it
-    stops looking."""
+    timed: the forward is tensor code with no module, or a module's own ``forward`` called
+    directly (``model.forward(x)``) that calls no submodule: forward time lands in ``other_s``
+    and FLOPs, MFU and samples stay null. (A model called through its methods has its submodules
+    hooked a level at a time, each level judged two steps later: hooks/install.py
+    ``_UnseenForward``, up to 3 levels, so the check waits 8 steps.) Judged on the first
+    ``steps`` records with a backward, past the run's first record (whose forward may run before
+    the model is found); then it stops looking."""
 
-    def __init__(self, steps: int = 5) -> None:
+    def __init__(self, steps: int = 8) -> None:
         self.steps = steps
         self._seen = 0
         self._first = True
@@ -153,12 +155,11 @@ class UnseenForwardCheck:
                 self.done = True
                 warn_once(
                     "unseen-forward",
-                    "stepwatch: rank %d: steps up to %d ran backward but no module call was timed as forward. A "
-                    "model called as model.forward(x) instead of model(x) bypasses nn.Module.__call__ and every "
-                    "hook on it (call the module itself: model(x)); so does checkpoint_sequential(model, ...) "
-                    "imported before stepwatch started (it calls the layers, never the model: start stepwatch "
-                    "first, or call torch.utils.checkpoint.checkpoint_sequential); a forward written as plain tensor code, with "
-                    "no nn.Module, has nothing to hook. Its time is in other_s, and FLOPs, MFU and samples are null.",
+                    "stepwatch: rank %d: steps up to %d ran backward but no module call was timed as forward, "
+                    "of the model or of its submodules 3 levels down. A forward written as plain tensor code, "
+                    "with no nn.Module, has nothing to hook; nor has a module's forward called as "
+                    "module.forward(x) that calls no submodule (call the module itself: module(x)). Its time is "
+                    "in other_s, and FLOPs, MFU and samples are null.",
                     r.rank,
                     r.step,
                 )

@@ -63,7 +63,7 @@ import weakref
 from typing import Any, Callable
 
 from .._imports import ImportWatch
-from .phases import FETCH_END, FETCH_NO_GRAD, StepTracker
+from .phases import FETCH_END, FETCH_NO_GRAD, Collector, StepTracker
 from .replay import is_replay_module
 
 _get_ident = threading.get_ident
@@ -73,6 +73,13 @@ _get_ident = threading.get_ident
 # cross-validation, the next model of a sweep) does not, up to MAX_ALL_SCANS in all.
 MAX_SCANS = 8
 MAX_ALL_SCANS = 256
+
+# A loop that runs backward but calls no root (its model's methods call the submodules:
+# ``agent.get_action_and_value(obs)``, ``model.forward(x)``) gets the roots' submodules hooked as
+# roots, a level further down at each such step (a method looping over a ModuleList: 2 levels),
+# up to DESCEND_LEVELS; a level of more than DESCEND_MAX modules is not taken (``_UnseenForward``).
+DESCEND_LEVELS = 3
+DESCEND_MAX = 64
 
 # The savers' modules, patched once the user imports them (``Instrumentation._patch_savers``).
 SAVER_MODULES = ("torch.distributed.checkpoint", "safetensors.torch", "transformers.modeling_utils")
@@ -229,6 +236,9 @@ class Instrumentation:
         self._patch_compiled_wrapper()
         self._watch_imports()
         self._patch_launch()
+        unseen = _UnseenForward(self)
+        tr.collectors.append(unseen)
+        tr.listeners.append(unseen.step_ended)
         # A model (and its optimizer) built before stepwatch.init(): its roots are hooked now, so a
         # loop without a DataLoader times and counts step 0's first forward too (the scans at the
         # first optimizer, data fetch and backward come after that forward).
@@ -1371,6 +1381,72 @@ def _marking_workers(orig_init: Callable[..., Any]) -> Callable[..., Any]:
                 os.environ[DATALOADER_WORKER] = before
 
     return __init__
+
+
+class _UnseenForward(Collector):
+    """Training thread, for the first steps only. A step that ran backward while no root forward
+    was timed (past the run's first step, whose forward may come before its model is found)
+    hooks the direct submodules of the roots as roots at its end (``declare_roots``): the
+    model's methods call those. The next such step goes a level further down, up to
+    ``DESCEND_LEVELS``. The first step whose forward was timed ends the watch, as does a level
+    with no submodule or more than ``DESCEND_MAX``: the log line of ``UnseenForwardCheck`` then
+    says what is left (plain tensor code). A call nested in another root's is observed once, as
+    part of it, so a root that is also called gets nothing twice.
+
+    A step's end is final at the next step's first work: with no DataLoader that is its
+    backward, after its forward, so the step in which a level was hooked tells nothing of it
+    and is not judged (judged, it took a level more: hooks on every layer, for nothing)."""
+
+    name = "unseen_forward"  # its extras entry, always None: read by no one
+
+    def __init__(self, inst: Instrumentation) -> None:
+        self.inst = inst
+        self.state: str | None = None  # the step's: "forward" (timed), "unseen" (backward only), None
+        self.first = True
+        self.levels = 0
+        self.frontier: list[Any] | None = None  # weak references to the last level hooked
+        self.hooked_in = -1  # the step that was open when the last level was hooked
+
+    def take(self) -> None:
+        tr = self.inst.tracker
+        self.state = "forward" if tr._fwd else "unseen" if tr._bwd else None
+        return None
+
+    def step_ended(self, step: int) -> None:
+        state, self.state = self.state, None
+        if state is None:
+            return
+        first, self.first = self.first, False
+        if state == "forward":
+            self._stop()
+        elif not first and step != self.hooked_in:
+            self._descend(step + 1)
+
+    def _descend(self, open_step: int) -> None:
+        inst = self.inst
+        if self.frontier is None:
+            level = list(inst._hooked)
+        else:
+            level = [m for ref in self.frontier if (m := ref()) is not None]
+        below = []
+        for m in level:
+            d = getattr(m, "__dict__", {})
+            for c in (d.get("_modules") or {}).values():
+                if (c is not None and c not in inst._hooked and id(c) not in inst._not_roots
+                        and not is_replay_module(c)):
+                    below.append(c)
+        self.levels += 1
+        if not below or len(below) > DESCEND_MAX or self.levels > DESCEND_LEVELS:
+            self._stop()
+            return
+        self.frontier = [weakref.ref(c) for c in below]
+        self.hooked_in = open_step
+        inst.declare_roots(model=below)
+
+    def _stop(self) -> None:
+        tr = self.inst.tracker
+        tr.collectors = [c for c in tr.collectors if c is not self]
+        tr.remove_listener(self.step_ended)
 
 
 def _has_children_dict(m: Any) -> bool:
