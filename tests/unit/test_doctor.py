@@ -123,8 +123,11 @@ def test_doctor_storage_stopped_by_a_signal_removes_its_files(tmp_path, sig, rc)
     shell; Ctrl-C: 130)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "STEPWATCH_"))}
     env["PYTHONPATH"] = os.path.join(ROOT, "src")
+    # 8 GiB, 20 s at most: a window of ~9 s here for the signal to land in. With 1 GiB (1.2 s
+    # here) a suite run's load once kept this poller off the CPU for the whole test: the signal
+    # came after it, and the command exited 0. A signal cuts the test short: little is written.
     p = subprocess.Popen([sys.executable, "-m", "stepwatch", "doctor", "--no-attach", "--storage", str(tmp_path),
-                          "--storage-size-mb", "1024", "--storage-seconds", "20"],
+                          "--storage-size-mb", "8192", "--storage-seconds", "20"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 60
