@@ -17,7 +17,7 @@ from stepwatch.capture import signals
 from stepwatch.hooks import progress
 from stepwatch.watchdog import verdict as hang
 from stepwatch.capture.profiler import CaptureManager
-from stepwatch.capture.triggers import MIN_SPIKE_EXCESS_S, StepTimeSpikeDetector
+from stepwatch.capture.triggers import MIN_SPIKE_EXCESS_S, StepTimeSpikeDetector, triggers_capture
 from stepwatch.watchdog.sidecar import CAP_S, FLOOR_S, K, default_timeout
 from stepwatch.config import Config, ConfigError
 from stepwatch.hooks.phases import PHASE_BACKWARD, PHASE_FORWARD, StepTracker
@@ -351,8 +351,9 @@ def test_spike_detector_finds_every_slow_step_and_ignores_eval():
 def test_a_bigger_spike_right_after_a_small_one_is_not_lost():
     """A 4.8 ms blip among ~1.5 ms steps, then an 88.7 ms step 8 steps later (the hunt's case):
     the detector held off every finding for a window after the blip, so the big one was never
-    told. Every slow step is a finding now; the rate limit opens the episode on the blip and
-    closes it with the big step's finding and the count."""
+    told. Every slow step is a finding now; the rate limit opens the episode on the blip, and
+    tells the big step at once (18x the median against the blip's 3x: ``data["magnitude"]``),
+    so it is told as it happens and triggers a capture, as an episode's repeat does."""
     from stepwatch.analysis.ratelimit import FindingLimiter
 
     det = StepTimeSpikeDetector(window=50)
@@ -364,7 +365,9 @@ def test_a_bigger_spike_right_after_a_small_one_is_not_lost():
     limiter = FindingLimiter(window=50)
     told = limiter.filter(got, now=59) + limiter.flush()
     assert [f.step for f in told] == [40, 48]
-    assert "88.7 ms" in told[1].summary and "[episode over: 2 in all over steps 40-48]" in told[1].summary, told[1].summary
+    assert "88.7 ms" in told[1].summary, told[1].summary
+    assert "[worse than before: 2 over steps 40-48, 0 held back since the last report]" in told[1].summary
+    assert not told[1].data["episode"]["final"] and triggers_capture(told[1])
 
 
 def test_spike_detector_needs_history():

@@ -39,6 +39,45 @@ def test_quiet_for_a_window_ends_the_episode_and_a_new_one_reports_at_once():
     assert kinds == [(0, False, 1), (4, True, 5), (40, False, 1), (41, True, 2)]
 
 
+def test_a_much_worse_finding_inside_an_episode_is_told_at_once_and_the_worst_closes_it():
+    """A 9 ms blip opened a step_time_spike episode at step 54 and a 51.8 ms burst came at
+    steps 100-103, within the window: the burst was held back, and the closing line was built
+    from the episode's last finding (step 103), so step 100 was never shown. A finding at
+    least ESCALATE times the episode's worst told (``data["magnitude"]``) is told at once; the
+    closing one is the worst held back; a finding without a magnitude is limited as before."""
+    lim = FindingLimiter(window=50, repeat_windows=20)
+    out = lim.filter([_f("step_time_spike", 54, magnitude=1.8)], now=54)
+    out += lim.filter([_f("step_time_spike", 60, magnitude=2.5)], now=60)  # worse, not twice: held
+    out += lim.filter([_f("step_time_spike", 100, magnitude=10.4)], now=100)  # >= 2 x 1.8, the worst told: at once
+    out += lim.filter([_f("step_time_spike", s, magnitude=m) for s, m in ((101, 9.0), (102, 12.0), (103, 3.0))],
+                      now=103)
+    out += lim.flush()
+    assert [f.step for f in out] == [54, 100, 102]
+    assert "[worse than before: 3 over steps 54-100, 1 held back since the last report]" in out[1].summary
+    assert out[2].data["episode"]["final"] and "episode over: 6 in all over steps 54-103" in out[2].summary
+    assert out[2].data["magnitude"] == 12.0  # the worst held back (12.0 < 2 x 10.4: not told at once)
+    # Without a magnitude, or with one that is not a positive number: as before, the last closes.
+    lim = FindingLimiter(window=50, repeat_windows=20)
+    got = lim.filter([_f("data_loading", 1), _f("data_loading", 2, magnitude=float("nan")),
+                      _f("data_loading", 3, magnitude=True), _f("data_loading", 4)], now=4) + lim.flush()
+    assert [f.step for f in got] == [1, 4]
+
+
+def test_the_spike_findings_say_how_bad():
+    from stepwatch.analysis.detectors import spike_finding
+    from stepwatch.metrics.grads import GradNormSpikeDetector
+    from stepwatch.record import StepRecord
+
+    rec = StepRecord(step=7, rank=0, time=0.0, step_s=0.05, data_wait_s=0.0, forward_s=0.02, backward_s=0.02,
+                     optimizer_s=0.01, other_s=0.0)
+    f = spike_finding(rec, median_s=0.01, mad_s=0.001, limit_s=0.02, collective_median_s=None)
+    assert f.data["magnitude"] == pytest.approx(5.0)
+    det = GradNormSpikeDetector(1e9, 5.0, 20)
+    for s in range(20):
+        assert det._finite(s, 1.0, 0, None) is None
+    assert det._finite(20, 50.0, 0, None).data["magnitude"] == pytest.approx(50.0)
+
+
 def test_groups_are_by_kind_rank_and_subject():
     lim = FindingLimiter(window=10, repeat_windows=5)
     a = lim.filter([_f("straggler", 1, subject="ranks 1"), _f("straggler", 1, subject="ranks 2"),

@@ -219,7 +219,10 @@ def spike_finding(rec: StepRecord, *, median_s: float, mad_s: float, limit_s: fl
         when=rec.time,
         severity="info" if waited else None,
         summary=summary,
+        # magnitude: how bad, for the rate limit (analysis/ratelimit.py): a spike twice the
+        # episode's worst told is told at once.
         data={"step_s": x, "median_s": median_s, "mad_s": mad_s, "limit_s": limit_s,
+              "magnitude": x / median_s if median_s > 0 else None,
               "data_wait_s": rec.data_wait_s, "forward_s": rec.forward_s,
               "backward_s": rec.backward_s, "optimizer_s": rec.optimizer_s, "other_s": rec.other_s,
               "collective_wait_s": wait, "collective_wait_share": share,

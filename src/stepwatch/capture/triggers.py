@@ -27,9 +27,9 @@ TRIGGER_KINDS = ("step_time_spike", "data_loading", "mfu_drop", "grad_norm_spike
 def triggers_capture(f: Finding) -> bool:
     """Whether ``f`` asks for a capture of the next steps. Not a spike that was waiting for
     another rank: this rank's next steps are normal, the peer's are what to look at. Nor the
-    rate limit's closing line of an episode ("[episode over: N in all ...]", a copy of its last
-    finding, written once the condition has been quiet for a window): the steps after it are
-    normal ones."""
+    rate limit's closing line of an episode ("[episode over: N in all ...]", a copy of its worst
+    or last finding held back, written once the condition has been quiet for a window): the
+    steps after it are normal ones."""
     if f.kind not in TRIGGER_KINDS or f.data.get("cause") == "collective_wait":
         return False
     episode = f.data.get("episode")
@@ -51,7 +51,8 @@ class StepTimeSpikeDetector:
     The second term keeps a very steady job (MAD near 0) from calling jitter a spike. Every slow
     step is a finding: the one rate limit every finding passes (analysis/ratelimit.py) makes a
     burst one episode and counts it, and a bigger spike right after a small one is still told
-    (in the episode's repeat or closing line). A step ``excluded(step)`` says is ours (a
+    (at once when it is at least twice the worst one told: ``data["magnitude"]``; else in the
+    episode's repeat or closing line). A step ``excluded(step)`` says is ours (a
     capture's profiler slowed it) is neither judged nor kept in the history.
 
     A spike most of whose excess over the median the step spent waiting in a collective (exposed

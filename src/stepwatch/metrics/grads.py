@@ -1399,7 +1399,9 @@ class GradNormSpikeDetector:
             step=step,
             when=when,
             summary=f"grad norm {norm:.3g} ({why})",
-            data={"grad_norm": norm, "median": median, "abs_threshold": self.abs_threshold, "factor": self.factor},
+            data={"grad_norm": norm, "median": median, "abs_threshold": self.abs_threshold, "factor": self.factor,
+                  # how bad, for the rate limit (analysis/ratelimit.py)
+                  "magnitude": norm / median if median else None},
         )
 
 
