@@ -1124,6 +1124,45 @@ def test_a_model_called_through_its_methods_gets_its_submodules_timed(sw, caplog
     assert not [r for r in caplog.records if "no module call was timed as forward" in r.getMessage()]
 
 
+def test_a_model_called_inside_a_compiled_function_gets_the_line_and_no_graph_break(sw, caplog):
+    """``@torch.compile def loss_fn(x, y): ... model(x) ...``: dynamo inlines the module call, so
+    no root call is timed, and the submodules are hooked in turn (``_UnseenForward``). dynamo
+    inlines those too: the hooks it skips must cost no graph break and no recompilation, also
+    when new input shapes make it trace again after they were put in. The log line says what to
+    do (compile the model instead)."""
+    import logging
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from stepwatch import _log
+
+    stepwatch, mem, start = sw
+    _log._warned.discard("unseen-forward")
+    torch._dynamo.reset()
+    counters.clear()
+    start()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    @torch.compile(backend="eager")
+    def loss_fn(x, y):
+        return (model(x) - y).pow(2).mean()
+
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        for bs in [4] * 12 + [5, 7, 9]:
+            loss_fn(torch.randn(bs, 16), torch.randn(bs, 4)).backward()
+            opt.step()
+            opt.zero_grad()
+        roots = list(stepwatch.get_session().instrumentation.roots)
+        stepwatch.shutdown()
+    assert roots.count("Linear") == 2, roots  # the descent ran
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # batch 4, then one dynamic
+    said = [r.getMessage() for r in caplog.records if "torch.compile'd function" in r.getMessage()]
+    assert len(said) == 1, said
+
+
 def test_a_forward_of_plain_tensor_code_gets_the_same_line(sw, caplog):
     """A hand-written model with no nn.Module (``x @ W``): nothing to hook, and one line says so
     (after 8 steps with a backward: a model called through its methods is looked into first)."""

@@ -158,8 +158,10 @@ class UnseenForwardCheck:
                     "stepwatch: rank %d: steps up to %d ran backward but no module call was timed as forward, "
                     "of the model or of its submodules 3 levels down. A forward written as plain tensor code, "
                     "with no nn.Module, has nothing to hook; nor has a module's forward called as "
-                    "module.forward(x) that calls no submodule (call the module itself: module(x)). Its time is "
-                    "in other_s, and FLOPs, MFU and samples are null.",
+                    "module.forward(x) that calls no submodule (call the module itself: module(x)), nor a model "
+                    "called inside a torch.compile'd function, which inlines the call (compile the model "
+                    "instead: model.compile() or torch.compile(model)). Its time is in other_s, and FLOPs, MFU "
+                    "and samples are null.",
                     r.rank,
                     r.step,
                 )
