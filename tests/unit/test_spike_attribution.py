@@ -125,9 +125,13 @@ def test_a_rank_waiting_for_rank_0s_checkpoint_or_evaluation_is_told_so_not_warn
     run = run_job(tmp_path, what)
     r0 = {r["step"]: r for r in lines(run, "steps", 0)}
     assert r0[EVERY][field] >= PAUSE_S * 0.9, r0[EVERY]  # rank 0's save / evaluation, out of its step
-    # The save is no spike of rank 0's (a loaded machine may still make its next step wait a bit
-    # in the AllReduce: told as such).
-    assert spikes(run, 0).get(EVERY, {}).get("severity") != "warning", spikes(run, 0)
+    # The save is no spike of rank 0's: its 300 ms are out of the step. (A loaded machine may
+    # still make that step wait a bit in the AllReduce, told as such, or make it slow by a few
+    # ms, a spike of its own: a suite run once had rank 0 spike at steps 21, 25, 31 and 36, and a
+    # spike twice the worst told in its episode is told at once.)
+    assert r0[EVERY]["step_s"] < PAUSE_S / 2, r0[EVERY]
+    f0 = spikes(run, 0).get(EVERY)
+    assert f0 is None or f0["severity"] != "warning" or f0["data"]["step_s"] < PAUSE_S / 2, f0
     assert_told_it_waited(run, 1)
 
 

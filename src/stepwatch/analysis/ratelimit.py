@@ -15,7 +15,7 @@ How bad. A detector may give a finding ``data["magnitude"]`` (a positive number,
 worse: a step-time spike's multiple of the median). A finding at least ``ESCALATE`` times the
 largest one emitted in its episode is emitted at once, as a repeat (a 52 ms burst inside the
 episode a 9 ms blip opened was told only if it was the episode's last finding), and the closing
-finding is the worst one held back rather than the last.
+finding is the worst one held back rather than the last when it was worse than every one told.
 
 Positions are steps in a training session (a finding's ``step``, else the last step seen) and
 seconds for ``serve-vllm`` (the finding's ``time``); ``window`` is in the same unit. Memory is
@@ -41,7 +41,7 @@ class _Episode:
     held: int = 0  # findings counted since the last one emitted
     latest: Finding | None = None  # the last finding held back (the closing one is built from it)
     peak: float | None = None  # the largest magnitude emitted
-    worst: Finding | None = None  # the held-back finding of the largest magnitude (closes instead)
+    worst: Finding | None = None  # the held-back finding of the largest magnitude (may close instead)
     worst_m: float = 0.0
 
 
@@ -138,7 +138,9 @@ class FindingLimiter:
         ep = self._open.pop(k)
         if not ep.held or ep.latest is None:
             return []
-        return [self._annotate(ep.worst or ep.latest, ep=ep, held=ep.held, final=True)]
+        # The last held back, unless one held back was worse than every finding told.
+        worst = ep.worst is not None and ep.peak is not None and ep.worst_m > ep.peak
+        return [self._annotate(ep.worst if worst else ep.latest, ep=ep, held=ep.held, final=True)]
 
     def _annotate(self, f: Finding, *, ep: _Episode, held: int, final: bool, worse: bool = False) -> Finding:
         data = dict(f.data) if isinstance(f.data, dict) else {"value": f.data}
