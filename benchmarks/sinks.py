@@ -3,8 +3,8 @@
     python benchmarks/sinks.py [--blocks 6] [--steps 150]
 
 Three tables:
-1. the one thing the sinks add to the training thread: MLflow's run probe at each step end
-   (mlflow not imported / imported without a run / with an active run), in ns per call;
+1. the one thing the sinks add to the training thread: MLflow's and W&B's run probes at each
+   step end (not imported / imported without a run / with an active run), in ns per call;
 2. the background thread's cost per record for each sink (TensorBoard event file, MLflow on a
    local SQLite store, W&B offline run);
 3. the same CPU training loop as overhead.py, ~0.5 ms and ~2 ms steps, in interleaved blocks:
@@ -32,7 +32,9 @@ import stepwatch  # noqa: E402
 from overhead import SIZES, make_loop  # noqa: E402  -- the same loop as the overhead benchmark
 from stepwatch.context import RunContext  # noqa: E402
 from stepwatch.exporters.base import Batch  # noqa: E402
-from stepwatch.exporters.mlflow import MlflowExporter, RunProbe  # noqa: E402
+from stepwatch.exporters.mlflow import MlflowExporter, _active_mlflow_run, _with_tracking_uri  # noqa: E402
+from stepwatch.exporters.tracking import RunProbe  # noqa: E402
+from stepwatch.exporters.wandb import _active_wandb_run  # noqa: E402
 from stepwatch.record import StepRecord  # noqa: E402
 
 
@@ -40,7 +42,7 @@ def probe_cost() -> None:
     n = 200_000
     noop = lambda step: None  # noqa: E731
     base = timeit.timeit(lambda: noop(1), number=n) / n
-    p = RunProbe()
+    p = RunProbe(_active_mlflow_run, _with_tracking_uri)
     rows = [("a no-op listener (reference)", base)]
     saved = sys.modules.pop("mlflow", None)
     rows.append(("mlflow not imported", timeit.timeit(lambda: p.on_step_end(1), number=n) / n))
@@ -51,9 +53,19 @@ def probe_cost() -> None:
     rows.append(("mlflow imported, no run", timeit.timeit(lambda: p.on_step_end(1), number=n) / n))
     with mlflow.start_run():
         rows.append(("mlflow imported, active run", timeit.timeit(lambda: p.on_step_end(1), number=n) / n))
-    print("1. MLflow run probe at each step end (training thread), per call:")
+    print("1. MLflow and W&B run probes at each step end (training thread), per call:")
     for label, s in rows:
         print(f"   {label:32s} {s * 1e9:8.0f} ns")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import wandb
+
+    w = RunProbe(_active_wandb_run)
+    print(f"   {'wandb imported, no run':32s} {timeit.timeit(lambda: w.on_step_end(1), number=n) / n * 1e9:8.0f} ns")
+    run = wandb.init(project="stepwatch-bench", mode="offline", dir=tempfile.mkdtemp())
+    try:
+        print(f"   {'wandb imported, active run':32s} {timeit.timeit(lambda: w.on_step_end(1), number=n) / n * 1e9:8.0f} ns")
+    finally:
+        run.finish()
 
 
 def records(n: int, step0: int = 0) -> list[StepRecord]:

@@ -118,6 +118,14 @@ class Hub:
         made yet: it is made when the next step's work begins, or at shutdown."""
         return self._tracker._pending_end is not None
 
+    def end_pending_step(self) -> None:
+        """Training thread: the step whose end is pending (:attr:`step_pending`) is made final now,
+        its record queued, rather than at the next step's first work (a sink whose run is about
+        to end: W&B's ``Run.finish``). Nothing elsewhere, or with none pending."""
+        tr = self._tracker
+        if tr.enabled and tr._pending_end is not None and self.on_training_thread():
+            tr._finalize(tr._pending_end, tr._pending_skipped)
+
     def on_training_thread(self) -> bool:
         """Whether the caller is the thread whose steps are tracked."""
         return threading.get_ident() == self._tracker._thread

@@ -59,8 +59,9 @@ def _features_wanted(cfg: Config) -> list[tuple[str, bool, str]]:
         # started: it registers the step-time spike detector, a finding with those off too, and
         # stops there when both are off.
         ("capture", True, "stepwatch.capture"),
-        # MLflow sink: its probe of the thread-local active run sits on the training thread.
+        # MLflow and W&B sinks: their probes of the active run sit on the training thread.
         ("mlflow", cfg.mlflow, "stepwatch.exporters.mlflow"),
+        ("wandb", cfg.wandb, "stepwatch.exporters.wandb"),
     ]
 
 

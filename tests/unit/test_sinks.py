@@ -429,6 +429,43 @@ def test_wandb_offline_run_gets_summary_and_history(sw, wandb_offline, tmp_path)
     assert steps == sorted(steps) and len(set(steps)) == len(steps)
 
 
+def _finished_rows(run_file):
+    deadline = time.monotonic() + 60
+    rows, done = _wandb_rows(run_file)
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.2)
+        rows, done = _wandb_rows(run_file)
+    assert done, "the offline run file never got its exit record"
+    return rows
+
+
+def test_a_sweep_in_one_process_logs_each_runs_steps_into_it(sw, wandb_offline, tmp_path):
+    """A sweep that runs several W&B runs in one process (``wandb.agent`` with a function; here
+    three runs, each finished as its training ends): a run's last steps were still in
+    stepwatch's queue when W&B finished it (a pass every 0.25 s), and went into the next run
+    (the last run's were dropped). ``Run.finish`` on the training thread now makes the pending
+    step's record and waits until the run's steps are logged into it; each step goes into the
+    run it was trained in, and none is dropped."""
+    wandb = wandb_offline
+    stepwatch, mem, start = sw
+    s = start(flush_interval_s=0.25)
+    files = []
+    for trial in range(3):
+        run = wandb.init(project="stepwatch-test", mode="offline")
+        _train_plain(10)  # steps 10 x trial ... 10 x trial + 9
+        run_dir = os.path.dirname(run.dir)
+        run.finish()
+        files += glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    stepwatch.shutdown()
+    assert len(files) == 3
+    for trial, f in enumerate(files):
+        ours = sorted(r["stepwatch/step"] for r in _finished_rows(f) if "stepwatch/step_s" in r)
+        assert ours == list(range(10 * trial, 10 * trial + 10)), (trial, ours)
+    manifest = json.loads(open(os.path.join(s.ctx.run_dir, "run.json")).read())
+    assert manifest["exporter_drops"].get("wandb", {}).get("points", 0) == 0, manifest["exporter_drops"]
+    assert manifest["features"]["wandb"] == {"run_seen": True, "off": False}
+
+
 def test_wandb_steps_after_the_run_finished_with_no_new_run_are_counted(sw, wandb_offline, tmp_path):
     """A sweep that finishes its W&B run and trains on (or ends) with no run: the records that
     came after were thrown away uncounted (``exporter_drops`` was empty while W&B lacked them)."""

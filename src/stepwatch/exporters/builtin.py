@@ -136,10 +136,8 @@ def _tracking_sinks(config: "Config", ctx: "RunContext") -> list[ExporterSpec]:
     out: list[ExporterSpec] = []
     if config.tensorboard is not None:
         out.append(ExporterSpec("tensorboard", functools.partial(_tensorboard, config, ctx)))
-    if config.wandb:
-        out.append(ExporterSpec("wandb", functools.partial(_wandb, ctx)))
-    # MLflow's exporter is started with the session's features (_session.py): its probe of the
-    # thread-local active run must be on the training thread from the first step.
+    # W&B's and MLflow's exporters are started with the session's features (_session.py): their
+    # probes of the active run must be on the training thread from the first step.
     return out
 
 
@@ -155,12 +153,6 @@ def _tensorboard(config: "Config", ctx: "RunContext") -> Exporter | None:
     from .tensorboard import TensorBoardExporter
 
     return TensorBoardExporter(ctx, config.tensorboard)
-
-
-def _wandb(ctx: "RunContext") -> Exporter:
-    from .wandb import WandbExporter
-
-    return WandbExporter(ctx)
 
 
 def otlp_configured() -> bool:

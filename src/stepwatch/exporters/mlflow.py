@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .._imports import ImportWatch
 from .base import Batch
-from .tracking import PREFIX, FindingGate, RowLimiter, TrackingExporter, finding_text, record_scalars
+from .tracking import PREFIX, FindingGate, RowLimiter, RunProbe, TrackingExporter, follow_runs, finding_text, record_scalars
 
 if TYPE_CHECKING:
     from .._feature import Hub
@@ -48,75 +48,19 @@ ROWS_PER_S = 2.0
 ROWS_BURST = 100
 
 
-_CHANGING = object()  # RunProbe._rid after settle(): neither a run id nor None
+def _active_mlflow_run() -> Any:
+    """``RunProbe``'s look for MLflow: the active run's id, or None; LookupError while mlflow is
+    not imported."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None:
+        raise LookupError("mlflow")
+    run = mlflow.active_run()
+    return run.info.run_id if run is not None else None
 
 
-class RunProbe:
-    """Training thread: which MLflow run is active. ``changes`` holds ``(step, current)`` each time
-    the answer changes, ``current`` being ``(run_id, tracking_uri)`` or None, so that each record
-    goes to the run that was active when its step ended; ``seen`` says it has looked at least once."""
-
-    __slots__ = ("changes", "_rid", "_ended_through")  # _rid: str, None, or _CHANGING
-
-    def __init__(self) -> None:
-        # Bounded: a record older than the oldest change kept goes to the oldest run kept.
-        self.changes: deque[tuple[int, tuple[str, str] | None]] = deque(maxlen=64)
-        self._rid: Any = None
-        self._ended_through = -(2**62)  # settle: steps up to this one have their run
-
-    def settle(self, last: int) -> None:
-        """Training thread, in ``mlflow.start_run`` / ``mlflow.end_run`` before the active run
-        changes (a ``with`` block's exit, the script's call, MLflow's own exit hook): the steps
-        up to ``last`` were trained in the run active now (or in none), whenever their records
-        are made. A step's record is made when the next step begins or at shutdown: looked for
-        then, the last step of a ``with`` block went nowhere, and a step trained with no run
-        went into the next one."""
-        mlflow = sys.modules.get("mlflow")
-        if mlflow is None or last <= self._ended_through:
-            # Settled already (no step since the last change): the next change, MLflow's exit
-            # hook ending a run the script ended, takes nothing from the run they were in.
-            return
-        try:
-            run = mlflow.active_run()
-            rid = run.info.run_id if run is not None else None
-            current = (rid, mlflow.get_tracking_uri()) if rid is not None else None
-        except Exception:  # an mlflow that misbehaves: as on_step_end, nothing known
-            return
-        if rid != self._rid or not self.changes:
-            self.changes.append((last, current))
-        self._rid = _CHANGING  # the next step end notes whatever it finds
-        self._ended_through = last
-
-    @property
-    def seen(self) -> bool:
-        return bool(self.changes)
-
-    def on_step_end(self, step: int) -> None:
-        mlflow = sys.modules.get("mlflow")
-        if mlflow is None or step <= self._ended_through:
-            return
-        try:
-            run = mlflow.active_run()
-            rid = run.info.run_id if run is not None else None
-            if rid != self._rid or not self.changes:
-                self._rid = rid
-                self.changes.append((step, (rid, mlflow.get_tracking_uri()) if rid is not None else None))
-        except Exception:  # an mlflow that misbehaves: no run as far as stepwatch can tell
-            if self._rid is not None or not self.changes:
-                self._rid = None
-                self.changes.append((step, None))
-
-    def run_at(self, step: int | None) -> tuple[str, str] | None:
-        """The run active when ``step`` ended (None: the latest); before the first look, the first."""
-        changes = tuple(self.changes)  # one C-level copy: the training thread may append meanwhile
-        if not changes:
-            return None
-        current = changes[0][1]
-        for at, c in changes:
-            if step is not None and at > step:
-                break
-            current = c
-        return current
+def _with_tracking_uri(rid: str) -> tuple[str, str]:
+    """What the MLflow probe keeps of a run: (its id, the tracking URI it is logged to)."""
+    return rid, sys.modules["mlflow"].get_tracking_uri()
 
 
 class MlflowExporter(TrackingExporter):
@@ -126,7 +70,7 @@ class MlflowExporter(TrackingExporter):
         super().__init__()
         self.ctx = ctx
         self.clock = clock
-        self.probe = RunProbe()
+        self.probe = RunProbe(_active_mlflow_run, _with_tracking_uri)
         self._held: deque = deque(maxlen=HOLD_RECORDS)
         self._held_findings: deque = deque(maxlen=ARTIFACT_FINDINGS)
         self._clients: dict[str, Any] = {}
@@ -276,13 +220,5 @@ def install(hub: "Hub") -> MlflowExporter | None:
     a step before), with ``mlflow.start_run`` / ``end_run`` wrapped to tell it when the run changes. The session adds
     it to its exporters."""
     e = MlflowExporter(hub.ctx)
-
-    def watch(name: str = "mlflow") -> None:
-        hub.add_listener(e.probe.on_step_end)
-        e.wrap_run_changes(hub)
-
-    if "mlflow" in sys.modules:
-        watch()
-    else:
-        e.watch = ImportWatch(["mlflow"], watch).start()
+    follow_runs(hub, e, "mlflow", e.wrap_run_changes)
     return e

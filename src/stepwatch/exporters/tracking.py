@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import math
 import re
+import sys
 import time
 import zlib
 from collections import deque
 from typing import Any, Callable
 
+from .._imports import ImportWatch
 from ..record import Finding, StepRecord
 from .base import Batch, Exporter
 from .names import _tokens_per_s
@@ -163,6 +165,100 @@ class RowLimiter:
         if k <= 0:
             return []
         return [records[n - 1 - (i * n) // k] for i in reversed(range(k))]
+
+
+_CHANGING = object()  # RunProbe._key after settle(): neither a run nor None
+
+
+class RunProbe:
+    """Training thread: which run of a tracking library is active (MLflow's thread-local active
+    run, W&B's ``wandb.run``). ``look()`` says it: the active run's id or the run itself (None: no run), raising
+    LookupError while the library is not imported; ``describe(id)`` is what is kept of a run
+    (the id itself without it), asked only when the id changes. ``changes`` holds ``(step, run)``
+    each time the id changes, so that each record goes to the run that was active when its step
+    ended; ``seen`` says it has looked at least once."""
+
+    __slots__ = ("look", "describe", "changes", "_key", "_ended_through")  # _key: an id, None, or _CHANGING
+
+    def __init__(self, look: Callable[[], Any], describe: Callable[[Any], Any] | None = None) -> None:
+        self.look = look
+        self.describe = describe
+        # Bounded: a record older than the oldest change kept goes to the oldest run kept.
+        self.changes: deque[tuple[int, Any]] = deque(maxlen=64)
+        self._key: Any = None
+        self._ended_through = -(2**62)  # settle: steps up to this one have their run
+
+    def settle(self, last: int) -> None:
+        """Training thread, as the active run is about to change (``mlflow.start_run`` /
+        ``end_run``, W&B's ``Run.finish``; a ``with`` block's exit, the script's call, the
+        library's own exit hook): the steps up to ``last`` were trained in the run active now (or
+        in none), whenever their records are made. A step's record is made when the next step
+        begins or at shutdown: looked for then, the last step of a ``with`` block went nowhere,
+        and a step trained with no run went into the next one."""
+        if last <= self._ended_through:
+            # Settled already (no step since the last change): the next change, the library's
+            # exit hook ending a run the script ended, takes nothing from the run they were in.
+            return
+        try:
+            key = self.look()
+            current = self._describe(key)
+        except Exception:  # not imported, or a library that misbehaves: as on_step_end, nothing known
+            return
+        if key != self._key or not self.changes:
+            self.changes.append((last, current))
+        self._key = _CHANGING  # the next step end notes whatever it finds
+        self._ended_through = last
+
+    @property
+    def seen(self) -> bool:
+        return bool(self.changes)
+
+    def on_step_end(self, step: int) -> None:
+        if step <= self._ended_through:
+            return
+        try:
+            key = self.look()
+            if key != self._key or not self.changes:
+                current = self._describe(key)
+                self._key = key
+                self.changes.append((step, current))
+        except LookupError:  # the library is not imported
+            return
+        except Exception:  # a library that misbehaves: no run as far as stepwatch can tell
+            if self._key is not None or not self.changes:
+                self._key = None
+                self.changes.append((step, None))
+
+    def _describe(self, key: Any) -> Any:
+        return key if self.describe is None or key is None else self.describe(key)
+
+    def run_at(self, step: int | None) -> Any:
+        """The run active when ``step`` ended (None: the latest); before the first look, the first."""
+        changes = tuple(self.changes)  # one C-level copy: the training thread may append meanwhile
+        if not changes:
+            return None
+        current = changes[0][1]
+        for at, c in changes:
+            if step is not None and at > step:
+                break
+            current = c
+        return current
+
+
+def follow_runs(hub: Any, e: Any, library: str, wrap: Callable[[Any], None]) -> None:
+    """Training thread, at init, for a sink whose run probe must see every step end (MLflow's,
+    W&B's): ``e.probe`` among the step-end listeners and ``wrap(hub)`` (the library's run changes
+    wrapped) from the moment ``library`` is imported, now or when the script imports it (an
+    ``ImportWatch`` on ``sys.meta_path``, kept as ``e.watch``: nothing a step before)."""
+
+    def watch(name: str = library) -> None:
+        hub.add_listener(e.probe.on_step_end)
+        wrap(hub)
+
+    if library in sys.modules:
+        watch()
+    else:
+        e.watch = ImportWatch([library], watch).start()
 
 
 class TrackingExporter(Exporter):

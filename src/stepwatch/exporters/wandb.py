@@ -10,6 +10,16 @@ too (see docs/sinks.md for what that means for a script that passes ``step=`` it
 wandb is never imported here: a script that uses W&B has imported it, and one that has not has no
 run to log into. Runs on stepwatch's background thread only (``wandb.log`` costs ~1 ms).
 
+Each record goes into the run that was active when its step ended (``tracking.RunProbe``, on
+the training thread at each step end once the script has imported wandb), and ``Run.finish``
+is wrapped: called on the training thread, it first makes the step whose end is pending final
+and waits (``FINISH_WAIT_S`` at most) until this sink has logged the run's steps into it. A sweep
+that runs several W&B runs in one process (``wandb.agent`` with a function) lost a run's last
+pass of steps into the next run until the thirty-eighth session. A record whose run W&B finished
+before it came (the wait ran out), or trained with no run active after one, is dropped and
+counted in ``exporter_drops``. The exporter is started as a session feature (:func:`install`,
+at init on the training thread), as MLflow's is.
+
 A script that never calls ``wandb.finish()`` lets W&B finish the run in its own atexit hook. atexit
 runs the last registered first, and stepwatch registers its exit shutdown at ``init``, before
 ``wandb.init`` registers W&B's: so once this exporter sees the run, it registers the session's
@@ -21,16 +31,20 @@ counted, with one info line, not an error.
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import functools
 import sys
 import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
+from .._imports import ImportWatch
 from .base import Batch
-from .tracking import PREFIX, STEP_KEY, FindingGate, RowLimiter, TrackingExporter, log, record_scalars
+from .tracking import PREFIX, STEP_KEY, FindingGate, RowLimiter, RunProbe, TrackingExporter, follow_runs, log, record_scalars
 
 if TYPE_CHECKING:
+    from .._feature import Hub
     from ..context import RunContext
     from ..record import Finding
 
@@ -43,6 +57,19 @@ ROWS_BURST = 100
 # The findings table: the latest findings, re-logged at most once a minute and at shutdown.
 TABLE_ROWS = 200
 TABLE_EVERY_S = 60.0
+# How long ``Run.finish`` on the training thread waits for the run's last steps to be logged
+# into it (a pipeline pass, 0.05-0.25 s, and the rows' log calls) before W&B finishes it.
+FINISH_WAIT_S = 2.0
+
+
+def _active_wandb_run() -> Any:
+    """``RunProbe``'s look for W&B: ``wandb.run`` itself (0.04 µs; its ``id`` property costs
+    1.7 µs, and an address can be a later run's), or None; LookupError while wandb is not
+    imported. The probe keeps the last 64 runs it saw."""
+    wandb = sys.modules.get("wandb")
+    if wandb is None:
+        raise LookupError("wandb")
+    return getattr(wandb, "run", None)
 
 
 class WandbExporter(TrackingExporter):
@@ -68,6 +95,10 @@ class WandbExporter(TrackingExporter):
         # The run W&B finished before stepwatch was done with it: the rest for it is dropped.
         self._ended: Any = None
         self._between_runs_said = False
+        self.probe = RunProbe(_active_wandb_run)
+        self._through = -(2**62)  # the last step this sink has handled (logged, sampled out, dropped)
+        self._wrapped: list[tuple[Any, str, Any, Any]] = []  # (class, name, W&B's method, ours)
+        self.watch: ImportWatch | None = None
 
     def _active_run(self) -> Any:
         wandb = sys.modules.get("wandb")
@@ -109,17 +140,33 @@ class WandbExporter(TrackingExporter):
             )
 
     def _export(self, batch: Batch) -> None:
+        try:
+            self._export_to_runs(batch)
+        finally:
+            if batch.records:
+                self._through = max(self._through, max(r.step for r in batch.records))
+
+    def _export_to_runs(self, batch: Batch) -> None:
         run = self._active_run()
+        records = batch.records
+        if self.probe.seen and records:
+            # Each step into the run active when it ended: not a run W&B finished since (it
+            # takes nothing more), nor a run started after it.
+            runs = [self.probe.run_at(r.step) for r in records]
+            own = [r for r, at in zip(records, runs) if at is run]
+            elsewhere = sum(1 for at in runs if at is not None and at is not run)
+            between = len(records) - len(own) - elsewhere  # trained with no run active
+            lost = elsewhere + (between if self._run is not None else 0)  # before any run: not W&B's
+            if lost:
+                self._drop(None, lost, None)
+                self._say_between_runs()
+            batch = dataclasses.replace(batch, records=own)
         if run is None:
             if self._run is not None and batch.records:
                 # The run this sink logged into was finished, and no new one is active (a sweep's
                 # last run, or steps trained between two runs): these are counted, not lost unsaid.
                 self._drop(None, len(batch.records), None)
-                if not self._between_runs_said:
-                    self._between_runs_said = True
-                    log.info("stepwatch: the W&B run was finished and no new run is active; stepwatch's records for "
-                             "that time are not in W&B (counted in run.json's exporter_drops; every step is in "
-                             "steps.rank<R>.jsonl)")
+                self._say_between_runs()
             return
         if run is self._ended:
             self._drop(run, len(batch.records), None)
@@ -147,6 +194,13 @@ class WandbExporter(TrackingExporter):
             if not self._finished(run, e):
                 raise
             self._drop(run, pending, e)
+
+    def _say_between_runs(self) -> None:
+        if not self._between_runs_said:
+            self._between_runs_said = True
+            log.info("stepwatch: steps trained while no W&B run was active after one, or in a run W&B finished "
+                     "before their records reached it, are not in W&B (counted in run.json's exporter_drops; "
+                     "every step is in steps.rank<R>.jsonl)")
 
     def _add_finding(self, f: "Finding") -> None:
         self._findings.append([f.step, f.rank, f.severity, f.kind, f.summary, f.action])
@@ -186,3 +240,62 @@ class WandbExporter(TrackingExporter):
                 raise
             self._drop(run, 0, e)
         return True
+
+    # -- as a session feature (started at init, beside the others; see :func:`install`) --------
+
+    def before_finish(self, run: Any, hub: "Hub") -> None:
+        """Training thread, in ``Run.finish`` of the active run, before W&B finishes it: the
+        steps trained so far are the run's (``RunProbe.settle``), the pending step's record is
+        made now, and this waits until they are logged into it, ``FINISH_WAIT_S`` at most."""
+        if self.off or getattr(sys.modules.get("wandb"), "run", None) is not run:
+            return
+        last = hub.step if hub.step_pending else hub.step - 1
+        self.probe.settle(last)
+        hub.end_pending_step()
+        deadline = time.monotonic() + FINISH_WAIT_S
+        while self._through < last and not self.off and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def wrap_finish(self, hub: "Hub") -> None:
+        """``wandb.sdk.wandb_run.Run.finish`` (``wandb.finish()``, ``run.finish()``, a ``with
+        wandb.init()`` block's exit, the sweep agent's end of a run) calls :meth:`before_finish`
+        first. Another thread's call says nothing: its steps are not known there."""
+        cls = getattr(sys.modules.get("wandb.sdk.wandb_run"), "Run", None)
+        orig = getattr(cls, "finish", None)
+        if orig is None or getattr(orig, "__stepwatch_wrapped__", None) is not None:
+            return
+
+        @functools.wraps(orig)
+        def finish(run: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                if hub.on_training_thread():
+                    self.before_finish(run, hub)
+            except Exception as e:  # noqa: BLE001 - never in the way of the user's call
+                hub.report_error("wandb.finish", e)
+            return orig(run, *args, **kwargs)
+
+        finish.__stepwatch_wrapped__ = orig  # type: ignore[attr-defined]
+        self._wrapped.append((cls, "finish", orig, finish))
+        setattr(cls, "finish", finish)
+
+    def stop(self) -> None:
+        for owner, name, orig, ours in self._wrapped:
+            if owner.__dict__.get(name) is ours:
+                setattr(owner, name, orig)
+        self._wrapped = []
+        if self.watch is not None:  # wandb never imported: nothing left on sys.meta_path
+            self.watch.stop()
+        # force_flush/shutdown come with the other exporters
+
+    def status(self) -> dict[str, Any]:
+        return {"run_seen": self._run is not None or self.probe.run_at(None) is not None, "off": self.off}
+
+
+def install(hub: "Hub") -> WandbExporter:
+    """Training thread, at init: the exporter, its run probe among the step-end listeners from
+    the first step on which wandb is imported (now, or when the script imports it), and
+    ``Run.finish`` wrapped (:meth:`WandbExporter.wrap_finish`). The session adds it to its
+    exporters."""
+    e = WandbExporter(hub.ctx)
+    follow_runs(hub, e, "wandb", e.wrap_finish)
+    return e
