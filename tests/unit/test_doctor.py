@@ -123,10 +123,17 @@ def test_doctor_storage_stopped_by_a_signal_removes_its_files(tmp_path, sig, rc)
     shell; Ctrl-C: 130)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "STEPWATCH_"))}
     env["PYTHONPATH"] = os.path.join(ROOT, "src")
-    # 8 GiB, 20 s at most: a window of ~9 s here for the signal to land in. With 1 GiB (1.2 s
-    # here) a suite run's load once kept this poller off the CPU for the whole test: the signal
-    # came after it, and the command exited 0. A signal cuts the test short: little is written.
-    p = subprocess.Popen([sys.executable, "-m", "stepwatch", "doctor", "--no-attach", "--storage", str(tmp_path),
+    # The command as a shell starts it: SIGINT neither blocked nor ignored. Started from a
+    # pytest-xdist worker, two suite runs' children ran their whole 1 GiB and then 8 GiB storage
+    # test through the SIGINT and exited 0 with no line: the signal did nothing in them, ignored
+    # or blocked as the worker passed it on (the parent's state then is in the message below).
+    # The command itself is `python -m stepwatch`'s main.
+    parent = (signal.getsignal(signal.SIGINT), sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    shell_like = ("import signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+                  "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                  "from stepwatch.cli import main; sys.exit(main(sys.argv[1:]))")
+    # 8 GiB, 20 s at most: the signal cuts it short, so little is written.
+    p = subprocess.Popen([sys.executable, "-c", shell_like, "doctor", "--no-attach", "--storage", str(tmp_path),
                           "--storage-size-mb", "8192", "--storage-seconds", "20"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -141,7 +148,7 @@ def test_doctor_storage_stopped_by_a_signal_removes_its_files(tmp_path, sig, rc)
             p.kill()
             p.wait()
     assert list(tmp_path.iterdir()) == [], err
-    assert p.returncode == rc, err
+    assert p.returncode == rc, (err, parent)
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "stopped by" in err and str(tmp_path) in err
     assert out == ""
