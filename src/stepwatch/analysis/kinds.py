@@ -30,7 +30,7 @@ KINDS: dict[str, Kind] = {
             "data_loading",
             "warning",
             "Data loading is a bottleneck: the training loop waits on the DataLoader "
-            "(mean wait over the window above 10 ms).",
+            "(mean wait over the window above STEPWATCH_DATA_WAIT_MS, 10 ms by default).",
             "Increase num_workers, prefetch (prefetch_factor), or move decoding off the critical "
             "path; on a GPU, pin_memory=True for the host-to-device copy.",
             "B.9 Storage and I/O: 'If avg_wait_ms > 10ms -> data loading is bottlenecking GPU'",
@@ -39,8 +39,9 @@ KINDS: dict[str, Kind] = {
         Kind(
             "grad_norm_spike",
             "warning",
-            "The gradient norm spiked: above the absolute threshold (10) or several times its "
-            "rolling median; a sign of training instability (bad batch, LR too high, loss spike).",
+            "The gradient norm spiked: above the absolute threshold (STEPWATCH_GRAD_NORM_SPIKE_ABS, 10 by "
+            "default) or STEPWATCH_GRAD_NORM_SPIKE_FACTOR (5) times its rolling median; a sign of "
+            "training instability (bad batch, LR too high, loss spike).",
             "Inspect the batch of that step and the learning-rate schedule; lower the LR or "
             "warm up longer, clip gradients (clip_grad_norm_), check for bad data.",
             "B.7 PromQL: 'train_grad_norm > 10  # potential training instability'",
@@ -58,7 +59,8 @@ KINDS: dict[str, Kind] = {
         Kind(
             "mfu_drop",
             "warning",
-            "MFU dropped by more than 5 percentage points compared with 10 minutes earlier.",
+            "MFU dropped by more than STEPWATCH_MFU_DROP_POINTS (5 by default) percentage points compared "
+            "with STEPWATCH_MFU_DROP_WINDOW_S (10 minutes by default) earlier.",
             "Look at what changed: data wait, exposed communication, a straggler rank, thermal "
             "throttling; capture a profile of a slow step (`stepwatch capture`, or on a GPU nsys "
             "--trace=cuda,nvtx,nccl).",
@@ -69,7 +71,8 @@ KINDS: dict[str, Kind] = {
         Kind(
             "low_mfu",
             "warning",
-            "MFU (window median) is below 40%: most of the step is not model math on the device. "
+            "MFU (window median) is below STEPWATCH_LOW_MFU (0.4, i.e. 40%, by default): most of the "
+            "step is not model math on the device. "
             "The summary says where the step time goes (data wait, forward, backward, optimizer, "
             "other, exposed communication) and which part to look at first.",
             "Start where the summary points; for compute-side time, profile a few steps (the capture "
@@ -92,7 +95,8 @@ KINDS: dict[str, Kind] = {
             "allreduce_not_overlapped",
             "warning",
             "AllReduce is not overlapped with backward: most gradient communication runs after the "
-            "backward compute instead of behind it (overlap below the 80% target). The exposed time "
+            "backward compute instead of behind it (overlap below STEPWATCH_OVERLAP_THRESHOLD, the 0.8 "
+            "target by default). The exposed time "
             "the summary states is throughput lost every step (10-30% of it in the reference "
             "sheet's typical case).",
             "Use buckets small enough to start during backward (DDP's bucket_cap_mb, default 25: a "
