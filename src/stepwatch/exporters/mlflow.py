@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .._imports import ImportWatch
 from .base import Batch
-from .tracking import PREFIX, FindingGate, RowLimiter, RunProbe, TrackingExporter, follow_runs, finding_text, record_scalars
+from .tracking import (PREFIX, FindingGate, RowLimiter, RunProbe, TrackingExporter, finding_text, follow_runs,
+                       record_scalars)
 
 if TYPE_CHECKING:
     from .._feature import Hub

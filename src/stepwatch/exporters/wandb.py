@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .._imports import ImportWatch
 from .base import Batch
-from .tracking import PREFIX, STEP_KEY, FindingGate, RowLimiter, RunProbe, TrackingExporter, follow_runs, log, record_scalars
+from .tracking import (PREFIX, STEP_KEY, FindingGate, RowLimiter, RunProbe, TrackingExporter, follow_runs, log,
+                       record_scalars)
 
 if TYPE_CHECKING:
     from .._feature import Hub
