@@ -286,7 +286,8 @@ KINDS: dict[str, Kind] = {
         Kind(
             "kv_cache_cascade",
             "critical",
-            "KV-cache usage has stayed above 0.82: past ~0.85 vLLM preempts (evicts) in-flight "
+            "KV-cache usage has stayed above serve-vllm's --kv-threshold (0.82 by default): past "
+            "~0.85 vLLM preempts (evicts) in-flight "
             "requests to reclaim blocks, and they re-prefill from scratch (TTFT spikes 5-20x). "
             "Critical when preemptions are already rising, warning before.",
             "Reduce max_num_seqs, enable chunked prefill, or reduce max_model_len; add replicas.",
@@ -305,7 +306,8 @@ KINDS: dict[str, Kind] = {
         Kind(
             "queue_depth",
             "warning",
-            "More than 50 requests are waiting to be scheduled: the server is throughput-limited.",
+            "More requests than serve-vllm's --queue-threshold (50 by default) are waiting to be "
+            "scheduled: the server is throughput-limited.",
             "Add capacity (replicas, larger max_num_seqs if the KV cache has room) or shed load "
             "upstream; check that running requests are near max_num_seqs.",
             "B.6 'vllm:num_requests_waiting > 50 -> throughput limited'",
@@ -313,8 +315,9 @@ KINDS: dict[str, Kind] = {
         Kind(
             "spec_decode_acceptance",
             "warning",
-            "Speculative decoding accepts fewer than 65% of draft tokens (accepted / draft tokens "
-            "over the window): the draft model costs more than it saves.",
+            "Speculative decoding accepts fewer draft tokens than serve-vllm's --spec-threshold "
+            "(0.65 by default; accepted / draft tokens over the window): the draft model costs more "
+            "than it saves.",
             "Use a draft model closer to this workload, fewer speculative tokens, or turn "
             "speculative decoding off.",
             "B.6 'spec_decode_draft_acceptance_rate < 0.65 -> wrong draft model for this workload' "
@@ -323,8 +326,8 @@ KINDS: dict[str, Kind] = {
         Kind(
             "serving_errors",
             "warning",
-            "A share of requests over the window ended in error (finished_reason=error) or got "
-            "HTTP 5xx responses.",
+            "A share of requests over the window above serve-vllm's --error-threshold (0.05 by "
+            "default) ended in error (finished_reason=error) or got HTTP 5xx responses.",
             "Read the server log around the finding's time; check for engine restarts, OOM and "
             "malformed requests.",
             "B.7 'INFERENCE ERROR RATE' query (request_count_total is gone: finished_reason labels); "
@@ -333,7 +336,8 @@ KINDS: dict[str, Kind] = {
         Kind(
             "inter_token_latency",
             "warning",
-            "Inter-token latency (time per output token) P99 over the window is above 100 ms: decode "
+            "Inter-token latency (time per output token) P99 over the window is above serve-vllm's "
+            "--itl-threshold (0.1 s by default): decode "
             "steps are slow (large batches, long contexts, preemption, a slow device).",
             "Check running requests against max_num_seqs and KV-cache usage; lower max_num_seqs or "
             "max_num_batched_tokens, enable chunked prefill so prefills do not stall decodes, add replicas.",
