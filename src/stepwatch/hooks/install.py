@@ -659,8 +659,7 @@ class Instrumentation:
             modules = [m for m in modules if _has_children_dict(m) and not is_replay_module(m)]
             children: set[int] = set()
             for m in modules:
-                d = m.__dict__
-                for c in d["_modules"].values() if "_modules" in d else (d["_actual_script_module"],):
+                for c in _children(m):
                     if c is not None:
                         children.add(id(c))
             for m in modules:
@@ -1430,8 +1429,7 @@ class _UnseenForward(Collector):
             level = [m for ref in self.frontier if (m := ref()) is not None]
         below = []
         for m in level:
-            d = getattr(m, "__dict__", {})
-            for c in (d.get("_modules") or {}).values():
+            for c in _children(m):
                 if (c is not None and c not in inst._hooked and id(c) not in inst._not_roots
                         and not is_replay_module(c)):
                     below.append(c)
@@ -1447,6 +1445,16 @@ class _UnseenForward(Collector):
         tr = self.inst.tracker
         tr.collectors = [c for c in tr.collectors if c is not self]
         tr.remove_listener(self.step_ended)
+
+
+def _children(m: Any) -> Any:
+    """``m``'s direct submodules as discovery sees them (None among them is skipped by the
+    caller): its ``_modules``, or a traced module's script module (``_actual_script_module``,
+    which holds the parameters and submodules); none for a module whose ``__init__`` never ran."""
+    d = getattr(m, "__dict__", _NO_DICT)
+    if "_modules" in d:
+        return d["_modules"].values()
+    return (d.get("_actual_script_module"),)
 
 
 def _has_children_dict(m: Any) -> bool:
