@@ -42,7 +42,6 @@ class _Episode:
     latest: Finding | None = None  # the last finding held back (the closing one is built from it)
     peak: float | None = None  # the largest magnitude emitted
     worst: Finding | None = None  # the held-back finding of the largest magnitude (may close instead)
-    worst_m: float = 0.0
 
 
 class FindingLimiter:
@@ -105,15 +104,15 @@ class FindingLimiter:
             worse = m is not None and ep.peak is not None and m >= ESCALATE * ep.peak
             if worse or pos - ep.emitted_at >= self.repeat_windows * self.window:
                 ep.emitted_at = pos
-                held, ep.held, ep.latest, ep.worst, ep.worst_m = ep.held, 0, None, None, 0.0
+                held, ep.held, ep.latest, ep.worst = ep.held, 0, None, None
                 if m is not None:
                     ep.peak = m if ep.peak is None else max(ep.peak, m)
                 out.append(self._annotate(f, ep=ep, held=held, final=False, worse=worse))
             else:
                 ep.held += 1
                 ep.latest = f
-                if m is not None and m > ep.worst_m:
-                    ep.worst, ep.worst_m = f, m
+                if m is not None and (ep.worst is None or m > magnitude(ep.worst)):  # type: ignore[operator]
+                    ep.worst = f
                 self.suppressed += 1
         self.advance(now)
         out.extend(self._close_quiet())
@@ -139,7 +138,7 @@ class FindingLimiter:
         if not ep.held or ep.latest is None:
             return []
         # The last held back, unless one held back was worse than every finding told.
-        worst = ep.worst is not None and ep.peak is not None and ep.worst_m > ep.peak
+        worst = ep.worst is not None and ep.peak is not None and magnitude(ep.worst) > ep.peak  # type: ignore[operator]
         return [self._annotate(ep.worst if worst else ep.latest, ep=ep, held=ep.held, final=True)]
 
     def _annotate(self, f: Finding, *, ep: _Episode, held: int, final: bool, worse: bool = False) -> Finding:
