@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .._imports import ImportWatch
 from .base import Batch
 from .tracking import (PREFIX, FindingGate, RowLimiter, RunProbe, TrackingExporter, finding_text, follow_runs,
-                       record_scalars)
+                       record_scalars, stop_following)
 
 if TYPE_CHECKING:
     from .._feature import Hub
@@ -189,13 +189,7 @@ class MlflowExporter(TrackingExporter):
                 self._wrapped.append((mlflow, name, orig, ours))
 
     def stop(self) -> None:
-        for mod, name, orig, ours in self._wrapped:
-            if getattr(mod, name, None) is ours:
-                setattr(mod, name, orig)
-        self._wrapped = []
-        if self.watch is not None:  # mlflow never imported: nothing left on sys.meta_path
-            self.watch.stop()
-        # force_flush/shutdown come with the other exporters
+        stop_following(self)  # force_flush/shutdown come with the other exporters
 
     def status(self) -> dict[str, Any]:
         return {"run_seen": self.probe.run_at(None) is not None, "off": self.off}

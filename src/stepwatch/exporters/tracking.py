@@ -261,6 +261,19 @@ def follow_runs(hub: Any, e: Any, library: str, wrap: Callable[[Any], None]) -> 
         e.watch = ImportWatch([library], watch).start()
 
 
+def stop_following(e: Any) -> None:
+    """What a sink that follows its library's runs put in place (``follow_runs``; the library's
+    functions it wrapped, kept in ``e._wrapped`` as (owner, name, original, ours)) taken out:
+    each wrapper that is still the owner's (another library may have wrapped over it since),
+    and the import watch while the library was never imported."""
+    for owner, name, orig, ours in e._wrapped:
+        if getattr(owner, name, None) is ours:
+            setattr(owner, name, orig)
+    e._wrapped = []
+    if e.watch is not None:
+        e.watch.stop()
+
+
 class TrackingExporter(Exporter):
     """Base of the tracking sinks: ``export`` calls :meth:`_export`; the first exception turns
     the sink off for good and is raised once, so the session counts it (``run.json``'s

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .._imports import ImportWatch
 from .base import Batch
 from .tracking import (PREFIX, STEP_KEY, FindingGate, RowLimiter, RunProbe, TrackingExporter, follow_runs, log,
-                       record_scalars)
+                       record_scalars, stop_following)
 
 if TYPE_CHECKING:
     from .._feature import Hub
@@ -280,13 +280,7 @@ class WandbExporter(TrackingExporter):
         setattr(cls, "finish", finish)
 
     def stop(self) -> None:
-        for owner, name, orig, ours in self._wrapped:
-            if owner.__dict__.get(name) is ours:
-                setattr(owner, name, orig)
-        self._wrapped = []
-        if self.watch is not None:  # wandb never imported: nothing left on sys.meta_path
-            self.watch.stop()
-        # force_flush/shutdown come with the other exporters
+        stop_following(self)  # force_flush/shutdown come with the other exporters
 
     def status(self) -> dict[str, Any]:
         return {"run_seen": self._run is not None or self.probe.run_at(None) is not None, "off": self.off}
