@@ -1263,3 +1263,82 @@ def test_the_spike_detector_keeps_its_median_sorted_and_finds_what_a_plain_media
         want = reference(steps, window, 6.0, 2.0, det.min_history)
         assert got == want and len(want) > 10, (window, len(got), len(want))
         assert det._sorted == sorted(det.hist)
+
+
+@pytest.mark.parametrize("when", ["loop_top", "mid_step", "after_the_last"])
+def test_the_jobs_own_profiler_started_during_a_capture_keeps_its_trace(sw, tmp_path, when):
+    """A job that profiles itself (``torch.profiler.profile``, a Trainer's or Lightning's profiler)
+    can start its profiler while a stepwatch capture records. torch 2.13 lets the job's profiler
+    take Kineto's session over, and the capture's stop then ended that session: the job's whole
+    trace came back empty, and stepwatch's held the job's ops. Now the capture stands down the
+    moment the job's profiler prepares: its trace keeps the steps it recorded, its metadata says
+    why it was cut short, and the job's trace holds every step the job profiled. The job's
+    profiler starts at the top of the loop (the step before it made final first), between a
+    step's forward and backward, or right after the capture's last step (a whole capture)."""
+    import glob
+    import gzip
+
+    import torch
+    import torch.autograd.profiler as autograd_profiler
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    before = autograd_profiler._prepare_profiler
+    stepwatch, mem, start = sw
+    start(capture="on", watchdog="off", window=20, capture_steps=3 if when == "after_the_last" else 6)
+    assert autograd_profiler._prepare_profiler is not before
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    model = torch.nn.Linear(1, 1)
+    job, seen, job_steps, first_job_step = None, 0, [], None
+
+    def job_starts() -> None:
+        nonlocal job, first_job_step
+        job = profile(activities=[ProfilerActivity.CPU])
+        job.start()
+        first_job_step = stepwatch.get_session().hub.step
+
+    for i in range(90):
+        if job is None and torch.autograd._profiler_enabled():
+            seen += 1  # the capture started in the previous iteration's forward (a step's lazy end)
+            if seen == 3 and when in ("loop_top", "after_the_last"):  # the capture's 4th step's
+                job_starts()
+        with record_function(f"job_step_{i}"):
+            out = model(p.view(1, 1)).sum()
+            if seen == 3 and job is None and when == "mid_step":
+                job_starts()
+            out.backward()
+        opt.step()
+        opt.zero_grad()
+        if job is not None and len(job_steps) < 5:
+            job_steps.append(i)
+            if len(job_steps) == 5:
+                job.stop()
+        time.sleep(0.01)
+        if i == 30:
+            time.sleep(0.4)  # a spike: the capture starts a few steps later
+    stepwatch.shutdown()
+    assert autograd_profiler._prepare_profiler is before  # put back
+    assert job is not None, "no capture started"
+    names = {e.name for e in job.events()}
+    profiled = job_steps[1:] if when == "mid_step" else job_steps  # mid-step: its range began before
+    assert {f"job_step_{i}" for i in profiled} <= names and "aten::addmm" in names, sorted(names)[:20]
+    (meta,) = [json.load(open(f)) for f in glob.glob(str(tmp_path / "run" / "captures" / "capture-*.rank0.json"))]
+    # The capture started at step A's start and recorded A, A + 1, A + 2 whole; the job's profiler
+    # starts in step A + 3: at its start (A + 2's end made final first) or after its forward.
+    a = meta["first_step"]
+    whole = list(range(a, a + 3))
+    assert first_job_step == a + 3, (meta, first_job_step)
+    assert meta["last_step"] == whole[-1] and sorted(int(k) for k in meta["step_ends"]) == whole, meta
+    cut = None if when == "after_the_last" else f"the job's own profiler started in step {first_job_step}"
+    assert meta["cut_short"] == cut, meta
+    ours = {e.get("name") for e in json.load(gzip.open(meta["trace"]))["traceEvents"]}
+    assert {f"stepwatch_step_{s}" for s in whole} <= ours, sorted(map(str, ours))
+    # no range for a step after the job's profiler started; mid-step, that step's start is ours
+    assert f"stepwatch_step_{whole[-1] + 2}" not in ours
+    assert (f"stepwatch_step_{whole[-1] + 1}" in ours) == (when == "mid_step")
+    assert not {f"job_step_{i}" for i in job_steps[1:]} & ours, sorted(map(str, ours))
+    run = json.load(open(tmp_path / "run" / "run.json"))
+    assert not run.get("internal_errors"), run.get("internal_errors")
+    (done,) = run["features"]["capture"]["captures"]["captures"]
+    assert done["cut_short"] == meta["cut_short"] and done["last_step"] == meta["last_step"], done

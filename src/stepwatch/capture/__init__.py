@@ -192,6 +192,10 @@ class Feature:
             hub.report_error("capture.warm_up", e)
             self.captures = None
             return
+        try:
+            self.captures.follow_job_profilers()
+        except Exception as e:  # captures still work; a job's own profiler may lose its trace to one
+            hub.report_error("capture.job_profiler", e)
         hub.add_detector(self.captures)
 
     def on_step_end(self, ended: int) -> None:

@@ -116,6 +116,8 @@ class CaptureManager:
         # lands in the first captured step, its stop in the one after the last, and its export
         # thread runs beside the steps after that; ``last`` is open (inf) until the export ends.
         self._ours: tuple[list[float], ...] = ()
+        self._starting = False  # our own profiler is starting (training thread): not the job's
+        self._patched: tuple[Any, Any, Any] | None = None  # (module, its _prepare_profiler, ours)
 
     # -- records (background) -------------------------------------------------------------------
 
@@ -309,7 +311,7 @@ class CaptureManager:
                 a["ends"][ended] = self._ended_at(a["t0"])
             if ended >= a["last"]:
                 self._stop()
-            else:
+            elif not a.get("standing_down"):
                 self._open_range(ended + 1)
             return
         sc = self.scheduled
@@ -339,10 +341,64 @@ class CaptureManager:
 
         t = time.perf_counter()
         p = profile(activities=[ProfilerActivity.CPU])
-        p.start()
+        self._starting = True
+        try:
+            p.start()
+        finally:
+            self._starting = False
         p.stop()
         self.warm_s = time.perf_counter() - t
         return self.warm_s
+
+    def follow_job_profilers(self) -> None:
+        """Stand a capture down when the job starts a profiler of its own.
+
+        Every torch profiler (``torch.profiler.profile``, ``torch.autograd.profiler.profile``, a
+        Trainer's or Lightning's) prepares through ``torch.autograd.profiler._prepare_profiler``.
+        torch 2.13 lets a second profiler take Kineto's session over from a running one, and the
+        first one's stop then ends the session: a capture that stopped after the job's profiler
+        had started left the job's whole trace empty, and held the job's ops itself. Wrapped here,
+        so that a capture recording then stops first (``_stand_down``); put back at ``stop``.
+        Where torch has no such function, nothing is wrapped (README, "Captures")."""
+        import torch.autograd.profiler as ap
+
+        orig = getattr(ap, "_prepare_profiler", None)
+        if orig is None or not callable(orig):
+            return
+
+        def _prepare_profiler(*args: Any, **kwargs: Any) -> Any:
+            if self.active is not None and not self._starting:
+                try:
+                    self._stand_down()
+                except Exception as e:  # the job's profiler starts whatever happened to ours
+                    self.hub.report_error("capture.job_profiler", e)
+            return orig(*args, **kwargs)
+
+        ap._prepare_profiler = _prepare_profiler
+        self._patched = (ap, orig, _prepare_profiler)
+
+    def _stand_down(self) -> None:
+        """The job's own profiler is preparing while a capture records: the capture ends now,
+        with the steps it recorded whole (the step whose end is pending is made final first, so
+        its end is the capture's), and says why. The job's profiler wins, as when it was running
+        before the capture's start (``_start``)."""
+        a = self.active
+        if a is None:
+            return
+        if self.hub.on_training_thread() and self.hub.step_pending:
+            a["standing_down"] = True  # no range opens for the step after it
+            self.hub.end_pending_step()  # its end runs on_step_end: the capture may end there
+            if self.active is not a:
+                return  # that step was its last: a whole capture
+        a["cut_short"] = f"the job's own profiler started in step {self.hub.step}"
+        if a["ends"]:
+            a["last"] = max(a["ends"])
+        else:
+            a["last"] = a["first"]  # not one whole step: the trace holds part of its first
+        if not self.hub.on_training_thread():
+            self._rf = None  # the training thread's range is its own to close; the stop ends it
+        logger.info("captures: capture %d cut short: %s", a["sc"].k, a["cut_short"])
+        self._stop()
 
     def _start(self, sc: _Scheduled, first: int) -> None:
         import torch
@@ -355,7 +411,11 @@ class CaptureManager:
             self._skip("busy: the job's own profiler is running")
             return
         prof = profile(activities=self._activities())
-        prof.start()
+        self._starting = True
+        try:
+            prof.start()
+        finally:
+            self._starting = False
         try:
             if self.nsys is not None:
                 self.nsys.start()
@@ -442,6 +502,7 @@ class CaptureManager:
                 "first_step": a["first"],
                 "last_step": a["last"],
                 "planned_first_step": sc.first,
+                "cut_short": a.get("cut_short"),  # why the capture ended before its last planned step
                 "started": a["t0"],
                 "trace": trace,
                 "bytes": os.path.getsize(trace),
@@ -532,10 +593,15 @@ class CaptureManager:
                 self.hub.report_error("capture.stop", e)
         for th in self._exports:
             th.join(timeout_s)
+        if self._patched is not None:
+            mod, orig, ours = self._patched
+            self._patched = None
+            if getattr(mod, "_prepare_profiler", None) is ours:  # not if someone wrapped it after us
+                mod._prepare_profiler = orig
 
     def manifest(self) -> dict[str, Any]:
         with self._lock:
-            done = [{k: m[k] for k in ("capture", "reason", "first_step", "last_step", "trace")} for m in self.done]
+            done = [{k: m[k] for k in ("capture", "reason", "first_step", "last_step", "cut_short", "trace")} for m in self.done]
         return {"enabled": True, "dir": self.dir, "steps": self.steps, "cooldown_s": self.cooldown_s, "warm_up_s": self.warm_s,
                 "max_count": self.max_count, "captures": done, "skipped": dict(self.skipped),
                 "analyses": list(self.analysed)}
