@@ -641,9 +641,12 @@ class Pipeline:
             key = name if name in self.null_scalars or len(self.null_scalars) < _MAX_NULL_NAMES else "<other>"
             self.null_scalars[key] = self.null_scalars.get(key, 0) + 1
             if self.null_scalars[key] == 1:
+                what = v.what if isinstance(v, _NotOneNumber) else type(v).__name__
+                several = isinstance(v, (list, tuple)) or (isinstance(v, _NotOneNumber) and not v.what.startswith("tensor of 0"))
                 logger.warning(
                     "stepwatch.log(%s=...): a %s is not a number that fits a float; recorded as null "
-                    "(counted in run.json's null_scalars)", name,
-                    v.what if isinstance(v, _NotOneNumber) else type(v).__name__,
+                    "(counted in run.json's null_scalars)%s", name, what,
+                    # scheduler.get_last_lr() is a list, one value per parameter group
+                    f"; log one value a name: {name}=values[0], or {name}_0=..., {name}_1=..." if several else "",
                 )
         return f

@@ -66,10 +66,14 @@ def test_a_tensor_of_several_values_is_null_and_counted(sw, tmp_path, caplog, bo
     and now counted in run.json's null_scalars with one line that says what it was (it was read
     as None on the training thread, which counted as nothing logged)."""
     records, manifest = _log_each_step(sw, tmp_path, caplog, 4, lambda: dict(
-        per_class_acc=torch.tensor([0.5, 0.7]), empty=torch.zeros(0), loss=torch.tensor(1.5)))
-    assert all(r.scalars == {"per_class_acc": None, "empty": None, "loss": 1.5} for r in records)
-    assert manifest["null_scalars"] == {"per_class_acc": 4, "empty": 4}
-    assert any("per_class_acc" in r.getMessage() and "tensor of 2 values" in r.getMessage() for r in caplog.records)
+        per_class_acc=torch.tensor([0.5, 0.7]), empty=torch.zeros(0), loss=torch.tensor(1.5), lr=[0.1]))
+    assert all(r.scalars == {"per_class_acc": None, "empty": None, "loss": 1.5, "lr": None} for r in records)
+    assert manifest["null_scalars"] == {"per_class_acc": 4, "empty": 4, "lr": 4}
+    lines = {r.getMessage().split("(")[1].split("=")[0]: r.getMessage() for r in caplog.records if "stepwatch.log(" in r.getMessage()}
+    assert "tensor of 2 values" in lines["per_class_acc"] and "per_class_acc=values[0]" in lines["per_class_acc"]
+    # scheduler.get_last_lr() is a list (one value per parameter group): the line says what to log
+    assert "a list is not a number" in lines["lr"] and "lr=values[0], or lr_0=..., lr_1=..." in lines["lr"], lines
+    assert "tensor of 0 values" in lines["empty"] and "values[0]" not in lines["empty"]
 
 
 def test_a_complex_value_is_null_and_counted(sw, tmp_path, caplog, both_tracker_cores):
