@@ -118,6 +118,13 @@ class Hub:
         made yet: it is made when the next step's work begins, or at shutdown."""
         return self._tracker._pending_end is not None
 
+    @property
+    def between_steps(self) -> bool:
+        """No step's work is under way: the last step has ended (its end may be pending) and the
+        next one's first fetch, forward or backward has not begun."""
+        tr = self._tracker
+        return tr._pending_end is not None or not tr._step_open
+
     def end_pending_step(self) -> None:
         """Training thread: the step whose end is pending (:attr:`step_pending`) is made final now,
         its record queued, rather than at the next step's first work (a sink whose run is about

@@ -36,6 +36,7 @@ range (``nsys.py``). Each capture also asks the watchdog sidecar for a py-spy du
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -44,7 +45,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .. import _dist, _env
 from .._files import private_subdir, private_tmp, read_json_private, write_json_private
@@ -64,6 +65,10 @@ LAG_S = 2.0
 STORE_POLL_S = 1.0
 MIN_LAG_STEPS = 2
 MAX_LAG_STEPS = 100
+# A profiler that starts (the job's, or our next capture's) first waits this long for a capture's
+# export still writing: torch 2.13 crashes (a segmentation fault in the export's
+# ``kineto_results.save``) when a profiler session runs beside it.
+EXPORT_WAIT_S = 120.0
 # At the job's end, the last pass waits this long for analyses still running; later ones are read
 # by `stepwatch report` from their files.
 FINAL_WAIT_S = 10.0
@@ -116,8 +121,12 @@ class CaptureManager:
         # lands in the first captured step, its stop in the one after the last, and its export
         # thread runs beside the steps after that; ``last`` is open (inf) until the export ends.
         self._ours: tuple[list[float], ...] = ()
-        self._starting = False  # our own profiler is starting (training thread): not the job's
-        self._patched: tuple[Any, Any, Any] | None = None  # (module, its _prepare_profiler, ours)
+        # The job's own profiler (follow_job_profilers): prepared and not stopped yet; ``_own``
+        # while our profiler starts or stops (training thread), whose calls are not the job's.
+        self._job_profiler = False
+        self._own = False
+        self._patched: list[tuple[Any, str, Any, Any]] = []  # (module, name, torch's, ours)
+        self._taken: list[Any] = []  # our profilers the job's took over inside a step (_stand_down)
 
     # -- records (background) -------------------------------------------------------------------
 
@@ -305,6 +314,8 @@ class CaptureManager:
     def on_step_end(self, ended: int) -> None:
         """tracker listener: ``ended`` is the step that just ended; the next one is ``ended + 1``."""
         a = self.active
+        if a is None and self._rf is not None:
+            self._close_range()  # a capture the job's own profiler took over inside this step
         if a is not None:
             self._close_range()
             if ended >= a["first"]:
@@ -334,6 +345,16 @@ class CaptureManager:
             acts.append(ProfilerActivity.CUDA)
         return acts
 
+    @contextlib.contextmanager
+    def _ours_calling(self) -> Iterator[None]:
+        """Our own profiler starts or stops inside: its calls through the wrapped functions
+        (``follow_job_profilers``) are not the job's."""
+        self._own = True
+        try:
+            yield
+        finally:
+            self._own = False
+
     def warm(self) -> float:
         """Start and stop a profiler once (at install, training thread): Kineto's one-off
         initialisation happens here, not inside a captured step. Returns the seconds it took."""
@@ -341,51 +362,93 @@ class CaptureManager:
 
         t = time.perf_counter()
         p = profile(activities=[ProfilerActivity.CPU])
-        self._starting = True
-        try:
+        with self._ours_calling():
             p.start()
-        finally:
-            self._starting = False
-        p.stop()
+            p.stop()
         self.warm_s = time.perf_counter() - t
         return self.warm_s
 
     def follow_job_profilers(self) -> None:
-        """Stand a capture down when the job starts a profiler of its own.
+        """Keep out of the way of the job's own profiler.
 
         Every torch profiler (``torch.profiler.profile``, ``torch.autograd.profiler.profile``, a
-        Trainer's or Lightning's) prepares through ``torch.autograd.profiler._prepare_profiler``.
-        torch 2.13 lets a second profiler take Kineto's session over from a running one, and the
-        first one's stop then ends the session: a capture that stopped after the job's profiler
-        had started left the job's whole trace empty, and held the job's ops itself. Wrapped here,
-        so that a capture recording then stops first (``_stand_down``); put back at ``stop``.
-        Where torch has no such function, nothing is wrapped (README, "Captures")."""
+        Trainer's or Lightning's) prepares Kineto's session through
+        ``torch.autograd.profiler._prepare_profiler`` (a scheduled one at its warm-up, when torch
+        does not yet say a profiler is enabled) and ends it through ``_disable_profiler``. torch
+        2.13 lets a second profiler take a prepared or running session over, and its stop ends
+        the session: the job's trace came back empty, or the job's own stop crashed the process
+        (a segmentation fault in ``_disable_profiler``). Both are wrapped here: a capture recording
+        when the job's profiler prepares stops first (``_stand_down``), and none starts until the
+        job's profiler has stopped (``_start``). Put back at ``stop``. Where torch has no such
+        functions, nothing is wrapped (docs/hang.md)."""
         import torch.autograd.profiler as ap
 
-        orig = getattr(ap, "_prepare_profiler", None)
-        if orig is None or not callable(orig):
+        prepare, disable = getattr(ap, "_prepare_profiler", None), getattr(ap, "_disable_profiler", None)
+        if not callable(prepare) or not callable(disable):
             return
 
         def _prepare_profiler(*args: Any, **kwargs: Any) -> Any:
-            if self.active is not None and not self._starting:
+            if not self._own:
+                self._job_profiler = True
                 try:
-                    self._stand_down()
+                    if self.active is not None:
+                        self._stand_down()
+                    self._wait_exports("the job's own profiler")
                 except Exception as e:  # the job's profiler starts whatever happened to ours
                     self.hub.report_error("capture.job_profiler", e)
-            return orig(*args, **kwargs)
+            return prepare(*args, **kwargs)
 
-        ap._prepare_profiler = _prepare_profiler
-        self._patched = (ap, orig, _prepare_profiler)
+        def _disable_profiler(*args: Any, **kwargs: Any) -> Any:
+            if not self._own:
+                self._job_profiler = False
+            return disable(*args, **kwargs)
+
+        self._patched = [(ap, "_prepare_profiler", prepare, _prepare_profiler),
+                         (ap, "_disable_profiler", disable, _disable_profiler)]
+        for mod, name, _orig, ours in self._patched:
+            setattr(mod, name, ours)
+
+    def _wait_exports(self, who: str) -> None:
+        """Before a profiler starts: wait (EXPORT_WAIT_S at most) for the captures' exports still
+        writing, which crash the process when a profiler session runs beside them."""
+        running = [th for th in self._exports if th.is_alive()]
+        if not running:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + EXPORT_WAIT_S
+        for th in running:
+            th.join(max(deadline - time.monotonic(), 0.0))
+        waited = time.monotonic() - t0
+        if waited >= 1.0:
+            logger.info("captures: %s waited %.1f s for a capture's trace to be written (torch crashes when a "
+                        "profiler runs beside the write)", who, waited)
 
     def _stand_down(self) -> None:
-        """The job's own profiler is preparing while a capture records: the capture ends now,
-        with the steps it recorded whole (the step whose end is pending is made final first, so
-        its end is the capture's), and says why. The job's profiler wins, as when it was running
-        before the capture's start (``_start``)."""
+        """The job's own profiler is preparing while a capture records (training thread, or
+        another): the job's profiler wins, as when it was running before the capture's start
+        (``_start``).
+
+        Between steps the capture stops now, with the steps it recorded whole (a step whose end
+        is pending is made final first, so its end is the capture's) and says why in
+        ``cut_short``. Inside a step it cannot: the job's own ``record_function`` ranges opened
+        in the step are still open, and torch 2.13 crashes (kineto's ``processCpuTrace``) when a
+        profiler stops with such ranges open and another starts before they close. So there the
+        job's profiler takes the session over, with this capture's steps in its trace; the
+        capture is never stopped (a stop would end the job's session), and is counted in
+        ``skipped``."""
         a = self.active
         if a is None:
             return
-        if self.hub.on_training_thread() and self.hub.step_pending:
+        step = self.hub.step
+        if not self.hub.between_steps or not self.hub.on_training_thread():
+            self.active = None
+            self._taken.append(a["prof"])  # kept, never stopped (see above); at most capture_max
+            a["span"][1] = step + 1
+            self._skip("cut short: the job's own profiler started inside a step and holds its trace")
+            logger.info("captures: capture %d (steps from %d) taken over by the job's own profiler, started in "
+                        "step %d: its trace holds them", a["sc"].k, a["first"], step)
+            return  # our range, if open, closes at the step's end (on_step_end), inside the job's
+        if self.hub.step_pending:
             a["standing_down"] = True  # no range opens for the step after it
             self.hub.end_pending_step()  # its end runs on_step_end: the capture may end there
             if self.active is not a:
@@ -395,8 +458,6 @@ class CaptureManager:
             a["last"] = max(a["ends"])
         else:
             a["last"] = a["first"]  # not one whole step: the trace holds part of its first
-        if not self.hub.on_training_thread():
-            self._rf = None  # the training thread's range is its own to close; the stop ends it
         logger.info("captures: capture %d cut short: %s", a["sc"].k, a["cut_short"])
         self._stop()
 
@@ -405,17 +466,15 @@ class CaptureManager:
         from torch.profiler import profile
 
         self.scheduled = None
-        if torch.autograd._profiler_enabled():
+        if self._job_profiler or torch.autograd._profiler_enabled():
             # The job profiles itself (torch.profiler, a Trainer's profiler): a second profiler
             # would take its session over and leave the job's trace empty. The job's wins.
             self._skip("busy: the job's own profiler is running")
             return
+        self._wait_exports("a capture")  # the last one's, where the cooldown is short
         prof = profile(activities=self._activities())
-        self._starting = True
-        try:
+        with self._ours_calling():
             prof.start()
-        finally:
-            self._starting = False
         try:
             if self.nsys is not None:
                 self.nsys.start()
@@ -459,7 +518,8 @@ class CaptureManager:
             if self.nsys is not None:
                 self.nsys.stop()
         finally:
-            a["prof"].stop()  # whatever failed above, the profiler stops recording
+            with self._ours_calling():
+                a["prof"].stop()  # whatever failed above, the profiler stops recording
         th = threading.Thread(target=self._export, args=(a,), name="stepwatch-capture-export", daemon=True)
         try:
             th.start()
@@ -593,11 +653,10 @@ class CaptureManager:
                 self.hub.report_error("capture.stop", e)
         for th in self._exports:
             th.join(timeout_s)
-        if self._patched is not None:
-            mod, orig, ours = self._patched
-            self._patched = None
-            if getattr(mod, "_prepare_profiler", None) is ours:  # not if someone wrapped it after us
-                mod._prepare_profiler = orig
+        patched, self._patched = self._patched, []
+        for mod, name, orig, ours in patched:
+            if getattr(mod, name, None) is ours:  # not where someone wrapped it after us
+                setattr(mod, name, orig)
 
     def manifest(self) -> dict[str, Any]:
         with self._lock:
