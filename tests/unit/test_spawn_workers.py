@@ -182,3 +182,33 @@ def test_the_launcher_of_torch_multiprocessing_spawn_leaves_no_run_of_its_own(tm
     assert manifest["world_size"] == 2 and manifest["steps"] == 4
     assert "watchdog.rank0.json" in files and "watchdog.rank1.json" in files, files  # the watchdog ran
     assert not (tmp_path / "stepwatch-runs").exists()
+
+
+def test_the_ranks_torch_multiprocessing_spawns_under_stepwatch_run_measure_themselves(tmp_path):
+    """The same job with no stepwatch line, under ``stepwatch run``: the shim starts stepwatch in
+    the command's first Python process and marks it (``STEPWATCH_RUN_ACTIVE``) so that the
+    processes it starts (DataLoader workers) stay out. The ranks ``mp.spawn`` started inherited
+    the mark: none was measured (no steps file), while the launcher said "each rank measures
+    itself". The launcher now lifts the mark for the processes torch.multiprocessing starts."""
+    import json
+    import socket
+
+    (tmp_path / "train.py").write_text(MP_SPAWN_SCRIPT.replace("import stepwatch.auto", "pass"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env.update({"PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "STEPWATCH_CONSOLE": "off",
+                "PORT": str(port), "STEPWATCH_FLUSH_INTERVAL": "0.2"})
+    r = subprocess.run([sys.executable, "-m", "stepwatch", "run", "--dir", str(tmp_path / "run"), "--",
+                        sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = sorted(f for f in os.listdir(tmp_path / "run") if not os.path.isdir(tmp_path / "run" / f))
+    assert [f for f in files if f.startswith(("run", "rank", "steps."))] == [
+        "rank0.json", "rank1.json", "run.json", "steps.rank0.jsonl", "steps.rank1.jsonl"], files
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["steps"] == 4, manifest
+    for rank in (0, 1):
+        with open(tmp_path / "run" / f"steps.rank{rank}.jsonl") as f:
+            assert [json.loads(line)["step"] for line in f] == [0, 1, 2, 3]
+    assert not (tmp_path / "stepwatch-runs").exists()

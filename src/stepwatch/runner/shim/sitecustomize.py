@@ -24,12 +24,21 @@ def _is_launcher() -> bool:
     return os.path.basename(script) in _LAUNCHER_SCRIPTS
 
 
-def _enable() -> bool:
+def _spawned_rank() -> bool:
+    """A process that ``torch.multiprocessing.spawn`` started in the process stepwatch runs in (it
+    set STEPWATCH_RUN_RANKS to its pid while they start): a rank, which trains in its target."""
+    argv = getattr(sys, "orig_argv", None) or sys.argv
+    return os.environ.get("STEPWATCH_RUN_RANKS") == str(os.getppid()) and "--multiprocessing-fork" in argv
+
+
+def _enable() -> "bool | str":
     env = os.environ
     if env.get("STEPWATCH_SIDECAR") == "1" or env.get("STEPWATCH_ENABLED", "1").lower() in ("0", "false", "no", "off"):
         return False
     if env.get("STEPWATCH_RUN_ACTIVE"):
-        return False  # a process the rank started (spawned DataLoader worker): not a rank
+        # a process the rank started (a spawned DataLoader worker, the resource tracker): not a
+        # rank, unless torch.multiprocessing spawned it as one
+        return "at first optimizer" if _spawned_rank() else False
     if env.get("STEPWATCH_RUN_MODE") == "ranks":
         return "RANK" in env and "LOCAL_RANK" in env
     # the first Python process of the command that trains (its children see STEPWATCH_RUN_ACTIVE)
@@ -50,10 +59,18 @@ def _chain() -> None:
     spec.loader.exec_module(mod)
 
 
-if _enable():
+_how = _enable()
+if _how:
     os.environ["STEPWATCH_RUN_ACTIVE"] = str(os.getpid())
     try:
-        import stepwatch.auto  # noqa: F401
+        if _how == "at first optimizer":
+            # A spawned rank: its process group (rank, world size) is made in its target, before
+            # its optimizer, as in a rank that runs ``import stepwatch.auto`` (stepwatch._api).
+            from stepwatch._api import _start_at_first_optimizer
+
+            _start_at_first_optimizer({})
+        else:
+            import stepwatch.auto  # noqa: F401
     except Exception as _e:  # a bad STEPWATCH_* value: say it, and let the job run uninstrumented
         sys.stderr.write(f"[stepwatch] not started in pid {os.getpid()}: {type(_e).__name__}: {_e}\n")
 try:
