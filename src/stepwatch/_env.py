@@ -10,9 +10,6 @@ RUN = "STEPWATCH_RUN"
 RUN_MODE = "STEPWATCH_RUN_MODE"
 # The pid of the process the shim started stepwatch in: its children are not ranks.
 RUN_ACTIVE = "STEPWATCH_RUN_ACTIVE"
-# Set (to its pid) by the process the shim started stepwatch in, while torch.multiprocessing's
-# spawn starts processes: those are ranks, whose shim starts stepwatch at their first optimizer.
-RUN_RANKS = "STEPWATCH_RUN_RANKS"
 # ``stepwatch run --nsys``: captures open cudaProfilerStart/Stop ranges.
 NSYS = "STEPWATCH_NSYS"
 # In the watchdog sidecar process: never instrument it.

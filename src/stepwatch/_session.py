@@ -18,9 +18,8 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any
 
-from . import _env
 from ._excepthook import pass_on
 from ._feature import Hub
 from ._files import cannot_write, private_run_dir, say_unwritable
@@ -154,7 +153,7 @@ class Session:
         if self.config.step_boundary == "explicit":
             self.tracker.boundary = "explicit"  # only stepwatch.step() ends a step
         self.instrumentation = Instrumentation(self.tracker, self.report_error)
-        self.instrumentation.on_launch = self._on_launch
+        self.instrumentation.on_launch = self._stand_down_if_launcher
         try:
             self.instrumentation.install()
             self.log_convert = cpu_items(loggable)
@@ -377,29 +376,6 @@ class Session:
         written (no lock: the handler may have interrupted the thread that holds one)."""
         self._write_manifest(final=True)
         self._final.set()
-
-    def _on_launch(self) -> Callable[[], None] | None:
-        """``torch.multiprocessing.spawn`` (or ``start_processes``) is launching processes (the
-        ranks, by its convention): this process stands down if it trained nothing
-        (``_stand_down_if_launcher``), and each rank measures itself. Under ``stepwatch run`` the
-        shim marked this process (``STEPWATCH_RUN_ACTIVE``) so that the processes it starts stay
-        out (its DataLoader workers), and so did the ranks; while they start, this process says
-        that they are ranks (``STEPWATCH_RUN_RANKS``: its pid), and their shim starts stepwatch at
-        their first optimizer. Returns what takes the word back once ``start_processes`` returns."""
-        self._stand_down_if_launcher()
-        pid = str(os.getpid())
-        if os.environ.get(_env.RUN_ACTIVE) != pid:
-            return None
-        before = os.environ.get(_env.RUN_RANKS)
-        os.environ[_env.RUN_RANKS] = pid
-
-        def put_back() -> None:
-            if before is None:
-                os.environ.pop(_env.RUN_RANKS, None)
-            else:
-                os.environ[_env.RUN_RANKS] = before
-
-        return put_back
 
     def _stand_down_if_launcher(self) -> None:
         """``torch.multiprocessing.spawn`` (or ``start_processes``) is launching processes, and this

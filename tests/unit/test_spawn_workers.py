@@ -212,3 +212,49 @@ def test_the_ranks_torch_multiprocessing_spawns_under_stepwatch_run_measure_them
         with open(tmp_path / "run" / f"steps.rank{rank}.jsonl") as f:
             assert [json.loads(line)["step"] for line in f] == [0, 1, 2, 3]
     assert not (tmp_path / "stepwatch-runs").exists()
+
+
+HOGWILD_SCRIPT = '''
+import torch, torch.nn as nn, torch.multiprocessing as mp
+
+def train(rank):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()
+
+def square(x):
+    return x * x
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        assert pool.map(square, range(4)) == [0, 1, 4, 9]
+    p = ctx.Process(target=train, args=(0,))
+    p.start(); p.join()
+    assert p.exitcode == 0
+'''
+
+
+def test_a_spawned_trainer_under_stepwatch_run_is_measured_and_a_pools_workers_are_not(tmp_path):
+    """pytorch/examples' mnist_hogwild trains in ``mp.Process`` children started with 'spawn', and
+    preprocessing often runs in a spawn Pool. Under ``stepwatch run`` the trainer inherited the
+    shim's mark and was not measured. A spawned child of the measured process now starts
+    stepwatch at its first optimizer: the trainer's 3 steps are recorded; the Pool's workers,
+    which make no optimizer, start nothing."""
+    import json
+
+    (tmp_path / "train.py").write_text(HOGWILD_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env.update({"PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "STEPWATCH_CONSOLE": "off"})
+    r = subprocess.run([sys.executable, "-m", "stepwatch", "run", "--dir", str(tmp_path / "run"), "--",
+                        sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = {}
+    for f in os.listdir(tmp_path / "run"):
+        if f.startswith("steps."):
+            with open(tmp_path / "run" / f) as fh:
+                steps[f] = [json.loads(line)["step"] for line in fh]
+    # the trainer's steps, and the launcher's (which trained nothing) empty file: no Pool worker's
+    assert sorted(steps.values()) == [[], [0, 1, 2]], steps

@@ -134,9 +134,8 @@ class Instrumentation:
         # Modules a framework adapter declared not to be model calls (ids; see ``declare_roots``).
         self._not_roots: set[int] = set()
         # Called (training thread) when this process launches processes with torch.multiprocessing's
-        # spawn/start_processes, before they start (the session's launcher stand-down); what it
-        # returns, if not None, is called once start_processes has returned or raised.
-        self.on_launch: Callable[[], Callable[[], None] | None] | None = None
+        # spawn/start_processes, before they start (the session's launcher stand-down).
+        self.on_launch: Callable[[], None] | None = None
 
     # -- install / uninstall ----------------------------------------------------------------
 
@@ -255,20 +254,12 @@ class Instrumentation:
 
         @functools.wraps(orig)
         def start_processes(*args: Any, **kwargs: Any) -> Any:
-            after = None
             if self.on_launch is not None:
                 try:
-                    after = self.on_launch()
+                    self.on_launch()
                 except Exception as e:
                     self._on_error("hooks.launch", e)
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                if after is not None:
-                    try:
-                        after()
-                    except Exception as e:
-                        self._on_error("hooks.launch", e)
+            return orig(*args, **kwargs)
 
         import torch.multiprocessing as tmp
 

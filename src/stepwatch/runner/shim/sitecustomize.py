@@ -9,7 +9,7 @@ import os
 import sys
 
 # Programs that start the training processes rather than train: instrumenting one would leave its
-# ranks out (they inherit STEPWATCH_RUN_ACTIVE). Console scripts by name, modules by prefix.
+# ranks out (they inherit STEPWATCH_RUN_ACTIVE, and are not started by multiprocessing's 'spawn'). Console scripts by name, modules by prefix.
 _LAUNCHER_SCRIPTS = frozenset(("accelerate", "accelerate-launch", "deepspeed", "lightning", "torchrun", "torchx"))
 _LAUNCHER_MODULES = ("accelerate.commands", "deepspeed.launcher", "lightning", "torch.distributed.run",
                      "torch.distributed.launch")
@@ -24,11 +24,14 @@ def _is_launcher() -> bool:
     return os.path.basename(script) in _LAUNCHER_SCRIPTS
 
 
-def _spawned_rank() -> bool:
-    """A process that ``torch.multiprocessing.spawn`` started in the process stepwatch runs in (it
-    set STEPWATCH_RUN_RANKS to its pid while they start): a rank, which trains in its target."""
+def _spawned_child() -> bool:
+    """A process that the one stepwatch runs in started with multiprocessing's 'spawn' (the ranks
+    of ``torch.multiprocessing.spawn``, a hogwild ``mp.Process``, a Pool's worker), and not as a
+    DataLoader worker (STEPWATCH_DATALOADER_WORKER is the trainer's pid while its workers start)."""
     argv = getattr(sys, "orig_argv", None) or sys.argv
-    return os.environ.get("STEPWATCH_RUN_RANKS") == str(os.getppid()) and "--multiprocessing-fork" in argv
+    parent = str(os.getppid())
+    return (os.environ.get("STEPWATCH_RUN_ACTIVE") == parent and "--multiprocessing-fork" in argv
+            and os.environ.get("STEPWATCH_DATALOADER_WORKER") != parent)
 
 
 def _enable() -> "bool | str":
@@ -36,9 +39,10 @@ def _enable() -> "bool | str":
     if env.get("STEPWATCH_SIDECAR") == "1" or env.get("STEPWATCH_ENABLED", "1").lower() in ("0", "false", "no", "off"):
         return False
     if env.get("STEPWATCH_RUN_ACTIVE"):
-        # a process the rank started (a spawned DataLoader worker, the resource tracker): not a
-        # rank, unless torch.multiprocessing spawned it as one
-        return "at first optimizer" if _spawned_rank() else False
+        # A process the rank started. A spawned one may train (a rank of mp.spawn): it starts
+        # stepwatch when it makes an optimizer, which a Pool's worker never does. Others (the
+        # DataLoader's workers, the resource tracker, compile workers) are no rank.
+        return "at first optimizer" if _spawned_child() else False
     if env.get("STEPWATCH_RUN_MODE") == "ranks":
         return "RANK" in env and "LOCAL_RANK" in env
     # the first Python process of the command that trains (its children see STEPWATCH_RUN_ACTIVE)
@@ -64,8 +68,8 @@ if _how:
     os.environ["STEPWATCH_RUN_ACTIVE"] = str(os.getpid())
     try:
         if _how == "at first optimizer":
-            # A spawned rank: its process group (rank, world size) is made in its target, before
-            # its optimizer, as in a rank that runs ``import stepwatch.auto`` (stepwatch._api).
+            # as ``import stepwatch.auto`` does in a spawned child (stepwatch._api): a rank makes
+            # its process group (rank, world size) in its target, before its optimizer
             from stepwatch._api import _start_at_first_optimizer
 
             _start_at_first_optimizer({})
