@@ -1378,6 +1378,47 @@ def test_a_teacher_forward_without_grad_is_the_steps_forward_not_evaluation(sw, 
     assert not [r for r in mem.records if r.tail]  # nothing left over as evaluation
 
 
+@pytest.mark.parametrize("how", ["eval_mode_no_grad", "train_mode_no_grad"])
+def test_the_trained_models_own_evaluation_between_steps_is_eval_time(sw, both_tracker_cores, how):
+    """pytorch/examples' gcn and gat train full-batch and, after each optimizer step, evaluate the
+    model being trained twice (train and validation masks), in ``model.eval()`` under
+    ``torch.no_grad()``. Two grad-disabled calls look like a teacher's (IN_STEP_NO_GRAD_CALLS), so
+    the evaluation went to the next step's ``forward_s`` (its 40 ms made every step slow) while
+    the same evaluation after the last step was ``eval_s``. A grad-disabled call of a model an
+    optimizer steps, in eval mode, is evaluation. In train mode it stays the step's work: a model
+    labelling its own batch without grad first (FixMatch's pseudo-labels)."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    model = _Slow(20)
+    opt = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(64, 16), torch.randn(64, 4)
+    for _ in range(6):
+        model.train()
+        opt.zero_grad()
+        if how == "train_mode_no_grad":
+            with torch.no_grad():
+                target = model(x) + model(x + 0.1)  # the step's own work, before its backward
+            nn.functional.mse_loss(model(x), target).backward()
+            opt.step()
+            continue
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        model.eval()
+        with torch.no_grad():  # test(): twice a step, as gcn's train()
+            model(x)
+            model(x)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6
+    _all_identity(recs)
+    for r in recs[1:]:
+        if how == "eval_mode_no_grad":
+            assert r.forward_s < 0.035 and r.eval_s >= 0.040, r  # one 20 ms training forward
+        else:
+            assert r.forward_s >= 0.060 and r.eval_s == 0, r  # three forwards, all the step's
+
+
 def test_a_frozen_eval_mode_teacher_called_first_counts_no_samples_at_step_0(sw):
     """Distillation with the teacher frozen by ``requires_grad_(False)`` and ``teacher.eval()``
     (grad left on), called twice before the student: the teacher was the model at the run's first

@@ -1226,7 +1226,7 @@ typedef struct {
     X(inst) X(tr) X(mod) X(inner) X(bound) X(dynamo) X(compiler) X(replay) X(grad_enabled) X(follows)
 
 static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data, *s_not_roots, *s_forward_observers,
-    *s_exception_observers, *s_fwd_depth, *s_pending_end, *s_work_begins, *s_observe_forward,
+    *s_exception_observers, *s_fwd_depth, *s_pending_end, *s_work_begins, *s_observe_forward, *s_no_grad_call,
     *s_forward_begin, *s_forward_end, *s_observe_exception, *s_drop_observer, *s_last_optimizer, *s_new_optimizer,
     *s_opt_pre_args, *s_optimizer_observers, *s_observe_optimizer, *s_optimizer_begin, *s_backward_begin,
     *s_backward_end, *s_boundary_checked, *s_check_boundary, *s_data_begin, *s_data_end, *s_data_scanned, *s_scan,
@@ -1407,6 +1407,16 @@ static int observe_forward(PyObject *inst, PyObject *mod, PyObject *args, PyObje
     return observe(inst, s_forward_observers, s_observe_forward, s_forward, cargs, 3);
 }
 
+/* The open eval span has made at most IN_STEP_NO_GRAD_CALLS calls (a teacher's few, so far). */
+static int eval_calls_few(Core *core) {
+    long long calls;
+    if (get_ll(core->_eval_calls, "_eval_calls", &calls) < 0) {
+        PyErr_Clear();
+        return 1; /* let the Python judge */
+    }
+    return calls <= IN_STEP_NO_GRAD_CALLS;
+}
+
 static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs) {
     ROOT_FIELDS(FIELD_SET)
     PyObject *mod = root_mod(self);
@@ -1481,6 +1491,7 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
         }
     }
     PyObject *grad;
+    int no_grad = 0; /* grad disabled (not eval mode alone): install.py's _no_grad_call judges it */
     if (self->follows == Py_True) {
         /* A root without parameters (a loss module, an augmentation), grad or not, is the open
            eval span's, else the step's work (install.py's _PyRootCallCore says why). */
@@ -1489,7 +1500,9 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
         grad = Py_NewRef(open ? Py_False : Py_True);
     } else if ((grad = PyObject_CallNoArgs(self->grad_enabled)) == NULL) {
         return NULL;
-    } else if (grad == Py_True) {
+    } else if (grad != Py_True) {
+        no_grad = 1;
+    } else {
         /* A root in eval mode (model.eval()) is evaluation with grad enabled too: a validation
            loop without torch.no_grad() (install.py's _PyRootCallCore says why). */
         PyObject *training = PyObject_GetAttr(mod, s_training);
@@ -1507,6 +1520,12 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
     if (tr_run(core, tr, Core_forward_begin, s_forward_begin, grad) < 0) {
         Py_DECREF(grad);
         return NULL;
+    }
+    if (no_grad && (core == NULL || (core->_eval_open == Py_True && eval_calls_few(core)))) {
+        /* an evaluation of the model being trained? (never raises: it reports its own errors) */
+        PyObject *r = PyObject_CallMethodOneArg(inst, s_no_grad_call, mod);
+        if (r == NULL) PyErr_Clear();
+        Py_XDECREF(r);
     }
     PyObject *out = call_inner(self, mod, args, kwargs);
     if (out == NULL) {
@@ -1960,6 +1979,7 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_pending_end, "_pending_end");
     INTERN(s_work_begins, "work_begins");
     INTERN(s_observe_forward, "_observe_forward");
+    INTERN(s_no_grad_call, "_no_grad_call");
     INTERN(s_forward_begin, "forward_begin");
     INTERN(s_forward_end, "forward_end");
     INTERN(s_observe_exception, "_observe_exception");

@@ -63,7 +63,7 @@ import weakref
 from typing import Any, Callable
 
 from .._imports import ImportWatch
-from .phases import FETCH_END, FETCH_NO_GRAD, Collector, StepTracker
+from .phases import FETCH_END, FETCH_NO_GRAD, IN_STEP_NO_GRAD_CALLS, Collector, StepTracker
 from .replay import is_replay_module
 
 _get_ident = threading.get_ident
@@ -97,6 +97,8 @@ class Instrumentation:
         # Roots whose call is wrapped: (weak module, its _RootCall, what _compiled_call_impl was).
         self._calls: list[tuple[Any, Any, Any]] = []
         self._seen_optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # those that stepped
+        # Roots an optimizer in _seen_optimizers steps (_trained): module -> (how many, whether)
+        self._trained_roots: "weakref.WeakKeyDictionary[Any, tuple[int, bool]]" = weakref.WeakKeyDictionary()
         self._scanned_optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # a scan ran when it was made
         self._last_optimizer: "weakref.ref[Any] | None" = None  # the one that stepped last
         self._scans = 0  # scans that found no new root
@@ -614,6 +616,31 @@ class Instrumentation:
                 self._drop_observer("forward", fn, e)
 
     # -- root module discovery ------------------------------------------------------------------
+
+    def _no_grad_call(self, mod: Any) -> None:
+        """A root called without grad, its forward phase begun (both root-call cores). In eval
+        mode, a model that an optimizer steps (the one being trained) is being evaluated: its span
+        is evaluation, however few its calls (pytorch/examples' gcn evaluates twice a step, and the
+        evaluation was the next step's forward). A frozen teacher has no stepped optimizer; in
+        train mode a model labelling its own batch (FixMatch) stays the step's work."""
+        tr = self.tracker
+        try:
+            if getattr(mod, "training", True) is not False or not tr._eval_open or tr._eval_calls > IN_STEP_NO_GRAD_CALLS:
+                return
+            if self._trained(mod):
+                tr.eval_span_is_evaluation()
+        except Exception as e:  # inside the user's forward call: never raise there
+            self._on_error("hooks.eval_call", e)
+
+    def _trained(self, mod: Any) -> bool:
+        """An optimizer that has stepped holds a parameter of ``mod``: cached per module until the
+        set of such optimizers changes."""
+        n = len(self._seen_optimizers)
+        got = self._trained_roots.get(mod)
+        if got is None or got[0] != n:
+            got = (n, _steps_a_root(list(self._seen_optimizers), [mod]))
+            self._trained_roots[mod] = got
+        return got[1]
 
     def declare_roots(self, model: Any = (), not_model: Any = ()) -> None:
         """For framework adapters (``stepwatch.integrations``), who know what the step calls.
@@ -1169,11 +1196,15 @@ class _PyRootCallCore:
             # the span's, else the step's work. Per-sample augmentations under no_grad made more
             # grad-disabled calls than a step's own (IN_STEP_NO_GRAD_CALLS): an evaluation span
             # took the fetch and the augmentation out of the step.
+            no_grad = False
             if self.follows:
                 grad = not tr._eval_open
             else:
-                grad = self.grad_enabled() and getattr(mod, "training", True) is not False
+                no_grad = not self.grad_enabled()
+                grad = not no_grad and getattr(mod, "training", True) is not False
             tr.forward_begin(grad)
+            if no_grad:
+                inst._no_grad_call(mod)
             try:
                 return inner(*args, **kwargs)
             except BaseException as e:

@@ -1011,6 +1011,13 @@ class _Methods:
             if self.progress is not None:
                 self.progress.set_step(n)
 
+    def eval_span_is_evaluation(self) -> None:
+        """The open eval span is evaluation whatever its number of calls: it called a model an
+        optimizer steps, in eval mode, without grad (the root call's judgement). Not a teacher's
+        few calls (``_close_eval_for_work``)."""
+        if self.enabled and self._eval_open and self._eval_calls <= IN_STEP_NO_GRAD_CALLS:
+            self._eval_calls = IN_STEP_NO_GRAD_CALLS + 1
+
     def phase_now(self) -> str:
         """The phase the training thread is in, by name (for a report of what was running when an
         exception escaped: a phase the exception left never ended)."""
