@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -1458,3 +1459,56 @@ def test_a_training_loop_with_dynamic_padding_gets_every_steps_flops(tmp_path):
     tm = run["features"]["training_metrics"]
     assert 4 <= tm["flop_replays"] <= 8 and tm["flop_replays"] + tm["flop_predicted"] == len(set(lengths)), tm
     assert 0 < tm["flop_replay_s"] < 60, tm
+
+
+_WARNING_SCRIPT = r'''
+import os, sys, warnings
+if sys.argv[1] == "on":
+    import stepwatch
+    stepwatch.init(dir=sys.argv[2], console="off")
+import torch, torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        warnings.warn("Net.forward: inside the model", UserWarning)
+        return self.fc(x)
+
+def loss_fn(out):
+    warnings.warn("loss_fn: this reduction is deprecated", FutureWarning)
+    return out.sum()
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(12):
+    opt.zero_grad()
+    loss_fn(model(torch.randn(4 + i // 3, 8))).backward()  # 4 batch shapes: 4 FLOP counts
+    opt.step()
+'''
+
+
+def test_the_flop_count_shows_none_of_the_jobs_warnings_again(tmp_path):
+    """Python shows a warning once per place by default. Each FLOP count (a new batch shape) ran
+    under ``warnings.catch_warnings()``, whose exit resets every module's shown-once registry: a
+    warning of the loop's own (outside the model) showed again after each count, and one inside
+    the model's forward showed again from the count's replay. The count now leaves the registry
+    alone: each warning shows once, as without stepwatch."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(_WARNING_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    out = {}
+    for how in ("off", "on"):
+        r = subprocess.run([sys.executable, str(script), how, str(tmp_path / "run")], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[how] = [line for line in r.stderr.splitlines() if "Warning:" in line and "stepwatch" not in line]
+    assert len(out["off"]) == 2, out["off"]  # each warning once
+    assert out["on"] == out["off"], out

@@ -43,8 +43,10 @@ block mask's sparsity is ignored unless a ``sparsity_hint`` is attached).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import re
 import sys
 import threading
 import time
@@ -883,6 +885,31 @@ class _ModuleSnapshot:
                     now[k] = v
 
 
+# A forward that deepcopies a module (a lazily made target network) reads each fake tensor's data
+# pointer: torch's warning blames the user's code, which without the replay never warns; under
+# warnings-as-errors the copy failed half way.
+_FAKE_DATA_POINTER = ("ignore", re.compile(re.escape("Accessing the data pointer of FakeTensor"), re.I), UserWarning,
+                      None, 0)
+
+
+@contextlib.contextmanager
+def _ignoring_fake_data_pointers() -> Iterator[None]:
+    """The replay's own warning (``_FAKE_DATA_POINTER``) ignored while it runs. Put in and taken out
+    of ``warnings.filters`` in place: ``warnings.catch_warnings()`` and ``filterwarnings()`` mark
+    the filters changed, which empties every module's shown-once registry, and the job's own
+    warnings (its loop's, its model's, which the replay runs again) then showed again after each
+    count."""
+    filters = warnings.filters
+    filters.insert(0, _FAKE_DATA_POINTER)
+    try:
+        yield
+    finally:
+        try:
+            filters.remove(_FAKE_DATA_POINTER)
+        except ValueError:  # the forward replaced the filters (its own catch_warnings): nothing of ours
+            pass
+
+
 def count_step_flops(
     module: Any,
     args: Any = (),
@@ -1049,12 +1076,7 @@ def _count(
     user_hooks = copies = False
     while True:  # at most 4 tries: each failure below turns one flag on, or raises
         try:
-            with warnings.catch_warnings():
-                # A forward that deepcopies a module (a lazily made target network) reads each fake
-                # tensor's data pointer: torch's warning blames the user's code, which without the
-                # replay never warns; under warnings-as-errors the copy failed half way.
-                warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor",
-                                        category=UserWarning)
+            with _ignoring_fake_data_pointers():
                 return _replay(root, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices,
                                real=real, user_hooks=user_hooks, copies=copies)
         except _FailedWithoutHooks:
