@@ -1186,6 +1186,47 @@ def test_a_forward_of_plain_tensor_code_gets_the_same_line(sw, caplog):
     assert len(said) == 1 and len(mem.records) == 12
 
 
+class _FFLayer(nn.Linear):
+    """pytorch/examples' mnist_forward_forward layer: an ``nn.Linear`` whose training loop calls
+    ``self.forward(x)``, which multiplies by its own weight and then calls a ``ReLU`` submodule."""
+
+    def __init__(self, i, o):
+        super().__init__(i, o)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(torch.mm(x, self.weight.T) + self.bias.unsqueeze(0))
+
+
+def test_a_descent_never_takes_a_parameterless_submodule_for_the_model(sw, caplog):
+    """The loop never calls the layer (``self.forward(x)``), so its submodules were hooked a step
+    in: its one submodule, the ReLU, was then timed as the step's forward, and every step recorded
+    ``flops: 0.0`` (a known zero, beside 5e5 FLOPs of matmul) and the ReLU's 8 samples. A module
+    with no parameters (an activation, a dropout) is never the model: nothing is hooked, FLOPs
+    and samples stay null, and the log line says the forward was not seen."""
+    import logging
+
+    from stepwatch import _log
+
+    stepwatch, mem, start = sw
+    _log._warned.discard("unseen-forward")
+    start()
+    torch.manual_seed(0)
+    layer = _FFLayer(64, 32)
+    opt = torch.optim.Adam(layer.parameters(), lr=0.01)
+    for _ in range(12):
+        layer.forward(torch.randn(8, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 12
+    assert [(r.flops, r.samples, r.forward_s) for r in recs] == [(None, None, 0.0)] * 12, recs[3]
+    said = [r.getMessage() for r in caplog.records if "plain tensor code" in r.getMessage()]
+    assert len(said) == 1, said
+
+
 class _CheckpointedBlocks(nn.Module):
     """Blocks run through ``torch.utils.checkpoint`` (activation checkpointing, as large models
     train), with an attention mask."""

@@ -1461,8 +1461,10 @@ class _UnseenForward(Collector):
         below = []
         for m in level:
             for c in _children(m):
+                # a submodule with no parameters (an activation, a dropout) is never the model:
+                # timed, its FLOPs (0.0) and samples stood for the step's (mnist_forward_forward)
                 if (c is not None and c not in inst._hooked and id(c) not in inst._not_roots
-                        and not is_replay_module(c)):
+                        and not is_replay_module(c) and _holds_parameters(c)):
                     below.append(c)
         self.levels += 1
         if not below or len(below) > DESCEND_MAX or self.levels > DESCEND_LEVELS:
@@ -1476,6 +1478,14 @@ class _UnseenForward(Collector):
         tr = self.inst.tracker
         tr.collectors = [c for c in tr.collectors if c is not self]
         tr.remove_listener(self.step_ended)
+
+
+def _holds_parameters(m: Any) -> bool:
+    """``m`` or a module below it has a parameter."""
+    try:
+        return next(iter(m.parameters()), None) is not None
+    except Exception:  # not a module as torch's (no parameters()): as before, a candidate
+        return True
 
 
 def _children(m: Any) -> Any:
