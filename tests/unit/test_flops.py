@@ -1512,3 +1512,36 @@ def test_the_flop_count_shows_none_of_the_jobs_warnings_again(tmp_path):
         out[how] = [line for line in r.stderr.splitlines() if "Warning:" in line and "stepwatch" not in line]
     assert len(out["off"]) == 2, out["off"]  # each warning once
     assert out["on"] == out["off"], out
+
+
+def test_a_sparse_matmul_counts_the_work_of_its_stored_elements(sw):
+    """pytorch/examples' gcn multiplies by a sparse adjacency (``torch.spmm(adj, support)``).
+    torch's formula takes every operand as dense: a 1%-dense adjacency counted 100 times its
+    work, and MFU with it. A matrix product with a sparse operand counts 2 x its stored elements
+    x the dense operand's columns (on real tensors: a fake sparse tensor holds no elements)."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    n, f, h = 300, 16, 8
+    adj = (torch.rand(n, n) < 0.01).float().to_sparse()
+    nnz = adj._nnz()
+
+    class GCN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(f, h) * 0.1)
+
+        def forward(self, x, a):
+            return torch.spmm(a, torch.mm(x, self.w))
+
+    model = GCN()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(n, f)
+    for _ in range(4):
+        opt.zero_grad()
+        model(x, adj).pow(2).mean().backward()
+        opt.step()
+    stepwatch.shutdown()
+    # forward: x @ w and adj @ support; backward: adj^T @ grad and x^T @ grad (x takes no grad)
+    want = 2 * (2 * n * f * h) + 2 * (2 * nnz * h)
+    assert [r.flops for r in mem.records if not r.tail] == [want] * 4, (want, 2 * (2 * n * f * h + 2 * n * n * h))
