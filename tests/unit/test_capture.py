@@ -1391,3 +1391,33 @@ def test_no_capture_starts_while_the_jobs_own_profiler_warms_up(sw, tmp_path):
     caps = run["features"]["capture"]["captures"]
     assert caps["captures"] == [] and caps["skipped"].get("busy: the job's own profiler is running") == 1, caps
     assert not glob.glob(str(tmp_path / "run" / "captures" / "capture-*")) and not run.get("internal_errors")
+
+
+def test_a_profiler_start_waits_for_a_captures_export_no_longer_than_its_bound(tmp_path, monkeypatch):
+    """A profiler that starts while a capture's trace is still written (the job's own, or the next
+    capture) waits for the write, which torch 2.13 crashes beside a running session; an export that
+    never ends holds it EXPORT_WAIT_S at most, and the job's profiler then starts."""
+    import threading
+
+    from stepwatch.capture import profiler as profiler_mod
+
+    m, errors = _manager(tmp_path)
+    monkeypatch.setattr(profiler_mod, "EXPORT_WAIT_S", 0.3)
+    stuck = threading.Event()
+    th = threading.Thread(target=stuck.wait, args=(30,), daemon=True)
+    th.start()
+    m._exports.append(th)
+    try:
+        t0 = time.monotonic()
+        m._wait_exports("the job's own profiler")
+        waited = time.monotonic() - t0
+    finally:
+        stuck.set()
+    assert 0.25 <= waited < 2.0, waited
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    m._exports[:] = [done]
+    t0 = time.monotonic()
+    m._wait_exports("a capture")  # nothing running: no wait
+    assert time.monotonic() - t0 < 0.05 and not errors
