@@ -242,7 +242,8 @@ def test_a_spawned_trainer_under_stepwatch_run_is_measured_and_a_pools_workers_a
     preprocessing often runs in a spawn Pool. Under ``stepwatch run`` the trainer inherited the
     shim's mark and was not measured. A spawned child of the measured process now starts
     stepwatch at its first optimizer: the trainer's 3 steps are recorded; the Pool's workers,
-    which make no optimizer, start nothing."""
+    which make no optimizer, start nothing. The launcher, which trained nothing, leaves an empty
+    steps file beside the trainer's, which the report read as a second attempt (a restart)."""
     import json
 
     (tmp_path / "train.py").write_text(HOGWILD_SCRIPT)
@@ -258,3 +259,7 @@ def test_a_spawned_trainer_under_stepwatch_run_is_measured_and_a_pools_workers_a
                 steps[f] = [json.loads(line)["step"] for line in fh]
     # the trainer's steps, and the launcher's (which trained nothing) empty file: no Pool worker's
     assert sorted(steps.values()) == [[], [0, 1, 2]], steps
+    # the report reads one attempt: the launcher's empty file is no restart
+    from stepwatch.report.load import load_run
+
+    assert load_run(str(tmp_path / "run")).attempts == {0: [0]}

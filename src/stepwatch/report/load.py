@@ -265,7 +265,9 @@ def load_run(path: str) -> Run:
         if bad:
             run.bad_lines += bad
             run.bad_lines_by_file[name] = bad
-        if kind == "steps":
+        if kind == "steps" and span[0] != math.inf:
+            # an attempt with steps: an empty steps file is a process that trained nothing (the
+            # launcher of spawned trainers), no restart (its end, if any, is in rank_ends)
             attempts.setdefault(rank, set()).add(attempt)
     _add_watchdog_findings(run, path, names)
     # Each rank's segments and attempts merged, ordered by time (finish sorts).
