@@ -6,6 +6,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from . import _env
 from .config import Config, ConfigError, step_number
 
 if TYPE_CHECKING:
@@ -43,6 +44,12 @@ def init(**config: Any) -> "Session":
     """
     global _session, _fork_handler_installed
     cfg = Config.from_env(**config)
+    if cfg.dir is not None and not os.path.isabs(cfg.dir):
+        import dataclasses
+
+        # one directory however it is spelled ("runs/x", "./runs/x", the absolute path that
+        # `stepwatch run --dir` passes): a second init() naming it is the same configuration
+        cfg = dataclasses.replace(cfg, dir=os.path.abspath(cfg.dir))
     if cfg.enabled and _in_dataloader_worker():
         import dataclasses
 
@@ -59,13 +66,29 @@ def init(**config: Any) -> "Session":
         return Session(cfg)  # inert, and not this process's session (get_session() is None)
     with _lock:
         if _session is not None and not _session._closed:
-            if _session.config != cfg:
+            if _session.config == cfg:
+                return _session
+            if not _session.by_run:
                 raise ConfigError(
                     "stepwatch.init() called again with a different configuration; "
                     "call stepwatch.shutdown() first (running: "
                     f"{_diff(_session.config, cfg)})"
                 )
-            return _session
+            # `stepwatch run` started the running session before the script's own init(...): the
+            # script's settings win where nothing was measured yet; later, the run's stays (a
+            # second session would split the run), and the job goes on either way.
+            if not _session.trained_nothing():
+                from ._log import warn_once
+
+                warn_once("init.under-run", "stepwatch: the script's stepwatch.init(...) came after `stepwatch run` "
+                          "started measuring; its settings are not applied (%s). Call it before training, or give "
+                          "them as STEPWATCH_* variables.", _diff(_session.config, cfg))
+                return _session
+            from ._log import logger
+
+            logger.info("stepwatch: the script's stepwatch.init(...) replaces the session `stepwatch run` started "
+                        "(%s)", _diff(_session.config, cfg))
+            _session.end_without_trace()
         from ._session import Session
 
         if not _fork_handler_installed:
@@ -73,6 +96,9 @@ def init(**config: Any) -> "Session":
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _fork_handler_installed = True
         _session = Session(cfg)
+        # started by `stepwatch run`'s shim (import stepwatch.auto with no argument, in the process
+        # it marked): a script's own init(...) with other settings replaces it (above)
+        _session.by_run = not config and os.environ.get(_env.RUN_ACTIVE) == str(os.getpid())
         return _session
 
 

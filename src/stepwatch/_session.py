@@ -96,6 +96,7 @@ class Session:
         self.tracker: StepTracker | None = None
         self.log_convert = loggable  # stepwatch.log's converter (cpu_items' once the hooks are in)
         self.instrumentation: Any = None
+        self.by_run = False  # started by `stepwatch run`'s shim (set by _api.init)
         self.hub: Hub | None = None
         # Features that started with the session (see _feature.py): stop() at shutdown, status()
         # in run.json, collect()/on_findings() every pass.
@@ -384,11 +385,22 @@ class Session:
         itself. Its session ends here and removes the files it wrote, which sat beside rank 0's
         as a second attempt of world size 1 (``stepwatch report`` showed the launcher's manifest).
         A launcher that recorded a step, or whose files hold a record or a finding, keeps them."""
-        tr = self.tracker
-        if self._closed or self.pipeline.steps_seen or (tr is not None and tr.step != self.config.step_offset):
+        if not self.trained_nothing():
             return
         logger.info("stepwatch: this process launches the ranks (torch.multiprocessing) and has trained nothing: "
                     "its session ends; each rank measures itself")
+        self.end_without_trace()
+
+    def trained_nothing(self) -> bool:
+        """Open, and no step recorded or begun."""
+        tr = self.tracker
+        return not (self._closed or self.pipeline.steps_seen or (tr is not None and tr.step != self.config.step_offset))
+
+    def end_without_trace(self) -> None:
+        """Shut down, and remove the files this session wrote (its empty steps and findings files,
+        its manifests, the run directory if that leaves it empty), unless they hold a record or a
+        finding: a session that trained nothing and gives way (to the ranks it launches, to the
+        script's own ``init``) leaves no run of its own behind."""
         self.shutdown()
         records = self.pipeline.records_paths()
         if any(_size(p) for p in records):

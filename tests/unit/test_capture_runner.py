@@ -191,3 +191,52 @@ def test_a_dump_timeout_that_is_no_time_is_refused_naming_the_option(capsys, val
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--timeout" in err and "Traceback" not in err, err
+
+
+_OWN_INIT = r'''
+import json, os, sys, torch
+import stepwatch
+if sys.argv[1] != "late":
+    stepwatch.init(**json.loads(sys.argv[1]))  # the script's own line, as its README taught it
+s = stepwatch.get_session()
+m = torch.nn.Linear(4, 2)
+o = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(3):
+    m(torch.randn(2, 4)).sum().backward(); o.step(); o.zero_grad()
+if sys.argv[1] == "late":
+    stepwatch.init(console="off", flush_interval_s=0.5)  # once it trains: the run's kept, said once
+print("trained", json.dumps({"dir": s.config.dir, "console": s.config.console}))
+'''
+
+
+@pytest.mark.parametrize("how", ["same_dir_spelled_otherwise", "other_settings", "other_settings_after_training"])
+def test_a_scripts_own_init_under_stepwatch_run_never_ends_the_job(tmp_path, how):
+    """``stepwatch run`` starts stepwatch before the script runs; a script that already calls
+    ``stepwatch.init(...)`` (the README's line) then called it a second time with other settings
+    and died of ConfigError before its first step: ``init(console="off")``, or even
+    ``init(dir="runs/x")`` under ``stepwatch run --dir runs/x`` (the CLI passes the absolute path).
+    A directory is now one however it is spelled, and the script's own settings replace the
+    session the run started while nothing was measured; once it trains, the run's session stays
+    and one line says the settings were not applied. The job trains either way."""
+    import json
+    import subprocess
+
+    script = tmp_path / "train.py"
+    script.write_text(_OWN_INIT)
+    kwargs = {"dir": "runs/x"} if how == "same_dir_spelled_otherwise" else {"dir": "runs/mine", "console": "off"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env.update({"PYTHONPATH": os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src"),
+                "STEPWATCH_CAPTURE": "off", "STEPWATCH_WATCHDOG": "off"})
+    args = ["late"] if how == "other_settings_after_training" else [json.dumps(kwargs)]
+    r = subprocess.run([sys.executable, "-m", "stepwatch", "run", "--dir", "runs/x", "--", sys.executable, str(script),
+                        *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.split("trained ", 1)[1])
+    want_dir = tmp_path / ("runs/mine" if how == "other_settings" else "runs/x")
+    assert got["dir"] == str(want_dir), got
+    with open(want_dir / "steps.rank0.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
+    if how == "other_settings":
+        assert not (tmp_path / "runs" / "x").exists()  # the run's session gave way and left nothing
+    said = [line for line in r.stderr.splitlines() if "not applied" in line]
+    assert len(said) == (1 if how == "other_settings_after_training" else 0), r.stderr[-2000:]
