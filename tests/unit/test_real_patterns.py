@@ -332,6 +332,34 @@ def test_eval_and_checkpoint_after_the_last_step_are_recorded(sw):
     _all_identity(recs)
 
 
+def test_an_evaluation_after_the_last_step_ends_at_its_last_call_not_at_shutdown(sw, both_tracker_cores):
+    """A final validation, then the script's other work before it ends (plots, an upload,
+    ``wandb.finish()``, the loader's workers shutting down): the evaluation's span ran to
+    shutdown, so a 40 ms validation read ``eval_s`` 1.5 s in the tail record (and the report's
+    eval total). It ends at its last call or fetch now; the metric work between its calls and
+    fetches stays its own."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    model = _Slow(10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    batches = DataLoader(torch.randn(16, 16), batch_size=4)
+    with torch.no_grad():
+        for x in batches:
+            model(x)
+            time.sleep(0.005)  # the metric over the batch: the evaluation's
+    time.sleep(0.5)  # the script's work after it
+    stepwatch.shutdown()
+    tail = mem.records[-1]
+    assert tail.tail and 4 * 0.015 <= tail.eval_s < 0.3, tail  # four 10 ms calls and their metrics
+    _all_identity(mem.records)
+
+
 class SeqFirstLM(nn.Module):
     """word_language_model's RNNModel in small: input [seq, batch] of token ids."""
 

@@ -55,7 +55,7 @@ typedef struct {
         *_prev_end, *_pending_end, *_pending_skipped, *_step_open, *_fwd_depth, *_fwd_t0,
         *_fwd_grad, *_bwd_depth, *_bwd_t0, *_opt_depth, *_opt_t0, *_opt_paused, *_fwd_paused_opt,
         *_bwd_paused_opt, *_ckpt_depth, *_ckpt_t0, *_eval_open, *_eval_t0, *_eval_end, *_eval_calls,
-        *_eval_pulls, *_eval_pulled, *_eval_fwd, *_span_judged, *_last_fetch_t0, *_last_fetch_ns, *_iter_t0, *_iter_t1, *_thread,
+        *_eval_pulls, *_eval_pulled, *_eval_fwd, *_eval_last, *_span_judged, *_last_fetch_t0, *_last_fetch_ns, *_iter_t0, *_iter_t1, *_thread,
         *_in_scaler, *_scaler_fired, *_data, *_fwd, *_bwd, *_opt, *_eval, *_ckpt, *_own, *_ckpt_bytes, *_bwd_spans,
         *_phases, *_scalars;
 } Core; /* no __dict__ or __weakref__ of its own: phases.py's StepTracker, a subclass, has both */
@@ -67,7 +67,7 @@ typedef struct {
     X(_prev_end) X(_pending_end) X(_pending_skipped) X(_step_open) X(_fwd_depth) X(_fwd_t0)            \
     X(_fwd_grad) X(_bwd_depth) X(_bwd_t0) X(_opt_depth) X(_opt_t0) X(_opt_paused) X(_fwd_paused_opt)   \
     X(_bwd_paused_opt) X(_ckpt_depth) X(_ckpt_t0) X(_eval_open) X(_eval_t0) X(_eval_end)               \
-    X(_eval_calls) X(_eval_pulls) X(_eval_pulled) X(_eval_fwd) X(_span_judged)                         \
+    X(_eval_calls) X(_eval_pulls) X(_eval_pulled) X(_eval_fwd) X(_eval_last) X(_span_judged)          \
     X(_last_fetch_t0) X(_last_fetch_ns) X(_iter_t0) X(_iter_t1) X(_thread) X(_in_scaler) X(_scaler_fired) \
     X(_data) X(_fwd) X(_bwd)                                                                           \
     X(_opt) X(_eval) X(_ckpt) X(_own) X(_ckpt_bytes) X(_bwd_spans) X(_phases) X(_scalars)
@@ -327,6 +327,7 @@ static int open_eval(Core *self, PyObject *t0) {
         PUT_LL(self, _eval_pulls, 0);
         PUT_LL(self, _eval_pulled, 0);
         PUT_LL(self, _eval_fwd, 0);
+        put_obj(&self->_eval_last, t0);
     }
     if (GET(self, _last_fetch_t0) == NULL) goto error;
     if (self->_last_fetch_t0 != Py_None) {
@@ -767,6 +768,7 @@ static PyObject *data_end(Core *self, PyObject *t0_obj, long how) {
             }
             LL(self, _eval_pulled, pulled);
             PUT_LL(self, _eval_pulled, pulled + dur);
+            PUT_LL(self, _eval_last, t);
         } else { /* from the iterator's start, for its first fetch: the loop waited for its workers */
             long long s0;
             if (as_ll(start, &s0) < 0) goto error;
@@ -887,6 +889,7 @@ static PyObject *Core_forward_end(Core *self, PyObject *unused) {
             LL(self, _eval_fwd, efwd);
             LL(self, _fwd_t0, t0);
             PUT_LL(self, _eval_fwd, efwd + (t - t0));
+            PUT_LL(self, _eval_last, t);
         }
         TRUTH(self, _fwd_paused_opt, paused);
         if (paused) {

@@ -94,7 +94,7 @@ _STATE = (
     "_prev_end", "_pending_end", "_pending_skipped", "_step_open", "_fwd_depth", "_fwd_t0",
     "_fwd_grad", "_bwd_depth", "_bwd_t0", "_opt_depth", "_opt_t0", "_opt_paused", "_fwd_paused_opt",
     "_bwd_paused_opt", "_ckpt_depth", "_ckpt_t0", "_eval_open", "_eval_t0", "_eval_end",
-    "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_span_judged", "_last_fetch_t0", "_last_fetch_ns",
+    "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_eval_last", "_span_judged", "_last_fetch_t0", "_last_fetch_ns",
     "_iter_t0", "_iter_t1", "_thread", "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
     "_opt", "_eval", "_ckpt", "_own", "_ckpt_bytes", "_bwd_spans", "_phases", "_scalars",
 )
@@ -138,6 +138,7 @@ class _PyCore:
             self._eval_open = True
             self._eval_t0 = t0
             self._eval_calls = self._eval_pulls = self._eval_pulled = self._eval_fwd = 0
+            self._eval_last = t0
         if self._last_fetch_t0 is not None:
             if self._last_fetch_t0 < self._eval_t0:
                 self._eval_t0 = self._last_fetch_t0
@@ -275,6 +276,7 @@ class _PyCore:
                 if not how & FETCH_END:
                     self._eval_pulls += 1
                 self._eval_pulled += d
+                self._eval_last = t
             else:  # from the iterator's start, for its first fetch: the loop waited for its workers
                 if made >= 0 and t0 < fetch_t0:
                     # iter()'s own time (where non-persistent workers start) and this fetch's; the
@@ -347,6 +349,7 @@ class _PyCore:
                 self._fwd += t - self._fwd_t0
             else:
                 self._eval_fwd += t - self._fwd_t0
+                self._eval_last = t
             if self._fwd_paused_opt:
                 self._fwd_paused_opt = False
                 self._resume_opt(t)
@@ -631,6 +634,9 @@ class _Methods:
         self._eval_pulls = 0  # DataLoader fetches it took in (the one right before it, then its own)
         self._eval_pulled = 0  # their ns
         self._eval_fwd = 0  # its forwards' ns
+        # Where its last call or fetch ended (its start, before one): an evaluation after the last
+        # step ends there at shutdown (flush).
+        self._eval_last = 0
         # Told how each span closed: True evaluation, False the step's own work (``on_eval_span``).
         self._span_judged: Callable[[bool], None] | None = None
         self._last_fetch_t0: int | None = None
@@ -901,7 +907,10 @@ class _Methods:
                 self._finalize(self._pending_end, self._pending_skipped)
             t = _now()
             if self._eval_open:
-                self._close_eval(t)  # an evaluation after the last step runs to shutdown
+                # An evaluation after the last step ends at its last call or fetch: what the script
+                # does after it until shutdown (plots, uploads, wandb.finish(), the DataLoader
+                # workers' exit) is no evaluation (it was, up to the thirty-ninth session).
+                self._close_eval(min(max(self._eval_last, self._eval_t0), t))
             if self._eval or self._ckpt:
                 self._emit_tail(t)
             if self._step_open:
