@@ -25,7 +25,10 @@ def torchrun(args, env_extra, cwd, script=JOB, timeout=120):
         if isinstance(script, list) else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args]
     r = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # what a rank that died says of itself (a C++ terminate, a fatal signal) comes first: the tail
+    # alone held only the surviving rank's "Connection reset by peer" after a rank's SIGABRT
+    said = [line for line in r.stderr.splitlines() if any(w in line for w in ("Fatal", "terminate", "Abort", "abort"))]
+    assert r.returncode == 0, "\n".join(said[:40]) + "\n...\n" + r.stdout[-3000:] + r.stderr[-6000:]
     return r
 
 

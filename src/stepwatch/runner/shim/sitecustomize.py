@@ -9,7 +9,8 @@ import os
 import sys
 
 # Programs that start the training processes rather than train: instrumenting one would leave its
-# ranks out (they inherit STEPWATCH_RUN_ACTIVE, and are not started by multiprocessing's 'spawn'). Console scripts by name, modules by prefix.
+# ranks out (they inherit STEPWATCH_RUN_ACTIVE, and are not started by multiprocessing's 'spawn').
+# Console scripts by name, modules by prefix.
 _LAUNCHER_SCRIPTS = frozenset(("accelerate", "accelerate-launch", "deepspeed", "lightning", "torchrun", "torchx"))
 _LAUNCHER_MODULES = ("accelerate.commands", "deepspeed.launcher", "lightning", "torch.distributed.run",
                      "torch.distributed.launch")
