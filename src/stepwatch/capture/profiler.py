@@ -126,7 +126,6 @@ class CaptureManager:
         self._job_profiler = False
         self._own = False
         self._patched: list[tuple[Any, str, Any, Any]] = []  # (module, name, torch's, ours)
-        self._taken: list[Any] = []  # our profilers the job's took over inside a step (_stand_down)
 
     # -- records (background) -------------------------------------------------------------------
 
@@ -314,8 +313,6 @@ class CaptureManager:
     def on_step_end(self, ended: int) -> None:
         """tracker listener: ``ended`` is the step that just ended; the next one is ``ended + 1``."""
         a = self.active
-        if a is None and self._rf is not None:
-            self._close_range()  # a capture the job's own profiler took over inside this step
         if a is not None:
             self._close_range()
             if ended >= a["first"]:
@@ -378,8 +375,8 @@ class CaptureManager:
         2.13 lets a second profiler take a prepared or running session over, and its stop ends
         the session: the job's trace came back empty, or the job's own stop crashed the process
         (a segmentation fault in ``_disable_profiler``). Both are wrapped here: a capture recording
-        when the job's profiler prepares stops first (``_stand_down``), and none starts until the
-        job's profiler has stopped (``_start``). Put back at ``stop``. Where torch has no such
+        when the job's profiler prepares between steps stops first (``_stand_down``), and none
+        starts until the job's profiler has stopped (``_start``). Put back at ``stop``. Where torch has no such
         functions, nothing is wrapped (docs/hang.md)."""
         import torch.autograd.profiler as ap
 
@@ -424,30 +421,26 @@ class CaptureManager:
                         "profiler runs beside the write)", who, waited)
 
     def _stand_down(self) -> None:
-        """The job's own profiler is preparing while a capture records (training thread, or
-        another): the job's profiler wins, as when it was running before the capture's start
-        (``_start``).
+        """The job's own profiler is preparing while a capture records: the job's profiler wins,
+        as when it was running before the capture's start (``_start``).
 
-        Between steps the capture stops now, with the steps it recorded whole (a step whose end
-        is pending is made final first, so its end is the capture's) and says why in
-        ``cut_short``. Inside a step it cannot: the job's own ``record_function`` ranges opened
-        in the step are still open, and torch 2.13 crashes (kineto's ``processCpuTrace``) when a
-        profiler stops with such ranges open and another starts before they close. So there the
-        job's profiler takes the session over, with this capture's steps in its trace; the
-        capture is never stopped (a stop would end the job's session), and is counted in
-        ``skipped``."""
+        Between steps (on the training thread) the capture stops now, with the steps it recorded
+        whole (a step whose end is pending is made final first, so its end is the capture's),
+        and says why in ``cut_short``. Inside a step it is left to run to its planned end, as
+        before: the job's ``record_function`` ranges opened in the step are still open, and torch
+        2.13 crashes (kineto's ``processCpuTrace``, or a later op) when a profiler stops, or is
+        taken over, with such ranges open. There the job's trace may come back without those
+        steps (said once; docs/hang.md)."""
         a = self.active
         if a is None:
             return
-        step = self.hub.step
         if not self.hub.between_steps or not self.hub.on_training_thread():
-            self.active = None
-            self._taken.append(a["prof"])  # kept, never stopped (see above); at most capture_max
-            a["span"][1] = step + 1
-            self._skip("cut short: the job's own profiler started inside a step and holds its trace")
-            logger.info("captures: capture %d (steps from %d) taken over by the job's own profiler, started in "
-                        "step %d: its trace holds them", a["sc"].k, a["first"], step)
-            return  # our range, if open, closes at the step's end (on_step_end), inside the job's
+            warn_once("capture.job_profiler_in_step",
+                      "captures: the job's own profiler started inside step %d while stepwatch's capture %d "
+                      "recorded: the capture runs to its end (step %s), and the job's trace may lack the steps "
+                      "before it. Start your profiler between steps (where the capture stands down), or set "
+                      "STEPWATCH_CAPTURE=off.", self.hub.step, a["sc"].k, a["last"])
+            return
         if self.hub.step_pending:
             a["standing_down"] = True  # no range opens for the step after it
             self.hub.end_pending_step()  # its end runs on_step_end: the capture may end there
