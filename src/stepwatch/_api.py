@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import TYPE_CHECKING, Any
@@ -28,8 +29,6 @@ def _after_fork_in_child() -> None:
             # DataLoader worker (marked while its loader starts it) makes no optimizer.
             # The parent's settings, less its own exporter objects: a copy of one (its socket, its
             # file) writing from the child would interleave with the parent's.
-            import dataclasses
-
             cfg = s.config
             own = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "exporters"}
             _start_at_first_optimizer(own)
@@ -45,18 +44,12 @@ def init(**config: Any) -> "Session":
     global _session, _fork_handler_installed
     cfg = Config.from_env(**config)
     if cfg.dir is not None and not os.path.isabs(cfg.dir):
-        import dataclasses
-
         # one directory however it is spelled ("runs/x", "./runs/x", the absolute path that
         # `stepwatch run --dir` passes): a second init() naming it is the same configuration
         cfg = dataclasses.replace(cfg, dir=os.path.abspath(cfg.dir))
     if cfg.enabled and _in_dataloader_worker():
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, enabled=False)  # a worker loads batches: nothing to measure
     elif cfg.enabled and _importing_mp_main():
-        import dataclasses
-
         # A 'spawn'/'forkserver' child (a multiprocessing Pool's worker, a process of
         # torch.multiprocessing.spawn) imports the script again: start when it trains.
         _start_at_first_optimizer(config)
@@ -153,8 +146,6 @@ def _in_dataloader_worker() -> bool:
 
 
 def _diff(a: Config, b: Config) -> str:
-    import dataclasses
-
     out = [
         f"{f.name}={getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
         for f in dataclasses.fields(a)
