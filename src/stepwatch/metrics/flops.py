@@ -297,9 +297,10 @@ def _sparse_matmul_flops(packet: Any, args: Any) -> int | None:
     a, b = (args[1], args[2]) if name == "addmm" else (args[0], args[1])
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return None
-    sparse, other = (a, b.shape[-1]) if a.layout != torch.strided else (b, a.shape[-2])
-    if sparse.layout == torch.strided or (a.layout != torch.strided and b.layout != torch.strided):
+    a_sparse, b_sparse = a.layout != torch.strided, b.layout != torch.strided
+    if a_sparse == b_sparse:  # both dense (torch's formula), or both sparse (rare: torch's too)
         return None
+    sparse, other = (a, b.shape[-1]) if a_sparse else (b, a.shape[-2])
     from torch._subclasses.fake_tensor import FakeTensor
 
     if isinstance(sparse, FakeTensor):
