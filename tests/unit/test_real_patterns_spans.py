@@ -261,14 +261,18 @@ def test_save_pretrained_is_one_checkpoint_with_its_safetensors_bytes(sw, tmp_pa
         opt.step()
         opt.zero_grad()
         if i == 3:
+            t0 = time.perf_counter()
             m.save_pretrained(str(out))
+            wall = time.perf_counter() - t0
     stepwatch.shutdown()
     recs = [r for r in mem.records if not r.tail]
     assert len(recs) == 6 and all(_identity_holds(r) for r in recs), recs
     r = recs[4]
     weights = sum(os.path.getsize(p) for p in out.glob("*.safetensors"))
     assert r.checkpoint_s > 0 and r.checkpoint_bytes == weights > 0, r
-    assert r.other_s < r.checkpoint_s, r
+    # The whole call, timed around it here: a few ms once this process has saved before, so it
+    # is checked against its own wall time (a load-proof bound), not against the step's other_s.
+    assert wall - 1e-3 <= r.checkpoint_s <= wall, (wall, r)
 
 
 @pytest.mark.parametrize("when", ["before the optimizer", "inside the save, after the first steps"])
