@@ -1055,3 +1055,38 @@ def test_a_spike_that_lasts_50_steps_is_counted_as_50_in_the_findings_file(sw):
     assert spikes[0]["step"] == 100 and spikes[-1]["data"]["episode"]["final"], spikes
     assert spikes[-1]["data"]["episode"]["count"] == 50 and "[episode over: 50 in all over steps 100-149]" in \
         spikes[-1]["summary"], spikes[-1]["summary"]
+
+
+@pytest.mark.parametrize("clip", [None, "clip_grad_norm_", "clip_grad_value_"])
+def test_a_spikes_action_is_for_a_job_that_clips_when_it_clips(sw, clip):
+    """A job that clips already was told to "clip gradients (clip_grad_norm_)" at each spike of
+    its (pre-clip) norm. Where the job clips, the action says so, with its threshold, and what is
+    left to look at; a job that does not clip keeps the table's action."""
+    from stepwatch.analysis.kinds import KINDS
+
+    stepwatch, mem, start = sw
+    start(grad_norm_spike_abs=1e9)  # the rolling median's spike only
+    torch.manual_seed(0)
+    m = nn.Linear(16, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(8, 16)
+    for i in range(30):
+        (m(x).pow(2).mean() * (1000.0 if i == 25 else 1.0)).backward()
+        if clip == "clip_grad_norm_":
+            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=1.5)
+        elif clip == "clip_grad_value_":
+            torch.nn.utils.clip_grad_value_(m.parameters(), clip_value=0.25)
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    (f,) = [f for f in mem.findings if f.kind == "grad_norm_spike"]
+    assert f.step == 25, f
+    table = KINDS["grad_norm_spike"].action
+    if clip is None:
+        assert f.action == table and "clip_max" not in f.data, f
+    elif clip == "clip_grad_norm_":
+        assert f.action != table and "clip_grad_norm_" in f.action and "1.5" in f.action, f.action
+        assert "clip gradients" not in f.action and f.data["clip_max"] == 1.5, f
+    else:
+        assert f.action != table and "clip_grad_value_" in f.action and "0.25" in f.action, f.action
+        assert "clip gradients" not in f.action and f.data["clip_max"] == 0.25, f

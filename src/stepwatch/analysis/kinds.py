@@ -530,8 +530,10 @@ def make_finding(
     data: dict[str, Any] | None = None,
     severity: str | None = None,
     when: float | None = None,
+    action: str | None = None,
 ) -> Finding:
-    """Build a finding of a registered kind; the diagnosis and action come from the table."""
+    """Build a finding of a registered kind; the diagnosis and action come from the table
+    (``action``: one for this case, where the table's does not fit it)."""
     k = KINDS[kind]
     sev = severity or k.severity
     if sev not in SEVERITIES:
@@ -544,6 +546,6 @@ def make_finding(
         severity=sev,
         summary=summary,
         diagnosis=k.diagnosis,
-        action=k.action,
+        action=k.action if action is None else action,
         data=dict(data or {}),
     )

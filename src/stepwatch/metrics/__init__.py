@@ -27,7 +27,7 @@ class TrainingMetrics:
     name = "training_metrics"
 
     def __init__(self, hub: "Hub") -> None:
-        from .grads import GradNormCollector, GradNormEnricher, GradNormSources, GradNormSpikeDetector
+        from .grads import GradNormCollector, GradNormEnricher, GradNormSources, GradNormSpikeDetector, clipping
         from .tokens import ThroughputCollector
         from .lowmfu import LowMfuDetector
         from .peaks import MfuDropDetector, MfuEnricher, PeakResolver
@@ -50,7 +50,7 @@ class TrainingMetrics:
         sources = GradNormSources()  # which optimizers made a norm, from the enricher to the detector
         hub.add_enricher(GradNormEnricher(self._exchange, sources=sources))
         hub.add_detector(GradNormSpikeDetector(cfg.grad_norm_spike_abs, cfg.grad_norm_spike_factor, cfg.grad_norm_window,
-                                               sources=sources))
+                                               sources=sources, clipping=clipping))
         hub.add_detector(MfuDropDetector(cfg.mfu_drop_points, cfg.mfu_drop_window_s))
         hub.add_detector(LowMfuDetector(cfg.low_mfu, cfg.window, captures_dir=os.path.join(hub.ctx.run_dir, "captures"),
                                         device=lambda: self.device))

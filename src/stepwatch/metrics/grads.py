@@ -170,6 +170,9 @@ class _Tap:
         # Set, for good, the first time any thread clips or steps a GradScaler: until then
         # take_clip has nothing to take and skips the thread-local reads (~540 instructions each).
         self.used = False
+        # The last clip any thread made (its function's name, its max_norm or clip_value), for the
+        # spike finding's action: a job that clips is not told to clip. Cleared at a first install.
+        self.clipped: tuple[str, float] | None = None
         self.errors = 0
         self.fsdp1_patched = False
 
@@ -179,6 +182,7 @@ class _Tap:
             self.refs += 1
             if self.refs > 1:
                 return
+            self.clipped = None
             import torch
             import torch.nn.utils
             import torch.nn.utils.clip_grad as clip_mod
@@ -262,6 +266,7 @@ class _Tap:
         if params is not None and mark is None:
             return
         self.used = True
+        self.clipped = ("clip_grad_value_" if pre is not None else "clip_grad_norm_", max_norm)
         c = _Clip(total, norm_type, max_norm, params, mark, pre, index)
         clips = self.local.clips
         if not clips:
@@ -1281,7 +1286,8 @@ class GradNormSpikeDetector:
     _MAX_HISTORIES = 16
 
     def __init__(self, abs_threshold: float = 10.0, factor: float = 5.0, window: int = 100,
-                 sources: "GradNormSources | None" = None) -> None:
+                 sources: "GradNormSources | None" = None,
+                 clipping: "Callable[[], tuple[str, float] | None] | None" = None) -> None:
         if not abs_threshold > 0 or not factor > 1 or window < 2:
             raise ValueError(
                 "abs_threshold must be > 0, factor > 1 and window >= 2; got "
@@ -1291,6 +1297,7 @@ class GradNormSpikeDetector:
         self._main = _Window()  # the first optimizer's norms (a job's only one, nearly always)
         self._others: dict[Any, _Window] = {}  # other optimizers' (sets'), least recently used first
         self.sources = sources if sources is not None else GradNormSources()  # shared with the enricher
+        self.clipping = clipping  # the job's last clip (``clipped``), when it clips
 
     # the main history's norms, in order and sorted (tests read them)
     @property
@@ -1393,16 +1400,35 @@ class GradNormSpikeDetector:
         from ..analysis.kinds import make_finding
 
         why = f"above {self.abs_threshold:g}" if over_abs else f"{norm / median:.1f}x the rolling median {median:.3g}"
+        data = {"grad_norm": norm, "median": median, "abs_threshold": self.abs_threshold, "factor": self.factor,
+                # how bad, for the rate limit (analysis/ratelimit.py)
+                "magnitude": norm / median if median else None}
+        clipped = self.clipping() if self.clipping is not None else None
+        if clipped is not None:
+            data["clip_max"] = clipped[1]
         return make_finding(
             "grad_norm_spike",
             rank=rank,
             step=step,
             when=when,
             summary=f"grad norm {norm:.3g} ({why})",
-            data={"grad_norm": norm, "median": median, "abs_threshold": self.abs_threshold, "factor": self.factor,
-                  # how bad, for the rate limit (analysis/ratelimit.py)
-                  "magnitude": norm / median if median else None},
+            data=data,
+            action=None if clipped is None else clipped_action(*clipped),
         )
+
+
+def clipped_action(how: str, limit: float) -> str:
+    """``grad_norm_spike``'s action for a job that clips already: its norm is the pre-clip one."""
+    what = "max_norm" if how == "clip_grad_norm_" else "clip_value"
+    return (f"The job clips already ({how}, {what} {limit:g}), and this norm is before the clip: the update "
+            "was bounded, but the gradient was not. Inspect the batch of that step and the learning-rate "
+            "schedule; lower the LR or warm up longer; check for bad data. If spikes recur, the clip only "
+            "hides them.")
+
+
+def clipping() -> tuple[str, float] | None:
+    """The job's last clip, ``(function, max_norm or clip_value)``, None while it has not clipped."""
+    return _TAP.clipped
 
 
 # ----------------------------------------------------------------------------- record enricher
