@@ -1752,6 +1752,73 @@ def test_training_with_the_model_in_eval_mode_keeps_its_forward(sw):
     assert recs[1].flops and len({r.flops for r in recs[1:]}) == 1, [r.flops for r in recs]
 
 
+def test_an_adversarial_evaluation_with_input_gradients_is_evaluation(sw):
+    """A robust-accuracy validation (FGSM): in eval mode, each batch's input gradient
+    (``torch.autograd.grad(loss, x)``), then the perturbed batch's prediction under ``no_grad``.
+    Each gradient closed the evaluation span as training work: the autograd.grad calls were
+    the next step's ``backward_s`` (16 ms of a 2 ms step), the first batch its samples and
+    forward, and ``eval_s`` held a part of the evaluation. A backward inside a span judged
+    evaluation (a no-grad, eval-mode call of the model being trained) is the span's now."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    val = DataLoader(_SlowSamples(24, 1), batch_size=4)
+
+    def fgsm(val):
+        m.eval()
+        for x, y in val:
+            x = x.clone().requires_grad_(True)
+            (g,) = torch.autograd.grad(nn.functional.mse_loss(m(x), y), x)
+            with torch.no_grad():
+                m(x + 0.1 * g.sign())
+        m.train()
+
+    walls = _train_with_validation(m, opt, val, fgsm)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    # A step's own backward (the steps before each validation: none has one before it).
+    own = statistics.median(r.backward_s for r in recs[1:4] + recs[5:8])
+    for r, wall in _after_each_validation(mem, walls):
+        # 24 samples of 1 ms each: the evaluation's fetches alone take 24 ms.
+        assert 0.024 <= r.eval_s <= wall + 0.002, (wall, r)
+        # Its 6 input gradients, each about a step's backward, were this step's.
+        assert r.tail or r.backward_s < 3 * own, (own, r)
+    assert [r.samples for r in recs] == [8] * 8, [r.samples for r in recs]
+
+
+@pytest.mark.parametrize("iterations", [2, 6])
+def test_an_adversarial_training_step_in_eval_mode_is_the_steps_work(sw, iterations):
+    """TRADES: each step first searches its adversarial batch with the model in eval mode (input
+    gradients, ``autograd.grad``, a few iterations on the step's own batch), then trains on the
+    clean and the adversarial batch in train mode. The search is the step's work (forward and
+    backward), never evaluation; its calls are no samples: the step's samples are its two
+    train-mode calls' (the clean and the adversarial batch; each of the search's calls was
+    counted too: 64 samples a step with 3 iterations, 176 with 10)."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    train = DataLoader(torch.utils.data.TensorDataset(torch.randn(48, 16), torch.randn(48, 4)), batch_size=8)
+    for x, y in train:
+        m.eval()
+        x_adv = x + 0.001 * torch.randn_like(x)
+        for _ in range(iterations):
+            x_adv.requires_grad_(True)
+            (g,) = torch.autograd.grad(nn.functional.mse_loss(m(x_adv), m(x)), x_adv)
+            x_adv = x_adv.detach() + 0.01 * g.sign()
+        m.train()
+        opt.zero_grad()
+        (nn.functional.mse_loss(m(x), y) + nn.functional.mse_loss(m(x_adv), y)).backward()
+        opt.step()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6
+    _all_identity(recs)
+    assert all(r.eval_s == 0 and r.forward_s > 0 and r.backward_s > 0 for r in recs), recs
+    assert [r.samples for r in recs] == [16] * 6, [r.samples for r in recs]
+
+
 @pytest.mark.parametrize("grad_off", ["around the loop", "around the call"])
 def test_a_validation_with_loader_workers_is_evaluation_from_iter_to_its_end(sw, grad_off):
     """The ImageNet example's ``validate`` (and HF's, whose fetches run with grad enabled): a

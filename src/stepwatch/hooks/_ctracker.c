@@ -55,7 +55,7 @@ typedef struct {
         *_prev_end, *_pending_end, *_pending_skipped, *_step_open, *_fwd_depth, *_fwd_t0,
         *_fwd_grad, *_bwd_depth, *_bwd_t0, *_opt_depth, *_opt_t0, *_opt_paused, *_fwd_paused_opt,
         *_bwd_paused_opt, *_ckpt_depth, *_ckpt_t0, *_eval_open, *_eval_t0, *_eval_end, *_eval_calls,
-        *_eval_pulls, *_eval_pulled, *_eval_fwd, *_eval_last, *_span_judged, *_last_fetch_t0, *_last_fetch_ns, *_iter_t0, *_iter_t1, *_thread,
+        *_eval_pulls, *_eval_pulled, *_eval_fwd, *_eval_bwd, *_eval_judged, *_bwd_eval, *_eval_last, *_span_judged, *_last_fetch_t0, *_last_fetch_ns, *_iter_t0, *_iter_t1, *_thread,
         *_in_scaler, *_scaler_fired, *_data, *_fwd, *_bwd, *_opt, *_eval, *_ckpt, *_own, *_ckpt_bytes, *_bwd_spans,
         *_phases, *_scalars;
 } Core; /* no __dict__ or __weakref__ of its own: phases.py's StepTracker, a subclass, has both */
@@ -67,7 +67,8 @@ typedef struct {
     X(_prev_end) X(_pending_end) X(_pending_skipped) X(_step_open) X(_fwd_depth) X(_fwd_t0)            \
     X(_fwd_grad) X(_bwd_depth) X(_bwd_t0) X(_opt_depth) X(_opt_t0) X(_opt_paused) X(_fwd_paused_opt)   \
     X(_bwd_paused_opt) X(_ckpt_depth) X(_ckpt_t0) X(_eval_open) X(_eval_t0) X(_eval_end)               \
-    X(_eval_calls) X(_eval_pulls) X(_eval_pulled) X(_eval_fwd) X(_eval_last) X(_span_judged)          \
+    X(_eval_calls) X(_eval_pulls) X(_eval_pulled) X(_eval_fwd) X(_eval_bwd) X(_eval_judged) X(_bwd_eval) \
+    X(_eval_last) X(_span_judged)                                                                      \
     X(_last_fetch_t0) X(_last_fetch_ns) X(_iter_t0) X(_iter_t1) X(_thread) X(_in_scaler) X(_scaler_fired) \
     X(_data) X(_fwd) X(_bwd)                                                                           \
     X(_opt) X(_eval) X(_ckpt) X(_own) X(_ckpt_bytes) X(_bwd_spans) X(_phases) X(_scalars)
@@ -297,6 +298,29 @@ static int span_judged(Core *self, PyObject *evaluation) {
     return 0;
 }
 
+/* The backward spans that began at t0 or later (the closing evaluation's own: phases.py's
+ * _close_eval), taken off the end of _bwd_spans. */
+static int drop_spans_from(Core *self, long long t0) {
+    PyObject *spans = GET(self, _bwd_spans);
+    if (spans == NULL) return -1;
+    if (!PyList_CheckExact(spans)) {
+        PyErr_SetString(PyExc_TypeError, "_bwd_spans must be a list");
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(spans);
+    while (n > 0) {
+        PyObject *last = PyList_GET_ITEM(spans, n - 1);
+        long long s0;
+        if (!PyTuple_Check(last) || PyTuple_GET_SIZE(last) < 1 || as_ll(PyTuple_GET_ITEM(last, 0), &s0) < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_bwd_spans holds (start, end) pairs");
+            return -1;
+        }
+        if (s0 < t0) break;
+        n--;
+    }
+    return PyList_SetSlice(spans, n, PyList_GET_SIZE(spans), NULL);
+}
+
 /* phases.py's _close_eval(t): the open span ends where the training fetch after it started
  * (_eval_end), else at t (the work that closes it, the step's end, shutdown). */
 static int close_eval(Core *self, long long t) {
@@ -308,6 +332,8 @@ static int close_eval(Core *self, long long t) {
         long long span = (eend ? eend : t) - t0;
         PUT_LL(self, _eval, ev + (span > 0 ? span : 0));
         put_obj(&self->_eval_open, Py_False);
+        LL(self, _eval_bwd, ebwd);
+        if (ebwd && drop_spans_from(self, t0) < 0) goto error;
         if (span_judged(self, Py_True) < 0) goto error;
     }
     return 0;
@@ -327,6 +353,8 @@ static int open_eval(Core *self, PyObject *t0) {
         PUT_LL(self, _eval_pulls, 0);
         PUT_LL(self, _eval_pulled, 0);
         PUT_LL(self, _eval_fwd, 0);
+        PUT_LL(self, _eval_bwd, 0);
+        put_obj(&self->_eval_judged, Py_False);
         put_obj(&self->_eval_last, t0);
     }
     if (GET(self, _last_fetch_t0) == NULL) goto error;
@@ -359,17 +387,33 @@ static PyObject *Core_open_eval(Core *self, PyObject *t0) {
  * reference model): its forwards go to _fwd, its fetch back to _data. Else it is evaluation. */
 #define IN_STEP_NO_GRAD_CALLS 4 /* phases.py's IN_STEP_NO_GRAD_CALLS (a test compares them) */
 
-static int close_eval_for_work(Core *self, long long t) {
+/* phases.py's _span_is_work: 1 the open span is the step's own work, 0 evaluation, -1 error. */
+static int span_is_work(Core *self) {
+    TRUTH(self, _eval_judged, judged);
+    if (judged) return 0;
+    LL(self, _eval_bwd, ebwd);
+    if (ebwd) return 1;
     LL(self, _eval_calls, calls);
     LL(self, _eval_pulls, pulls);
     if (GET(self, _last_fetch_t0) == NULL) goto error;
-    if (calls <= IN_STEP_NO_GRAD_CALLS && pulls <= 1 && self->_last_fetch_t0 == Py_None) {
+    return calls <= IN_STEP_NO_GRAD_CALLS && pulls <= 1 && self->_last_fetch_t0 == Py_None;
+error:
+    return -1;
+}
+
+static int close_eval_for_work(Core *self, long long t) {
+    int work = span_is_work(self);
+    if (work < 0) goto error;
+    if (work) {
         LL(self, _fwd, fwd);
         LL(self, _eval_fwd, efwd);
         LL(self, _data, data);
         LL(self, _eval_pulled, pulled);
+        LL(self, _bwd, bwd);
+        LL(self, _eval_bwd, ebwd);
         PUT_LL(self, _fwd, fwd + efwd);
         PUT_LL(self, _data, data + pulled);
+        PUT_LL(self, _bwd, bwd + ebwd);
         put_obj(&self->_eval_open, Py_False);
         return span_judged(self, Py_False);
     }
@@ -386,6 +430,12 @@ static PyObject *Core_close_eval_for_work(Core *self, PyObject *t_obj) {
     Py_RETURN_NONE;
 error:
     return NULL;
+}
+
+static PyObject *Core_span_is_work(Core *self, PyObject *unused) {
+    int work = span_is_work(self);
+    if (work < 0) return NULL;
+    return PyBool_FromLong(work);
 }
 
 static PyObject *Core_close_eval(Core *self, PyObject *t_obj) {
@@ -909,9 +959,25 @@ static PyObject *Core_backward_begin(Core *self, PyObject *unused) {
         OUTERMOST(self, enter, _bwd_depth);
         NOW(t);
         if (begin_work(self, &t) < 0) goto error;
+        put_obj(&self->_bwd_eval, Py_False);
         {
+            /* inside an open span, not the step's end: the span's until training work closes it */
             TRUTH(self, _eval_open, open);
-            if (open && close_eval_for_work(self, t) < 0) goto error;
+            if (open) {
+                int keep = 0;
+                if (GET(self, boundary) == NULL) goto error;
+                int opt = PyUnicode_Check(self->boundary) && PyUnicode_CompareWithASCIIString(self->boundary, "optimizer") == 0;
+                if (opt) {
+                    TRUTH(self, _opt_depth, od0);
+                    if (!od0) {
+                        TRUTH(self, _eval_judged, judged);
+                        keep = judged ? 1 : span_is_work(self);
+                        if (keep < 0) goto error;
+                    }
+                }
+                if (keep) put_obj(&self->_bwd_eval, Py_True);
+                else if (close_eval_for_work(self, t) < 0) goto error;
+            }
         }
         put_obj(&self->_last_fetch_t0, Py_None);
         {
@@ -942,9 +1008,26 @@ static PyObject *Core_backward_end(Core *self, PyObject *unused) {
         OUTERMOST(self, leave, _bwd_depth);
         NOW(t);
         if (device_end(self, self->_dslot_bwd, "_dslot_bwd") < 0) goto error;
-        LL(self, _bwd, bwd);
         LL(self, _bwd_t0, t0);
-        PUT_LL(self, _bwd, bwd + (t - t0));
+        {
+            TRUTH(self, _bwd_eval, in_span);
+            int open = 0;
+            if (in_span) {
+                TRUTH(self, _eval_open, o);
+                open = o;
+            }
+            if (open) {
+                LL(self, _eval_bwd, ebwd);
+                PUT_LL(self, _eval_bwd, ebwd + (t - t0));
+                PyObject *end = PyLong_FromLongLong(t);
+                if (end == NULL) goto error;
+                put(&self->_eval_last, end);
+            } else {
+                LL(self, _bwd, bwd);
+                PUT_LL(self, _bwd, bwd + (t - t0));
+            }
+            put_obj(&self->_bwd_eval, Py_False);
+        }
         {
             PyObject *spans = GET(self, _bwd_spans);
             if (spans == NULL) goto error;
@@ -1192,6 +1275,7 @@ static PyMethodDef Core_methods[] = {
     {"_reset_step", (PyCFunction)Core_reset_step, METH_NOARGS, NULL},
     {"_close_eval", (PyCFunction)Core_close_eval, METH_O, NULL},
     {"_close_eval_for_work", (PyCFunction)Core_close_eval_for_work, METH_O, NULL},
+    {"_span_is_work", (PyCFunction)Core_span_is_work, METH_NOARGS, NULL},
     {"_open_eval", (PyCFunction)Core_open_eval, METH_O, NULL},
     {"_finalize", (PyCFunction)(void (*)(void))Core_finalize, METH_FASTCALL, NULL},
     {"_start_work", (PyCFunction)Core_start_work, METH_O, NULL},
@@ -1410,14 +1494,9 @@ static int observe_forward(PyObject *inst, PyObject *mod, PyObject *args, PyObje
     return observe(inst, s_forward_observers, s_observe_forward, s_forward, cargs, 3);
 }
 
-/* The open eval span has made at most IN_STEP_NO_GRAD_CALLS calls (a teacher's few, so far). */
-static int eval_calls_few(Core *core) {
-    long long calls;
-    if (get_ll(core->_eval_calls, "_eval_calls", &calls) < 0) {
-        PyErr_Clear();
-        return 1; /* let the Python judge */
-    }
-    return calls <= IN_STEP_NO_GRAD_CALLS;
+/* The open eval span is not judged evaluation yet (phases.py's eval_span_is_evaluation). */
+static int eval_not_judged(Core *core) {
+    return core->_eval_judged != Py_True;
 }
 
 static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs) {
@@ -1524,7 +1603,7 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
         Py_DECREF(grad);
         return NULL;
     }
-    if (no_grad && (core == NULL || (core->_eval_open == Py_True && eval_calls_few(core)))) {
+    if (no_grad && (core == NULL || (core->_eval_open == Py_True && eval_not_judged(core)))) {
         /* an evaluation of the model being trained? (never raises: it reports its own errors) */
         PyObject *r = PyObject_CallMethodOneArg(inst, s_no_grad_call, mod);
         if (r == NULL) PyErr_Clear();

@@ -625,8 +625,7 @@ class Instrumentation:
         train mode a model labelling its own batch (FixMatch) stays the step's work."""
         tr = self.tracker
         try:
-            if (getattr(mod, "training", True) is not False or not tr._eval_open
-                    or tr._eval_calls > IN_STEP_NO_GRAD_CALLS):
+            if getattr(mod, "training", True) is not False or not tr._eval_open or tr._eval_judged:
                 return
             if self._trained(mod):
                 tr.eval_span_is_evaluation()

@@ -94,7 +94,8 @@ _STATE = (
     "_prev_end", "_pending_end", "_pending_skipped", "_step_open", "_fwd_depth", "_fwd_t0",
     "_fwd_grad", "_bwd_depth", "_bwd_t0", "_opt_depth", "_opt_t0", "_opt_paused", "_fwd_paused_opt",
     "_bwd_paused_opt", "_ckpt_depth", "_ckpt_t0", "_eval_open", "_eval_t0", "_eval_end",
-    "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_eval_last", "_span_judged", "_last_fetch_t0", "_last_fetch_ns",
+    "_eval_calls", "_eval_pulls", "_eval_pulled", "_eval_fwd", "_eval_bwd", "_eval_judged", "_bwd_eval", "_eval_last",
+    "_span_judged", "_last_fetch_t0", "_last_fetch_ns",
     "_iter_t0", "_iter_t1", "_thread", "_in_scaler", "_scaler_fired", "_data", "_fwd", "_bwd",
     "_opt", "_eval", "_ckpt", "_own", "_ckpt_bytes", "_bwd_spans", "_phases", "_scalars",
 )
@@ -127,6 +128,10 @@ class _PyCore:
         if self._eval_open:
             self._eval += max((self._eval_end or t) - self._eval_t0, 0)
             self._eval_open = False
+            if self._eval_bwd:  # its backwards (input gradients) are in its time: none is the step's
+                spans, t0 = self._bwd_spans, self._eval_t0
+                while spans and spans[-1][0] >= t0:
+                    spans.pop()
             if self._span_judged is not None:
                 self._span_judged(True)
 
@@ -137,7 +142,8 @@ class _PyCore:
         if not self._eval_open:
             self._eval_open = True
             self._eval_t0 = t0
-            self._eval_calls = self._eval_pulls = self._eval_pulled = self._eval_fwd = 0
+            self._eval_calls = self._eval_pulls = self._eval_pulled = self._eval_fwd = self._eval_bwd = 0
+            self._eval_judged = False
             self._eval_last = t0
         if self._last_fetch_t0 is not None:
             if self._last_fetch_t0 < self._eval_t0:
@@ -147,19 +153,30 @@ class _PyCore:
             self._eval_pulled += self._last_fetch_ns
             self._last_fetch_t0 = None
 
+    def _span_is_work(self) -> bool:
+        """The open span, closed by training work now, is the step's own work. Judged evaluation
+        (``eval_span_is_evaluation``): never. With backwards in it (input gradients: a model
+        trained in eval mode, micro-batch by micro-batch; an adversarial batch searched on the
+        step's own): always. Else when it fetched no batch of its own (at most the one fetched
+        right before it, and none since its last forward) and made at most
+        ``IN_STEP_NO_GRAD_CALLS`` calls: a teacher or reference model (distillation, RLHF) on the
+        step's batch."""
+        if self._eval_judged:
+            return False
+        return bool(self._eval_bwd) or (self._eval_calls <= IN_STEP_NO_GRAD_CALLS and self._eval_pulls <= 1
+                                        and self._last_fetch_t0 is None)
+
     def _close_eval_for_work(self, t: int) -> None:
         """Training work begins at ``t`` (a forward with grad, a backward, an optimizer step) while a
-        span of grad-disabled forwards is open. A span that fetched no batch of its own (at most
-        the one fetched right before it, and none since its last forward) and made at most
-        ``IN_STEP_NO_GRAD_CALLS`` calls is the step's own work on the step's batch: a teacher or
-        reference model (distillation, RLHF). Its forwards are forward time and that fetch is
-        data time, inside ``step_s``. Any other span is evaluation (``eval_s``)."""
+        span of eval forwards is open. The step's own work (``_span_is_work``): its forwards are
+        forward time, its backwards backward time and its fetch data time, inside ``step_s``. Any
+        other span is evaluation (``eval_s``)."""
         if not self._eval_open:
             return
-        if (self._eval_calls <= IN_STEP_NO_GRAD_CALLS and self._eval_pulls <= 1
-                and self._last_fetch_t0 is None):
+        if self._span_is_work():
             self._fwd += self._eval_fwd
             self._data += self._eval_pulled
+            self._bwd += self._eval_bwd
             self._eval_open = False
             if self._span_judged is not None:
                 self._span_judged(False)
@@ -366,8 +383,17 @@ class _PyCore:
             if self._bwd_depth > 1:
                 return
             t = self._begin_work()
+            # Inside an open span (the model in eval mode, grad enabled), a backward that is not
+            # the step's end (an optimizer loop, none open) is the span's until training work
+            # closes it (``_span_is_work``): input gradients of an evaluation (FGSM's robust
+            # accuracy), or of the step's own (a model trained in eval mode, TRADES' search).
+            self._bwd_eval = False
             if self._eval_open:
-                self._close_eval_for_work(t)
+                if self.boundary == "optimizer" and not self._opt_depth and (
+                        self._eval_judged or self._span_is_work()):
+                    self._bwd_eval = True
+                else:
+                    self._close_eval_for_work(t)
             self._last_fetch_t0 = None
             self._bwd_paused_opt = self._pause_opt(t) if self._opt_depth else False
             self._bwd_t0 = t
@@ -390,7 +416,12 @@ class _PyCore:
             t = _now()
             if self.device is not None:
                 self.device.end(self._dslot_bwd)
-            self._bwd += t - self._bwd_t0
+            if self._bwd_eval and self._eval_open:
+                self._eval_bwd += t - self._bwd_t0
+                self._eval_last = t
+            else:
+                self._bwd += t - self._bwd_t0
+            self._bwd_eval = False
             self._bwd_spans.append((self._bwd_t0, t))
             if self._nvtx is not None:
                 self._nvtx.pop_range()
@@ -634,6 +665,10 @@ class _Methods:
         self._eval_pulls = 0  # DataLoader fetches it took in (the one right before it, then its own)
         self._eval_pulled = 0  # their ns
         self._eval_fwd = 0  # its forwards' ns
+        self._eval_bwd = 0  # its backwards' ns (_bwd_eval: the outermost backward now is one)
+        self._bwd_eval = False
+        # A no-grad call in eval mode of the model being trained judged it evaluation.
+        self._eval_judged = False
         # Where its last call or fetch ended (its start, before one): an evaluation after the last
         # step ends there at shutdown (flush).
         self._eval_last = 0
@@ -1021,11 +1056,12 @@ class _Methods:
                 self.progress.set_step(n)
 
     def eval_span_is_evaluation(self) -> None:
-        """The open eval span is evaluation whatever its number of calls: it called a model an
-        optimizer steps, in eval mode, without grad (the root call's judgement). Not a teacher's
-        few calls (``_close_eval_for_work``)."""
-        if self.enabled and self._eval_open and self._eval_calls <= IN_STEP_NO_GRAD_CALLS:
-            self._eval_calls = IN_STEP_NO_GRAD_CALLS + 1
+        """The open eval span is evaluation whatever its number of calls and its backwards: it
+        called a model an optimizer steps, in eval mode, without grad (the root call's
+        judgement). Not a teacher's few calls, nor a search of the step's input gradients
+        (``_span_is_work``)."""
+        if self.enabled and self._eval_open:
+            self._eval_judged = True
 
     def phase_now(self) -> str:
         """The phase the training thread is in, by name (for a report of what was running when an

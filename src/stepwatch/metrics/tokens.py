@@ -57,8 +57,13 @@ from typing import Any, Callable, Mapping
 from .flops import CallSig, FlopCache, resolve_override
 from ..cuda_ext import copy_to_host, event_done
 from .peaks import matmul_dtype_key
-from ..hooks.phases import IN_STEP_NO_GRAD_CALLS, Collector, untracked
+from ..hooks.phases import Collector, untracked
 from ..hooks.replay import REPLAY
+
+# The eval-mode calls of one eval span whose FLOPs and counts wait for the tracker's judgement
+# (``_ThroughputMethods._hold``): a search of the step's input gradients (TRADES, 10 iterations
+# of two calls) fits; a validation without ``torch.no_grad()`` keeps no more than this.
+HELD_CALLS = 64
 
 
 @dataclass(slots=True)
@@ -364,6 +369,16 @@ def infer_batch_counts(
 # ----------------------------------------------------------------------------- step collector
 
 
+class _EvalMode:
+    """The batch counts of a model call in eval mode that was the step's own work (see
+    ``StepThroughput.counts``)."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self, counts: BatchCounts) -> None:
+        self.counts = counts
+
+
 class StepThroughput:
     """What one step's root forwards left for the background thread: per forward, its FLOPs
     (None: unknown) and, for the model's calls, the micro-batch's token/sample counts. Summed
@@ -377,11 +392,18 @@ class StepThroughput:
 
     @property
     def micro_batches(self) -> int:
-        return sum(1 for _, c in self.items if c is not None)
+        return len(self.counts)
 
     @property
     def counts(self) -> list[BatchCounts]:
-        return [c for _, c in self.items if c is not None]
+        """The batch counts of the model's calls in train mode; where it made none (a model
+        trained in eval mode), of its eval-mode calls that were the step's work (``_EvalMode``).
+        Beside train-mode calls, those are a search on the step's batch (an adversarial one's
+        input gradients, TRADES): no samples of their own."""
+        train = [c for _, c in self.items if c is not None and type(c) is not _EvalMode]
+        if train:
+            return train
+        return [c.counts for _, c in self.items if type(c) is _EvalMode]
 
     @property
     def flops(self) -> Any:
@@ -604,14 +626,15 @@ class _ThroughputMethods(Collector):
         """A call of a root in eval mode with grad enabled opens an eval span (hooks/phases.py):
         a validation loop without ``torch.no_grad()``, or the step's own forward (a model trained
         in eval mode). Its item waits for the tracker's judgement (``on_eval_span``); past
-        ``IN_STEP_NO_GRAD_CALLS`` calls the span is evaluation whatever follows."""
+        ``HELD_CALLS`` calls (a span with backwards in it may still be the step's: a search of
+        the step's input gradients) its calls are not kept, whatever follows."""
         held = self._held
         if held is None or held[0] is not self._items:
             held = self._held = (self._items, [])
         kept = held[1]
         if kept is None:
             return
-        if len(kept) < IN_STEP_NO_GRAD_CALLS:
+        if len(kept) < HELD_CALLS:
             kept.append((item, mid))
         else:
             self._held = (held[0], None)  # evaluation: nothing of this span is kept
@@ -625,7 +648,8 @@ class _ThroughputMethods(Collector):
         held, self._held = self._held, None
         if held is not None and held[1] and not evaluation and held[0] is self._items:
             token = self._token_root
-            self._items.extend(item if mid == token else (item[0], None) for item, mid in held[1])
+            self._items.extend((item[0], _EvalMode(item[1]) if mid == token and item[1] is not None else None)
+                               for item, mid in held[1])
 
     def on_reevaluation(self, begins: bool) -> None:
         """Training thread: an optimizer's closure evaluated again within one step (LBFGS) runs the
