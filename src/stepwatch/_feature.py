@@ -190,6 +190,11 @@ class Hub:
         step's work again, not more of its data."""
         self._inst.reevaluation_observers.append(fn)
 
+    def add_recompute_observer(self, fn: Callable[[Any, Any, Any], None]) -> None:
+        """``fn(module, args, kwargs)`` for each root call inside a backward: the recompute of a
+        root checkpointed from the loop (``checkpoint(model, x)``), the backward's work."""
+        self._inst.recompute_observers.append(fn)
+
     def add_eval_span_listener(self, fn: Callable[[bool], None]) -> None:
         """``fn(evaluation)`` when a span of grad-disabled or eval-mode root calls closes: True
         when it was evaluation (``eval_s``), False when it was the step's own work (a teacher, a

@@ -1395,6 +1395,53 @@ def test_a_checkpointed_whole_model_is_one_forward_and_its_recompute_backward(sw
     assert all(r.flops for r in recs[1:]), [r.flops for r in recs]
 
 
+@pytest.mark.parametrize("how", ["whole, reentrant", "whole, non-reentrant", "blocks from the loop"])
+def test_a_checkpointed_roots_recompute_is_in_hfu_not_in_flops(sw, how):
+    """The recompute of a root checkpointed from the loop (``checkpoint(model, x)``, and blocks
+    checkpointed one by one where the loop calls no model) is hardware work: ``hfu`` counts it,
+    ``flops`` (the model's) does not. It was in neither (hfu == mfu), and a reentrant
+    checkpoint's FLOPs and samples were those of its recompute, the forward itself (run without
+    grad) unseen. The recompute is counted as the root's whole forward (a non-reentrant one
+    stops after the last tensor it must save again: here the blocks' second matmul, whose output
+    nothing saves, so it counts a little more than ran)."""
+    from torch.utils.checkpoint import checkpoint
+
+    stepwatch, mem, start = sw
+    start(peak_tflops=1.0)
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)) for _ in range(3))
+    head = nn.Linear(32, 4)
+    model = nn.Sequential(*blocks, head)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(6):
+        x = torch.randn(16, 32, requires_grad=True)
+        if how == "blocks from the loop":
+            h = x
+            for b in blocks:
+                h = checkpoint(b, h, use_reentrant=False)
+            out = head(h)
+        else:
+            out = checkpoint(model, x, use_reentrant=how == "whole, reentrant")
+        out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 6
+    _all_identity(recs)
+    first_linear, fwd_head = 2 * 16 * 32 * 64, 2 * 16 * 32 * 4
+    fwd = 3 * 2 * first_linear + fwd_head
+    # What torch runs again: a reentrant checkpoint, the whole forward; a non-reentrant one stops
+    # after the last tensor its backward needs again (the head's input; each block's ReLU output,
+    # which its second Linear saves): the head, and each block's second Linear, never run again.
+    again = {"whole, reentrant": fwd, "whole, non-reentrant": fwd - fwd_head,
+             "blocks from the loop": 3 * first_linear}[how]
+    first = 3 if how == "blocks from the loop" else 0  # the blocks are hooked once steps ran without a root call
+    for r in recs[first:]:
+        assert r.flops == 3 * fwd and r.samples == 16, r
+        assert r.hfu / r.mfu == pytest.approx((3 * fwd + again) / (3 * fwd), rel=1e-9), (r.hfu, r.mfu)
+
+
 class _Slow(nn.Module):
     """A linear layer whose forward also sleeps ``ms``: a model whose time is known."""
 
@@ -1609,6 +1656,9 @@ def test_the_no_grad_call_limit_is_the_same_in_both_cores():
     from stepwatch.hooks import _ctracker, phases
 
     assert _ctracker.IN_STEP_NO_GRAD_CALLS == phases.IN_STEP_NO_GRAD_CALLS
+    from stepwatch.hooks import install
+
+    assert _ctracker.CHECKPOINT_CALLER_DEPTH == install.CHECKPOINT_CALLER_DEPTH
 
 
 class _SlowSamples(Dataset):

@@ -1317,7 +1317,8 @@ static PyObject *s_is_compiling_flag, *s_active, *s_mine, *s_enabled, *s_in_data
     *s_forward_begin, *s_forward_end, *s_observe_exception, *s_drop_observer, *s_last_optimizer, *s_new_optimizer,
     *s_opt_pre_args, *s_optimizer_observers, *s_observe_optimizer, *s_optimizer_begin, *s_backward_begin,
     *s_backward_end, *s_boundary_checked, *s_check_boundary, *s_data_begin, *s_data_end, *s_data_scanned, *s_scan,
-    *s_first_data_fetch, *s_data, *s_thread;
+    *s_first_data_fetch, *s_data, *s_thread, *s_bwd_depth, *s_recompute_observers, *s_observe_recompute,
+    *s_recompute, *s_ckpt_code, *s_checkpointed_forward;
 
 /* The module, from the weak reference ``mod`` holds (install.py's _RootCallBase says why): borrowed,
    since the module is the one being called and its caller holds it; NULL with an error if gone. */
@@ -1494,6 +1495,33 @@ static int observe_forward(PyObject *inst, PyObject *mod, PyObject *args, PyObje
     return observe(inst, s_forward_observers, s_observe_forward, s_forward, cargs, 3);
 }
 
+/* install.py's CHECKPOINT_CALLER_DEPTH (a test compares them). */
+#define CHECKPOINT_CALLER_DEPTH 4
+
+/* install.py's _called_from(inst._ckpt_code, the frame above this call): a reentrant
+ * checkpoint's forward called the root (without grad). 1, 0, or -1 with the exception. */
+static int ckpt_caller(PyObject *inst) {
+    PyObject *code = PyObject_GetAttr(inst, s_ckpt_code);
+    if (code == NULL) return -1;
+    int found = 0;
+    if (code != Py_None) {
+        PyFrameObject *f = PyEval_GetFrame(); /* borrowed: Module._wrapped_call_impl's */
+        Py_XINCREF(f);
+        for (int i = 0; f != NULL && i <= CHECKPOINT_CALLER_DEPTH; i++) {
+            PyCodeObject *c = PyFrame_GetCode(f);
+            found = (PyObject *)c == code;
+            Py_DECREF(c);
+            if (found) break;
+            PyFrameObject *back = PyFrame_GetBack(f);
+            Py_DECREF(f);
+            f = back;
+        }
+        Py_XDECREF(f);
+    }
+    Py_DECREF(code);
+    return found;
+}
+
 /* The open eval span is not judged evaluation yet (phases.py's eval_span_is_evaluation). */
 static int eval_not_judged(Core *core) {
     return core->_eval_judged != Py_True;
@@ -1555,7 +1583,20 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
         if (obs) {
             int depth = TR_TRUTH(core, tr, _fwd_depth, s_fwd_depth);
             if (depth < 0) return NULL;
-            if (!depth) {
+            int bwd = depth ? 0 : TR_TRUTH(core, tr, _bwd_depth, s_bwd_depth);
+            if (bwd < 0) return NULL;
+            if (bwd) { /* inside a backward: a recompute (checkpoint(model, x)), the backward's work */
+                int rec = attr_truth(inst, s_recompute_observers);
+                if (rec < 0) return NULL;
+                if (rec) {
+                    kw = kwargs ? Py_NewRef(kwargs) : PyDict_New();
+                    if (kw == NULL) return NULL;
+                    PyObject *cargs[3] = {mod, args, kw};
+                    int r = observe(inst, s_recompute_observers, s_observe_recompute, s_recompute, cargs, 3);
+                    Py_CLEAR(kw);
+                    if (r < 0) return NULL;
+                }
+            } else if (!depth) {
                 PyObject *pe = core ? Py_XNewRef(core->_pending_end) : PyObject_GetAttr(tr, s_pending_end);
                 if (pe == NULL) return core ? unset("_pending_end") : NULL;
                 int pending = pe != Py_None;
@@ -1584,6 +1625,36 @@ static PyObject *RootCall_call(RootCall *self, PyObject *args, PyObject *kwargs)
         return NULL;
     } else if (grad != Py_True) {
         no_grad = 1;
+        int ck = ckpt_caller(inst);
+        if (ck < 0) {
+            Py_DECREF(grad);
+            return NULL;
+        }
+        if (ck) { /* a reentrant checkpoint's forward: the step's forward, run without grad */
+            PyObject *ka = kwargs ? Py_NewRef(kwargs) : PyDict_New();
+            if (ka == NULL) {
+                Py_DECREF(grad);
+                return NULL;
+            }
+            PyObject *r = PyObject_CallMethodObjArgs(inst, s_checkpointed_forward, mod, args, ka, NULL);
+            Py_DECREF(ka);
+            if (r == NULL) {
+                Py_DECREF(grad);
+                return NULL;
+            }
+            Py_DECREF(r);
+            no_grad = 0;
+            PyObject *training = PyObject_GetAttr(mod, s_training);
+            if (training == NULL) {
+                if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                    Py_DECREF(grad);
+                    return NULL;
+                }
+                PyErr_Clear();
+            }
+            Py_SETREF(grad, Py_NewRef(training == Py_False ? Py_False : Py_True));
+            Py_XDECREF(training);
+        }
     } else {
         /* A root in eval mode (model.eval()) is evaluation with grad enabled too: a validation
            loop without torch.no_grad() (install.py's _PyRootCallCore says why). */
@@ -2058,6 +2129,12 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     INTERN(s_forward_observers, "forward_observers");
     INTERN(s_exception_observers, "exception_observers");
     INTERN(s_fwd_depth, "_fwd_depth");
+    INTERN(s_bwd_depth, "_bwd_depth");
+    INTERN(s_recompute_observers, "recompute_observers");
+    INTERN(s_observe_recompute, "_observe_recompute");
+    INTERN(s_recompute, "recompute");
+    INTERN(s_ckpt_code, "_ckpt_code");
+    INTERN(s_checkpointed_forward, "_checkpointed_forward");
     INTERN(s_pending_end, "_pending_end");
     INTERN(s_work_begins, "work_begins");
     INTERN(s_observe_forward, "_observe_forward");
@@ -2090,7 +2167,8 @@ PyMODINIT_FUNC PyInit__ctracker(void) {
     if (add_type(m, &Core_spec, "Core", &core_type) < 0 || add_type(m, &RootCall_spec, "RootCall", NULL) < 0 ||
         add_type(m, &OptPre_spec, "OptPre", NULL) < 0 || add_type(m, &BackwardCall_spec, "BackwardCall", NULL) < 0 ||
         add_type(m, &CpuItem_spec, "CpuItem", NULL) < 0 || add_type(m, &DataNext_spec, "DataNext", NULL) < 0 ||
-        PyModule_AddIntConstant(m, "IN_STEP_NO_GRAD_CALLS", IN_STEP_NO_GRAD_CALLS) < 0) {
+        PyModule_AddIntConstant(m, "IN_STEP_NO_GRAD_CALLS", IN_STEP_NO_GRAD_CALLS) < 0 ||
+        PyModule_AddIntConstant(m, "CHECKPOINT_CALLER_DEPTH", CHECKPOINT_CALLER_DEPTH) < 0) {
         Py_DECREF(m);
         return NULL;
     }

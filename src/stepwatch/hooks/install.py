@@ -130,6 +130,12 @@ class Instrumentation:
         # Features that want to know when a closure is evaluated again inside one optimizer step
         # (LBFGS, line searches): ``fn(True)`` before such a call, ``fn(False)`` after it.
         self.reevaluation_observers: list[Callable[[bool], None]] = []
+        # Features that want each root call inside a backward (module, args, kwargs): the recompute
+        # of a root checkpointed from the loop. Such a call is no forward of the step.
+        self.recompute_observers: list[Callable[[Any, Any, Any], None]] = []
+        # A reentrant checkpoint's forward (``checkpoint(model, x, use_reentrant=True)``) calls the
+        # root without grad from this code: that call is the step's forward (_checkpointed_forward).
+        self._ckpt_code: Any = None  # set at install
         # Features that want an exception passing through a hooked phase (phase name, exception),
         # on the training thread, before it propagates unchanged (OOM forensics).
         self.exception_observers: list[Callable[[str, BaseException], None]] = []
@@ -157,6 +163,8 @@ class Instrumentation:
         self._patch(torch.autograd, "grad", _Grad(self, torch.autograd.grad))
         ckpt = torch.utils.checkpoint
         self._patch(ckpt, "checkpoint_sequential", _checkpoint_sequential(self, ckpt.checkpoint_sequential))
+        # A reentrant checkpoint's forward calls the root without grad from here (_checkpointed_forward).
+        self._ckpt_code = getattr(getattr(getattr(ckpt, "CheckpointFunction", None), "forward", None), "__code__", None)
 
         it_cls = dataloader._BaseDataLoaderIter
         self._patch(it_cls, "__next__", _DataNext(self, it_cls.__next__))
@@ -614,6 +622,27 @@ class Instrumentation:
                 fn(module, args, kwargs)
             except Exception as e:
                 self._drop_observer("forward", fn, e)
+
+    def _observe_recompute(self, module: Any, args: Any, kwargs: Any) -> None:
+        for fn in self.recompute_observers:
+            try:
+                fn(module, args, kwargs)
+            except Exception as e:
+                self._drop_observer("recompute", fn, e)
+
+    def _checkpointed_forward(self, module: Any, args: Any, kwargs: Any) -> None:
+        """A root called without grad by a reentrant checkpoint's forward (both root-call cores
+        found ``_ckpt_code`` among its callers): the step's forward, observed as one with grad
+        (the observers ignored it without; the recompute in the backward is hardware work only).
+        Never raises: it reports its own errors."""
+        try:
+            if self.forward_observers and not self.tracker._fwd_depth:
+                import torch
+
+                with torch.enable_grad():
+                    self._observe_forward(module, args, kwargs)
+        except Exception as e:
+            self._on_error("hooks.checkpointed_forward", e)
 
     # -- root module discovery ------------------------------------------------------------------
 
@@ -1184,10 +1213,15 @@ class _PyRootCallCore:
             if not tr.enabled or (inst._not_roots and id(mod) in inst._not_roots) or tr.in_data:
                 return inner(*args, **kwargs)
             # Only the outermost call is observed: a declared root nested in another is part of it.
+            # Inside a backward, a recompute (checkpoint(model, x)): the backward's work.
             if inst.forward_observers and not tr._fwd_depth:
-                if tr._pending_end is not None:
-                    tr.work_begins()  # what the observers count belongs to the step this forward opens
-                inst._observe_forward(mod, args, kwargs)
+                if tr._bwd_depth:
+                    if inst.recompute_observers:
+                        inst._observe_recompute(mod, args, kwargs)
+                else:
+                    if tr._pending_end is not None:
+                        tr.work_begins()  # what the observers count belongs to the step this forward opens
+                    inst._observe_forward(mod, args, kwargs)
             # A root in eval mode (model.eval()) is evaluation with grad enabled too: a validation
             # loop without torch.no_grad(). Training with the model in eval mode is still forward
             # time: the step's few calls before its backward are its own (_close_eval_for_work).
@@ -1201,6 +1235,9 @@ class _PyRootCallCore:
                 grad = not tr._eval_open
             else:
                 no_grad = not self.grad_enabled()
+                if no_grad and inst._ckpt_code is not None and _called_from(inst._ckpt_code, sys._getframe(1)):
+                    inst._checkpointed_forward(mod, args, kwargs)  # the step's forward, run without grad
+                    no_grad = False
                 grad = not no_grad and getattr(mod, "training", True) is not False
             tr.forward_begin(grad)
             if no_grad:
@@ -1216,6 +1253,22 @@ class _PyRootCallCore:
         except BaseException as e:
             _drop_own_frames(e)
             raise
+
+
+# Frames above a root's own call (``Module._wrapped_call_impl`` first) searched for a reentrant
+# checkpoint's forward: a lambda or a function of the user's between them is found too.
+CHECKPOINT_CALLER_DEPTH = 4
+
+
+def _called_from(code: Any, frame: Any) -> bool:
+    """``code`` runs in ``frame`` or in one of the ``CHECKPOINT_CALLER_DEPTH`` frames above it."""
+    for _ in range(CHECKPOINT_CALLER_DEPTH + 1):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 try:  # the same call in C (hooks/_ctracker.c): no frame of ours in a traceback, less time a call

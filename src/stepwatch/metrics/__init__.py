@@ -57,6 +57,7 @@ class TrainingMetrics:
         hub.add_forward_observer(self._first_forward)
         hub.add_forward_observer(self.throughput.on_forward)
         hub.add_reevaluation_observer(self.throughput.on_reevaluation)
+        hub.add_recompute_observer(self.throughput.on_recompute)
         hub.add_exception_observer(self.throughput.on_exception)
         hub.add_eval_span_listener(self.throughput.on_eval_span)
         hub.add_optimizer_observer(self.grads.on_optimizer_step)

@@ -49,16 +49,55 @@ with an async copy (like the grad norm) and read by ``resolve`` on the backgroun
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .flops import CallSig, FlopCache, resolve_override
+from .flops import CallSig, FlopCache, FlopCount, FlopCountError, count_step_flops, resolve_override
 from ..cuda_ext import copy_to_host, event_done
 from .peaks import matmul_dtype_key
 from ..hooks.phases import Collector, untracked
 from ..hooks.replay import REPLAY
+
+# Signatures whose non-reentrant recompute is counted on fakes (``_early_stop_part``).
+_MAX_RECOMPUTE_COUNTS = 64
+# Frames above a recompute observer searched for a reentrant checkpoint's backward.
+_RECOMPUTE_CALLER_DEPTH = 8
+
+
+def _reentrant_recompute(frame: Any) -> bool:
+    """A reentrant checkpoint's backward (``CheckpointFunction.backward``) runs ``frame`` or one
+    of the frames above it: the recompute is the whole forward."""
+    import torch.utils.checkpoint as ckpt
+
+    code = getattr(getattr(getattr(ckpt, "CheckpointFunction", None), "backward", None), "__code__", None)
+    for _ in range(_RECOMPUTE_CALLER_DEPTH):
+        if frame is None or code is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _checkpointed(module: Any) -> Any:
+    """``module`` under a non-reentrant checkpoint, as a module to replay (made per replay: it
+    holds the module only while counting)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    class _Checkpointed(torch.nn.Module):
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+    return _Checkpointed(module)
+
 
 # The eval-mode calls of one eval span whose FLOPs and counts wait for the tracker's judgement
 # (``_ThroughputMethods._hold``): a search of the step's input gradients (TRADES, 10 iterations
@@ -571,6 +610,7 @@ class _ThroughputMethods(Collector):
         self._appended = False  # the last on_forward appended (on_exception takes it back)
         self._again: tuple[list[Any], int] | None = None  # (the step's items, where a re-evaluation began)
         self._held: tuple[Any, list[Any] | None] | None = None  # (the step's items, an eval span's eval-mode calls)
+        self._recomputes: dict[tuple[Any, ...], Any] = {}  # a non-reentrant recompute's FLOPs, per signature
         import torch
 
         self._grad_enabled = torch.is_grad_enabled
@@ -612,6 +652,50 @@ class _ThroughputMethods(Collector):
             return
         self._items.append((fc, counts))
         self._appended = True
+
+    def on_recompute(self, module: Any, args: Any, kwargs: Any) -> None:
+        """Training thread: a root called inside a backward, the recompute of a root checkpointed
+        from the loop (``checkpoint(model, x)``). Its forward runs again on the device: hardware
+        work (``hfu``), not the model's FLOPs, and no samples. A reentrant checkpoint runs the
+        whole forward again; a non-reentrant one stops once the last tensor it must save again is
+        made: that part is counted once per signature, on fakes, under the same checkpoint."""
+        self._appended = False
+        if self.override is not None or (self._replay.active and self._replay.mine()):
+            return
+        cache = self.cache
+        misses = cache.misses
+        t0 = time.perf_counter_ns()
+        fc = cache.get(module, args, kwargs)
+        if cache.misses != misses and self.exclude is not None:
+            self.exclude(time.perf_counter_ns() - t0)
+        if fc is None or not fc.forward:
+            return
+        again = fc.forward
+        if not _reentrant_recompute(sys._getframe(1)):
+            part = self._early_stop_part(module, args, kwargs)
+            if part is not None:
+                again = part
+        self._items.append((FlopCount(recompute=dict(again), tf32_sensitive=fc.tf32_sensitive), None))
+
+    def _early_stop_part(self, module: Any, args: Any, kwargs: Any) -> "Mapping[str, int] | None":
+        """What a non-reentrant checkpoint of ``module`` recomputes for this call, by dtype: a
+        replay of ``checkpoint(module, ...)`` on fakes, once per signature (at most
+        ``_MAX_RECOMPUTE_COUNTS``; None past them, or when it fails: the whole forward then)."""
+        key = self.cache.key(module, args, kwargs)
+        got = self._recomputes.get(key, _UNSET)
+        if got is not _UNSET:
+            return got
+        if len(self._recomputes) >= _MAX_RECOMPUTE_COUNTS:
+            return None
+        t0 = time.perf_counter_ns()
+        try:
+            got = dict(count_step_flops(_checkpointed(module), args, kwargs).recompute)
+        except FlopCountError:
+            got = None
+        if self.exclude is not None:
+            self.exclude(time.perf_counter_ns() - t0)
+        self._recomputes[key] = got
+        return got
 
     def on_exception(self, phase: str, exc: BaseException) -> None:
         """Training thread: a hooked call raised. A root call's observers ran before it, so what
