@@ -181,16 +181,77 @@ def test_run_delivers_group_signals_once_and_passes_sigterm_on(tmp_path):
     assert p.wait(timeout=30) == 128 + signal.SIGTERM
 
 
-@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "abc"])
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "abc", "1e9"])
 def test_a_dump_timeout_that_is_no_time_is_refused_naming_the_option(capsys, value):
     """``--timeout inf`` was a Python traceback (``subprocess.run(timeout=inf)``); ``nan`` a line that
     named no option; ``0`` and ``-1`` were taken (a dump that failed at once, or a silent fallback
-    to SIGUSR1)."""
+    to SIGUSR1); ``1e9`` a traceback from the wait under it (``poll``: timeout is too large)."""
     with pytest.raises(SystemExit) as e:
         main(["dump", "--timeout", value, str(os.getpid())])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--timeout" in err and "Traceback" not in err, err
+
+
+_AS_NOBODY = r'''
+import contextlib, io, os, sys
+from stepwatch.cli import main  # imported as root: nobody may not read the sources
+err = io.StringIO()
+os.setgroups([]); os.setegid(65534); os.seteuid(65534)
+with contextlib.redirect_stderr(err):
+    try:
+        rc = main(sys.argv[1:])
+    except SystemExit as e:
+        rc = e.code
+os.seteuid(0)
+sys.stdout.write(f"{rc}\n{err.getvalue()}")
+'''
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="switches to another user (needs root)")
+@pytest.mark.parametrize("command", ["dump", "capture"])
+@pytest.mark.parametrize("mode", [0o700, 0o755])
+def test_dump_and_capture_of_another_users_run_dir_are_one_clear_line(command, mode):
+    """A colleague on call runs ``stepwatch dump``/``capture`` on someone else's live job. Its run
+    dir 0700: ``dump`` was a PermissionError traceback, ``capture`` said "not a stepwatch run
+    directory (no run.json)". Readable, not writable: both were tracebacks (the dump's folder, the
+    capture's request). Now one line that says the run dir cannot be read or written, and to run
+    as the job's user; exit 2. The job's user here is root, the caller ``nobody``."""
+    import json
+    import pathlib
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    # Under /tmp itself: pytest's own base folder is 0700, which nobody could not even pass through.
+    top = pathlib.Path(tempfile.mkdtemp(prefix="sw-foreign-", dir="/tmp"))
+    try:
+        _foreign_dir_commands(top, command, mode)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _foreign_dir_commands(top, command, mode):
+    import json
+    import socket
+    import subprocess
+
+    run = top / "run"
+    run.mkdir()
+    for name, info in (("run.json", {"run_id": "r", "world_size": 1}),
+                       ("rank0.json", {"rank": 0, "pid": os.getpid(), "host": socket.gethostname()})):
+        (run / name).write_text(json.dumps(info))
+        (run / name).chmod(0o644)
+    run.chmod(mode)
+    top.chmod(0o755)
+    argv = ["dump", str(run)] if command == "dump" else ["capture", str(run), "--timeout", "2"]
+    out = subprocess.run([sys.executable, "-c", _AS_NOBODY, *argv], capture_output=True, text=True, timeout=120,
+                         cwd="/")
+    rc, _, err = out.stdout.partition("\n")
+    assert rc == "2" and "Traceback" not in err + out.stderr, (out.stdout, out.stderr)
+    assert str(run) in err and "as the user that runs" in err, err
+    assert ("cannot be read" if mode == 0o700 else "cannot write") in err, err
 
 
 _OWN_INIT = r'''

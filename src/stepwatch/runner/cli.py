@@ -29,6 +29,9 @@ NSYS_ARGS = ("profile", "--capture-range=cudaProfilerApi", "--trace=cuda,nvtx,os
 # Exit status of a wrapper whose command could not be started (missing, not executable), as a
 # shell's "command not found".
 CANNOT_START = 127
+# `stepwatch dump --timeout`: a day is more than any dump takes (the wait under it overflowed
+# past ~25 days: a traceback from poll).
+DUMP_TIMEOUT_MAX_S = 86400.0
 
 
 def cannot_start(prog: str, argv0: str, e: OSError) -> int:
@@ -61,7 +64,8 @@ def register(subparsers: Any) -> None:
     )
     d.add_argument("target", metavar="RUN_DIR|PID")
     d.add_argument("--native", action="store_true", help="include native frames (slower)")
-    d.add_argument("--timeout", type=positive(), default=10.0, help="seconds per py-spy dump (default 10)")
+    d.add_argument("--timeout", type=positive(most=DUMP_TIMEOUT_MAX_S), default=10.0,
+                   help=f"seconds per py-spy dump (default 10, at most {DUMP_TIMEOUT_MAX_S:g})")
     d.set_defaults(func=dump_main)
 
 

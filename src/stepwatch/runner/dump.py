@@ -25,7 +25,12 @@ def _ranks(run_dir: str) -> dict[int, int]:
     """rank -> pid for the ranks of this host, from the newest attempt's rank files."""
     host = socket.gethostname()
     out: dict[int, tuple[float, int]] = {}
-    for n in os.listdir(run_dir):
+    try:
+        names = os.listdir(run_dir)
+    except OSError as e:  # another user's job: its run dir is 0700
+        raise ValueError(f"RUN_DIR {run_dir!r} cannot be read ({e.strerror or e}): dump a job's ranks as the "
+                         "user that runs it (or root)") from None
+    for n in names:
         if not (n.startswith("rank") and n.endswith(".json")):
             continue
         try:
@@ -106,7 +111,11 @@ def dump_run_dir(run_dir: str, *, native: bool, timeout_s: float) -> int:
     ranks = {r: p for r, p in _ranks(run_dir).items() if _alive(p)}
     if not ranks:
         raise ValueError(f"no running rank of {run_dir} on this host (read from its rank<R>.json files)")
-    out = _next_dir(run_dir)
+    try:
+        out = _next_dir(run_dir)
+    except OSError as e:  # another user's run dir, readable to others: its stacks are not ours to write
+        raise ValueError(f"cannot write the stacks into {run_dir!r} ({e.strerror or e}): dump a job's ranks as "
+                         "the user that runs it (or root)") from None
     exe = pyspy.find_pyspy()
     status = pyspy.parallel(exe, ranks, out, native=native, timeout_s=timeout_s) if exe else {r: "py-spy not installed" for r in ranks}
     failed = 0

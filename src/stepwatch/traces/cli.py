@@ -97,6 +97,17 @@ def run_trace(args: argparse.Namespace) -> int:
     return rc
 
 
+def _readable_dir(path: str) -> bool:
+    """This user may list ``path`` (tried, not ``os.access``: that asks for the real uid)."""
+    try:
+        os.listdir(path)
+    except PermissionError:
+        return False
+    except OSError:
+        return True  # another problem: the checks after this one say it
+    return True
+
+
 def run_capture(args: argparse.Namespace) -> int:
     from .._files import job_dir
     from . import rundir
@@ -108,6 +119,10 @@ def run_capture(args: argparse.Namespace) -> int:
         err = f"--steps must be between 1 and {rundir.MAX_STEPS}, got {args.steps}"
     elif not args.timeout > 0:
         err = f"--timeout must be > 0 seconds, got {args.timeout}"
+    elif os.path.isdir(run_dir) and not _readable_dir(run_dir):
+        # another user's job: its run dir is 0700 (not "no run.json": it may well have one)
+        err = (f"RUN_DIR {args.run_dir!r} cannot be read (permission denied): ask for a capture as the user "
+               "that runs the job (or root)")
     elif not os.path.isfile(os.path.join(run_dir, "run.json")):
         err = f"RUN_DIR {args.run_dir!r} is not a stepwatch run directory (no run.json)"
     else:
@@ -120,7 +135,12 @@ def run_capture(args: argparse.Namespace) -> int:
             world = int(json.load(f).get("world_size") or 1)
     except (OSError, ValueError, TypeError):
         world = 1
-    rid = rundir.request_capture(run_dir, args.steps)
+    try:
+        rid = rundir.request_capture(run_dir, args.steps)
+    except OSError as e:  # a run dir others may read, not write: the request is the job's user's to make
+        print(f"stepwatch capture: error: cannot write the request into {rundir.request_dir(run_dir)!r} "
+              f"({e.strerror or e}): ask for a capture as the user that runs the job (or root)", file=sys.stderr)
+        return 2
     d = rundir.request_dir(run_dir)
     deadline = time.monotonic() + args.timeout
     taken = os.path.join(d, f"capture-{rid}.taken.json")
