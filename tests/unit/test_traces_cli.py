@@ -147,6 +147,32 @@ def test_a_cpu_gap_spent_waiting_on_gloos_allreduce_is_communication(capsys):
     assert "communication" in capsys.readouterr().out
 
 
+def test_a_run_dir_is_its_captures(tmp_path, capsys):
+    """``stepwatch trace RUN_DIR`` analysed the run's manifests (``run.json``, ``rank0.json``...),
+    each an error ("not a profiler trace"), and none of its captures. A run dir is its
+    ``captures/`` folder; one without says how to take a capture."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    run = tmp_path / "run"
+    (run / "captures").mkdir(parents=True)
+    for name in ("run.json", "rank0.json"):
+        (run / name).write_text(json.dumps({"run_id": "r", "rank": 0}))
+    assert main(["trace", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "without captures/" not in err and "no .json or .json.gz trace" in err, err  # an empty captures/
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(64, 64).matmul(torch.ones(64, 64))
+    prof.export_chrome_trace(str(run / "captures" / "capture-1-steps3-5.rank0.trace.json"))
+    assert main(["trace", str(run), "--json"]) == 0
+    (s,) = json.loads(capsys.readouterr().out)
+    assert s["trace"].endswith("capture-1-steps3-5.rank0.trace.json")
+    shutil.rmtree(run / "captures")
+    assert main(["trace", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "run directory without captures/" in err and f"stepwatch capture {run}" in err, err
+
+
 def test_a_json_file_that_is_not_a_trace_is_an_error_naming_it(tmp_path, capsys):
     obj = tmp_path / "a.json"
     obj.write_text('{"a": 1}')

@@ -22,9 +22,20 @@ ANALYSIS_SUFFIX = ".analysis.json"  # beside captures/<stem>.trace.json.gz: <ste
 def trace_files(paths: list[str]) -> list[str]:
     """The trace files named by ``paths``: files as given; in a directory, its ``*.trace.json[.gz]``
     files (a stepwatch ``captures/`` folder, torch's tensorboard_trace_handler output) or, when it
-    has none, every ``*.json[.gz]`` file. Raises FileNotFoundError naming a missing path."""
+    has none, every ``*.json[.gz]`` file. A stepwatch run directory (its ``run.json``) is its
+    ``captures/`` folder's traces: its own ``*.json`` files are its manifests, which were each
+    "not a profiler trace". Raises FileNotFoundError naming a missing path, or a run directory
+    without captures."""
     out: list[str] = []
     for p in paths:
+        if os.path.isdir(p) and os.path.isfile(os.path.join(p, "run.json")):
+            from .._files import job_dir
+
+            caps = os.path.join(job_dir(p), "captures")
+            if not os.path.isdir(caps):
+                raise FileNotFoundError(f"PATH {p!r} is a stepwatch run directory without captures/: "
+                                        f"`stepwatch capture {p}` takes one from a live job")
+            p = caps
         if os.path.isdir(p):
             names = sorted(os.listdir(p))
             pick = [n for n in names if n.endswith((".trace.json", ".trace.json.gz"))]
