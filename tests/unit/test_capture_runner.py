@@ -48,6 +48,13 @@ def test_nsys_wraps_the_command_or_says_it_is_missing(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "r" / "nsys").st_mode) == 0o700
 
 
+def test_nsys_ranges_without_nsys_is_a_clear_error(capsys):
+    """``--nsys-ranges 3`` without ``--nsys`` ran the job as if it had not been given."""
+    assert main(["run", "--nsys-ranges", "3", "--", sys.executable, "-c", "raise SystemExit(7)"]) == 2
+    err = capsys.readouterr().err
+    assert "--nsys-ranges 3 applies with --nsys only" in err, err
+
+
 def test_run_without_a_command_is_a_clear_error(capsys):
     assert main(["run"]) == 2
     assert "no command given" in capsys.readouterr().err

@@ -26,6 +26,7 @@ PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 # nsys profile options (Nsight Systems user guide, "CLI profile command switch options"):
 # record only between cudaProfilerStart/Stop, once per capture range, up to N ranges.
 NSYS_ARGS = ("profile", "--capture-range=cudaProfilerApi", "--trace=cuda,nvtx,osrt")
+NSYS_RANGES = 5  # --nsys-ranges' default
 # Exit status of a wrapper whose command could not be started (missing, not executable), as a
 # shell's "command not found".
 CANNOT_START = 127
@@ -49,8 +50,8 @@ def register(subparsers: Any) -> None:
         "Example: stepwatch run -- torchrun --nproc-per-node 8 train.py",
     )
     p.add_argument("--nsys", action="store_true", help="run under nsys profile; captures open nsys capture ranges")
-    p.add_argument("--nsys-ranges", type=int, default=5, metavar="N",
-                   help="with --nsys: most capture ranges nsys records (--capture-range-end=repeat:N; default 5)")
+    p.add_argument("--nsys-ranges", type=int, default=None, metavar="N",
+                   help=f"with --nsys: most capture ranges nsys records (--capture-range-end=repeat:N; default {NSYS_RANGES})")
     p.add_argument("--dir", default=None, help="run directory (STEPWATCH_DIR)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
     p.set_defaults(func=run_main)
@@ -113,8 +114,13 @@ def build(cmd: list[str], *, nsys: bool, nsys_ranges: int, run_dir: str | None, 
 
 
 def run_main(args: argparse.Namespace) -> int:
+    if args.nsys_ranges is not None and not args.nsys:  # it was ignored without a word
+        print(f"stepwatch run: --nsys-ranges {args.nsys_ranges} applies with --nsys only (nsys capture ranges); "
+              "add --nsys, or leave it out", file=sys.stderr)
+        return 2
+    ranges = NSYS_RANGES if args.nsys_ranges is None else args.nsys_ranges
     try:
-        argv, env = build(args.cmd, nsys=args.nsys, nsys_ranges=args.nsys_ranges, run_dir=args.dir, environ=dict(os.environ))
+        argv, env = build(args.cmd, nsys=args.nsys, nsys_ranges=ranges, run_dir=args.dir, environ=dict(os.environ))
     except (ValueError, FileNotFoundError) as e:
         print(f"stepwatch run: {e}", file=sys.stderr)
         return 2
