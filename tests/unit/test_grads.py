@@ -317,6 +317,26 @@ def test_spike_detector_absolute_relative_and_nonfinite():
         GradNormSpikeDetector(factor=1.0)
 
 
+def test_a_norm_high_all_along_is_said_so_and_triggers_no_capture():
+    """A fresh ResNet-18's norm is 45-62 every step, a WGAN-GP critic's ~13: above the absolute
+    threshold (10, reference B.7) at each one. Each step's finding said "spike" and asked for a
+    capture of the next steps, which are like the ones before. Once the rolling median is known
+    and the norm is not a jump from it, the finding says the norm is high all along
+    (``data.steady``), and it asks for no capture; a jump still does."""
+    from stepwatch.capture.triggers import triggers_capture
+    from stepwatch.metrics.grads import GradNormSpikeDetector
+
+    d = GradNormSpikeDetector(abs_threshold=10.0, factor=5.0, window=20)
+    first = [d.observe_result(i, _res(50.0 + i % 7)) for i in range(10)]
+    assert all(f.kind == "grad_norm_spike" and not f.data["steady"] for f in first)  # no median yet
+    assert all(triggers_capture(f) for f in first)
+    f = d.observe_result(10, _res(52.0))
+    assert f.data["steady"] and "high all along" in f.summary and "rolling median 52" in f.summary, f.summary
+    assert not triggers_capture(f)
+    f = d.observe_result(11, _res(400.0))  # a jump from ~52: a spike
+    assert not f.data["steady"] and "above 10" in f.summary and triggers_capture(f), f.summary
+
+
 def test_collector_hands_over_a_steps_probes_including_skipped():
     """The shape the session uses: pre-hook feeds the collector, take() at step end, resolve off-thread."""
     from stepwatch.metrics.grads import GradNormCollector

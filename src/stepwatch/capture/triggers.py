@@ -32,6 +32,8 @@ def triggers_capture(f: Finding) -> bool:
     steps after it are normal ones."""
     if f.kind not in TRIGGER_KINDS or f.data.get("cause") == "collective_wait":
         return False
+    if f.kind == "grad_norm_spike" and f.data.get("steady"):
+        return False  # a norm high all along: the next steps are like the ones before
     episode = f.data.get("episode")
     return not (isinstance(episode, dict) and episode.get("final"))
 

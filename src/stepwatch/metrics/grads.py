@@ -1399,10 +1399,18 @@ class GradNormSpikeDetector:
         # finding, and the findings file said one step.
         from ..analysis.kinds import make_finding
 
-        why = f"above {self.abs_threshold:g}" if over_abs else f"{norm / median:.1f}x the rolling median {median:.3g}"
+        # Above the absolute threshold with its rolling median known and no jump from it: high all
+        # along (a fresh ResNet's 50, a WGAN-GP critic's 13), not a spike to capture the steps after.
+        steady = over_abs and not over_rel and median is not None
+        if steady:
+            why = f"above {self.abs_threshold:g}, and high all along: rolling median {median:.3g}"
+        elif over_abs:
+            why = f"above {self.abs_threshold:g}"
+        else:
+            why = f"{norm / median:.1f}x the rolling median {median:.3g}"
         data = {"grad_norm": norm, "median": median, "abs_threshold": self.abs_threshold, "factor": self.factor,
                 # how bad, for the rate limit (analysis/ratelimit.py)
-                "magnitude": norm / median if median else None}
+                "magnitude": norm / median if median else None, "steady": steady}
         clipped = self.clipping() if self.clipping is not None else None
         if clipped is not None:
             data["clip_max"] = clipped[1]
