@@ -304,4 +304,7 @@ def test_a_slow_save_is_found_with_gpu_telemetry_on_or_off(sw, gpu_telemetry):
     assert rec.checkpoint_bytes >= 100_000_000 and rec.checkpoint_gbps < 2.0, rec
     (f,) = [f for f in mem.findings if f.kind == "slow_checkpoint"]
     assert f.summary.startswith("saves wrote 0."), f.summary
-    assert "(< 2 GB/s: storage degraded)" in f.summary
+    # A save's speed is the serializer's too: the disk is not named as the cause, and the summary
+    # says how to tell (it said "storage degraded" of a healthy disk under torch.save's own 0.7 GB/s).
+    assert "the storage may be degraded" in f.summary and "doctor --storage" in f.summary, f.summary
+    assert "storage degraded)" not in f.summary, f.summary

@@ -19,6 +19,9 @@ CHECKPOINT_GBPS_DEGRADED = 2.0
 # stepwatch: the share of run time is judged once this much run time is behind it (a save of the
 # initial weights at step 0, or in a run of seconds, is most of the run so far and says nothing).
 CHECKPOINT_SHARE_MIN_RUN_S = 60.0
+# The summary says "may be": a save's speed is the serializer's too (torch.save writes one zip
+# entry at a time with its CRC, 0.5-1.1 GB/s on a disk that takes 1.3-1.6 GB/s of raw writes),
+# so below 2 GB/s the disk is not known to be the slow part.
 # stepwatch: a save smaller than this says nothing about storage bandwidth (its time is open,
 # pickling and metadata latency; a 2 KB save "writes" 0.00 GB/s): only larger saves are judged.
 CHECKPOINT_MIN_BYTES = 100_000_000
@@ -89,7 +92,8 @@ class CheckpointWatch:
                              f"{self.run_s:.1f} s; 2-8% is normal)")
             if gbps is not None:
                 parts.append(f"saves wrote {gbps:.2f} GB/s"
-                             + (" (< 2 GB/s: storage degraded)" if slow_write else ""))
+                             + (" (< 2 GB/s: the storage may be degraded (B.9), or the save itself is slow: "
+                                "`stepwatch doctor --storage DIR` measures the disk alone)" if slow_write else ""))
             if not long_share:  # the share is judged only after a minute of run: what it is so far
                 parts.append(f"{self.ck_s:.1f} s of checkpointing in {saves} so far")
             rank = r.rank if self.rank is None else self.rank
