@@ -10,6 +10,11 @@ RUN = "STEPWATCH_RUN"
 RUN_MODE = "STEPWATCH_RUN_MODE"
 # The pid of the process the shim started stepwatch in: its children are not ranks.
 RUN_ACTIVE = "STEPWATCH_RUN_ACTIVE"
+# Where ``stepwatch run``'s own package is (the folder that holds ``stepwatch``): the shim appends it
+# to ``sys.path`` only where the job's Python cannot import stepwatch itself. On PYTHONPATH it came
+# before the standard library and the job's site-packages: a job run with another venv's Python
+# imported that folder's packages (torch included, for an installed stepwatch) instead of its own.
+PKG_PATH = "STEPWATCH_RUN_PKG_PATH"
 # ``stepwatch run --nsys``: captures open cudaProfilerStart/Stop ranges.
 NSYS = "STEPWATCH_NSYS"
 # In the watchdog sidecar process: never instrument it.

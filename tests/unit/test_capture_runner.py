@@ -48,6 +48,31 @@ def test_nsys_wraps_the_command_or_says_it_is_missing(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "r" / "nsys").st_mode) == 0o700
 
 
+@pytest.mark.skipif(not os.path.isfile("/usr/bin/python3"), reason="needs a second Python (the distribution's)")
+def test_another_pythons_job_imports_its_own_packages_first(tmp_path):
+    """``stepwatch run`` put its own package's folder on PYTHONPATH: for an installed stepwatch,
+    its venv's whole site-packages, ahead of the standard library and the job's own packages, so
+    a job run with another Python (another venv's) imported that venv's packages (torch
+    included). Now that folder goes last on ``sys.path``, and only where the job's Python cannot
+    import stepwatch itself. The distribution's Python here has neither stepwatch nor torch."""
+    import json
+    import subprocess
+
+    code = "import json, sys; print(json.dumps(sys.path))"
+    out = subprocess.run([sys.executable, "-m", "stepwatch", "run", "--dir", str(tmp_path / "run"), "--",
+                          "/usr/bin/python3", "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.returncode == 0, out.stderr
+    path = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runner.PKG_PARENT in path, (runner.PKG_PARENT, path)
+    import re
+
+    stdlib = next(i for i, p in enumerate(path) if re.search(r"/lib/python3\.\d+$", p))
+    assert path.index(runner.PKG_PARENT) == len(path) - 1 > stdlib, path
+    # it found stepwatch there (and then no torch in that Python: said, and the job ran on)
+    assert "No module named 'torch'" in out.stderr, out.stderr
+
+
 def test_nsys_ranges_without_nsys_is_a_clear_error(capsys):
     """``--nsys-ranges 3`` without ``--nsys`` ran the job as if it had not been given."""
     assert main(["run", "--nsys-ranges", "3", "--", sys.executable, "-c", "raise SystemExit(7)"]) == 2

@@ -84,7 +84,8 @@ def build(cmd: list[str], *, nsys: bool, nsys_ranges: int, run_dir: str | None, 
     if not cmd:
         raise ValueError("no command given; usage: stepwatch run [--nsys] -- CMD ...")
     env = dict(environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SHIM, PKG_PARENT, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SHIM, env.get("PYTHONPATH", "")) if p)
+    env[_env.PKG_PATH] = PKG_PARENT
     env[_env.RUN] = "1"
     env[_env.RUN_MODE] = "ranks" if _is_torchrun(cmd) else "top"
     env.pop(_env.RUN_ACTIVE, None)

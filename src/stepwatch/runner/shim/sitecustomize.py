@@ -50,6 +50,17 @@ def _enable() -> "bool | str":
     return not _is_launcher()
 
 
+def _find_package() -> None:
+    """Where the job's Python cannot import stepwatch (another venv's Python), the folder of
+    ``stepwatch run``'s own package goes last on ``sys.path``: after the standard library and the
+    job's own packages, which it never shadows (STEPWATCH_RUN_PKG_PATH, see _env.py)."""
+    import importlib.util
+
+    where = os.environ.get("STEPWATCH_RUN_PKG_PATH")
+    if where and importlib.util.find_spec("stepwatch") is None and where not in sys.path:
+        sys.path.append(where)
+
+
 def _chain() -> None:
     """Run the sitecustomize this one shadows (a distribution's, a virtualenv's)."""
     import importlib.machinery
@@ -68,6 +79,7 @@ _how = _enable()
 if _how:
     os.environ["STEPWATCH_RUN_ACTIVE"] = str(os.getpid())
     try:
+        _find_package()
         if _how == "at first optimizer":
             # as ``import stepwatch.auto`` does in a spawned child (stepwatch._api): a rank makes
             # its process group (rank, world size) in its target, before its optimizer
