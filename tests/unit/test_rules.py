@@ -153,6 +153,10 @@ def test_an_output_that_cannot_be_written_is_one_line_naming_it(tmp_path, capsys
     assert "Traceback" not in err
     (tmp_path / "f").write_text("")
     assert main([cmd, "-o", str(tmp_path / "f" / "x.yml")]) == 1
+    # below a file: said so ("File exists" named no file)
+    assert f"{str(tmp_path / 'f')!r} is a file, not a folder" in capsys.readouterr().err
+    assert main([cmd, "-o", str(tmp_path / "f" / "deeper" / "x.yml")]) == 1
+    assert f"{str(tmp_path / 'f')!r} is a file, not a folder" in capsys.readouterr().err
     if cmd == "rules":
         assert main([cmd, "-o", str(tmp_path / "r.yml"), "--tests", str(tmp_path)]) == 1
         assert "--tests FILE" in capsys.readouterr().err

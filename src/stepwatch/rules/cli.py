@@ -44,7 +44,14 @@ def _write(path: str, text: str, cmd: str, option: str) -> bool:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     except OSError as e:
-        print(f"stepwatch {cmd}: error: cannot write {path!r} ({e.strerror or e}); choose another file with "
+        why = e.strerror or str(e)
+        if isinstance(e, (FileExistsError, NotADirectoryError)):  # "File exists" named no file
+            up = os.path.dirname(os.path.abspath(path))
+            while up and not os.path.lexists(up) and up != os.path.dirname(up):
+                up = os.path.dirname(up)
+            if os.path.lexists(up) and not os.path.isdir(up):
+                why = f"{up!r} is a file, not a folder"
+        print(f"stepwatch {cmd}: error: cannot write {path!r} ({why}); choose another file with "
               f"{option}", file=sys.stderr)
         return False
     return True
