@@ -32,8 +32,9 @@ def register(subparsers) -> None:
 def default_html_path(run_dir: str, other: str | None) -> str:
     if other is None:
         return os.path.join(run_dir, "report.html")
-    # A comparison must not overwrite the run's own report.
-    name = os.path.basename(os.path.normpath(other)) or "other"
+    # A comparison must not overwrite the run's own report. The directory's own name, not the
+    # path as typed: `--compare .` wrote "compare-..html".
+    name = os.path.basename(os.path.realpath(other)) or "other"
     return os.path.join(run_dir, f"compare-{name}.html")
 
 

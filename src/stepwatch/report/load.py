@@ -14,11 +14,12 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
-from .._files import job_dir
+from .._files import READ_MAX_BYTES, job_dir
 from ..record import Finding
 from .columns import RankColumns
 from .ingest import RankBuilder, _is_num, add_step
@@ -94,12 +95,70 @@ def _parse_finding(d: Any, file_rank: int) -> Finding | None:
     return Finding(**kw)
 
 
+class _Skipped(Exception):
+    """A file named like one the report reads that is no regular file; ``str()``: the note."""
+
+
+# What the report reads must be a regular file: a FIFO named like a records file blocked the
+# report forever in open(), and a link to /dev/zero was read until memory ran out. A link to a
+# regular file is read like that file: a run directory gathered from the nodes' disks with links
+# (or kept by a data tool that stores files as links) is the user's own doing, and the report
+# writes nothing through it; where the link points must still be a regular file.
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+
+
+def _refuse(path: str, mode: int) -> _Skipped:
+    kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a file")
+    link = ", through a link" if os.path.islink(path) else ""
+    return _Skipped(f"{os.path.basename(path)}: not a regular file ({kind}{link}): skipped")
+
+
+def _open_regular(path: str) -> int:
+    """A read-only fd of ``path``, which must be a regular file (``_Skipped`` otherwise, and for
+    a link to nothing: a node's disk not mounted where the link points)."""
+    try:
+        st = os.stat(path)  # before the open: opening a device can act (a tape rewinds, a line hangs up)
+    except FileNotFoundError:
+        if not os.path.islink(path):
+            raise
+        raise _Skipped(f"{os.path.basename(path)}: a link to {os.readlink(path)!r}, which does not exist: "
+                       "skipped") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(path, st.st_mode)
+    # O_NONBLOCK: a FIFO put there after the stat does not block the open; fstat then refuses it.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _refuse(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# The longest line taken as one, in characters. A step record is a few hundred bytes, one with
+# thousands of logged scalars a few hundred KB. A longer "line" is no record (the NULs a crash
+# leaves where the file system had not written the blocks yet, a file that is not JSON Lines):
+# it is skipped in pieces of this size, never held whole (read whole, it took twice its size).
+LINE_MAX_CHARS = 16 << 20
+
+
 def _read_jsonl(path: str, take: Callable[[Any], bool]) -> int:
-    """Hand each line's JSON to ``take``, one line at a time; returns the lines it refused."""
+    """Hand each line's JSON to ``take``, one line at a time; returns the lines it refused.
+    ``_Skipped`` when ``path`` is no regular file."""
     bad = 0
     # errors="replace": a torn multi-byte character at a crash must not lose the whole file.
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+    with open(_open_regular(path), encoding="utf-8", errors="replace") as f:
+        readline = f.readline
+        while line := readline(LINE_MAX_CHARS):
+            if len(line) == LINE_MAX_CHARS and line[-1] != "\n":
+                while (more := readline(LINE_MAX_CHARS)) and more[-1] != "\n":
+                    pass
+                bad += 1
+                continue
             if not line.strip():
                 continue
             try:
@@ -137,37 +196,77 @@ def _safe_listdir(path: str) -> list[str]:
         return []
 
 
-def _read_json(path: str) -> dict[str, Any] | None:
+def _read_json(path: str, notes: list[str] | None = None) -> dict[str, Any] | None:
+    """A JSON object file of the run directory (a manifest: a few KB), at most ``READ_MAX_BYTES``
+    of it; None when it is anything else. A file that is no regular file adds its note to ``notes``."""
     try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
+        with os.fdopen(_open_regular(path), "rb") as f:
+            data = f.read(READ_MAX_BYTES + 1)
+        obj = json.loads(data) if len(data) <= READ_MAX_BYTES else None
+    except _Skipped as e:
+        if notes is not None:
+            notes.append(str(e))
+        return None
     except (OSError, ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
 
 
-# The manifest's fields and their types (_manifest.py writes them); a field of another type is
-# dropped with a note instead of breaking the report.
+# The numbers the report shows or computes with, where the writer's values lie. A value outside
+# is none the writer wrote (a hand edit, a corrupt file; "start_time": 1e20 crashed time.gmtime)
+# and is dropped with a note, like a value of the wrong type.
+TIME_MAX = 253402300799  # 9999-12-31 23:59:59 UTC: the last second a four-digit year writes
+COUNT_MAX = 2**63 - 1  # beyond any counter of a real job
+
+
+def is_time(v: Any) -> bool:
+    """A wall-clock time (seconds since 1970) that ``time.gmtime`` and a date can show."""
+    return type(v) in (int, float) and 0 < v <= TIME_MAX  # NaN compares False, inf is past TIME_MAX
+
+
+def is_count(v: Any, lo: int = 0, hi: int = COUNT_MAX) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+# The manifest's fields: their types, and for a number the range it must lie in (_manifest.py
+# writes them); a field of another type or out of range is dropped with a note instead of
+# breaking the report.
 _NUM, _TIME = (int, float), (int, float, type(None))
-_MANIFEST_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "schema_version": ((int,), "an integer"), "run_id": ((str,), "a string"), "argv": ((list,), "a list"),
-    "versions": ((dict,), "an object"), "world_size": ((int,), "an integer"), "hosts": ((list,), "a list"),
-    "attempt": ((int,), "an integer"), "start_time": (_TIME, "a number or null"),
-    "end_time": (_TIME, "a number or null"), "config": ((dict,), "an object"),
-    "features": ((dict,), "an object"), "exporters": ((list,), "a list"), "steps": ((int,), "an integer"),
-    "dropped_records": ((int,), "an integer"), "internal_errors": ((dict,), "an object"),
+_COUNT = (is_count, "a count (0 or more)")
+_AT = (is_time, "a time (seconds since 1970, before the year 10000)")
+_MANIFEST_TYPES: dict[str, tuple[tuple[type, ...], str, tuple[Callable[[Any], bool], str] | None]] = {
+    "schema_version": ((int,), "an integer", _COUNT), "run_id": ((str,), "a string", None),
+    "argv": ((list,), "a list", None), "versions": ((dict,), "an object", None),
+    # torch's ranks are 32-bit
+    "world_size": ((int,), "an integer", (lambda v: is_count(v, 1, 2**31), "a world size (1 .. 2**31)")),
+    "hosts": ((list,), "a list", None), "attempt": ((int,), "an integer", _COUNT),
+    "start_time": (_TIME, "a number or null", _AT), "end_time": (_TIME, "a number or null", _AT),
+    "config": ((dict,), "an object", None),
+    "features": ((dict,), "an object", None), "exporters": ((list,), "a list", None),
+    "steps": ((int,), "an integer", _COUNT), "dropped_records": ((int,), "an integer", _COUNT),
+    "exporter_drops": ((dict,), "an object", None), "internal_errors": ((dict,), "an object", None),
 }
 _JSON_NAMES = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
                type(None): "null", bool: "true/false"}
 
 
+def _shown(v: Any) -> str:
+    """A number out of range as a note shows it: short (a 400-digit integer would fill the table)."""
+    if type(v) is int and not -10**15 < v < 10**15:
+        return f"an integer of {len(str(abs(v)))} digits"
+    return f"{v:.6g}" if type(v) is float else str(v)
+
+
 def _check_manifest(name: str, obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """Drop each field of the wrong type, with a note: the report goes on with the rest."""
+    """Drop each field of the wrong type or out of range, with a note: the report goes on with the rest."""
     clean, notes = {}, []
     for k, v in obj.items():
         want = _MANIFEST_TYPES.get(k)
         if want is not None and (isinstance(v, bool) or not isinstance(v, want[0])):
             notes.append(f"{name}: {k!r} is {_JSON_NAMES.get(type(v), type(v).__name__)}, not {want[1]}: ignored")
+            continue
+        if want is not None and want[2] is not None and v is not None and not want[2][0](v):
+            notes.append(f"{name}: {k!r} is {_shown(v)}, not {want[2][1]}: ignored")
             continue
         clean[k] = v
     return clean, notes
@@ -181,9 +280,10 @@ def _read_manifest(path: str, names: list[str]) -> tuple[dict | None, str | None
     if not found:
         return None, None, None
     name = found[0][1]
-    obj = _read_json(os.path.join(path, name))
+    skipped: list[str] = []
+    obj = _read_json(os.path.join(path, name), skipped)
     if obj is None:
-        return None, name, f"{name} is unreadable or not a JSON object"
+        return None, name, skipped[0] if skipped else f"{name} is unreadable or not a JSON object"
     return obj, name, None
 
 
@@ -193,11 +293,11 @@ def _first_launch(path: str, names: list[str]) -> tuple[int, float | None]:
     if len(found) < 2:
         return len(found) or 1, None
     start = (_read_json(os.path.join(path, found[0][1])) or {}).get("start_time")
-    ok = isinstance(start, (int, float)) and not isinstance(start, bool) and math.isfinite(start) and start > 0
-    return len(found), float(start) if ok else None
+    return len(found), float(start) if is_time(start) else None
 
 
-def _read_rank_info(path: str, names: list[str]) -> tuple[dict[int, dict[str, Any]], list[tuple[int, int, str | None]]]:
+def _read_rank_info(path: str, names: list[str], notes: list[str]
+                    ) -> tuple[dict[int, dict[str, Any]], list[tuple[int, int, str | None]]]:
     """Each rank's info from its latest launch's file (the highest K), and the ranks of every
     launch that did not end with a shutdown (``Run.rank_ends``; files from before the twenty-ninth
     session carry no end and are not counted)."""
@@ -205,10 +305,11 @@ def _read_rank_info(path: str, names: list[str]) -> tuple[dict[int, dict[str, An
     out: dict[int, dict[str, Any]] = {}
     ends: list[tuple[int, int, str | None]] = []
     for k, rank, n in found:
-        if obj := _read_json(os.path.join(path, n)):
+        if obj := _read_json(os.path.join(path, n), notes):
             out[rank] = obj
             if "end_time" in obj and (obj.get("end_time") is None or obj.get("ended_by") not in ("shutdown", None)):
-                attempt = obj.get("attempt") if isinstance(obj.get("attempt"), int) else k
+                # the file name's K where the attempt is no count (an attempt of 40 digits filled the table)
+                attempt = obj.get("attempt") if is_count(obj.get("attempt"), hi=2**31) else k
                 how = obj.get("ended_by") if obj.get("end_time") is not None else None
                 ends.append((attempt, rank, str(how) if how is not None else None))
     return out, sorted(ends)
@@ -241,13 +342,14 @@ def load_run(path: str) -> Run:
         manifest, notes = _check_manifest(manifest_name or "run.json", manifest)
     run = Run(path=path, manifest=manifest, columns={}, findings=[], manifest_error=manifest_error,
               manifest_name=manifest_name, notes=notes)
-    run.rank_info, run.rank_ends = _read_rank_info(path, names)
+    run.rank_info, run.rank_ends = _read_rank_info(path, names, run.notes)
     run.launches, run.first_start = _first_launch(path, names)
     # (rank, launch K) -> [first time, last time, first step, has a rotated segment]
     spans: dict[tuple[int, int], list[Any]] = {}
     attempts: dict[int, set[int]] = {}
     # A line's "rank" decides its rank, not the file name it is in: one builder per rank seen.
     builders: dict[int, RankBuilder] = {}
+    skipped: list[str] = []
     for name, m in matched:
         kind, rank, attempt = m.group(1), int(m.group(2)), int(m.group(3) or 0)
         fpath = os.path.join(path, name)
@@ -259,6 +361,9 @@ def load_run(path: str) -> Run:
             take = partial(_take_finding, run.findings, file_rank=rank)
         try:
             bad = _read_jsonl(fpath, take)
+        except _Skipped as e:
+            skipped.append(str(e))
+            continue
         except OSError as e:
             raise ReportError(f"cannot read {fpath!r}: {e.strerror}") from None
         run.files.append(name)
@@ -269,6 +374,9 @@ def load_run(path: str) -> Run:
             # an attempt with steps: an empty steps file is a process that trained nothing (the
             # launcher of spawned trainers), no restart (its end, if any, is in rank_ends)
             attempts.setdefault(rank, set()).add(attempt)
+    if len(skipped) == len(matched):
+        raise ReportError(f"run directory {path!r} has no readable record files: " + "; ".join(skipped))
+    run.notes.extend(skipped)
     _add_watchdog_findings(run, path, names)
     # Each rank's segments and attempts merged, ordered by time (finish sorts).
     run.columns = {r: b.finish() for r, b in builders.items()}
@@ -292,6 +400,9 @@ def _add_watchdog_findings(run: Run, path: str, names: list[str]) -> None:
         found: list[Finding] = []
         try:
             bad = _read_jsonl(os.path.join(path, name), partial(_take_finding, found, file_rank=int(m.group(1))))
+        except _Skipped as e:
+            run.notes.append(str(e))
+            continue
         except OSError:
             continue  # the sidecar's file is extra: the report stands without it
         run.files.append(name)
@@ -315,7 +426,7 @@ def _take_step(builders: dict[int, RankBuilder], span: list[Any], d: Any, file_r
 def _note_rotation_and_launches(run: Run, spans: dict[tuple[int, int], list[Any]]) -> None:
     cfg = (run.manifest or {}).get("config")
     offset = cfg.get("step_offset") if isinstance(cfg, dict) else None
-    offset = offset if isinstance(offset, int) and not isinstance(offset, bool) else 0
+    offset = offset if is_count(offset) else 0
     for (rank, k), (_, _, first, rotated) in sorted(spans.items()):
         # The writer keeps one rotated segment (<name>.1): a rank that rotated twice lost its
         # oldest steps. Known for the first launch, which starts at the configured step offset.

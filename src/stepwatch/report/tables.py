@@ -7,6 +7,7 @@ from typing import Any
 
 from .._table import Table
 from . import fmt
+from .load import is_count, is_time
 from .summary import (
     COMPARE_NOISE_PP, COMPARE_NOISE_REL, PHASE_LABELS, PHASES, STANDOUT_SPREAD, CompareRow, Summary,
 )
@@ -42,14 +43,14 @@ def run_info(s: Summary) -> Table:
             if isinstance(feats.get("timing_clock"), str):
                 rows.append(["phase clock", feats["timing_clock"]])
         start, end = m.get("start_time"), m.get("end_time")
-        if _is_time(start):
+        if is_time(start):
             first = run.first_start
             if first is not None and first < start:  # a relaunch: the figures cover every launch
                 rows.append(["started", f"{_utc(first)} (the first of {run.launches} launches; the last started "
                                         f"{_utc(start)})"])
             else:
                 rows.append(["started", _utc(start)])
-        if _is_time(end):
+        if is_time(end):
             how = m.get("ended_by")
             stopped = isinstance(how, str) and how and how != "shutdown"
             rows.append(["ended", _utc(end) + (f" ({how}: stopped, not finished)" if stopped else "")])
@@ -84,10 +85,12 @@ def run_info(s: Summary) -> Table:
     if isinstance(m.get("dropped_records"), int) and m["dropped_records"] > 0:
         t.notes.append(f"{m['dropped_records']} record(s) dropped on rank 0 while the job ran "
                        "(the queue to the background thread was full).")
+    t.notes.extend(_exporter_drops(m, several_ranks=len(run.ranks) > 1 or is_count(world, 2)))
     errs = m.get("internal_errors")
     if isinstance(errs, dict) and errs:
         t.notes.append("stepwatch parts that failed and disabled themselves: "
-                       + ", ".join(f"{k} ({v})" for k, v in sorted(errs.items())))
+                       + ", ".join(f"{_cut(k)} ({v if is_count(v) else fmt.UNKNOWN})"
+                                   for k, v in sorted(errs.items())))
     t.notes.extend(run.notes)
     if run.bad_lines:
         files = ", ".join(f"{n} ({c})" for n, c in sorted(run.bad_lines_by_file.items()))
@@ -95,12 +98,51 @@ def run_info(s: Summary) -> Table:
     return t
 
 
-def _is_time(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+def _exporter_drops(m: dict[str, Any], *, several_ranks: bool) -> list[str]:
+    """run.json's ``exporter_drops`` (rank 0's: only rank 0 writes run.json) as notes. What the
+    records exporter lost is missing from everything below, so it comes first and says so: a disk
+    that filled up left "steps 145" of a 1500-step run, and not a word of the rest. What other
+    exporters lost is missing from their destinations only."""
+    drops = m.get("exporter_drops")
+    if not isinstance(drops, dict):
+        return []
+    lost = {name: {kind: n for kind, n in d.items() if is_count(n, 1)} for name, d in drops.items()
+            if isinstance(d, dict)}
+    own = lost.pop("records", {})
+    notes, said, so = [], [], []
+    if n := own.get("records"):
+        steps = m.get("steps")
+        of = f" of its {steps}" if is_count(steps, n) else ""
+        said.append(f"{n}{of} step record{'s are' if n > 1 else ' is'} not in its steps file")
+        so.append("the figures below leave those steps out")
+    if n := own.get("findings"):
+        said.append(f"{n} finding{'s are' if n > 1 else ' is'} not in its findings file")
+        so.append("the Findings table leaves those out")
+    if said:
+        others = " (only rank 0's are counted: the other ranks' losses are not in run.json)" if several_ranks else ""
+        notes.append(f"rank 0: {' and '.join(said)}: the records file could not write them (the disk was full or "
+                     "over quota, a line was longer than a segment of the rank's share of "
+                     "STEPWATCH_DISK_BUDGET_MB, or the file was deleted while the job ran; run.json "
+                     f"exporter_drops), so {' and '.join(so)}{others}.")
+    theirs = "; ".join(f"{_cut(name)} " + ", ".join(f"{n} {_cut(kind)}" for kind, n in d.items())
+                       for name, d in sorted(lost.items()) if d)
+    if theirs:
+        notes.append(f"Other exporters lost on rank 0: {theirs} (their queue was full, they could not start, or "
+                     "shutdown's time ran out; run.json exporter_drops). Missing from those exporters' "
+                     "destinations only: this report reads the records file.")
+    return notes
+
+
+def _cut(name: str, most: int = SCALAR_LABEL_CHARS) -> str:
+    """A name from run.json as a note shows it: at most ``most`` characters."""
+    return name if len(name) <= most else name[: most - 1] + "…"
 
 
 def _utc(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+    except (OverflowError, OSError, ValueError):  # load.py drops such times; a last guard all the same
+        return fmt.UNKNOWN
 
 
 def _mfu_basis(s: Summary) -> str:

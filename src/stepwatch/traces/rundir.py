@@ -30,9 +30,12 @@ MAX_STEPS = 100
 
 
 def _read(path: str) -> Any:
+    """A JSON file of the run dir, or None: never through a link, never from a FIFO (one named like
+    a capture's analysis blocked ``stepwatch report`` forever), at most ``READ_MAX_BYTES``."""
+    from .._files import read_json_private
+
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return read_json_private(path)
     except (OSError, ValueError):
         return None
 
