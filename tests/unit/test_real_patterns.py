@@ -1837,6 +1837,32 @@ def test_an_adversarial_evaluation_with_input_gradients_is_evaluation(sw):
     assert [r.samples for r in recs] == [8] * 8, [r.samples for r in recs]
 
 
+def test_a_model_trained_in_eval_mode_keeps_its_backward_after_its_validation(sw):
+    """Fine-tuned in eval mode (dropout and batch-norm updates off), validated under
+    ``torch.no_grad()``: the validation's calls judge its span evaluation; the next step's fetch
+    ends it, and that step's forward, in eval mode with grad, is no part of it. With a backward
+    inside an open span being the span's (an FGSM evaluation's input gradients), the judged
+    span took the next step's backward too (backward_s 0, eval_s the step): a training fetch
+    between makes the span be judged again."""
+    stepwatch, mem, start = sw
+    start()
+    m = _model().eval()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+
+    def validate(val):
+        with torch.no_grad():
+            for x, _ in val:
+                m(x)
+
+    _train_with_validation(m, opt, DataLoader(_SlowSamples(8, 1), batch_size=4), validate)
+    stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert len(recs) == 8
+    _all_identity(recs)
+    assert all(r.backward_s > 0 for r in recs), [(r.step, r.backward_s, r.eval_s) for r in recs]
+    assert recs[4].eval_s >= 0.008 * 0.9, recs[4]  # the validation's 8 samples of 1 ms
+
+
 @pytest.mark.parametrize("iterations", [2, 6])
 def test_an_adversarial_training_step_in_eval_mode_is_the_steps_work(sw, iterations):
     """TRADES: each step first searches its adversarial batch with the model in eval mode (input

@@ -344,6 +344,10 @@ error:
 /* phases.py's _open_eval: an eval span is open (from t0, borrowed, if none was), and the fetch
  * right before it is the span's, as for a forward. The span goes on: no training fetch ended it. */
 static int open_eval(Core *self, PyObject *t0) {
+    {
+        LL(self, _eval_end, eend); /* a training fetch had ended it: judged again */
+        if (eend) put_obj(&self->_eval_judged, Py_False);
+    }
     PUT_LL(self, _eval_end, 0);
     TRUTH(self, _eval_open, open);
     if (!open) {

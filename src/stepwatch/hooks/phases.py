@@ -137,7 +137,12 @@ class _PyCore:
 
     def _open_eval(self, t0: int) -> None:
         """An eval span is open (from ``t0``, if none was), and the fetch right before it is the
-        span's, as for a forward. The span goes on: no training fetch has ended it."""
+        span's, as for a forward. The span goes on: no training fetch has ended it. One that had
+        ended it (an evaluation's next batch, fetched with grad; the next step's, of a model
+        trained in eval mode) is judged again (``eval_span_is_evaluation``): the next step's
+        backward was the judged span's."""
+        if self._eval_end:
+            self._eval_judged = False
         self._eval_end = 0
         if not self._eval_open:
             self._eval_open = True
