@@ -227,7 +227,14 @@ def test_a_dump_timeout_that_is_no_time_is_refused_naming_the_option(capsys, val
 
 _AS_NOBODY = r'''
 import contextlib, io, os, sys
-from stepwatch.cli import main  # imported as root: nobody may not read the sources
+from stepwatch.cli import main
+# Everything the command imports, imported as root first: nobody may not read the sources (a
+# fresh clone in a 0700 temporary folder), and stepwatch imports its commands' modules lazily.
+with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+    try:
+        main([sys.argv[1], "/nonexistent-run-dir", *sys.argv[3:]])
+    except SystemExit:
+        pass
 err = io.StringIO()
 os.setgroups([]); os.setegid(65534); os.seteuid(65534)
 with contextlib.redirect_stderr(err):
