@@ -63,7 +63,7 @@ import weakref
 from typing import Any, Callable
 
 from .._imports import ImportWatch
-from .phases import FETCH_END, FETCH_NO_GRAD, IN_STEP_NO_GRAD_CALLS, Collector, StepTracker
+from .phases import FETCH_END, FETCH_NO_GRAD, Collector, StepTracker
 from .replay import is_replay_module
 
 _get_ident = threading.get_ident
