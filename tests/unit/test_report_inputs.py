@@ -287,3 +287,42 @@ def test_compare_with_dot_names_the_page_after_the_directory(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path / "base")
     assert cli(["report", ".", "--compare", "../tuned/."]) == 0
     assert (tmp_path / "base" / "compare-tuned.html").is_file()
+
+
+_REPORT_AS_NOBODY = r'''
+import contextlib, io, os, sys
+from stepwatch.cli import main
+# The report's modules imported as root first: nobody may not read the sources (a fresh clone
+# in a 0700 temporary folder), and stepwatch imports its commands' modules lazily.
+with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+    main(["report", "/nonexistent-run-dir", "--no-html"])
+err = io.StringIO()
+os.setgroups([]); os.setgid(65534); os.setuid(65534)  # real ids too: the report asks os.getuid()
+with contextlib.redirect_stderr(err):
+    rc = main(["report", sys.argv[1], "--no-html"])
+sys.stdout.write(f"{rc}\n{err.getvalue()}")
+'''
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="switches to another user (needs root)")
+def test_a_shared_run_dir_another_user_wrote_into_says_whose_it_is():
+    """A shared run dir (1777) that another user's job wrote into its private-<uid>/ (0700):
+    ``stepwatch report`` said it had no record files, and no more. It names the folder and says
+    to run the report as that user. The job's user here is root, the reader ``nobody``."""
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="sw-shared-", dir="/tmp"))
+    try:
+        top.chmod(0o1777)
+        mine = top / "private-0"
+        make_run(mine, ranks=1, n=5)
+        mine.chmod(0o700)
+        out = subprocess.run([sys.executable, "-c", _REPORT_AS_NOBODY, str(top)], capture_output=True, text=True,
+                             timeout=120, cwd="/", env=ENV)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    rc, _, err = out.stdout.partition("\n")
+    assert rc == "2" and "Traceback" not in err + out.stderr, (out.stdout, out.stderr)
+    assert "has no steps.rank<R>.jsonl" in err and "private-0/ holds another user's run" in err, err
+    assert "run the report as that user" in err, err

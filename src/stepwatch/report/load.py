@@ -186,7 +186,17 @@ def _hint_for(path: str, names: list[str]) -> str:
     if subs:
         shown = ", ".join(subs[:5]) + (", ..." if len(subs) > 5 else "")
         return f"; it holds run directories ({shown}): pass one of them"
+    # A shared run dir that another user's job wrote into (its private-<uid>/, 0700: _files.py).
+    mine = f"private-{os.getuid()}"
+    theirs = sorted(n for n in names if _PRIVATE_RE.fullmatch(n) and n != mine and os.path.isdir(os.path.join(path, n)))
+    if theirs:
+        shown = ", ".join(f"{n}/" for n in theirs[:5]) + (", ..." if len(theirs) > 5 else "")
+        whose = "another user's run" if len(theirs) == 1 else "other users' runs"
+        return f"; {shown} hold{'s' if len(theirs) == 1 else ''} {whose} (private-<uid>): run the report as that user"
     return ""
+
+
+_PRIVATE_RE = re.compile(r"private-\d+")
 
 
 def _safe_listdir(path: str) -> list[str]:
