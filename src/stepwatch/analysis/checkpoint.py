@@ -16,12 +16,12 @@ from .kinds import make_finding
 # "> 10 GB/s healthy; < 2 GB/s -> storage degraded".
 CHECKPOINT_SHARE_MAX = 0.08
 CHECKPOINT_GBPS_DEGRADED = 2.0
-# stepwatch: the share of run time is judged once this much run time is behind it (a save of the
-# initial weights at step 0, or in a run of seconds, is most of the run so far and says nothing).
-CHECKPOINT_SHARE_MIN_RUN_S = 60.0
 # The summary says "may be": a save's speed is the serializer's too (torch.save writes one zip
 # entry at a time with its CRC, 0.5-1.1 GB/s on a disk that takes 1.3-1.6 GB/s of raw writes),
 # so below 2 GB/s the disk is not known to be the slow part.
+# stepwatch: the share of run time is judged once this much run time is behind it (a save of the
+# initial weights at step 0, or in a run of seconds, is most of the run so far and says nothing).
+CHECKPOINT_SHARE_MIN_RUN_S = 60.0
 # stepwatch: a save smaller than this says nothing about storage bandwidth (its time is open,
 # pickling and metadata latency; a 2 KB save "writes" 0.00 GB/s): only larger saves are judged.
 CHECKPOINT_MIN_BYTES = 100_000_000

@@ -1502,7 +1502,7 @@ static int observe_forward(PyObject *inst, PyObject *mod, PyObject *args, PyObje
 /* install.py's CHECKPOINT_CALLER_DEPTH (a test compares them). */
 #define CHECKPOINT_CALLER_DEPTH 4
 
-/* install.py's _called_from(inst._ckpt_code, the frame above this call): a reentrant
+/* install.py's called_from(inst._ckpt_code, the frame above this call): a reentrant
  * checkpoint's forward called the root (without grad). 1, 0, or -1 with the exception. */
 static int ckpt_caller(PyObject *inst) {
     PyObject *code = PyObject_GetAttr(inst, s_ckpt_code);

@@ -1235,7 +1235,7 @@ class _PyRootCallCore:
                 grad = not tr._eval_open
             else:
                 no_grad = not self.grad_enabled()
-                if no_grad and inst._ckpt_code is not None and _called_from(inst._ckpt_code, sys._getframe(1)):
+                if no_grad and inst._ckpt_code is not None and called_from(inst._ckpt_code, sys._getframe(1)):
                     inst._checkpointed_forward(mod, args, kwargs)  # the step's forward, run without grad
                     no_grad = False
                 grad = not no_grad and getattr(mod, "training", True) is not False
@@ -1260,9 +1260,9 @@ class _PyRootCallCore:
 CHECKPOINT_CALLER_DEPTH = 4
 
 
-def _called_from(code: Any, frame: Any) -> bool:
-    """``code`` runs in ``frame`` or in one of the ``CHECKPOINT_CALLER_DEPTH`` frames above it."""
-    for _ in range(CHECKPOINT_CALLER_DEPTH + 1):
+def called_from(code: Any, frame: Any, depth: int = CHECKPOINT_CALLER_DEPTH) -> bool:
+    """``code`` runs in ``frame`` or in one of the ``depth`` frames above it."""
+    for _ in range(depth + 1):
         if frame is None:
             return False
         if frame.f_code is code:

@@ -58,13 +58,14 @@ from typing import Any, Callable, Mapping
 from .flops import CallSig, FlopCache, FlopCount, FlopCountError, count_step_flops, resolve_override
 from ..cuda_ext import copy_to_host, event_done
 from .peaks import matmul_dtype_key
+from ..hooks.install import called_from
 from ..hooks.phases import Collector, untracked
 from ..hooks.replay import REPLAY
 
 # Signatures whose non-reentrant recompute is counted on fakes (``_early_stop_part``).
 _MAX_RECOMPUTE_COUNTS = 64
-# Frames above a recompute observer searched for a reentrant checkpoint's backward.
-_RECOMPUTE_CALLER_DEPTH = 8
+# Frames above a recompute observer's caller searched for a reentrant checkpoint's backward.
+_RECOMPUTE_CALLER_DEPTH = 7
 
 
 def _reentrant_recompute(frame: Any) -> bool:
@@ -73,13 +74,7 @@ def _reentrant_recompute(frame: Any) -> bool:
     import torch.utils.checkpoint as ckpt
 
     code = getattr(getattr(getattr(ckpt, "CheckpointFunction", None), "backward", None), "__code__", None)
-    for _ in range(_RECOMPUTE_CALLER_DEPTH):
-        if frame is None or code is None:
-            return False
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    return code is not None and called_from(code, frame, _RECOMPUTE_CALLER_DEPTH)
 
 
 def _checkpointed(module: Any) -> Any:
