@@ -291,16 +291,38 @@ def test_capture_on_a_finished_run_says_so_at_once(tmp_path, capsys):
     assert _requests_left(run) == []
 
 
-def test_capture_stops_waiting_when_every_rank_is_gone(tmp_path, capsys):
-    # Captures off: the live job never takes the request, so the command waits -- until the rank dies.
+def _wait_for_manifests(proc, run):
+    end = time.monotonic() + 120
+    while time.monotonic() < end and not ((run / "rank0.json").exists() and (run / "run.json").exists()):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.3)
+
+
+def test_capture_of_a_run_with_captures_off_says_so_at_once(tmp_path, capsys):
+    # The job runs with captures off: no rank would ever take the request. The command waited its
+    # whole --timeout (300 s by default), then asked whether captures were on; run.json says so now.
     proc, run = _start(tmp_path, 100_000, STEPWATCH_CAPTURE="off")
+    try:
+        _wait_for_manifests(proc, run)
+        rc, took, err = _capture(run, capsys)
+        assert proc.poll() is None  # the job still runs
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+    assert rc == 2 and took < 5, (rc, took, err)
+    assert f"captures are off in the run in {run}" in err and "STEPWATCH_CAPTURE=on" in err, err
+    assert _requests_left(run) == []
+
+
+def test_capture_stops_waiting_when_every_rank_is_gone(tmp_path, capsys):
+    # A stopped job (SIGSTOP: a debugger, a job-control stop) never takes the request, so the
+    # command waits -- until the rank dies.
+    proc, run = _start(tmp_path, 100_000)
     result = {}
     try:
-        end = time.monotonic() + 120
-        while time.monotonic() < end and not ((run / "rank0.json").exists() and (run / "run.json").exists()):
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            time.sleep(0.3)
+        _wait_for_manifests(proc, run)
         pid = json.loads((run / "rank0.json").read_text())["pid"]
+        os.kill(pid, signal.SIGSTOP)
         waiter = threading.Thread(target=lambda: result.update(zip(("rc", "took", "err"), _capture(run, capsys, "60"))))
         waiter.start()
         time.sleep(2.0)

@@ -126,7 +126,8 @@ def run_capture(args: argparse.Namespace) -> int:
     elif not os.path.isfile(os.path.join(run_dir, "run.json")):
         err = f"RUN_DIR {args.run_dir!r} is not a stepwatch run directory (no run.json)"
     else:
-        err = rundir.run_ended(run_dir)  # a finished job takes no request: say so now, not after --timeout
+        # a finished job, or one with captures off, takes no request: say so now, not after --timeout
+        err = rundir.run_ended(run_dir) or rundir.captures_off(run_dir)
     if err:
         print(f"stepwatch capture: error: {err}", file=sys.stderr)
         return 2

@@ -180,6 +180,34 @@ def run_ended(run_dir: str) -> str | None:
     return None
 
 
+def captures_off(run_dir: str) -> str | None:
+    """Why no running job in ``run_dir`` can take a request for a capture, or None when one may.
+
+    Every run manifest not yet ended (``run.json``, ``run.<K>.json``; rank 0 takes the requests)
+    says under ``features.capture.captures`` whether its captures are on; a job with them off
+    would leave the request lying until ``--timeout``. A manifest without ``features`` (another
+    version's) may take it."""
+    try:
+        names = sorted(n for n in os.listdir(run_dir) if _RUN_RE.match(n))
+    except OSError:
+        return None
+    live = []
+    for n in names:
+        m = _read(os.path.join(run_dir, n))
+        if not isinstance(m, dict) or not isinstance(m.get("features"), dict):
+            return None
+        if m.get("end_time") is None:
+            live.append(n)
+            cap = m["features"].get("capture")
+            caps = cap.get("captures") if isinstance(cap, dict) else None
+            if isinstance(caps, dict) and caps.get("enabled", True):
+                return None  # this job takes requests
+    if not live:
+        return None
+    return (f"captures are off in the run in {run_dir} ({', '.join(live)}: no features.capture.captures): start "
+            "the job with STEPWATCH_CAPTURE=on (or under `stepwatch run`) to take captures")
+
+
 def analyses_pending(run_dir: str, capture: int) -> bool:
     """Whether a rank wrote its trace of ``capture`` and its analysis is not there yet (the
     analysis process goes on after its job ends)."""
