@@ -199,6 +199,8 @@ class Session:
                 continue
             if feat is not None:
                 self.features_started.append(feat)
+                if isinstance(feat, Exporter):  # a sink whose library's exit hook may come after init's
+                    feat.exit_first = self._exit_first
 
     def _stop_features(self) -> None:
         for f in self.features_started:

@@ -466,6 +466,26 @@ def test_a_sweep_in_one_process_logs_each_runs_steps_into_it(sw, wandb_offline, 
     assert manifest["features"]["wandb"] == {"run_seen": True, "off": False}
 
 
+def test_a_with_block_run_gets_every_step_trained_in_it(sw, wandb_offline, tmp_path):
+    """``with wandb.init(): train()`` (W&B's recommended form): the block's exit finishes the run
+    through ``Run._finish``, not ``Run.finish``, so the wait for the run's last steps never ran
+    and the steps still in stepwatch's queue (a pass every 0.25 s) were dropped."""
+    wandb = wandb_offline
+    stepwatch, mem, start = sw
+    s = start(flush_interval_s=0.25)
+    with wandb.init(project="stepwatch-test", mode="offline") as run:
+        _train_plain(10)
+        run_dir = os.path.dirname(run.dir)
+    _train_plain(2)  # the script goes on after the run
+    stepwatch.shutdown()
+    (f,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
+    ours = sorted(r["stepwatch/step"] for r in _finished_rows(f) if "stepwatch/step_s" in r)
+    assert ours == list(range(10)), ours
+    manifest = json.loads(open(os.path.join(s.ctx.run_dir, "run.json")).read())
+    # the two steps after the block had no run: counted, as before
+    assert manifest["exporter_drops"].get("wandb", {}).get("points", 0) == 2, manifest["exporter_drops"]
+
+
 def test_wandb_steps_after_the_run_finished_with_no_new_run_are_counted(sw, wandb_offline, tmp_path):
     """A sweep that finishes its W&B run and trains on (or ends) with no run: the records that
     came after were thrown away uncounted (``exporter_drops`` was empty while W&B lacked them)."""
@@ -696,18 +716,23 @@ train(int(sys.argv[2]))  # before the W&B run: its records are not the run's
 run = wandb.init(project="p", mode="offline")
 print(run.dir, flush=True)
 train(30)
-# no wandb.finish(): W&B finishes the run itself at exit, as most scripts let it
+if sys.argv[4:] == ["thread"]:  # finished on another thread (a helper of the script's): nothing waits
+    import threading
+    t = threading.Thread(target=run.finish)
+    t.start()
+    t.join()
+# else no wandb.finish(): W&B finishes the run itself at exit, as most scripts let it
 """
 
 
-def _wandb_exit_run(tmp_path, before, flush_interval_s):
+def _wandb_exit_run(tmp_path, before, flush_interval_s, *more):
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPWATCH_", "WANDB_"))}
     env.update(PYTHONPATH=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "src"),
                WANDB_DIR=str(tmp_path), WANDB_SILENT="true", WANDB_MODE="offline")
     r = subprocess.run([sys.executable, "-c", WANDB_EXIT_SCRIPT, str(tmp_path / "run"), str(before),
-                        str(flush_interval_s)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                        str(flush_interval_s), *more], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     files = glob.glob(os.path.join(os.path.dirname(r.stdout.strip().splitlines()[-1]), "run-*.wandb"))
     assert len(files) == 1, files
@@ -737,11 +762,20 @@ def test_wandb_run_finished_by_wandb_at_exit_gets_every_step(tmp_path):
     assert steps == list(range(30)) and manifest["exporter_drops"] == {}, (steps, manifest["exporter_drops"])
 
 
-def test_wandb_run_that_wandb_finished_first_drops_the_rest_quietly(tmp_path, monkeypatch):
-    """The exporter never saw the run before the exit (a pass a minute, the run started after the
-    only pass): W&B's hook has finished the run when stepwatch's last records come. They are
-    dropped and counted, with one info line: no internal error, no finding."""
-    err, manifest, found, steps = _wandb_exit_run(tmp_path, before=3, flush_interval_s=60)
+def test_a_short_job_without_wandb_finish_gets_every_step_into_its_run(tmp_path):
+    """No pass before the exit (a pass a minute; a short job ends before its first): the session's
+    exit shutdown was put ahead of W&B's exit hook only when a pass first logged into the run, so
+    W&B's hook finished the run first and every step was dropped. The run probe sees the run at
+    the first step end on the training thread, and the shutdown goes ahead of W&B's hook then."""
+    _, manifest, _, steps = _wandb_exit_run(tmp_path, before=3, flush_interval_s=60)
+    assert steps == list(range(3, 33)) and manifest["exporter_drops"] == {}, (steps, manifest["exporter_drops"])
+
+
+def test_wandb_run_that_was_finished_elsewhere_first_drops_the_rest_quietly(tmp_path, monkeypatch):
+    """The run was finished on another thread (nothing waits there) before any pass logged into
+    it (a pass a minute): stepwatch's records for it come after. They are dropped and counted,
+    with one info line: no internal error, no finding."""
+    err, manifest, found, steps = _wandb_exit_run(tmp_path, 3, 60, "thread")
     assert "cannot go on" not in err, err
     assert manifest["internal_errors"] == {}, manifest
     assert not [f for f in found if f["kind"] == "internal_error"], found

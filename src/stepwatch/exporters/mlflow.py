@@ -18,7 +18,6 @@ mlflow is never imported here unless the script imported it.
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .._imports import ImportWatch
 from .base import Batch
 from .tracking import (PREFIX, FindingGate, RowLimiter, RunProbe, TrackingExporter, finding_text, follow_runs,
-                       record_scalars, stop_following)
+                       record_scalars, settling, stop_following)
 
 if TYPE_CHECKING:
     from .._feature import Hub
@@ -181,7 +180,7 @@ class MlflowExporter(TrackingExporter):
             orig = getattr(fluent, name, None)
             if orig is None or getattr(orig, "__stepwatch_wrapped__", None) is not None:
                 continue
-            ours = _settling(orig, probe, hub)
+            ours = settling(orig, probe, hub)
             self._wrapped.append((fluent, name, orig, ours))
             setattr(fluent, name, ours)
             if mlflow is not None and getattr(mlflow, name, None) is orig:
@@ -193,20 +192,6 @@ class MlflowExporter(TrackingExporter):
 
     def status(self) -> dict[str, Any]:
         return {"run_seen": self.probe.run_at(None) is not None, "off": self.off}
-
-
-def _settling(orig: Callable[..., Any], probe: RunProbe, hub: "Hub") -> Callable[..., Any]:
-    @functools.wraps(orig)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            if hub.on_training_thread():
-                probe.settle(hub.step if hub.step_pending else hub.step - 1)
-        except Exception:  # noqa: BLE001 - never in the way of the user's call
-            pass
-        return orig(*args, **kwargs)
-
-    call.__stepwatch_wrapped__ = orig  # type: ignore[attr-defined]
-    return call
 
 
 def install(hub: "Hub") -> MlflowExporter | None:

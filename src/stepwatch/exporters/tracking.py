@@ -7,6 +7,7 @@ Pure Python: importing this module imports none of the tracking libraries.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -176,13 +177,16 @@ class RunProbe:
     LookupError while the library is not imported; ``describe(id)`` is what is kept of a run
     (the id itself without it), asked only when the id changes. ``changes`` holds ``(step, run)``
     each time the id changes, so that each record goes to the run that was active when its step
-    ended; ``seen`` says it has looked at least once."""
+    ended; ``seen`` says it has looked at least once. ``on_run(run)``, when given, is called
+    (training thread) at a step end that finds a run other than the one before."""
 
-    __slots__ = ("look", "describe", "changes", "_key", "_ended_through")  # _key: an id, None, or _CHANGING
+    __slots__ = ("look", "describe", "on_run", "changes", "_key", "_ended_through")  # _key: an id, None, or _CHANGING
 
-    def __init__(self, look: Callable[[], Any], describe: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, look: Callable[[], Any], describe: Callable[[Any], Any] | None = None,
+                 on_run: Callable[[Any], None] | None = None) -> None:
         self.look = look
         self.describe = describe
+        self.on_run = on_run
         # Bounded: a record older than the oldest change kept goes to the oldest run kept.
         self.changes: deque[tuple[int, Any]] = deque(maxlen=64)
         self._key: Any = None
@@ -218,16 +222,23 @@ class RunProbe:
             return
         try:
             key = self.look()
-            if key != self._key or not self.changes:
-                current = self._describe(key)
-                self._key = key
-                self.changes.append((step, current))
+            if key == self._key and self.changes:
+                return
+            current = self._describe(key)
+            self._key = key
+            self.changes.append((step, current))
         except LookupError:  # the library is not imported
             return
         except Exception:  # a library that misbehaves: no run as far as stepwatch can tell
             if self._key is not None or not self.changes:
                 self._key = None
                 self.changes.append((step, None))
+            return
+        if current is not None and self.on_run is not None:
+            try:
+                self.on_run(current)
+            except Exception:  # noqa: BLE001 - a step end is never in its way
+                pass
 
     def _describe(self, key: Any) -> Any:
         return key if self.describe is None or key is None else self.describe(key)
@@ -259,6 +270,25 @@ def follow_runs(hub: Any, e: Any, library: str, wrap: Callable[[Any], None]) -> 
         watch()
     else:
         e.watch = ImportWatch([library], watch).start()
+
+
+def settling(orig: Callable[..., Any], probe: RunProbe, hub: Any) -> Callable[..., Any]:
+    """``orig`` (a library's call that changes the active run: ``mlflow.start_run``/``end_run``,
+    ``wandb.init``) that first tells ``probe`` the steps trained so far were the run active until
+    now (``RunProbe.settle``: up to the step whose end is pending, else the last one made).
+    Another thread's call says nothing: its steps are not known there."""
+
+    @functools.wraps(orig)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            if hub.on_training_thread():
+                probe.settle(hub.step if hub.step_pending else hub.step - 1)
+        except Exception:  # noqa: BLE001 - never in the way of the user's call
+            pass
+        return orig(*args, **kwargs)
+
+    call.__stepwatch_wrapped__ = orig  # type: ignore[attr-defined]
+    return call
 
 
 def stop_following(e: Any) -> None:

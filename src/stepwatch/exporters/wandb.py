@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .._imports import ImportWatch
 from .base import Batch
 from .tracking import (PREFIX, STEP_KEY, FindingGate, RowLimiter, RunProbe, TrackingExporter, follow_runs, log,
-                       record_scalars, stop_following)
+                       record_scalars, settling, stop_following)
 
 if TYPE_CHECKING:
     from .._feature import Hub
@@ -96,7 +96,7 @@ class WandbExporter(TrackingExporter):
         # The run W&B finished before stepwatch was done with it: the rest for it is dropped.
         self._ended: Any = None
         self._between_runs_said = False
-        self.probe = RunProbe(_active_wandb_run)
+        self.probe = RunProbe(_active_wandb_run, on_run=self._exit_ahead)
         self._through = -(2**62)  # the last step this sink has handled (logged, sampled out, dropped)
         self._wrapped: list[tuple[Any, str, Any, Any]] = []  # (class, name, W&B's method, ours)
         self.watch: ImportWatch | None = None
@@ -114,7 +114,13 @@ class WandbExporter(TrackingExporter):
         self._findings.clear()
         self._table_dirty = False
         self._run = run
-        if self.exit_first is not None:  # after wandb.init's exit hook: runs before it
+        self._exit_ahead(run)
+
+    def _exit_ahead(self, run: Any) -> None:
+        """The session's exit shutdown registered again, after the exit hook W&B registered at
+        ``wandb.init``: it runs first. When the probe first sees ``run`` at a step end (training
+        thread: a short job may end before any pass logs into it), and when a pass adopts it."""
+        if self.exit_first is not None:
             atexit.unregister(self.exit_first)
             atexit.register(self.exit_first)
 
@@ -258,11 +264,14 @@ class WandbExporter(TrackingExporter):
             time.sleep(0.01)
 
     def wrap_finish(self, hub: "Hub") -> None:
-        """``wandb.sdk.wandb_run.Run.finish`` (``wandb.finish()``, ``run.finish()``, a ``with
-        wandb.init()`` block's exit, the sweep agent's end of a run) calls :meth:`before_finish`
-        first. Another thread's call says nothing: its steps are not known there."""
+        """``wandb.sdk.wandb_run.Run._finish`` (what ``wandb.finish()``, ``run.finish()``, a
+        ``with wandb.init()`` block's exit -- which bypasses ``finish`` -- and the sweep agent's
+        end of a run all call; ``Run.finish`` in a W&B without it) calls :meth:`before_finish`
+        first, and ``wandb.init`` settles the probe (``tracking.settling``). Another thread's
+        call says nothing: its steps are not known there."""
         cls = getattr(sys.modules.get("wandb.sdk.wandb_run"), "Run", None)
-        orig = getattr(cls, "finish", None)
+        name = "_finish" if callable(getattr(cls, "_finish", None)) else "finish"
+        orig = getattr(cls, name, None)
         if orig is None or getattr(orig, "__stepwatch_wrapped__", None) is not None:
             return
 
@@ -276,8 +285,16 @@ class WandbExporter(TrackingExporter):
             return orig(run, *args, **kwargs)
 
         finish.__stepwatch_wrapped__ = orig  # type: ignore[attr-defined]
-        self._wrapped.append((cls, "finish", orig, finish))
-        setattr(cls, "finish", finish)
+        self._wrapped.append((cls, name, orig, finish))
+        setattr(cls, name, finish)
+        # ``wandb.init``: the step whose end is pending was trained before the run (its record,
+        # made at the next step's start, went into the run).
+        wandb = sys.modules.get("wandb")
+        init = getattr(wandb, "init", None)
+        if callable(init) and getattr(init, "__stepwatch_wrapped__", None) is None:
+            ours = settling(init, self.probe, hub)
+            self._wrapped.append((wandb, "init", init, ours))
+            wandb.init = ours
 
     def stop(self) -> None:
         stop_following(self)  # force_flush/shutdown come with the other exporters
