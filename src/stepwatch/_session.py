@@ -62,6 +62,9 @@ def _features_wanted(cfg: Config) -> list[tuple[str, bool, str]]:
         # MLflow and W&B sinks: their probes of the active run sit on the training thread.
         ("mlflow", cfg.mlflow, "stepwatch.exporters.mlflow"),
         ("wandb", cfg.wandb, "stepwatch.exporters.wandb"),
+        # TensorBoard into the user's own SummaryWriter: its close is wrapped at init.
+        ("tensorboard", cfg.tensorboard is not None and not isinstance(cfg.tensorboard, str),
+         "stepwatch.exporters.tensorboard"),
     ]
 
 

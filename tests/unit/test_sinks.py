@@ -193,6 +193,29 @@ def test_tensorboard_writes_into_the_users_summary_writer_and_leaves_it_open(sw,
     assert len(loss) == 4
 
 
+def test_closing_your_summary_writer_first_keeps_every_step_in_it(sw, tmp_path):
+    """``writer.close()`` at the script's end, before stepwatch's shutdown (the usual order): the
+    steps stepwatch had not written yet (a pass every second here) were lost, and the closed
+    writer turned the sink off as an internal error. The close now first makes the pending
+    step's record and waits until stepwatch has written the steps into the writer; what comes
+    after the close (steps trained after it) is counted as dropped, not an error."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    stepwatch, mem, start = sw
+    writer = SummaryWriter(log_dir=str(tmp_path / "mine"))
+    s = start(tensorboard=writer, flush_interval_s=1.0)
+    _train_plain(10)
+    writer.close()
+    _train_plain(3)  # after the writer is closed: nowhere to go
+    stepwatch.shutdown()
+    _, step_s = _scalars(str(tmp_path / "mine"), "stepwatch/step_s")
+    assert [st for st, _ in step_s] == list(range(10)), step_s
+    manifest = json.loads(open(os.path.join(s.ctx.run_dir, "run.json")).read())
+    assert manifest["internal_errors"] == {}, manifest
+    assert manifest["exporter_drops"].get("tensorboard", {}).get("points") == 3, manifest["exporter_drops"]
+    assert not [f for f in mem.findings if f.kind == "internal_error"]
+
+
 def test_tensorboard_bad_argument_names_it(sw, tmp_path, monkeypatch):
     stepwatch, _, start = sw
     with pytest.raises(stepwatch.ConfigError, match="tensorboard=.*directory path or a SummaryWriter"):

@@ -134,10 +134,11 @@ def _tracking_sinks(config: "Config", ctx: "RunContext") -> list[ExporterSpec]:
     """TensorBoard when asked for; W&B unless turned off, inert until the script has a run of its
     own (docs/sinks.md). Neither library is imported here."""
     out: list[ExporterSpec] = []
-    if config.tensorboard is not None:
+    if isinstance(config.tensorboard, str):
         out.append(ExporterSpec("tensorboard", functools.partial(_tensorboard, config, ctx)))
-    # W&B's and MLflow's exporters are started with the session's features (_session.py): their
-    # probes of the active run must be on the training thread from the first step.
+    # W&B's and MLflow's exporters, and TensorBoard's into a writer of the user's, are started with
+    # the session's features (_session.py): their probes of the active run, and the writer's
+    # wrapped close, must be on the training thread from the first step.
     return out
 
 
