@@ -910,6 +910,62 @@ def test_rank_0_takes_this_hangs_snapshot_from_a_rank_that_counted_one_more_epis
     assert "ended_at" in _snapshot_file(first) and "ended_at" not in _snapshot_file(second)
 
 
+def test_exit_leaves_a_rank_running_while_rank_0_works_alone(tmp_path, monkeypatch):
+    """``if rank == 0: evaluate(); dist.barrier()`` under STEPWATCH_HANG_ACTION=exit, the evaluation
+    longer than the hang timeout: rank 1 stalls in the barrier and its sidecar waited for rank 0's
+    report, then ended rank 1 anyway -- torchrun then stopped a healthy job. Rank 0 made progress
+    all along and reported no hang. Now rank 1 is left running while rank 0's sidecar shows its
+    progress since rank 1 stalled (``watchdog.rank0.json`` touched); once rank 0 reports a hang
+    that began after rank 1's stall, rank 1 is ended."""
+    import threading
+
+    from stepwatch.hooks.phases import PHASE_OTHER
+    from stepwatch.watchdog import sidecar as wd
+
+    monkeypatch.setattr(wd, "POLL_S", 0.02)
+    monkeypatch.setattr(wd, "GATHER_S", 0.2)
+    monkeypatch.setattr(wd, "REPORT_EXTRA_S", 0.3)
+    monkeypatch.setattr(wd, "ALIVE_EVERY_S", 0.05)
+    job = subprocess.Popen(["sleep", "60"])  # rank 1's trainer, stalled in the barrier
+    job0 = subprocess.Popen(["sleep", "60"])  # rank 0's, evaluating
+    b1 = progress.Board(str(tmp_path / "board1"), rank=1)
+    b1.set_step(1)
+    b1.set_phase(PHASE_BACKWARD)
+    b0 = progress.Board(str(tmp_path / "board0"), rank=0)
+    b0.set_step(1)
+    w0 = _hang_sidecar(tmp_path, 0, job0.pid, action="exit", board=b0.path)
+    w0.a.timeout = 30.0  # rank 0 works: no hang of its own
+    w1 = _hang_sidecar(tmp_path, 1, job.pid, action="exit", board=b1.path)
+    s0 = threading.Thread(target=w0.run, daemon=True)
+    s1 = threading.Thread(target=w1.run, daemon=True)
+    s0.start()
+    s1.start()
+    phases = iter([PHASE_OTHER, PHASE_BACKWARD] * 10_000)
+    try:
+        snap1 = os.path.join(w1.hang_dir(1), "progress.rank1.json")
+        _until(lambda: _snapshot_file(snap1).get("complete"), "rank 1's stall was not dumped",
+               tick=lambda: b0.set_phase(next(phases)))  # rank 0's evaluation goes on
+        end = time.monotonic() + 2.0  # well past GATHER_S + REPORT_EXTRA_S
+        while time.monotonic() < end:
+            b0.set_phase(next(phases))
+            time.sleep(0.02)
+        assert job.poll() is None, "rank 1 was ended while rank 0 worked"
+        assert not os.path.exists(os.path.join(w0.hang_dir(1), "report.json"))
+        # Rank 0 now hangs too, and reports: rank 1 is ended.
+        w0_snap = progress.Reader(b0.path).read()
+        w0.on_hang(1, w0_snap, 0.4, 0.3)
+        _until(lambda: job.poll() is not None, "rank 1 was not ended after rank 0's report")
+    finally:
+        b0.close()
+        b1.close()
+        for j in (job, job0):
+            if j.poll() is None:
+                j.kill()
+            j.wait()
+        s0.join(timeout=20)
+        s1.join(timeout=20)
+
+
 def test_a_rank_whose_only_stall_ended_is_missing_from_the_report_not_taken(tmp_path, monkeypatch):
     """Rank 1 stalled past the timeout and resumed; rank 0 hangs later and rank 1's snapshot of
     this hang never comes (its host is unreachable, its sidecar is late): rank 1 is missing, not

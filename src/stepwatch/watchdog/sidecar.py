@@ -53,6 +53,11 @@ POLL_S = 0.25
 CHECKPOINT_RECHECK_S = 5.0
 # Rank 0 waits this long for the other ranks' snapshots before it writes the report anyway.
 GATHER_S = 20.0
+# How long past GATHER_S a non-zero rank waits for rank 0's report under STEPWATCH_HANG_ACTION=exit.
+REPORT_EXTRA_S = 10.0
+# Rank 0's sidecar touches its watchdog.rank0.json at most this often while its trainer makes
+# progress: a non-zero rank that stalled sees rank 0 working alone (a rank-0-only evaluation).
+ALIVE_EVERY_S = 5.0
 # Episodes are counted per rank: one that stalled alone before (waiting for a slow peer) counts
 # more than rank 0. Rank 0 looks for their snapshots in the store up to this many episodes past
 # its own (the run dir is listed whole, but across hosts only the store is shared).
@@ -168,6 +173,10 @@ class Watchdog:
         self.board: progress.Reader | None = None
         self._open_episode: tuple[int, str, dict[str, Any]] | None = None  # (n, snapshot path, snapshot)
         self.checkpointing = False  # this rank's trainer, as last published
+        self._alive_at = 0  # monotonic ns rank 0's sidecar last showed its trainer's progress
+        # (stall start, this hang's report path): a non-zero rank left running under action=exit
+        # while rank 0 worked alone, ended once rank 0 reports a hang after that start.
+        self._awaiting: tuple[float, str] | None = None
         self._others_ckpt: tuple[float, bool] | None = None  # (monotonic s when asked, answer)
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -302,6 +311,14 @@ class Watchdog:
                 if self.in_hang:
                     self.end_episode(snap)
                 self.in_hang = False
+                self._awaiting = None
+                if self.rank == 0 and now - self._alive_at >= ALIVE_EVERY_S * 1e9:
+                    self._alive_at = now
+                    self.show_alive()
+            elif self._awaiting is not None and self.reported_since(*self._awaiting):
+                self._awaiting = None  # rank 0 reports a hang that holds this rank's stall
+                if not _term:
+                    self.end_trainer()
             if snap["dump_req"] != self.dump_seen:
                 self.dump_seen = snap["dump_req"]
                 self.on_request(snap["dump_req"])
@@ -411,25 +428,85 @@ class Watchdog:
         self._open_episode = (n, snap_path, mine)
         if self.rank == 0:
             self.report(n, mine, limit)
-        elif self.a.action == "exit" and not self.wait_for_report(os.path.join(d, "report.json"), snap):
-            return  # not a hang after all: back to watching
+        elif self.a.action == "exit" and not self.wait_for_report(os.path.join(d, "report.json"), snap, mine):
+            return  # not a hang after all, or not yet rank 0's: back to watching
         # Not when the trainer told us to stop meanwhile (it shut down, or is being stopped): it
         # may be gone already, and its pid another process's.
         if self.a.action == "exit" and not _term:
             self.end_trainer()
 
-    def wait_for_report(self, report: str, snap: dict[str, Any]) -> bool:
+    def wait_for_report(self, report: str, snap: dict[str, Any], mine: dict[str, Any]) -> bool:
         """Ending this rank makes torchrun stop the others: rank 0 must have its report first. The
         board is watched meanwhile: when progress resumes, this rank only stalled (waiting for a
         slow peer), and False says to leave the trainer running and watch on; a later hang is
-        this rank's next episode, with a snapshot of its own for rank 0 to find."""
-        end = time.monotonic() + GATHER_S + 10
-        while not os.path.exists(report) and time.monotonic() < end and _alive(self.pid):
+        this rank's next episode, with a snapshot of its own for rank 0 to find.
+
+        No report by the deadline while rank 0 shows progress since this rank stalled: rank 0
+        works alone (``if rank == 0: evaluate()`` before a barrier), this rank only waits for it.
+        False then too, and the trainer is ended only once rank 0 reports a hang (``_awaiting``,
+        checked at each poll). Where rank 0's progress cannot be seen (another host, no shared
+        run dir), the trainer is ended at the deadline, as always."""
+        since = mine["detected_at"] - mine["stalled_s"]  # wall time this rank's stall began
+        end = time.monotonic() + GATHER_S + REPORT_EXTRA_S
+        while not self.reported_since(since, report) and time.monotonic() < end and _alive(self.pid):
             cur = self.board.read() if self.board is not None else None
             if cur is not None and cur["last_progress_ns"] != snap["last_progress_ns"]:
                 return False
             time.sleep(POLL_S)
-        return True
+        if self.reported_since(since, report) or not _alive(self.pid):
+            return True
+        shown = self.rank0_shown()
+        if shown is None or shown <= since:
+            return True
+        self._awaiting = (since, report)
+        log(f"watchdog rank {self.rank}: stalled {mine['stalled_s']:.0f} s, but rank 0 reports no hang and made progress "
+            f"{max(time.time() - shown, 0.0):.0f} s ago (rank 0 works alone: an evaluation or a save on rank 0 "
+            "only?): this rank is left running, and ended (STEPWATCH_HANG_ACTION=exit) once rank 0 reports a hang")
+        return False
+
+    def _alive_path(self) -> str:
+        return os.path.join(self.run_dir, "watchdog.rank0.json")
+
+    def show_alive(self) -> None:
+        """Rank 0: its trainer made progress just now (``watchdog.rank0.json``'s time). Never fatal."""
+        try:
+            os.utime(self._alive_path())
+        except OSError:
+            pass
+
+    def rank0_shown(self) -> float | None:
+        """When rank 0's sidecar last showed its trainer's progress (wall time), or None unseen."""
+        try:
+            return os.stat(self._alive_path()).st_mtime
+        except OSError:
+            return None
+
+    def reported_since(self, since: float, report: str) -> bool:
+        """Rank 0 has reported a hang written after ``since`` (wall time): this episode's
+        ``report.json``, or any of this attempt's (ranks number their episodes apart), or the
+        store's ``hang/<attempt>/report`` (another host's rank 0)."""
+        if os.path.exists(report):
+            return True
+        times = []
+        raw = self.store.try_get(f"hang/{self.a.attempt}/report") if self.a.world_size > 1 else None
+        if raw:
+            try:
+                times.append(float(json.loads(raw)["time"]))
+            except (ValueError, TypeError, KeyError):
+                pass
+        suffix = f".attempt{self.a.attempt}" if self.a.attempt else ""
+        try:
+            names = [n for n in os.listdir(self.run_dir)
+                     if n.startswith("hang-") and n.endswith(suffix) and (suffix or ".attempt" not in n)]
+        except OSError:
+            names = []
+        for n in names:
+            try:
+                rep = read_json_private(os.path.join(self.run_dir, n, "report.json"))
+                times.append(float(rep["time"]))
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+        return any(t >= since for t in times)
 
     def end_episode(self, snap: dict[str, Any]) -> None:
         """Progress resumed: the open episode's snapshot (file and store key) gets ``ended_at``, so
@@ -517,6 +594,8 @@ class Watchdog:
         rep = hang_mod.build_report(n, snaps, self.a.world_size, timeout_s=limit, detected_after_s=mine["stalled_s"],
                                     action=self.a.action, run_dir=self.run_dir, hang_dir=self.hang_dir(n))
         _write_json(os.path.join(self.hang_dir(n), "report.json"), rep)
+        if self.a.world_size > 1:  # the ranks of other hosts wait for it (wait_for_report)
+            self.store.set(f"hang/{self.a.attempt}/report", json.dumps({"hang": n, "time": rep["time"]}))
         log(rep["summary"])
         self.finding(rep)
 
