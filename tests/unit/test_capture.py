@@ -247,6 +247,22 @@ def test_every_rank_in_the_same_collective_is_a_device_or_network_hang():
     assert "no rank is behind" in text and "gloo: the network between the hosts" in text, text
 
 
+def test_a_missing_rank_is_no_proof_that_no_rank_is_behind():
+    """Every rank that sent a snapshot waits in the open collective, and one rank sent none (its
+    sidecar in another run directory, its host unreachable): "every rank entered ... suspect the
+    device or the network" accused the hardware, when the missing rank may never have entered it."""
+    snaps = {r: _snap(5, "backward", [_c(5, True), _c(6, False)]) for r in (0, 2)}
+    v = hang.verdict(snaps, 3)
+    assert v["verdict"] == "unknown" and v["laggards"] == [] and v["waiting"] == [0, 2], v
+    assert v["missing_ranks"] == [1]
+    text = hang.build_report(1, snaps, 3, timeout_s=60, detected_after_s=61, action="dump", run_dir="/r")["summary"]
+    assert "suspect the device" not in text, text
+    assert "Ranks 0, 2 wait in the allreduce" in text and "rank 1 sent no snapshot" in text, text
+    # By phases too: the ranks that sent one all wait in backward's AllReduce.
+    v = hang.verdict({0: _snap(7, "backward"), 1: _snap(7, "backward")}, 3)
+    assert v["verdict"] == "unknown" and v["missing_ranks"] == [2], v
+
+
 def test_laggard_from_phases_when_no_collective_was_published():
     snaps = {0: _snap(7, "backward"), 1: _snap(7, "forward"), 2: _snap(7, "backward")}
     v = hang.verdict(snaps, 4)

@@ -180,6 +180,9 @@ def verdict(snaps: dict[int, dict[str, Any]], world_size: int) -> dict[str, Any]
         return {"verdict": "unknown", "laggards": [], "waiting": [], "collective": None}
     v = _by_collectives(snaps) or _by_stacks(snaps) or _by_phases(snaps)
     v["missing_ranks"] = [r for r in range(world_size) if r not in snaps]
+    if v["verdict"] == "device_or_network" and v["missing_ranks"]:
+        # Every rank *that sent a snapshot* entered it: a missing one may not have.
+        v["verdict"] = "unknown"
     coll = v.get("collective")
     if coll is not None:
         site = None
@@ -298,6 +301,12 @@ def summary(report: dict[str, Any]) -> str:
         text = head + (f"Every rank entered the {where} and it does not complete: no rank is behind, so "
                        "suspect the device or the network (NCCL: a GPU, an NVLink or InfiniBand link, the transport; "
                        "gloo: the network between the hosts, or a host that stopped answering).")
+    elif waiting and report.get("missing_ranks"):
+        missing = report["missing_ranks"]
+        text = head + (f"{ranks_text(waiting).capitalize()} {'waits' if len(waiting) == 1 else 'wait'} in the "
+                       f"{where}; {ranks_text(missing)} sent no snapshot and may be the laggard (not entered "
+                       "it): look at that rank first (its process, its host, its log).")
+        return text + f" Stacks and report.json: {report.get('dir')}/"
     else:
         text = head + "The ranks' progress does not name a laggard; read the stacks."
     if report.get("missing_ranks"):
