@@ -29,7 +29,7 @@ from ._sigterm import FINISH_S, SigtermFinisher, _die
 from .analysis.checkpoint import CheckpointWatch
 from .analysis.detectors import DataLoadingDetector, UnseenForwardCheck
 from .config import Config
-from .context import RunContext, from_env, refresh_from_dist
+from .context import RunContext, from_env, is_lone_run_id, refresh_from_dist
 from .exporters.base import Exporter
 from .exporters.builtin import ExporterSpec, exporter_specs, otel_wanted, preload
 from .exporters.worker import describe_drops
@@ -410,7 +410,13 @@ class Session:
         records = self.pipeline.records_paths()
         if any(_size(p) for p in records):
             return
-        for path in [*records, *self.manifest.paths()]:
+        paths = [*records, *self.manifest.paths()]
+        for f in self.features_started:  # what a feature wrote for this process alone (its SIGUSR1 file)
+            try:
+                paths.extend(getattr(f, "leftovers", list)())
+            except Exception as e:
+                self.report_error(f"feature.{type(f).__name__}.leftovers", e)
+        for path in paths:
             try:
                 os.unlink(path)
             except OSError:
@@ -499,6 +505,14 @@ class Session:
             refresh_from_dist(self.ctx)
         except Exception as e:
             self.report_error("context", e)
+        if self.ctx.world_size > 1 and is_lone_run_id(self.ctx.run_id, self.pid) and self.config.run_id is None:
+            logger.warning(
+                "stepwatch: rank %d of %d chose its run id %r (a timestamp and its pid) before the process group "
+                "existed, and its launcher set no TORCHELASTIC_RUN_ID or MASTER_ADDR/MASTER_PORT: every rank writes "
+                "a run directory of its own (%s), and the straggler exchange, the hang verdict and captures do not "
+                "join the ranks. Fix: set STEPWATCH_RUN_ID (the same on every rank), or MASTER_ADDR/MASTER_PORT "
+                "with init_method=\"env://\", or call stepwatch.init() after init_process_group",
+                self.ctx.rank, self.ctx.world_size, self.ctx.run_id, self.ctx.run_dir)
         try:
             specs = exporter_specs(self.config, self.ctx)
         except Exception as e:

@@ -253,7 +253,10 @@ class Config:
         metadata=_opt(
             "STEPWATCH_RUN_ID",
             "Run id used in the default run directory. Default: torchrun's `TORCHELASTIC_RUN_ID`, "
-            "else derived from `MASTER_ADDR`/`MASTER_PORT`, else a timestamp and pid.",
+            "else derived from `MASTER_ADDR`/`MASTER_PORT`, else from the default store's address when "
+            "the process group exists as the session starts (`mp.spawn` ranks with "
+            "`init_method=\"tcp://...\"`), else a timestamp and pid (in a job of several ranks: one "
+            "warning, each rank then writes its own run directory: set this to the same value on every rank).",
             _opt_str,
         ),
     )

@@ -40,7 +40,8 @@ def resolve_run_id(env: Mapping[str, str], explicit: str | None = None) -> str:
 
     torchrun sets ``TORCHELASTIC_RUN_ID`` per launch (``--rdzv-id``; a fresh uuid under
     ``--standalone``). Its static-rendezvous default is the literal ``none``, which is no id. Then
-    the master address and port name the job (the same for every rank of a launch), and a lone
+    the master address and port name the job (the same for every rank of a launch), then the
+    default store of a process group that exists already (:func:`store_run_id`), and a lone
     process falls back to a timestamp and its pid.
     """
     if explicit:
@@ -57,7 +58,47 @@ def resolve_run_id(env: Mapping[str, str], explicit: str | None = None) -> str:
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if addr and port:
         return _safe(f"job-{addr}-{port}")
+    got = store_run_id()
+    if got is not None:
+        return got
+    return lone_run_id()
+
+
+def lone_run_id() -> str:
+    """A lone process's id: a timestamp and its pid (:func:`is_lone_run_id` knows it)."""
     return time.strftime("run-%Y%m%d-%H%M%S", time.localtime()) + f"-{os.getpid()}"
+
+
+def is_lone_run_id(run_id: str, pid: int) -> bool:
+    return run_id.startswith("run-") and run_id.endswith(f"-{pid}")
+
+
+def store_run_id() -> str | None:
+    """The id of a job whose process group exists already and whose launcher set no variable
+    (``torch.multiprocessing.spawn`` ranks with ``init_method="tcp://HOST:PORT"`` or
+    ``"file://PATH"``): its default store's address, the same on every rank. None without one
+    (torch is never imported here)."""
+    import sys
+    import zlib
+
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        for _ in range(8):  # PrefixStores around the real one
+            inner = getattr(store, "underlying_store", None)
+            if inner is None:
+                break
+            store = inner
+        host, port, path = getattr(store, "host", None), getattr(store, "port", None), getattr(store, "path", None)
+    except Exception:  # a torch without these: the lone process's id
+        return None
+    if host and port:
+        return _safe(f"job-{host}-{port}")
+    if isinstance(path, str) and path:
+        return f"job-file-{zlib.crc32(os.path.abspath(path).encode()):08x}"
+    return None
 
 
 def _safe(s: str) -> str:

@@ -263,3 +263,76 @@ def test_a_spawned_trainer_under_stepwatch_run_is_measured_and_a_pools_workers_a
     from stepwatch.report.load import load_run
 
     assert load_run(str(tmp_path / "run")).attempts == {0: [0]}
+
+
+TCP_SPAWN_SCRIPT = MP_SPAWN_SCRIPT.replace(
+    'dist.init_process_group("gloo", rank=rank, world_size=world)',
+    'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=rank, '
+    'world_size=world)').replace(
+    '    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])\n', '')
+
+
+def _tcp_spawn(tmp_path, *, under_run):
+    import socket
+
+    (tmp_path / "train.py").write_text(TCP_SPAWN_SCRIPT.replace("import stepwatch.auto", "pass") if under_run
+                                       else TCP_SPAWN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPWATCH_", "MASTER_", "TORCHELASTIC_"))}
+    env.update({"PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "STEPWATCH_CONSOLE": "off",
+                "PORT": str(port), "STEPWATCH_FLUSH_INTERVAL": "0.2"})
+    cmd = [sys.executable, "train.py"]
+    if under_run:
+        cmd = [sys.executable, "-m", "stepwatch", "run", "--", *cmd]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return port, r.stderr
+
+
+def test_ranks_spawned_with_a_tcp_init_method_share_one_run(tmp_path):
+    """``mp.spawn`` ranks that meet through ``init_method="tcp://HOST:PORT"``, with no
+    MASTER_ADDR/MASTER_PORT or TORCHELASTIC_RUN_ID: each rank took a lone process's run id (a
+    timestamp and its pid), so each wrote a run directory of its own (rank 1's without run.json),
+    and the straggler exchange, the hang verdict and captures, keyed by the run id, never joined
+    the ranks. A rank whose session starts after its process group exists takes the default
+    store's address as the job's id, the same on every rank."""
+    import json
+
+    port, err = _tcp_spawn(tmp_path, under_run=False)
+    assert os.listdir(tmp_path / "stepwatch-runs") == [f"job-127.0.0.1-{port}"], err[-3000:]
+    run = tmp_path / "stepwatch-runs" / f"job-127.0.0.1-{port}"
+    files = sorted(os.listdir(run))
+    assert [f for f in files if f.startswith(("run", "rank", "steps."))] == [
+        "rank0.json", "rank1.json", "run.json", "steps.rank0.jsonl", "steps.rank1.jsonl"], files
+    assert json.loads((run / "run.json").read_text())["world_size"] == 2
+    assert "before the process group existed" not in err
+
+
+def test_the_same_job_under_stepwatch_run_leaves_one_run_directory(tmp_path):
+    """Under ``stepwatch run`` the launcher's session (captures on) wrote its SIGUSR1 file into a
+    run directory of its own, which it left behind when it stood down for the ranks."""
+    port, err = _tcp_spawn(tmp_path, under_run=True)
+    assert os.listdir(tmp_path / "stepwatch-runs") == [f"job-127.0.0.1-{port}"], err[-3000:]
+
+
+def test_ranks_that_start_stepwatch_before_their_process_group_are_told_to_set_a_run_id(tmp_path):
+    """``stepwatch.init()`` first in each spawned rank, then ``init_process_group`` with a tcp
+    init method: nothing tells the ranks' sessions apart at init, and each writes its own run
+    directory. One warning per rank says so and how to join them."""
+    import socket
+
+    script = TCP_SPAWN_SCRIPT.replace(
+        "    dist.init_process_group(", "    import stepwatch; stepwatch.init(console='off')\n    dist.init_process_group(")
+    (tmp_path / "train.py").write_text(script.replace("import stepwatch.auto", "pass"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPWATCH_", "MASTER_", "TORCHELASTIC_"))}
+    env.update({"PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1", "PORT": str(port)})
+    r = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if "before the process group existed" in x]
+    assert len(lines) == 2 and all("STEPWATCH_RUN_ID" in x for x in lines), r.stderr[-3000:]
+    assert len(os.listdir(tmp_path / "stepwatch-runs")) == 2

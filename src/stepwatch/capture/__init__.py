@@ -241,6 +241,30 @@ class Feature:
         if self.sidecar is sc:  # start_sidecar declined (no Python executable)
             self.sidecar_dead = f"exited with {code}; not restarted"
 
+    def leftovers(self) -> list[str]:
+        """The files this process wrote that hold nothing of anyone else's: its SIGUSR1 and
+        dump-signal file with no stacks in it (only this pid's own announcement), its sidecar's
+        ``watchdog.rank<R>.json``. What a session that gives way removes after its shutdown
+        (``Session.end_without_trace``: the launcher of ``torch.multiprocessing.spawn``)."""
+        from .signals import _HEADER_RE
+
+        out = []
+        for sig in {s.path: s for s in (self.signal, self.dump_signal) if s is not None}.values():
+            try:
+                lines = [x for x in read_private(sig.path).splitlines() if x.strip()]
+            except (OSError, ValueError):
+                continue
+            if all((m := _HEADER_RE.match(x)) is not None and int(m.group(1)) == os.getpid() for x in lines):
+                out.append(sig.path)
+        ctx = self.hub.ctx
+        path = os.path.join(ctx.run_dir, f"watchdog.rank{ctx.rank}.json")
+        try:
+            if read_json_private(path).get("trainer_pid") == os.getpid():
+                out.append(path)
+        except (OSError, ValueError, AttributeError):
+            pass
+        return out
+
     def stop(self) -> None:
         self._stopping = True
         self.restore_env()  # first: a step below that fails leaves none behind (the sidecar has its copy)
