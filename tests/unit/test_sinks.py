@@ -509,6 +509,25 @@ def test_a_with_block_run_gets_every_step_trained_in_it(sw, wandb_offline, tmp_p
     assert manifest["exporter_drops"].get("wandb", {}).get("points", 0) == 2, manifest["exporter_drops"]
 
 
+def test_a_disabled_wandb_run_is_no_run_and_drops_nothing(sw, wandb_offline, tmp_path, caplog):
+    """``wandb.init(mode="disabled")`` (``WANDB_MODE=disabled`` in CI, a debug run): its NoopRun was
+    taken for a run, and every step was counted as dropped ("not in W&B") for a run the user had
+    turned off."""
+    wandb = wandb_offline
+    stepwatch, mem, start = sw
+    s = start()
+    run = wandb.init(project="stepwatch-test", mode="disabled")
+    with caplog.at_level(logging.INFO, logger="stepwatch"):
+        _train_plain(10)
+        run.finish()
+        _train_plain(2)
+        stepwatch.shutdown()
+    manifest = json.loads(open(os.path.join(s.ctx.run_dir, "run.json")).read())
+    assert manifest["exporter_drops"] == {}, manifest["exporter_drops"]
+    assert manifest["features"]["wandb"] == {"run_seen": False, "off": False}
+    assert not [r for r in caplog.records if "W&B" in r.getMessage()], caplog.text
+
+
 def test_wandb_steps_after_the_run_finished_with_no_new_run_are_counted(sw, wandb_offline, tmp_path):
     """A sweep that finishes its W&B run and trains on (or ends) with no run: the records that
     came after were thrown away uncounted (``exporter_drops`` was empty while W&B lacked them)."""

@@ -73,6 +73,17 @@ def _active_wandb_run() -> Any:
     return getattr(wandb, "run", None)
 
 
+def _noop(run: Any) -> bool:
+    """A run of ``wandb.init(mode="disabled")`` (``WANDB_MODE=disabled``; W&B's ``NoopRun``): no
+    run at all to stepwatch, so its steps are neither logged nor counted as dropped."""
+    return type(run).__name__ == "NoopRun"
+
+
+def _real_run(run: Any) -> Any:
+    """``RunProbe``'s ``describe``: a disabled run is kept as no run (asked when the run changes)."""
+    return None if _noop(run) else run
+
+
 class WandbExporter(TrackingExporter):
     name = "wandb"
 
@@ -96,14 +107,15 @@ class WandbExporter(TrackingExporter):
         # The run W&B finished before stepwatch was done with it: the rest for it is dropped.
         self._ended: Any = None
         self._between_runs_said = False
-        self.probe = RunProbe(_active_wandb_run, on_run=self._exit_ahead)
+        self.probe = RunProbe(_active_wandb_run, _real_run, on_run=self._exit_ahead)
         self._through = -(2**62)  # the last step this sink has handled (logged, sampled out, dropped)
         self._wrapped: list[tuple[Any, str, Any, Any]] = []  # (class, name, W&B's method, ours)
         self.watch: ImportWatch | None = None
 
     def _active_run(self) -> Any:
         wandb = sys.modules.get("wandb")
-        return getattr(wandb, "run", None) if wandb is not None else None
+        run = getattr(wandb, "run", None) if wandb is not None else None
+        return None if _noop(run) else run
 
     def _adopt(self, run: Any) -> None:
         if run is self._run:
@@ -254,7 +266,7 @@ class WandbExporter(TrackingExporter):
         """Training thread, in ``Run.finish`` of the active run, before W&B finishes it: the
         steps trained so far are the run's (``RunProbe.settle``), the pending step's record is
         made now, and this waits until they are logged into it, ``FINISH_WAIT_S`` at most."""
-        if self.off or getattr(sys.modules.get("wandb"), "run", None) is not run:
+        if self.off or _noop(run) or getattr(sys.modules.get("wandb"), "run", None) is not run:
             return
         last = hub.step if hub.step_pending else hub.step - 1
         self.probe.settle(last)
