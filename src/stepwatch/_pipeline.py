@@ -281,11 +281,17 @@ class Pipeline:
             lost = len(self._queue) + len(self._held) + self._in_pass
             self.dropped += lost
             logger.warning("stepwatch: the background pass did not end in %.1f s; %d records not written", timeout_s, lost)
-        for w in self.workers:  # they flush in parallel while ``meanwhile`` runs
+        # The exporters that say the totals (the console's closing line) close after the others,
+        # with the final count of what was dropped: the others' last pass included.
+        last = [w for w in self.workers if getattr(w.exporter, "says_totals", False) is True]
+        first = [w for w in self.workers if w not in last]
+        for w in first:  # they flush in parallel while ``meanwhile`` runs
             w.close(deadline)
         if meanwhile is not None:
             meanwhile()
-        for w in self.workers:
+        for w in [*first, *last]:
+            if w in last:
+                w.close(deadline, dropped=self.total_dropped())
             if not w.join(deadline):
                 if w.left_at_deadline:
                     logger.warning(

@@ -85,3 +85,40 @@ def test_a_job_without_stderr_or_with_a_write_only_one_gets_no_internal_error(sw
         assert not [f for f in mem.findings if f.kind == "internal_error"]
         if stderr is not None:
             assert "| step 29 |" in stderr.text  # the lines went where the job pointed stderr
+
+
+def test_the_closing_line_counts_what_other_exporters_dropped_in_the_last_pass(sw, capfd):
+    """The closing line's "N dropped" was the count the pipeline made as it built the last pass's
+    batch: what another exporter lost in that pass (a destination that is down; a sink that could
+    not start) was missing from it, while run.json's exporter_drops had it all. The console now
+    shuts down after every other exporter, with the final count."""
+    import json
+    import os
+    import time
+
+    import stepwatch as sw_mod
+
+    class Down(sw_mod.Exporter):  # a destination that is down: every record it is given is lost
+        name = "down"
+
+        def __init__(self):
+            self.lost = 0
+
+        def export(self, batch):
+            time.sleep(0.05)
+            self.lost += len(batch.records)
+
+        def dropped(self):
+            return self.lost
+
+        def force_flush(self, timeout_s=10.0):
+            return True
+
+    stepwatch, mem, start = sw
+    s = start(console="on", exporters=[mem, Down()], flush_interval_s=60.0)  # one pass: the last
+    _train(20)
+    stepwatch.shutdown()
+    done = [line for line in capfd.readouterr().err.splitlines() if "done:" in line]
+    assert len(done) == 1 and "| 20 dropped |" in done[0], done
+    manifest = json.loads(open(os.path.join(s.ctx.run_dir, "run.json")).read())
+    assert manifest["exporter_drops"] == {"down": {"points": 20}}, manifest["exporter_drops"]

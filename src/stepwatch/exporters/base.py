@@ -40,6 +40,9 @@ class Exporter(abc.ABC):
 
     #: Shown in logs and in ``run.json``'s feature list.
     name: str = "exporter"
+    #: Shut down after every other exporter, with one last batch holding only the final
+    #: ``dropped`` count (the console's closing line: what the others lost in the last pass).
+    says_totals: bool = False
     #: Set by the session that runs this exporter: its exit shutdown. A sink whose library
     #: finishes its work in an atexit hook of its own, registered after stepwatch's (W&B's
     #: ``wandb.init``), registers this again once it sees that work begin, so that stepwatch's

@@ -81,6 +81,7 @@ def format_line(
 
 class ConsoleExporter(Exporter):
     name = "console"
+    says_totals = True  # its closing line counts what every other exporter dropped
 
     def __init__(
         self,

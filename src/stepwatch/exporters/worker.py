@@ -88,10 +88,13 @@ class ExporterWorker:
             self._queued += n
             self._cv.notify()
 
-    def close(self, deadline: float) -> None:
+    def close(self, deadline: float, dropped: int | None = None) -> None:
         """Export what is queued, then flush and shut the exporter down, until ``deadline``
-        (``time.monotonic()``). Returns at once; :meth:`join` waits."""
+        (``time.monotonic()``). Returns at once; :meth:`join` waits. ``dropped``: one last batch
+        with nothing but that count (``Exporter.says_totals``)."""
         with self._cv:
+            if dropped is not None and not self._gone and not self._closing:
+                self._queue.append(Batch(dropped=dropped))
             self._closing = True
             self._deadline = deadline
             self._cv.notify()
