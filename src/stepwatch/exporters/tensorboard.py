@@ -20,12 +20,12 @@ import functools
 import os
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from .._files import make_private_dir
 from .base import Batch
-from .tracking import PREFIX, FindingGate, RowLimiter, TrackingExporter, finding_text, log, record_scalars
+from .tracking import (PREFIX, FindingGate, RowLimiter, TrackingExporter, finding_text, log, record_scalars,
+                       wait_for_steps)
 
 if TYPE_CHECKING:
     from .._feature import Hub
@@ -151,11 +151,7 @@ class TensorBoardExporter(TrackingExporter):
     def before_close(self, hub: "Hub") -> None:
         """Training thread, in the user's ``writer.close()``: the pending step's record is made
         now, and this waits until the steps trained so far are written, ``CLOSE_WAIT_S`` at most."""
-        last = hub.step if hub.step_pending else hub.step - 1
-        hub.end_pending_step()
-        deadline = time.monotonic() + CLOSE_WAIT_S
-        while self._through < last and not self.off and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for_steps(self, hub, CLOSE_WAIT_S)
 
     def wrap_close(self, hub: "Hub") -> None:
         """The user's writer's ``close`` (also what its ``with`` block's exit calls), wrapped on the

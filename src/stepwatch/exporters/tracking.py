@@ -272,6 +272,20 @@ def follow_runs(hub: Any, e: Any, library: str, wrap: Callable[[Any], None]) -> 
         e.watch = ImportWatch([library], watch).start()
 
 
+def wait_for_steps(sink: Any, hub: Any, wait_s: float) -> None:
+    """Training thread, as the user ends what ``sink`` writes into (W&B's ``Run.finish``, a
+    ``SummaryWriter``'s ``close``): the pending step's record is made now, and this waits,
+    ``wait_s`` at most, until ``sink._through`` (the last step it has handled) reaches the last
+    step trained. No wait before the first step (nothing can come)."""
+    last = hub.step if hub.step_pending else hub.step - 1
+    hub.end_pending_step()
+    if last < 0:
+        return
+    deadline = time.monotonic() + wait_s
+    while sink._through < last and not sink.off and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def settling(orig: Callable[..., Any], probe: RunProbe, hub: Any) -> Callable[..., Any]:
     """``orig`` (a library's call that changes the active run: ``mlflow.start_run``/``end_run``,
     ``wandb.init``) that first tells ``probe`` the steps trained so far were the run active until

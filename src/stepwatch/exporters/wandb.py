@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .._imports import ImportWatch
 from .base import Batch
 from .tracking import (PREFIX, STEP_KEY, FindingGate, RowLimiter, RunProbe, TrackingExporter, follow_runs, log,
-                       record_scalars, settling, stop_following)
+                       record_scalars, settling, stop_following, wait_for_steps)
 
 if TYPE_CHECKING:
     from .._feature import Hub
@@ -268,12 +268,8 @@ class WandbExporter(TrackingExporter):
         made now, and this waits until they are logged into it, ``FINISH_WAIT_S`` at most."""
         if self.off or _noop(run) or getattr(sys.modules.get("wandb"), "run", None) is not run:
             return
-        last = hub.step if hub.step_pending else hub.step - 1
-        self.probe.settle(last)
-        hub.end_pending_step()
-        deadline = time.monotonic() + FINISH_WAIT_S
-        while self._through < last and not self.off and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self.probe.settle(hub.step if hub.step_pending else hub.step - 1)
+        wait_for_steps(self, hub, FINISH_WAIT_S)
 
     def wrap_finish(self, hub: "Hub") -> None:
         """``wandb.sdk.wandb_run.Run._finish`` (what ``wandb.finish()``, ``run.finish()``, a
