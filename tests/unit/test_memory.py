@@ -449,6 +449,45 @@ def test_a_cpu_jobs_peak_never_falls(sw):
     assert not falls, falls[:5]
 
 
+LAUNCHED_TRAINER = r"""
+import json, sys, stepwatch, torch
+stepwatch.init(dir=sys.argv[1], console="off", training_metrics=False, comm=False, gpu_telemetry=False)
+m = torch.nn.Linear(8, 8)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(12):
+    m(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()
+stepwatch.shutdown()
+with open("/proc/self/status") as f:
+    print(next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:")))
+"""
+
+LAUNCHER = r"""
+import subprocess, sys
+held = bytearray(768 << 20)  # a sweep driver, a notebook: it held much more than its trainer will
+for i in range(0, len(held), 4096):
+    held[i] = 1
+out = subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2]], check=True, capture_output=True, text=True)
+print(out.stdout.strip().splitlines()[-1])
+"""
+
+
+def test_a_cpu_jobs_peak_is_its_own_not_its_launchers(tmp_path):
+    """A trainer started by ``subprocess`` from a process that held much memory: on CPU its
+    ``mem_peak_bytes`` (and the report's "peak memory") was the launcher's high-water mark
+    (``getrusage``'s ``ru_maxrss`` carries the parent's over ``vfork`` and ``exec``): 1.01 GiB for a
+    312 MiB trainer. The trainer's own ``VmHWM`` now."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    r = subprocess.run([sys.executable, "-c", LAUNCHER, LAUNCHED_TRAINER, str(tmp_path / "run")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    own = int(r.stdout.strip().splitlines()[-1])
+    with open(tmp_path / "run" / "steps.rank0.jsonl") as f:
+        peaks = [json.loads(line)["mem_peak_bytes"] for line in f if line.strip()]
+    assert len(peaks) == 12 and all(p is not None for p in peaks)
+    assert max(peaks) <= own < 700 << 20, (max(peaks) >> 20, own >> 20)
+
+
 def test_host_readers_current_rss_and_own_smaps():
     import torch
 
@@ -485,8 +524,17 @@ def test_cgroup_limit_v2_tightest_up_the_tree_and_v1(tmp_path):
     (job / "memory.current").write_text(f"{5 * G}\n")
     (job / "memory.stat").write_text(f"anon 100\ninactive_file {G}\n")
     (proc / "self" / "cgroup").write_text("0::/slurm/job1\n")
+    # The limit that binds is the parent's: so is the use that counts against it (every job under
+    # that parent's). It was read from the job's own cgroup: a parent at 95% of its limit was
+    # said to be at 10%, and memory_near_limit never came.
+    (cg / "slurm" / "memory.current").write_text(f"{7 * G}\n")
+    (cg / "slurm" / "memory.stat").write_text(f"anon 100\ninactive_file {G // 2}\n")
     lim = HostLimit(proc=str(proc), cgroup_root=str(cg))
-    assert (lim.limit, lim.kind, lim.used()) == (8 * G, "cgroup", 4 * G)
+    assert (lim.limit, lim.kind, lim.used()) == (8 * G, "cgroup", 7 * G - G // 2)
+    # the job's own limit the tighter one: its own use
+    (job / "memory.max").write_text(f"{6 * G}\n")
+    lim = HostLimit(proc=str(proc), cgroup_root=str(cg))
+    assert (lim.limit, lim.kind, lim.used()) == (6 * G, "cgroup", 4 * G)
     # no cgroup limit: physical RAM, used = total - available
     (proc / "self" / "cgroup").write_text("0::/\n")
     (cg / "slurm" / "memory.max").write_text("max\n")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .._excepthook import pass_on
 from ..record import Finding, StepRecord
 from .detect import FragmentationDetector, MemoryGrowthDetector, NearLimitDetector, MiB
-from .host import HostLimit, parent_pid, smaps_rollup
+from .host import HostLimit, own_peak_rss, parent_pid, smaps_rollup
 from .oom import OomForensics, is_oom
 from .probe import MemoryProbe
 
@@ -180,9 +180,13 @@ class MemoryFeature:
         if rec.mem_peak_bytes is None and self.probe.device is None:
             if now >= self._next_rusage:
                 self._next_rusage = now + 0.05
-                # never below a record's RSS already taken as the mark (ru_maxrss comes in under a
-                # statm read by up to 0.4 MiB: the peak fell from one record to the next)
-                self._peak_rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, self._peak_rss or 0)
+                # never below a record's RSS already taken as the mark (the high-water mark comes
+                # in under a statm read by up to 0.4 MiB: the peak fell from one record to the next).
+                # This process's own VmHWM: ru_maxrss holds a launcher's mark (host.own_peak_rss).
+                hwm = own_peak_rss()
+                if hwm is None:
+                    hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                self._peak_rss = max(hwm, self._peak_rss or 0)
             # a high-water mark is at least the record's own RSS (read on the training thread,
             # after the cached maximum: peak below rss in 28 of 60 reads, by up to 0.24 MiB)
             if rec.host_rss_bytes is not None and rec.host_rss_bytes > self._peak_rss:

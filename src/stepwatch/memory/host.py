@@ -8,8 +8,9 @@
   their sharers, so the sum over processes is what they cost together). The kernel walks the
   worker's page tables for this, so it is read off the training thread, at most once a second.
 - The limit: the cgroup's (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) when there is one,
-  else physical RAM (``MemTotal``); what is in use against it: the cgroup's usage less its
-  inactive file cache (what ``docker stats`` shows), or ``MemTotal - MemAvailable``.
+  else physical RAM (``MemTotal``); what is in use against it: the usage of the cgroup whose
+  limit binds (ours or a parent's) less its inactive file cache (what ``docker stats`` shows), or
+  ``MemTotal - MemAvailable``.
 
 Every reader returns None when the file is missing or unreadable: unknown, never a made-up number.
 """
@@ -51,6 +52,15 @@ class StatmReader:
             except OSError:
                 pass
             self._fd = None
+
+
+def own_peak_rss(proc: str = "/proc") -> int | None:
+    """This process's resident-set high-water mark: ``VmHWM`` of ``/proc/self/status``, its own
+    address space's since ``exec``. Not ``ru_maxrss``: Linux carries the parent's high-water mark
+    into it over ``vfork`` + ``exec`` (``subprocess``), so a trainer launched by a process that
+    once held 1 GiB read a 1 GiB peak. None where the file says nothing (not Linux)."""
+    v = _stat_value(f"{proc}/self/status", b"VmHWM:")  # "VmHWM:   312345 kB"
+    return None if v is None else v * 1024
 
 
 def smaps_rollup(pid: int, proc: str = "/proc") -> tuple[int, int, int] | None:
@@ -97,7 +107,7 @@ def _stat_value(path: str, key: bytes) -> int | None:
         with open(path, "rb") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) == 2 and parts[0] == key:
+                if len(parts) >= 2 and parts[0] == key:  # "key value" (memory.stat), "key: value kB" (status)
                     return int(parts[1])
     except (OSError, ValueError):
         return None
@@ -154,14 +164,17 @@ class HostLimit:
         self._cg: tuple[str, int] | None = None
         if found is not None:
             d, ver = found
-            # The tightest limit from our cgroup up to the root (a limit set on a parent applies too).
+            # The tightest limit from our cgroup up to the root (a limit set on a parent applies
+            # too), and the use counted against it: that cgroup's, every process under it (a
+            # parent's limit read against our own cgroup's use said 10% of a parent at 95%).
             lim = None
+            lim_dir = d
             p = d
             name = "memory.max" if ver == 2 else "memory.limit_in_bytes"
             while True:
                 v = _read_int(os.path.join(p, name))
                 if v is not None and (lim is None or v < lim):
-                    lim = v
+                    lim, lim_dir = v, p
                 if os.path.normpath(p) == os.path.normpath(cgroup_root if ver == 2 else os.path.join(cgroup_root, "memory")):
                     break
                 parent = os.path.dirname(p)
@@ -169,7 +182,7 @@ class HostLimit:
                     break
                 p = parent
             if lim is not None:
-                self.limit, self.kind, self._cg = lim, "cgroup", (d, ver)
+                self.limit, self.kind, self._cg = lim, "cgroup", (lim_dir, ver)
         if self.limit is None:
             self.limit = meminfo(proc).get("MemTotal")
 
