@@ -35,6 +35,8 @@ class RunFacts:
     exporter_drops: dict[str, dict[str, Any]] = field(default_factory=dict)
     null_scalars: dict[str, int] = field(default_factory=dict)
     internal_errors: dict[str, int] = field(default_factory=dict)
+    # Step records this rank's steps file rotated out within its disk budget (None: no records file).
+    steps_rotated_out: int | None = None
     # At the final write: "shutdown" (stepwatch.shutdown() or the interpreter's exit), "SIGTERM",
     # or "uncaught <exception type>: <message>"; None before.
     ended_by: str | None = None
@@ -81,6 +83,7 @@ class Manifest:
                 # here; one killed (SIGKILL, the OOM killer) keeps end_time null.
                 "end_time": time.time() if final else None,
                 "ended_by": facts.ended_by,
+                "steps_rotated_out": facts.steps_rotated_out,
             }
             if self._rank_path is None:
                 # rank<R>.<K>.json beside the first launch's: a relaunch or a second job in the

@@ -328,6 +328,11 @@ class Pipeline:
         out = [self._records] if self._records is not None else []
         return out + [w.exporter for w in self.workers if w.exporter is not None]
 
+    def records_rotated_out(self) -> int | None:
+        """Step records the records file's disk budget rotated out; None while it is not open."""
+        fn = getattr(self._records, "rotated_out", None)
+        return int(fn()) if callable(fn) else None
+
     def records_paths(self) -> list[str]:
         """The records exporter's files (steps, findings); none while it is not open."""
         paths = getattr(self._records, "paths", None)

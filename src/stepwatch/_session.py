@@ -556,6 +556,7 @@ class Session:
                 exporter_drops=describe_drops(p.workers, p.exporters),
                 null_scalars=p.null_scalars,
                 internal_errors=dict(p.failures.counts),
+                steps_rotated_out=p.records_rotated_out(),
                 ended_by=(self.ended_by or "shutdown") if final else None,
             ),
             final=final,

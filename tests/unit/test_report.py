@@ -731,6 +731,50 @@ def test_one_rotation_that_lost_nothing_says_nothing(tmp_path, capsys):
     assert "rotated out" not in capsys.readouterr().out
 
 
+def _resumed_job(sw, steps):
+    """A real job resumed at step 1000 (``stepwatch.set_step``: HF Trainer's and Lightning's
+    adapters call it on resume) whose steps file rotates within a 1 MB disk budget."""
+    import torch
+
+    stepwatch, _, start = sw
+    s = start(disk_budget_mb=1, console="off", flush_interval_s=0.05)
+    stepwatch.set_step(1000)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(steps):
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    return Path(s.ctx.run_dir)
+
+
+def test_a_resumed_job_whose_steps_file_rotated_once_lost_nothing(sw, capsys):
+    """The report said "rank 0: steps 0-999 were rotated out" of a job resumed at step 1000 whose
+    file rotated once and kept every step: it took the first step from run.json's step offset,
+    0 after ``set_step``. Each rank's file now says how many steps rotation dropped."""
+    run = _resumed_job(sw, 500)
+    assert (run / "steps.rank0.jsonl.1").exists()  # it rotated
+    kept = [json.loads(x)["step"] for n in ("steps.rank0.jsonl.1", "steps.rank0.jsonl")
+            for x in (run / n).read_text().splitlines()]
+    assert kept == list(range(1000, 1500))
+    assert json.loads((run / "rank0.json").read_text())["steps_rotated_out"] == 0
+    assert cli(["report", str(run), "--no-html"]) == 0
+    assert "rotated out" not in capsys.readouterr().out
+
+
+def test_a_resumed_job_that_rotated_steps_out_is_told_how_many(sw, capsys):
+    run = _resumed_job(sw, 1500)
+    kept = [json.loads(x)["step"] for n in ("steps.rank0.jsonl.1", "steps.rank0.jsonl")
+            for x in (run / n).read_text().splitlines()]
+    lost = kept[0] - 1000
+    assert lost > 0 and kept == list(range(kept[0], 2500))
+    assert json.loads((run / "rank0.json").read_text())["steps_rotated_out"] == lost
+    assert cli(["report", str(run), "--no-html"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"rank 0: {lost} steps before step {kept[0]} were rotated out" in out, out
+
+
 def test_two_concurrent_jobs_are_told_apart_from_an_elastic_restart(tmp_path, capsys):
     rng = np.random.default_rng(3)
     shared, restarted = tmp_path / "shared", tmp_path / "restarted"

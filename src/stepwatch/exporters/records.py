@@ -247,6 +247,11 @@ class _RotatingFile:
         self.size = 0
         self.lines = 0  # lines in the live segment
         self.lost = 0  # lines dropped: refused by the disk, too long, or written to a file since deleted
+        # Lines the budget rotated out: a ``.1`` segment overwritten by the next rotation, and a
+        # batch's oldest lines that would not fit in both segments (never written). rank<R>.json
+        # says it: the report cannot tell a job resumed at step 1000 from one that lost 0-999.
+        self.rotated_out = 0
+        self._prev_lines: int | None = None  # lines in the ``.1`` segment (None: there is none)
         self.too_long = 0  # of which longer than a segment
         self._losing = 0  # lines lost in the current run of failures (0: writing normally)
         self._said = 0  # runs of failures logged (bounded: a disk that flaps says it a few times)
@@ -278,6 +283,7 @@ class _RotatingFile:
             start -= 1
             kept += sizes[start]
         start = min(start, len(lines) - 1)  # the newest line is always written
+        self.rotated_out += start
         i = start
         try:
             self._check_live()
@@ -367,6 +373,9 @@ class _RotatingFile:
             self._gone()
             self._reopen()
             return
+        if self._prev_lines is not None:
+            self.rotated_out += self._prev_lines
+        self._prev_lines = self.lines
         self._close_fd()
         self.size = 0
         self.lines = 0
@@ -430,6 +439,10 @@ class RecordsExporter(Exporter):
         """Step records not written (the disk refused them, a line longer than a segment, a file
         deleted mid-run): the pipeline adds them to each batch's ``dropped``."""
         return self.steps.lost
+
+    def rotated_out(self) -> int:
+        """Step records the disk budget rotated out of the steps file (rank<R>.json says it)."""
+        return self.steps.rotated_out
 
     def drop_counts(self) -> dict[str, int]:
         """``run.json``'s ``exporter_drops["records"]``: what this exporter lost (nonzero counts only)."""

@@ -392,7 +392,7 @@ def load_run(path: str) -> Run:
     run.columns = {r: b.finish() for r, b in builders.items()}
     run.findings.sort(key=lambda f: f.time)
     run.attempts = {r: sorted(a) for r, a in attempts.items()}
-    _note_rotation_and_launches(run, spans)
+    _note_rotation_and_launches(run, spans, path, names)
     return run
 
 
@@ -433,14 +433,29 @@ def _take_step(builders: dict[int, RankBuilder], span: list[Any], d: Any, file_r
     return True
 
 
-def _note_rotation_and_launches(run: Run, spans: dict[tuple[int, int], list[Any]]) -> None:
+def _note_rotation_and_launches(run: Run, spans: dict[tuple[int, int], list[Any]], path: str,
+                                names: list[str]) -> None:
     cfg = (run.manifest or {}).get("config")
     offset = cfg.get("step_offset") if isinstance(cfg, dict) else None
     offset = offset if is_count(offset) else 0
     for (rank, k), (_, _, first, rotated) in sorted(spans.items()):
+        if not rotated or first == math.inf:
+            continue
         # The writer keeps one rotated segment (<name>.1): a rank that rotated twice lost its
-        # oldest steps. Known for the first launch, which starts at the configured step offset.
-        if k == 0 and rotated and first != math.inf and first > offset:
+        # oldest steps. Its rank file says how many (since the forty-first session); a job resumed
+        # at step 1000 (set_step) lost none of 0-999: run.json's step offset said it had.
+        info = f"rank{rank}.json" if not k else f"rank{rank}.{k}.json"
+        meta = _read_json(os.path.join(path, info)) if info in names else None
+        lost = meta.get("steps_rotated_out") if isinstance(meta, dict) else None
+        if is_count(lost):
+            if lost:
+                run.notes.append(
+                    f"rank {rank}: {lost} steps before step {first} were rotated out (the records reached the "
+                    "rank's share of STEPWATCH_DISK_BUDGET_MB; raise it to keep more); shown: from step "
+                    f"{first}.")
+            continue
+        # A rank file of an earlier version: known for the first launch, from the configured offset.
+        if k == 0 and first > offset:
             run.notes.append(
                 f"rank {rank}: steps {offset}-{first - 1} were rotated out (the records reached the "
                 "rank's share of STEPWATCH_DISK_BUDGET_MB; raise it to keep more); shown: from step "
