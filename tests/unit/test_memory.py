@@ -365,6 +365,48 @@ def test_torchs_cpu_allocator_and_a_dataloader_workers_oom_are_ooms():
     assert not is_oom(RuntimeError("shape mismatch: can't allocate memory for nothing"))
 
 
+def test_a_dataloader_worker_killed_by_sigkill_is_an_oom():
+    """The kernel's OOM killer ends a DataLoader worker (a leak in the workers under a memory
+    limit): the trainer, still alive, gets "DataLoader worker (pid N) is killed by signal: Killed."
+    and no OOM record was written. A real worker, killed here with SIGKILL as the OOM killer does;
+    another signal, or a worker that exits on its own, is no OOM."""
+    import signal as sig
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    class Slow:
+        def __len__(self):
+            return 100
+
+        def __getitem__(self, i):
+            time.sleep(0.2)
+            return torch.zeros(1)
+
+    def fate(signum):
+        it = iter(DataLoader(Slow(), num_workers=1))
+        try:
+            next(it)
+            os.kill(it._workers[0].pid, signum)
+            for _ in range(100):
+                next(it)
+        except Exception as e:  # noqa: BLE001
+            return e
+        finally:
+            del it
+        return None
+
+    def said(e):  # the loader's own words: the SIGCHLD handler's, or "exited unexpectedly" from them
+        return " / ".join(str(x) for x in (e, e.__cause__) if x is not None)
+
+    killed = fate(sig.SIGKILL)
+    assert isinstance(killed, RuntimeError) and "is killed by signal: Killed" in said(killed), said(killed)
+    assert is_oom(killed)
+    terminated = fate(sig.SIGTERM)
+    assert isinstance(terminated, RuntimeError) and "Killed" not in said(terminated), said(terminated)
+    assert not is_oom(terminated)
+
+
 def test_a_cpu_oom_in_the_forward_is_written_down_with_a_cpu_action(sw, tmp_path):
     """A real CPU allocation failure in the forward: an oom finding with its phase, step and the
     requested size, and an action for a CPU job: no CUDA file or setting it does not have."""

@@ -39,7 +39,12 @@ _REQ = re.compile(r"(?:tried|unable) to allocate\s+([0-9][0-9.,]*)\s*([KMGTP]i?B
 # from its message (numpy's) reaches the trainer as one: torch's ExceptionWrapper writes
 # "Caught MemoryError in DataLoader worker process 0". Their messages are torch's own.
 _CPU_OOM = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
-                      r"|\ACaught \w*(?:MemoryError|OutOfMemoryError) in DataLoader worker process")
+                      r"|\ACaught \w*(?:MemoryError|OutOfMemoryError) in DataLoader worker process"
+                      # a worker the kernel's OOM killer ended (SIGKILL): the trainer lives on to say so
+                      r"|\ADataLoader worker \(pid \d+\) is killed by signal: Killed\.")
+
+
+_WORKER_KILLED = "is killed by signal: Killed"  # the DataLoader's words for a worker ended by SIGKILL
 
 
 def requested_bytes(message: str) -> int | None:
@@ -61,8 +66,11 @@ def is_oom(exc: BaseException) -> bool:
         return True
     if not isinstance(exc, RuntimeError):
         return False
+    # The loader's SIGCHLD handler raises "killed by signal" inside its queue's get, which turns it
+    # into "DataLoader worker (pid(s) N) exited unexpectedly" raised from it: its cause says why.
+    cause = exc.__cause__
     try:
-        return _CPU_OOM.search(str(exc)) is not None
+        return any(_CPU_OOM.search(str(e)) is not None for e in (exc, cause) if isinstance(e, RuntimeError))
     except Exception:  # noqa: BLE001 - an exception whose __str__ fails is not ours to judge
         return False
 
@@ -163,10 +171,13 @@ class OomForensics:
             except OSError as e:
                 report["write_error"] = str(e)
                 where = None
+        killed = any(_WORKER_KILLED in str(e) for e in (exc, exc.__cause__) if e is not None)
         finding = make_finding(
             "oom", rank=self.rank, step=step,
             summary=(f"rank {self.rank} ran out of memory in {phase} at step {step}"
                      + (f" (tried to allocate {_human(req)})" if req else "")
+                     + (": a DataLoader worker was killed by SIGKILL, most likely by the kernel's OOM killer"
+                        if killed else "")
                      + _cuda_tail(report.get("cuda"))
                      + (f"; forensics in {os.path.basename(where)}/" if where else "")),
             data={k: report.get(k) for k in ("phase", "exception", "message", "requested_bytes", "cuda", "host")}
