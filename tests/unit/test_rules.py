@@ -172,3 +172,76 @@ def test_docs_list_every_alert():
     doc = open(os.path.join(ROOT, "docs", "metrics.md"), encoding="utf-8").read()
     missing = [a.name for a in alerts.build() if f"`{a.name}`" not in doc]
     assert not missing, f"docs/metrics.md does not list: {missing}"
+
+
+@pytest.mark.parametrize("args", [
+    ["--ttft-p99-slo", "0.5"], ["--ttft-p99-slo", "5"], ["--ttft-p99-slo", "1.23456789"],
+    ["--itl-p99-slo", "0.6"], ["--itl-p99-slo", "0.01"], ["--itl-p99-slo", "0.123456789"],
+    ["--ttft-p99-slo", "30", "--itl-p99-slo", "2"],
+])
+def test_the_test_file_follows_the_slos_given(tmp_path, promtool, args):
+    """The serving cases' histograms were fixed for the default SLOs (TTFT P99 4.92 s against
+    0.99 s, ITL 0.495 s against 0.0495 s): ``--ttft-p99-slo 0.5`` made the quiet model fire,
+    ``--ttft-p99-slo 5`` the firing one quiet, and stepwatch's own test file failed promtool."""
+    out, tst = tmp_path / "r.yml", tmp_path / "t.yml"
+    assert main(["rules", *args, "-o", str(out), "--tests", str(tst)]) == 0
+    r = subprocess.run([promtool, "check", "rules", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([promtool, "test", "rules", str(tst)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name, slo, other", [
+    ("VLLMTTFTP99High", "ttft_p99_s", 4.0), ("VLLMTTFTP99High", "ttft_p99_s", 1.0),
+    ("VLLMInterTokenLatencyHigh", "itl_p99_s", 0.2), ("VLLMInterTokenLatencyHigh", "itl_p99_s", 0.05),
+])
+def test_the_slo_cases_tell_the_threshold_given_from_another(tmp_path, promtool, name, slo, other):
+    """The cases follow the SLO and still discriminate: the rule written for an SLO twice (or half)
+    the one the test data was made for fails that data (fires on the quiet model, or not at all);
+    the data made for the default SLOs let a rule at twice the SLO pass."""
+    t = alerts.Thresholds()
+    al = [a for a in alerts.build(t) if a.name == name]
+    check, test = _write_and_test(tmp_path, promtool, al)
+    assert check.returncode == 0 and test.returncode == 0, test.stdout + test.stderr
+    # the other SLO's expression, with this SLO's data and annotations
+    other_expr = next(a.expr for a in alerts.build(dataclasses.replace(t, **{slo: other})) if a.name == name)
+    assert other_expr != al[0].expr
+    check, test = _write_and_test(tmp_path, promtool, [dataclasses.replace(al[0], expr=other_expr)])
+    assert test.returncode != 0 and name in test.stdout + test.stderr, test.stdout + test.stderr
+
+
+def test_rules_and_tests_naming_the_same_file_are_refused(tmp_path, monkeypatch, capsys):
+    """``-o F --tests F`` wrote the test file over the rules, exit 0 without a word. Compared as
+    resolved paths: another spelling or a symlink of the same file is the same file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    os.symlink("same.yml", tmp_path / "link.yml")
+    for o, t in (("same.yml", "same.yml"), ("same.yml", "./sub/../same.yml"), ("same.yml", str(tmp_path / "link.yml"))):
+        assert main(["rules", "-o", o, "--tests", t]) == 2, (o, t)
+        err = capsys.readouterr().err
+        assert err == (f"stepwatch rules: -o FILE and --tests FILE are the same file ({str(tmp_path / 'same.yml')!r}): "
+                       "the tests would overwrite the rules; give the test file another name\n"), err
+        assert not (tmp_path / "same.yml").exists()  # nothing written
+    (tmp_path / "same.yml").write_text("groups: []\n")  # rules from an earlier run: kept as they were
+    assert main(["rules", "-o", "same.yml", "--tests", "same.yml"]) == 2
+    assert (tmp_path / "same.yml").read_text() == "groups: []\n"
+    assert main(["rules", "-o", "same.yml", "--tests", "same_test.yml"]) == 0  # another name: both written
+    assert (tmp_path / "same.yml").read_text().count("alert:") == len(alerts.build())
+    assert '"same.yml"' in (tmp_path / "same_test.yml").read_text()
+
+
+def test_slo_thresholds_are_written_exactly(tmp_path):
+    """``--ttft-p99-slo 1.23456789`` wrote ``> 1.23457`` (``:g`` keeps 6 significant digits)."""
+    out = tmp_path / "r.yml"
+    assert main(["rules", "--ttft-p99-slo", "1.23456789", "--itl-p99-slo", "0.123456789", "-o", str(out)]) == 0
+    by = {a.name: a for a in alerts.build(alerts.Thresholds(ttft_p99_s=1.23456789, itl_p99_s=0.123456789))}
+    assert by["VLLMTTFTP99High"].expr.endswith(") > 1.23456789")
+    assert by["VLLMInterTokenLatencyHigh"].expr.endswith(") > 0.123456789")
+    assert by["VLLMTTFTP99High"].summary.startswith("TTFT P99 above 1.23456789 s on ")
+    assert by["VLLMInterTokenLatencyHigh"].summary.startswith("Inter-token latency P99 above 123.456789 ms on ")
+    text = out.read_text()
+    assert '> 1.23456789"' in text and '> 0.123456789"' in text
+    # the defaults read as before
+    by = {a.name: a for a in alerts.build()}
+    assert by["VLLMTTFTP99High"].expr.endswith(") > 2") and "above 2 s" in by["VLLMTTFTP99High"].summary
+    assert by["VLLMInterTokenLatencyHigh"].expr.endswith(") > 0.1") and "above 100 ms" in by["VLLMInterTokenLatencyHigh"].summary

@@ -67,6 +67,30 @@ def _steps(job: str = "train") -> str:
     return f'{N.STEPS_TOTAL.name}{{job="{job}",rank="%s"}}'
 
 
+def _exact(x: float) -> str:
+    """``x`` as written, every digit kept (``:g`` wrote an SLO of 1.23456789 as 1.23457, a
+    threshold the user never gave): the float's repr, ``2`` for ``2.0``."""
+    return repr(float(x)).removesuffix(".0")
+
+
+def _ms(seconds: float) -> str:
+    """Seconds as exact milliseconds: a decimal shift of the repr (``0.123456789 * 1000`` is
+    123.45678899999999 in floats)."""
+    from decimal import Decimal
+
+    return _exact(float(Decimal(repr(float(seconds))).scaleb(3)))
+
+
+def _slo_histogram(bucket: str, labels: str, slo: float, *, slow: bool) -> tuple[tuple[str, str], ...]:
+    """Bucket series whose P99 lies on either side of ``slo``, whatever it is: every observation
+    in (slo, 2 slo] (``slow``: P99 1.99 slo, fires) or in (slo/2, slo] (P99 0.995 slo, quiet).
+    Fixed buckets were right for the default SLOs only: ``--ttft-p99-slo 0.5`` made the quiet
+    model fire, ``5`` the slow one quiet. Halving and doubling are exact in binary."""
+    les = (_exact(slo / 2), _exact(slo), _exact(slo * 2), "+Inf")
+    counts = ("0x20", "0x20", "0+100x20", "0+100x20") if slow else ("0x20", "0+100x20", "0+100x20", "0+100x20")
+    return tuple((f'{bucket}{{{labels},le="{le}"}}', c) for le, c in zip(les, counts))
+
+
 def build(t: Thresholds = Thresholds()) -> list[Alert]:
     steps, mfu, gn, ar = N.STEPS_TOTAL.name, N.MFU.name, N.GRAD_NORM.name, N.ALLREDUCE_MS.name
     step_b = f"{N.STEP_SECONDS.name}_bucket"
@@ -326,36 +350,26 @@ def build(t: Thresholds = Thresholds()) -> list[Alert]:
     ttft_b = "vllm:time_to_first_token_seconds_bucket"
     A.append(Alert(
         "stepwatch-serving", "VLLMTTFTP99High",
-        f"histogram_quantile(0.99, sum by (job, model_name, le) (rate({ttft_b}[5m]))) > {t.ttft_p99_s:g}", "5m", "warning",
-        "TTFT P99 above " + f"{t.ttft_p99_s:g} s" + " on {{ $labels.model_name }}",
+        f"histogram_quantile(0.99, sum by (job, model_name, le) (rate({ttft_b}[5m]))) > {_exact(t.ttft_p99_s)}", "5m", "warning",
+        "TTFT P99 above " + f"{_exact(t.ttft_p99_s)} s" + " on {{ $labels.model_name }}",
         "Prefill is slow or requests queue: check KV-cache usage, queue depth and preemptions.",
         Case((
-            (f'{ttft_b}{{{m_new},le="1"}}', "0+50x20"),
-            (f'{ttft_b}{{{m_new},le="5"}}', "0+100x20"),
-            (f'{ttft_b}{{{m_new},le="+Inf"}}', "0+100x20"),
-            (f'{ttft_b}{{{m_ok},le="1"}}', "0+100x20"),
-            (f'{ttft_b}{{{m_ok},le="5"}}', "0+100x20"),
-            (f'{ttft_b}{{{m_ok},le="+Inf"}}', "0+100x20"),
+            *_slo_histogram(ttft_b, m_new, t.ttft_p99_s, slow=True),
+            *_slo_histogram(ttft_b, m_ok, t.ttft_p99_s, slow=False),
         ), "15m", ({"job": "vllm", "model_name": "m"},)),
     ))
     itl_new, itl_old = "vllm:inter_token_latency_seconds_bucket", "vllm:time_per_output_token_seconds_bucket"
     A.append(Alert(
         "stepwatch-serving", "VLLMInterTokenLatencyHigh",
-        f"histogram_quantile(0.99, sum by (job, model_name, le) (rate({itl_new}[5m]) or rate({itl_old}[5m]))) > {t.itl_p99_s:g}",
+        f"histogram_quantile(0.99, sum by (job, model_name, le) (rate({itl_new}[5m]) or rate({itl_old}[5m]))) > {_exact(t.itl_p99_s)}",
         "5m", "warning",
-        "Inter-token latency P99 above " + f"{t.itl_p99_s * 1000:g} ms" + " on {{ $labels.model_name }}",
+        "Inter-token latency P99 above " + f"{_ms(t.itl_p99_s)} ms" + " on {{ $labels.model_name }}",
         "Reference B.6: decode is slow (P99 > 100 ms typical): batch too large for the GPU, memory-bound decode, "
         "or preemptions.",
         Case((
-            (f'{itl_new}{{{m_new},le="0.05"}}', "0+10x20"),
-            (f'{itl_new}{{{m_new},le="0.5"}}', "0+100x20"),
-            (f'{itl_new}{{{m_new},le="+Inf"}}', "0+100x20"),
-            (f'{itl_old}{{{m_old},le="0.05"}}', "0+10x20"),
-            (f'{itl_old}{{{m_old},le="0.5"}}', "0+100x20"),
-            (f'{itl_old}{{{m_old},le="+Inf"}}', "0+100x20"),
-            (f'{itl_new}{{{m_ok},le="0.05"}}', "0+100x20"),
-            (f'{itl_new}{{{m_ok},le="0.5"}}', "0+100x20"),
-            (f'{itl_new}{{{m_ok},le="+Inf"}}', "0+100x20"),
+            *_slo_histogram(itl_new, m_new, t.itl_p99_s, slow=True),
+            *_slo_histogram(itl_old, m_old, t.itl_p99_s, slow=True),
+            *_slo_histogram(itl_new, m_ok, t.itl_p99_s, slow=False),
         ), "15m", ({"job": "vllm", "model_name": "m"}, {"job": "vllm-old", "model_name": "m"})),
     ))
     succ = "vllm:request_success_total"

@@ -63,6 +63,12 @@ def _rules(args: argparse.Namespace) -> int:
     if args.tests and args.output == "-":
         print("stepwatch rules: --tests needs -o FILE (the test file names the rules file)", file=sys.stderr)
         return 2
+    # -o F --tests F wrote the tests over the rules without a word: compared as resolved paths
+    # (another spelling, a symlink).
+    if args.tests and os.path.realpath(args.tests) == os.path.realpath(args.output):
+        print(f"stepwatch rules: -o FILE and --tests FILE are the same file ({os.path.realpath(args.output)!r}): "
+              "the tests would overwrite the rules; give the test file another name", file=sys.stderr)
+        return 2
     t = alerts.Thresholds(ttft_p99_s=args.ttft_p99_slo, itl_p99_s=args.itl_p99_slo)
     al = alerts.build(t)
     header = "Prometheus alerting rules written by `stepwatch rules`. Names: docs/metrics.md."
