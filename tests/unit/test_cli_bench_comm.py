@@ -74,3 +74,33 @@ def test_json_written(one_rank, tmp_path, capsys):
     assert main(["bench-comm", *TINY, "--json", str(path)]) == 0
     capsys.readouterr()
     assert [r["size"] for r in json.loads(path.read_text())["rows"]] == [1024, 2048]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["-b", "inf"], "-b/--minbytes='inf' is not a size"),
+    (["-e", "1e400"], "-e/--maxbytes='1e400' is not a size"),
+    (["-b", "1K", "-e", "2K", "--backend", "foo"], "--backend='foo': expected nccl or gloo"),
+    (["-b", "1K", "-e", "2K", "-f", "nan"], "-f/--stepfactor must be > 1, got nan"),
+])
+def test_arguments_torch_or_float_would_choke_on_are_one_line(one_rank, capsys, args, says):
+    """``-b inf`` / ``-e 1e400`` were an OverflowError traceback (int(inf)); ``--backend foo``
+    reached init_process_group and torch's AssertionError on every rank; ``-f nan`` passed the
+    ``> 1`` check (nan compares false with everything)."""
+    assert main(["bench-comm", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("stepwatch bench-comm: ") and says in err and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+def test_a_fractional_stepfactor_measures_each_size_once(one_rank, capsys):
+    """``-b 4 -e 32 -f 1.5``: 4, 6, 9, 13, 20, 30 bytes, rounded down to whole float32 elements
+    measured 4, 4, 8, 12, 20, 28: the first size twice. Sizes strictly increase now."""
+    from stepwatch.comm.bench import sizes
+
+    assert main(["bench-comm", "-b", "4", "-e", "32", "-f", "1.5", "-n", "1", "-w", "0"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
+    assert [int(r.split()[0]) for r in rows] == [4, 8, 12, 20, 28]
+    assert sizes(4, 32, 1.5, elem=4) == [4, 8, 12, 20, 28]
+    assert sizes(1, 16, 1.1, elem=2) == [2, 4, 6, 8, 10, 12, 14]  # below one element: one element
+    assert sizes(1024, 4096, 2) == [1024, 2048, 4096]

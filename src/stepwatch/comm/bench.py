@@ -23,6 +23,7 @@ from .overlap import GB, bus_factor
 from .spans import ALLREDUCE
 
 _SUFFIX = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+_BACKENDS = ("nccl", "gloo")
 _DTYPES = {"float": "float32", "float32": "float32", "half": "float16", "float16": "float16", "bfloat16": "bfloat16"}
 
 
@@ -50,21 +51,27 @@ def parse_size(s: str, name: str = "size") -> int:
     num = t[: len(t) - len(suf)]
     try:
         v = int(float(num) * _SUFFIX[suf])
-    except ValueError:
+    except (ValueError, OverflowError):  # int(inf): -b inf, -e 1e400 were an OverflowError traceback
         raise ValueError(f"{name}={s!r} is not a size: expected a number of bytes with an optional K, M or G suffix (e.g. 1M)") from None
     if v <= 0:
         raise ValueError(f"{name}={s!r} must be > 0 bytes")
     return v
 
 
-def sizes(begin: int, end: int, factor: float) -> list[int]:
+def sizes(begin: int, end: int, factor: float, elem: int = 1) -> list[int]:
+    """The sweep's message sizes, each a whole number of ``elem``-byte elements (at least one), as
+    the buffer that is sent holds, and each larger than the one before: ``-f 1.5`` from 4 bytes
+    gave 4, 6, 9, ... and float32 buffers of 4, 4, 8 bytes, the same size measured twice."""
     if end < begin:
         raise ValueError(f"-e/--maxbytes ({end}) must be >= -b/--minbytes ({begin})")
-    if factor <= 1:
+    if not factor > 1:  # not `factor <= 1`: nan compares false with everything, and passed it
         raise ValueError(f"-f/--stepfactor must be > 1, got {factor}")
-    out, s = [], begin
+    out: list[int] = []
+    s = float(begin)
     while s <= end:
-        out.append(int(s))
+        n = max(int(s) // elem, 1) * elem
+        if not out or n > out[-1]:
+            out.append(n)
         s *= factor
     return out
 
@@ -118,14 +125,17 @@ def run(
     json_path: str | None = None,
 ) -> list[Row]:
     # Every argument is checked before anything is printed or started.
-    plan = sizes(begin, end, factor)
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype={dtype!r}: expected one of {', '.join(sorted(_DTYPES))}")
+    if backend is not None and backend not in _BACKENDS:  # else torch's AssertionError on every rank
+        raise ValueError(f"--backend={backend!r}: expected {' or '.join(_BACKENDS)}")
 
     import torch
     import torch.distributed as dist
 
     tdtype = getattr(torch, _DTYPES[dtype])
+    elem = torch.tensor([], dtype=tdtype).element_size()
+    plan = sizes(begin, end, factor, elem)
     if "RANK" not in os.environ and not dist.is_initialized():
         raise RuntimeError(
             "bench-comm runs one process per rank: start it under torchrun, e.g. "
@@ -145,7 +155,6 @@ def run(
             torch.cuda.set_device(device)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
         base = baseline(torch.cuda.get_device_name(device) if cuda else None, world, max(1, world // max(local, 1)))
-        elem = torch.tensor([], dtype=tdtype).element_size()
         rows = []
         if rank == 0:
             out(header(world, dist.get_backend(), base))
