@@ -187,6 +187,21 @@ def test_doctor_storage_jobs_are_bounded(tmp_path, capsys):
         measure(str(tmp_path), size_bytes=1 << 20, block_bytes=1 << 20, jobs=257)
 
 
+@pytest.mark.parametrize("args", [["--storage-jobs", "16"], ["--storage-size-mb", "64"], ["--storage-seconds", "5"],
+                                  ["--storage-jobs", "1"], ["--storage-size-mb", "64", "--storage-jobs", "16"]])
+def test_storage_options_without_storage_are_a_usage_error(capsys, args):
+    """``doctor --storage-jobs 16`` without ``--storage`` ran no storage test, said nothing and
+    exited 0: the options were ignored. Now exit 2 before any check, naming the option (its
+    default value given explicitly too)."""
+    from stepwatch.cli import main
+
+    assert main(["doctor", "--no-attach", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # no check ran
+    assert err == (f"stepwatch doctor: {args[0]} {args[1]} applies with --storage PATH only (the storage test); "
+                   "add --storage PATH, or leave it out\n"), err
+
+
 def test_storage_on_a_nearly_full_filesystem_writes_nothing(tmp_path, monkeypatch, capsys):
     """Less free space than twice one block per stream: refused before any file is made (it filled
     the disk and reported [fail])."""

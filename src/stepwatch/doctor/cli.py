@@ -20,6 +20,12 @@ from typing import Any
 from .checks import Check
 from .storage import MAX_JOBS
 
+# The storage test's defaults: the options default to None so that one given without --storage
+# can be told from one left out.
+STORAGE_SIZE_MB = 1024
+STORAGE_SECONDS = 10.0
+STORAGE_JOBS = 1
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -31,13 +37,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--storage", metavar="PATH", help="also measure sequential write/read throughput of this "
                    "directory (e.g. the checkpoint directory; reference B.9)")
-    p.add_argument("--storage-size-mb", type=int, default=1024, metavar="MB",
-                   help="bytes written per job, in MiB (default 1024; bounded by free space)")
-    p.add_argument("--storage-seconds", type=float, default=10.0, metavar="S",
-                   help="time limit per phase (write, read), seconds (default 10)")
-    p.add_argument("--storage-jobs", type=int, default=1, metavar="N",
-                   help=f"parallel streams, one file and one thread each, 1-{MAX_JOBS} (default 1, not graded; the "
-                        "reference grades 16, as its fio)")
+    p.add_argument("--storage-size-mb", type=int, default=None, metavar="MB",
+                   help=f"with --storage: bytes written per job, in MiB (default {STORAGE_SIZE_MB}; bounded by free space)")
+    p.add_argument("--storage-seconds", type=float, default=None, metavar="S",
+                   help=f"with --storage: time limit per phase (write, read), seconds (default {STORAGE_SECONDS:g})")
+    p.add_argument("--storage-jobs", type=int, default=None, metavar="N",
+                   help=f"with --storage: parallel streams, one file and one thread each, 1-{MAX_JOBS} (default "
+                        f"{STORAGE_JOBS}, not graded; the reference grades 16, as its fio)")
     p.add_argument("--no-attach", action="store_true", help="do not try a real py-spy attach")
     p.set_defaults(func=run)
 
@@ -108,15 +114,28 @@ def render(checks: list[Check]) -> str:
 
 def _validate(args: argparse.Namespace) -> None:
     """Bad arguments fail before any check runs, naming the argument (the storage test's numbers
-    with or without ``--storage``: a bad one is a mistake either way)."""
+    with or without ``--storage``: a bad one is a mistake either way; a good one without
+    ``--storage`` is one too). Fills in the storage test's defaults."""
     if args.storage is not None and not os.path.isdir(args.storage):
         raise ValueError(f"--storage {args.storage!r}: not an existing directory")
-    if args.storage_size_mb < 1:
+    if args.storage_size_mb is not None and args.storage_size_mb < 1:
         raise ValueError(f"--storage-size-mb must be >= 1, got {args.storage_size_mb}")
-    if not 1 <= args.storage_jobs <= MAX_JOBS:
+    if args.storage_jobs is not None and not 1 <= args.storage_jobs <= MAX_JOBS:
         raise ValueError(f"--storage-jobs must be between 1 and {MAX_JOBS}, got {args.storage_jobs}")
-    if not args.storage_seconds > 0:
+    if args.storage_seconds is not None and not args.storage_seconds > 0:
         raise ValueError(f"--storage-seconds must be > 0, got {args.storage_seconds}")
+    given = [(o, v) for o, v in (("--storage-size-mb", args.storage_size_mb), ("--storage-seconds", args.storage_seconds),
+                                 ("--storage-jobs", args.storage_jobs)) if v is not None]
+    if given and args.storage is None:  # no storage test runs: they were ignored without a word
+        o, v = given[0]
+        raise ValueError(f"{o} {v:g} applies with --storage PATH only (the storage test); add --storage PATH, "
+                         "or leave it out")
+    if args.storage_size_mb is None:
+        args.storage_size_mb = STORAGE_SIZE_MB
+    if args.storage_seconds is None:
+        args.storage_seconds = STORAGE_SECONDS
+    if args.storage_jobs is None:
+        args.storage_jobs = STORAGE_JOBS
 
 
 class _Terminated(BaseException):
