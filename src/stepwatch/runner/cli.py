@@ -137,12 +137,16 @@ def run_main(args: argparse.Namespace) -> int:
             pass
 
     # SIGTERM is often sent to this process alone (a container's PID 1, `kill <pid>`): passed on.
-    # SIGINT (the terminal) and SIGUSR1 (SLURM's --signal, `scancel -s`) reach the whole process
-    # group or job step, the command included: passing them on would deliver them twice (a second
-    # SIGINT interrupts torchrun's shutdown; a second SIGUSR1 runs a requeue handler again).
-    # The runner only outlives them, waiting for the command.
-    signal.signal(signal.SIGTERM, forward)
-    for s in (signal.SIGINT, signal.SIGUSR1):
+    # So is SIGHUP (`kill -HUP <pid>`), as a shell resends it to its jobs: its default action ended
+    # the runner alone, and the command trained on, orphaned. The exit status is the command's.
+    # SIGINT and SIGQUIT (the terminal's Ctrl-C, Ctrl-\) and SIGUSR1 (SLURM's --signal, `scancel
+    # -s`) reach the whole process group or job step, the command included: passing them on would
+    # deliver them twice (a second SIGINT interrupts torchrun's shutdown; a second SIGUSR1 runs a
+    # requeue handler again). The runner only outlives them, waiting for the command (SIGQUIT's
+    # default action ended the runner alone, as SIGHUP's did).
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, forward)
+    for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1):
         signal.signal(s, lambda *_: None)
     while True:
         try:
@@ -158,7 +162,7 @@ def dump_main(args: argparse.Namespace) -> int:
 
     t = args.target
     try:
-        if t.isdigit():
+        if t.isdigit() and not os.path.isdir(t):  # a run dir may be named by digits (a date): it wins
             return dump_pid(int(t), native=args.native, timeout_s=args.timeout)
         return dump_run_dir(t, native=args.native, timeout_s=args.timeout)
     except (ValueError, FileNotFoundError) as e:
