@@ -123,11 +123,41 @@ def _choice(*options: str) -> Callable[[Any], str]:
     return parse
 
 
+def _no_nul(v: str) -> str:
+    """``v``, refused when it holds a NUL byte: no path, file name or host name can, and
+    ``dir="a\\0b"`` died of a ValueError from os.stat deep inside the session."""
+    if "\0" in v:
+        raise ValueError("contains a NUL byte (\\0), which no path or name can hold")
+    return v
+
+
+def _text(s: Any) -> str:
+    """A text setting: a str, as ``dir=`` refuses what is no path (``run_id=b"job7"`` became
+    ``"b'job7'"``, ``gpu_device=True`` ``"True"``: their ``str()`` was taken)."""
+    if not isinstance(s, str):
+        raise ValueError(f"expected text (a str), got {type(s).__name__}")
+    return _no_nul(s)
+
+
 def _opt_str(s: Any) -> str | None:
     if s is None:
         return None
-    v = str(s)
+    v = _text(s)
     return v if v.strip() else None
+
+
+def _gpu_device(s: Any) -> str | None:
+    """Text, or an NVML index given as a whole number (``gpu_device=0``)."""
+    if isinstance(s, int) and not isinstance(s, bool):
+        if s < 0:
+            raise ValueError(f"an NVML index is 0 or more, got {s}")
+        return str(s)
+    return _opt_str(s)
+
+
+def _prometheus_host(s: Any) -> str:
+    """Text; None or blank: the loopback address."""
+    return "127.0.0.1" if s is None else _text(s).strip() or "127.0.0.1"
 
 
 def _opt_path(s: Any) -> str | None:
@@ -137,7 +167,7 @@ def _opt_path(s: Any) -> str | None:
         return None
     if not isinstance(s, (str, bytes, os.PathLike)):
         raise ValueError(f"expected a path (text, bytes or a path object), got {type(s).__name__}")
-    v = os.fsdecode(os.fspath(s))
+    v = _no_nul(os.fsdecode(os.fspath(s)))
     return v if v.strip() else None
 
 
@@ -187,7 +217,7 @@ def _tensorboard_target(v: Any) -> Any:
     if v is None:
         return None
     if isinstance(v, (str, os.PathLike)):
-        d = os.fspath(v)
+        d = _no_nul(os.fsdecode(os.fspath(v)))  # os.path.exists says False for a NUL, not why
         if not d.strip():
             return None
         if os.path.exists(d) and not os.path.isdir(d):
@@ -394,7 +424,7 @@ class Config:
         metadata=_opt(
             "STEPWATCH_PROMETHEUS_HOST",
             "Address the Prometheus endpoint binds to (`0.0.0.0` to be scraped from other hosts).",
-            lambda s: ("127.0.0.1" if s is None else str(s).strip() or "127.0.0.1"),
+            _prometheus_host,
         ),
     )
     otel: bool = field(
@@ -459,7 +489,7 @@ class Config:
             "STEPWATCH_GPU_DEVICE",
             "Which GPU this rank samples: a `GPU-...` UUID, a PCI bus id or an NVML index. Default: "
             "the rank's device, matched by UUID (see docs/telemetry.md).",
-            _opt_str,
+            _gpu_device,
         ),
     )
     peak_tflops: float | None = field(
@@ -792,7 +822,9 @@ def _say_unknown(env: Mapping[str, str], known: set[str]) -> None:
 
     internal = {v for k, v in vars(_env).items() if k.isupper() and isinstance(v, str)}
     for var in sorted(set(unknown) - internal):
-        close = difflib.get_close_matches(var, sorted(known), n=1)
+        # The settings are upper case, and difflib compares case-sensitively: STEPWATCH_enabled
+        # was closest to STEPWATCH_DIR (its lowercase letters matched nothing).
+        close = difflib.get_close_matches(var.upper(), sorted(known), n=1)
         warn_once(
             f"config.unknown.{var}",
             "stepwatch: %s is not a stepwatch setting, and is ignored%s (the settings: the README's "
