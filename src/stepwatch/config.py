@@ -268,7 +268,8 @@ class Config:
 
     enabled: bool = field(
         default=True,
-        metadata=_opt("STEPWATCH_ENABLED", "Master switch. `0` makes every stepwatch call a no-op.", _bool_value),
+        metadata=_opt("STEPWATCH_ENABLED", "Master switch. `0` makes every stepwatch call a no-op, and a bad value "
+                      "of another setting one warning line, not an error: the switch gets a job past it.", _bool_value),
     )
     dir: str | None = field(
         default=None,
@@ -778,6 +779,17 @@ class Config:
         values: dict[str, Any] = {}
         names = {f.name: f for f in dataclasses.fields(cls)}
         _say_unknown(env, {f.metadata["env"] for f in names.values() if f.metadata.get("env")})
+        off = _switched_off(names["enabled"], env, overrides)
+
+        def bad(msg: str) -> None:
+            # The master switch off is how a user gets a job past a stepwatch setting that stops it:
+            # then a bad value is one line, not an error (the switch itself must be readable).
+            if not off:
+                raise ConfigError(msg)
+            from ._log import warn_once
+
+            warn_once(f"config.off.{msg}", "stepwatch: %s; ignored: stepwatch is off (STEPWATCH_ENABLED=0)", msg)
+
         for f in names.values():
             var = f.metadata.get("env")
             if var and var in env:
@@ -785,7 +797,7 @@ class Config:
                 try:
                     values[f.name] = f.metadata["parse"](raw)
                 except ValueError as e:
-                    raise ConfigError(f"{var}={raw!r} is not valid: {e}") from None
+                    bad(f"{var}={raw!r} is not valid: {e}")
         for key, raw in overrides.items():
             f = names.get(key)
             if f is None:
@@ -794,7 +806,7 @@ class Config:
             try:
                 values[key] = f.metadata["parse"](raw)
             except (TypeError, ValueError) as e:
-                raise ConfigError(f"stepwatch.init({key}={raw!r}) is not valid: {e}") from None
+                bad(f"stepwatch.init({key}={raw!r}) is not valid: {e}")
         return cls(**values)
 
     def as_manifest(self) -> dict[str, Any]:
@@ -807,6 +819,18 @@ class Config:
                 v = type(v).__name__  # the user's writer object
             out[f.name] = v
         return out
+
+
+def _switched_off(f: Any, env: Mapping[str, str], overrides: Mapping[str, Any]) -> bool:
+    """``enabled`` is False (the argument over the variable); an unreadable switch is not off (its
+    own error comes with the other settings')."""
+    try:
+        if "enabled" in overrides:
+            return f.metadata["parse"](overrides["enabled"]) is False
+        var = f.metadata["env"]
+        return var in env and f.metadata["parse"](env[var]) is False
+    except (TypeError, ValueError):
+        return False
 
 
 def _say_unknown(env: Mapping[str, str], known: set[str]) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -101,3 +103,29 @@ def test_an_nvml_index_as_a_number_is_a_gpu_device():
     assert Config.from_env({}, gpu_device=3).gpu_device == "3"
     with pytest.raises(ConfigError, match=r"gpu_device=-1.*0 or more"):
         Config.from_env({}, gpu_device=-1)
+
+
+def test_the_master_switch_off_gets_a_job_past_a_bad_setting(caplog):
+    """``STEPWATCH_ENABLED=0`` is the switch a user reaches for when a stepwatch setting stops their
+    job: a bad value of another variable still raised at ``import stepwatch.auto``, so the job
+    could not be run without removing that variable. With the switch off, bad values are ignored,
+    one line each; with it on they still raise."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        cfg = Config.from_env({"STEPWATCH_ENABLED": "0", "STEPWATCH_WINDOW": "1"}, dir="x\0y")
+    assert cfg.enabled is False
+    said = [r.getMessage() for r in caplog.records]
+    assert any("STEPWATCH_WINDOW='1' is not valid" in m and "ignored: stepwatch is off" in m for m in said), said
+    assert any("stepwatch.init(dir=" in m and "ignored: stepwatch is off" in m for m in said), said
+    with pytest.raises(ConfigError, match="STEPWATCH_WINDOW"):
+        Config.from_env({"STEPWATCH_ENABLED": "1", "STEPWATCH_WINDOW": "1"})
+    with pytest.raises(ConfigError, match="STEPWATCH_ENABLED"):  # the switch itself must be readable
+        Config.from_env({"STEPWATCH_ENABLED": "maybe", "STEPWATCH_WINDOW": "1"})
+    # and a real job: the one-line import, the switch off, a bad setting beside it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
+    env.update(STEPWATCH_ENABLED="0", STEPWATCH_WINDOW="1",
+               PYTHONPATH=os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src"))
+    r = subprocess.run([sys.executable, "-c", "import stepwatch.auto; print('trained')"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "trained", r.stderr[-2000:]
