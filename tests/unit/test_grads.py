@@ -1042,9 +1042,10 @@ def test_the_common_probe_matches_get_total_norm_in_float64_and_bfloat16(hooked)
                                               for p in m.parameters()]).item()
         opt.step()
         (p,) = h.pending
-        # CPU grads: each one's norm as _foreach_norm made it (a tuple of 0-d tensors), stacked where read
-        assert p.per_tensor and type(p.values) is tuple and len(p.values) == len(list(m.parameters()))
-        assert all(v.dim() == 0 and v.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) for v in p.values)
+        # CPU grads: each one's norm, read as a Python float on the training thread (no tensor
+        # outlives the step); the tolerance shows the dtype it was taken in
+        assert p.per_tensor and type(p.values) is list and len(p.values) == len(list(m.parameters()))
+        assert all(type(v) is float for v in p.values)
         assert rel(h.values()[0].norm, want) < tol, dtype
 
 

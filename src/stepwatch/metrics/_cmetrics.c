@@ -591,7 +591,8 @@ typedef struct {
 /* From _bind_grads(): the Python path, the tap (_TAP), the classes read here, torch's functions. */
 static PyObject *gn_full = NULL, *gn_tap = NULL, *gn_probe_cls = NULL, *gn_state_cls = NULL, *gn_pending_cls = NULL;
 static PyObject *gn_tensor_cls = NULL, *gn_foreach_norm = NULL, *gn_stack = NULL,
-                *gn_capturing = NULL, *gn_copy_to_host = NULL, *gn_kw_dtype = NULL, *gn_two = NULL;
+                *gn_capturing = NULL, *gn_copy_to_host = NULL, *gn_kw_dtype = NULL, *gn_two = NULL,
+                *gn_s_tolist = NULL;
 enum { OS_CALLS, OS_PARAMS, OS_SHAPE, OS_PLAIN, OS_FSDP1, OS_NORM_DTYPE, OS_SCALE_IN_DICT, OS_N };
 static const char *os_names[OS_N] = {"calls", "params", "shape", "plain", "fsdp1", "norm_dtype", "scale_in_dict"};
 static Py_ssize_t os_off[OS_N];
@@ -781,8 +782,8 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
         Py_DECREF(st);
         return r;
     }
-    /* CPU grads: their norms as _foreach_norm returns them (a tuple), stacked where they are read,
-     * off the training thread (_compute_plain says why) */
+    /* CPU grads: their norms read at once, as Python floats (stack(norms).tolist(): no tensor
+     * outlives the step; _compute_plain says why) */
     int cpu = tensor_attr_truth(PyList_GET_ITEM(grads, 0), A_IS_CPU);
     if (cpu < 0) {
         Py_DECREF(grads);
@@ -794,14 +795,14 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
     Py_DECREF(norm_dtype);
     Py_DECREF(grads);
     PyObject *values = NULL;
-    if (norms != NULL && cpu && PyTuple_CheckExact(norms)) {
-        /* the norms too: a grad-free 0-d tensor each, referring to no Python object (the
-         * stacked tensor they replace was the one tracked object a step left in the queue) */
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(norms); i++) untrack(PyTuple_GET_ITEM(norms, i));
-        values = untrack(norms);
-    } else if (norms != NULL) {
+    if (norms != NULL) {
         values = PyObject_CallOneArg(gn_stack, norms);
         Py_DECREF(norms);
+        if (values != NULL && cpu) { /* a list of floats: untracked, it refers to no object */
+            PyObject *floats = PyObject_CallMethodNoArgs(values, gn_s_tolist);
+            Py_DECREF(values);
+            values = floats != NULL ? untrack(floats) : NULL;
+        }
     }
     if (values == NULL) {
         if (!is_torch_error()) goto error;
@@ -817,7 +818,7 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
      * its __init__ fills it; a value on the GPU is copied to the host without blocking (the
      * values' device, as _probe asks it: the first parameter's may differ) */
     PyObject *host = Py_None, *event = Py_None, *device = NULL, *hed = NULL;
-    int on_gpu = PyTuple_CheckExact(values) ? 0 : tensor_attr_truth(values, A_IS_CUDA);
+    int on_gpu = PyList_CheckExact(values) ? 0 : tensor_attr_truth(values, A_IS_CUDA);
     if (on_gpu < 0) {
         Py_DECREF(values);
         return NULL;
@@ -970,6 +971,7 @@ static PyObject *mod_bind_grads_torch(PyObject *m, PyObject *const *args, Py_ssi
     }
     if (gn_kw_dtype == NULL && (gn_kw_dtype = Py_BuildValue("(s)", "dtype")) == NULL) return NULL;
     if (gn_two == NULL && (gn_two = PyFloat_FromDouble(2.0)) == NULL) return NULL;
+    if (gn_s_tolist == NULL && (gn_s_tolist = PyUnicode_InternFromString("tolist")) == NULL) return NULL;
     Py_XSETREF(gn_tensor_cls, Py_NewRef(args[0]));
     Py_XSETREF(gn_foreach_norm, Py_NewRef(args[1]));
     Py_XSETREF(gn_stack, Py_NewRef(args[2]));

@@ -684,11 +684,13 @@ class GradNormProbe:
             if values is None:
                 return None
         if isinstance(scale, torch.Tensor):
-            if isinstance(values, (tuple, list)):  # _compute_plain's CPU norms, not stacked
-                values = torch.stack(values)
+            if isinstance(values, list):  # _compute_plain's CPU norms, read already
+                values = torch.tensor(values, dtype=st.norm_dtype)
             s = scale.to(device=values.device, dtype=torch.float32)
             values = values / s if values.dim() == 0 or per_tensor else values / torch.stack([s * s, s])
-        host, event, device = copy_to_host(values) if not isinstance(values, (tuple, list)) and values.is_cuda else (None, None, -1)
+        if not isinstance(values, list) and values.is_cpu:
+            values = untracked(values.tolist())  # a float or a list of floats: see _compute_plain
+        host, event, device = copy_to_host(values) if not isinstance(values, (float, list)) and values.is_cuda else (None, None, -1)
         # Tensors and numbers: it cannot be part of a cycle, and it waits in the queue (see _ctracker.c).
         return untracked(PendingGradNorm(values, host, event, sharded, from_clip, False, id(optimizer), device, per_tensor))
 
@@ -822,10 +824,12 @@ class GradNormProbe:
         sparse grad or grads on several devices make torch refuse, and this optimizer takes the
         general path (``_compute``) from then on.
 
-        CPU grads: the norms as ``_foreach_norm`` made them (a tuple), not stacked. Their values are
-        final (a CPU kernel has run when it returns) and no one else holds them: the ``stack`` is
-        made where they are read, off the training thread (``resolve``), which it cost a third of
-        stepwatch's instructions a step on the benchmark's CPU loop (thirty-first session)."""
+        CPU grads: the norms read at once, as Python floats (``stack(...).tolist()``: their values
+        are final, a CPU kernel has run when it returns). Until the forty-first session they were
+        kept as ``_foreach_norm`` made them (small 0-d tensors, stacked where read, off the training
+        thread), up to a pass later: hundreds of steps' small allocations among each step's freed
+        buffers kept glibc's heap from shrinking (+150 MiB over 800 steps of a loop that keeps
+        nothing, and a memory_growth finding). A float allocates nothing of torch's."""
         torch = _TORCH or _torch()
         grads = [g for p in st.params if (g := p.grad) is not None]
         if not grads:
@@ -835,10 +839,8 @@ class GradNormProbe:
             return None
         try:
             norms = torch._foreach_norm(grads, 2.0, dtype=st.norm_dtype)
-            if grads[0].is_cpu:  # a tuple; its grad-free 0-d tensors refer to no Python object
-                for n in norms:
-                    untracked(n)
-                return untracked(norms)
+            if grads[0].is_cpu:
+                return untracked(torch.stack(norms).tolist())  # floats: no tensor outlives the step
             return torch.stack(norms)
         except (RuntimeError, NotImplementedError, TypeError):
             st.plain = False
@@ -896,13 +898,12 @@ class GradNormProbe:
             got = pending.host.tolist()
         else:
             v = pending.values
-            # A CPU value is read as it is: each extra torch call here (detach, to) hands the
-            # GIL to the training thread and back while it runs torch ops of its own. CPU norms
-            # not stacked (_compute_plain): stacked here, one call.
-            if isinstance(v, (tuple, list)):
-                got = (_TORCH or _torch()).stack(v).tolist()
+            # CPU values were read on the training thread (floats: _compute_plain says why); any
+            # other device's (not CUDA: no event) are read here.
+            if isinstance(v, (float, list)):
+                got = v
             else:
-                got = v.tolist() if v.is_cpu else v.detach().to("cpu").tolist()
+                got = v.detach().to("cpu").tolist()
         sq, rep = (0.0, _root_sum_sq(got)) if pending.per_tensor else _pair(got)
         nonfinite = not (math.isfinite(sq) and math.isfinite(rep))
         norm = None if pending.sharded else rep
