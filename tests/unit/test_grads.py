@@ -337,6 +337,27 @@ def test_a_norm_high_all_along_is_said_so_and_triggers_no_capture():
     assert not f.data["steady"] and "above 10" in f.summary and triggers_capture(f), f.summary
 
 
+def test_a_jump_under_the_relative_factor_from_a_low_median_is_a_spike_not_high_all_along():
+    """Norms of 2.0-2.5 (rolling median 2.25), then one bad batch at 10.93: 4.9x the median, under
+    the factor of 5, above the absolute 10. It was called "high all along" (``steady``), and no
+    capture was asked for, while 12.1 (5.4x) was a spike. High all along is a norm near its
+    rolling median (at most twice it); this one is a jump."""
+    from stepwatch.capture.triggers import triggers_capture
+    from stepwatch.metrics.grads import GradNormSpikeDetector
+
+    d = GradNormSpikeDetector(abs_threshold=10.0, factor=5.0, window=20)
+    for i in range(30):
+        assert d.observe_result(i, _res(2.0 + 0.05 * (i % 11))) is None
+    f = d.observe_result(30, _res(10.93))
+    assert not f.data["steady"] and "high all along" not in f.summary and triggers_capture(f), f.summary
+    # hovering around the threshold, the median just under it: high all along, no capture
+    d = GradNormSpikeDetector(abs_threshold=10.0, factor=5.0, window=20)
+    for i in range(30):
+        d.observe_result(i, _res(9.0 + 0.2 * (i % 7)))
+    f = d.observe_result(30, _res(11.0))
+    assert f.data["steady"] and "high all along" in f.summary and not triggers_capture(f), f.summary
+
+
 def test_collector_hands_over_a_steps_probes_including_skipped():
     """The shape the session uses: pre-hook feeds the collector, take() at step end, resolve off-thread."""
     from stepwatch.metrics.grads import GradNormCollector

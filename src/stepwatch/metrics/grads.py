@@ -1267,6 +1267,11 @@ class _Window:
         self.sorted: list[float] = []
 
 
+# A norm above the absolute threshold and at most this many times its rolling median is high all
+# along (``grad_norm_spike``'s ``data.steady``: no capture), not a jump.
+STEADY_RATIO = 2.0
+
+
 class GradNormSpikeDetector:
     """Turns resolved grad norms into findings (background thread).
 
@@ -1400,9 +1405,11 @@ class GradNormSpikeDetector:
         # finding, and the findings file said one step.
         from ..analysis.kinds import make_finding
 
-        # Above the absolute threshold with its rolling median known and no jump from it: high all
-        # along (a fresh ResNet's 50, a WGAN-GP critic's 13), not a spike to capture the steps after.
-        steady = over_abs and not over_rel and median is not None
+        # Above the absolute threshold with its rolling median known and no jump from it (at most
+        # STEADY_RATIO times it): high all along (a fresh ResNet's 50, a WGAN-GP critic's 13), not a
+        # spike to capture the steps after. (Under the relative factor alone, 10.9 from a median of
+        # 2.25 was "high all along".)
+        steady = over_abs and not over_rel and median is not None and norm <= STEADY_RATIO * median
         if steady:
             why = f"above {self.abs_threshold:g}, and high all along: rolling median {median:.3g}"
         elif over_abs:
