@@ -592,7 +592,7 @@ typedef struct {
 static PyObject *gn_full = NULL, *gn_tap = NULL, *gn_probe_cls = NULL, *gn_state_cls = NULL, *gn_pending_cls = NULL;
 static PyObject *gn_tensor_cls = NULL, *gn_foreach_norm = NULL, *gn_stack = NULL,
                 *gn_capturing = NULL, *gn_copy_to_host = NULL, *gn_kw_dtype = NULL, *gn_two = NULL,
-                *gn_s_tolist = NULL;
+                *gn_s_item = NULL;
 enum { OS_CALLS, OS_PARAMS, OS_SHAPE, OS_PLAIN, OS_FSDP1, OS_NORM_DTYPE, OS_SCALE_IN_DICT, OS_N };
 static const char *os_names[OS_N] = {"calls", "params", "shape", "plain", "fsdp1", "norm_dtype", "scale_in_dict"};
 static Py_ssize_t os_off[OS_N];
@@ -782,7 +782,7 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
         Py_DECREF(st);
         return r;
     }
-    /* CPU grads: their norms read at once, as Python floats (stack(norms).tolist(): no tensor
+    /* CPU grads: their norms read at once, as Python floats (each one's item(): no tensor
      * outlives the step; _compute_plain says why) */
     int cpu = tensor_attr_truth(PyList_GET_ITEM(grads, 0), A_IS_CPU);
     if (cpu < 0) {
@@ -795,14 +795,20 @@ static PyObject *GradNorm_on_optimizer_step(GradNormCore *self, PyObject *optimi
     Py_DECREF(norm_dtype);
     Py_DECREF(grads);
     PyObject *values = NULL;
-    if (norms != NULL) {
+    if (norms != NULL && cpu && PyTuple_CheckExact(norms)) {
+        /* a list of floats, untracked: it refers to no object */
+        Py_ssize_t k = PyTuple_GET_SIZE(norms);
+        values = PyList_New(k);
+        for (Py_ssize_t i = 0; values != NULL && i < k; i++) {
+            PyObject *x = PyObject_CallMethodNoArgs(PyTuple_GET_ITEM(norms, i), gn_s_item);
+            if (x == NULL) Py_CLEAR(values);
+            else PyList_SET_ITEM(values, i, x);
+        }
+        Py_DECREF(norms);
+        if (values != NULL) untrack(values);
+    } else if (norms != NULL) {
         values = PyObject_CallOneArg(gn_stack, norms);
         Py_DECREF(norms);
-        if (values != NULL && cpu) { /* a list of floats: untracked, it refers to no object */
-            PyObject *floats = PyObject_CallMethodNoArgs(values, gn_s_tolist);
-            Py_DECREF(values);
-            values = floats != NULL ? untrack(floats) : NULL;
-        }
     }
     if (values == NULL) {
         if (!is_torch_error()) goto error;
@@ -971,7 +977,7 @@ static PyObject *mod_bind_grads_torch(PyObject *m, PyObject *const *args, Py_ssi
     }
     if (gn_kw_dtype == NULL && (gn_kw_dtype = Py_BuildValue("(s)", "dtype")) == NULL) return NULL;
     if (gn_two == NULL && (gn_two = PyFloat_FromDouble(2.0)) == NULL) return NULL;
-    if (gn_s_tolist == NULL && (gn_s_tolist = PyUnicode_InternFromString("tolist")) == NULL) return NULL;
+    if (gn_s_item == NULL && (gn_s_item = PyUnicode_InternFromString("item")) == NULL) return NULL;
     Py_XSETREF(gn_tensor_cls, Py_NewRef(args[0]));
     Py_XSETREF(gn_foreach_norm, Py_NewRef(args[1]));
     Py_XSETREF(gn_stack, Py_NewRef(args[2]));
