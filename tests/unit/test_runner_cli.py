@@ -3,6 +3,7 @@ commands, real signals."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -38,6 +39,21 @@ def _runner(tmp_path, child_code):
     raise AssertionError("the command did not start")
 
 
+@contextlib.contextmanager
+def _running(tmp_path, child_code):
+    """``_runner``, both processes killed at the end whatever the test did."""
+    p, child = _runner(tmp_path, child_code)
+    try:
+        yield p, child
+    finally:
+        for pid in (child, p.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait(timeout=10)
+
+
 def _gone(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -51,55 +67,31 @@ def test_sighup_to_the_runner_reaches_the_command(tmp_path):
     training on, orphaned. Forwarded now, as SIGTERM (and as a shell resends it to its jobs): the
     command's handler runs, and the runner's status is the command's."""
     sig = signal.SIGHUP
-    p, child = _runner(tmp_path, f"signal.signal({int(sig)}, lambda n, f: os._exit(40 + n))\n")
-    try:
+    with _running(tmp_path, f"signal.signal({int(sig)}, lambda n, f: os._exit(40 + n))\n") as (p, child):
         os.kill(p.pid, sig)  # the runner alone, as `kill -HUP <pid>`
         assert p.wait(timeout=30) == 40 + sig
         assert _gone(child)
-    finally:
-        for pid in (child, p.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait(timeout=10)
 
 
 def test_sigquit_to_the_runner_leaves_no_orphan(tmp_path):
     """``kill -QUIT <stepwatch run pid>`` killed the runner (status 131) and left the command
     orphaned. SIGQUIT is the terminal's Ctrl-\\, which reaches the command too: the runner outlives
     it, as SIGINT, and goes on waiting for the command, whose status it returns."""
-    p, child = _runner(tmp_path, "")
-    try:
+    with _running(tmp_path, "") as (p, child):
         os.kill(p.pid, signal.SIGQUIT)  # the runner alone
         time.sleep(1.0)
         assert p.poll() is None and not _gone(child)  # neither ended: the runner still waits
         os.kill(child, signal.SIGTERM)
         assert p.wait(timeout=30) == 128 + signal.SIGTERM
         assert _gone(child)
-    finally:
-        for pid in (child, p.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait(timeout=10)
 
 
 def test_a_command_killed_by_a_forwarded_sighup_is_said_as_the_shell_would(tmp_path):
     """The command dies of SIGHUP's default action: the runner exits 128 + 1, as a shell reports it."""
-    p, child = _runner(tmp_path, "")
-    try:
+    with _running(tmp_path, "") as (p, child):
         os.kill(p.pid, signal.SIGHUP)
         assert p.wait(timeout=30) == 128 + signal.SIGHUP
         assert _gone(child)
-    finally:
-        for pid in (child, p.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait(timeout=10)
 
 
 def test_dump_of_an_all_digit_run_directory_is_that_run_directory(tmp_path, monkeypatch, capsys):
