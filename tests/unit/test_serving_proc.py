@@ -512,3 +512,28 @@ def test_the_wrappers_signal_handler_takes_no_lock_the_main_loop_may_hold():
     t0 = time.monotonic()
     quiet.sleep(0.2)
     assert 0.15 <= time.monotonic() - t0 < 1.0
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_line_before_the_server_starts(tmp_path):
+    """``--run-dir`` under a file: a traceback and exit 1 from deep inside, after the server
+    command was started (a minute of vLLM's model loading, then killed). One line, exit 2, nothing
+    started."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    marker = tmp_path / "started"
+    server = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close(); import time; time.sleep(30)"]
+    r = subprocess.run([sys.executable, "-m", "stepwatch", "serve-vllm", "--run-dir", str(afile / "run"), "--", *server],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "cannot use the run directory" in r.stderr and "--run-dir" in r.stderr, r.stderr
+    assert not marker.exists()
+
+
+def test_two_watchers_started_in_one_second_get_run_dirs_of_their_own():
+    """The default run id was the second alone (``serve-%Y%m%d-%H%M%S``): two watchers started
+    together wrote one findings file and one stall-1/ (one's report overwrote the other's). The
+    process id is in it now, as a training run's."""
+    from stepwatch.serving.cli import default_run_id
+
+    rid = default_run_id()
+    assert rid.startswith("serve-") and rid.endswith(f"-{os.getpid()}"), rid

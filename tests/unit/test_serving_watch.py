@@ -644,3 +644,85 @@ def test_on_gone_replaces_the_gone_warning(tmp_path, caplog):
         time.sleep(0.05)
     assert told == [(w.servers[0].url, dead.pid)]
     assert "gone" not in caplog.text and w.stalls == 0
+
+
+# -- the forty-first session's defects ----------------------------------------------------------
+
+
+class BrokenHTTP:
+    """A loopback port that answers /metrics with a chunked body cut short (a proxy, a server
+    dying mid-reply): http.client raises IncompleteRead, an HTTPException."""
+
+    def __init__(self) -> None:
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802
+                self.send_response(200)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.write(b"10\r\nvllm:num_requ")  # 16 announced, 13 sent, then closed
+                self.wfile.flush()
+                self.close_connection = True
+
+            def log_message(self, *a) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_server_that_answers_broken_http_blinds_only_itself(standin, tmp_path):
+    """``--attach GOOD --attach BAD``, BAD's reply cut short: IncompleteRead (an HTTPException, not
+    an OSError) escaped the scrape and ended every pass: no samples, findings or stall detection
+    for any server. BAD is now one that did not answer (counted); GOOD is watched."""
+    standin.metrics = text("metrics-0.32.0-midflight.txt")
+    bad = BrokenHTTP()
+    try:
+        mem = InMemoryExporter()
+        w = ServeWatcher(WatchConfig(urls=[standin.url, bad.url], run_dir=str(tmp_path), stall_timeout_s=1000),
+                         exporters=[mem])
+        b = w.tick()
+        assert b is not None and b.samples, b  # GOOD's
+        good, broken = w.servers
+        assert good.down_since is None and broken.down_since is not None and "IncompleteRead" in broken.error, broken.error
+    finally:
+        bad.close()
+
+
+def test_the_findings_file_is_bounded_across_watchers_of_one_run_dir(tmp_path, monkeypatch):
+    """The findings file's bound counted this process's writes only: a watcher restarted with the
+    same --run-dir (a supervisor's) appended up to another 16 MiB each time."""
+    from stepwatch.record import Finding
+    from stepwatch.serving import watcher as W
+
+    monkeypatch.setattr(W, "FINDINGS_FILE_BYTES", 4096)
+    path = tmp_path / "findings.serve.jsonl"
+    path.write_text("x" * 4000 + "\n")
+    os.chmod(path, 0o600)
+    w = ServeWatcher(WatchConfig(urls=["http://127.0.0.1:9"], run_dir=str(tmp_path)))
+    f = Finding(time=1.0, step=None, rank=0, kind="stall", severity="critical", summary="s" * 200, diagnosis="d",
+                action="a", data={})
+    w._write_finding(f)
+    assert path.stat().st_size == 4001
+
+
+def test_a_stall_without_dumps_says_why_in_its_summary(standin, tmp_path):
+    """No --pid: the summary said "dumped 0 process(es), no single stuck process found", and the
+    action pointed at stall-<n>/ files that are not there; the watcher knew why (no server pid)
+    and dropped it."""
+    standin.metrics = text("metrics-0.32.0-midflight.txt")
+    standin.load = 40
+    w = ServeWatcher(WatchConfig(urls=[standin.url], run_dir=str(tmp_path), stall_timeout_s=0.3, interval_s=0.1))
+    w.tick()
+    time.sleep(0.2)
+    w.tick()
+    time.sleep(0.4)
+    (stall,) = [f for f in w.tick().findings if f.kind == "stall"]
+    assert "no server pid (attach with --pid PID to get stacks)" in stall.summary, stall.summary
+    assert stall.data["note"] == "no server pid (attach with --pid PID to get stacks)"

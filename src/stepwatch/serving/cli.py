@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from .._argtypes import positive
-from .._files import private_run_dir
+from .._files import make_private_dir, private_run_dir
 
 # The exit status of an attached watch whose --pid exited: neither 0 (stopped by SIGINT/SIGTERM),
 # 1 (a stepwatch error), 2 (bad arguments) nor 127 (cannot start), so a supervisor can tell.
@@ -173,6 +173,12 @@ def build_exporters(args: argparse.Namespace, run_id: str, run_dir: str) -> list
                          prometheus_settings=("--prometheus-port", "--prometheus-host"), finding_kinds=False)]
 
 
+
+def default_run_id() -> str:
+    """``serve-<time>-<pid>``: two watchers started in one second wrote one run directory (one
+    findings file, one ``stall-1/``) while the id was the time alone."""
+    return time.strftime("serve-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+
 def run(args: argparse.Namespace) -> int:
     from .._log import logger
     from .._os import procs
@@ -195,9 +201,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"stepwatch serve-vllm: error: argument --pid: no process {args.pid} is running "
                   "(give the server's top process)", file=sys.stderr)
             return 2
-    run_id = time.strftime("serve-%Y%m%d-%H%M%S")
+    run_id = default_run_id()
     try:
         run_dir = private_run_dir(args.run_dir or os.path.join("stepwatch-runs", run_id))
+        make_private_dir(run_dir)  # now, before a server starts: it was made later, unguarded
     except OSError as e:
         print(f"stepwatch serve-vllm: error: cannot use the run directory ({e}); choose another with --run-dir", file=sys.stderr)
         return 2

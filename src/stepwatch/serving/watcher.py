@@ -11,6 +11,7 @@ them with no serving-specific code there.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import math
@@ -170,7 +171,12 @@ class ServeWatcher:
         self._opener = opener or urllib.request.build_opener(urllib.request.ProxyHandler({}))
         make_private_dir(config.run_dir)
         self.findings_path = os.path.join(config.run_dir, "findings.serve.jsonl")
-        self._findings_bytes = 0
+        # The file's bound counts what an earlier watcher of this run dir wrote (a supervisor's
+        # restart appended up to another FINDINGS_FILE_BYTES each time).
+        try:
+            self._findings_bytes = os.stat(self.findings_path).st_size
+        except OSError:
+            self._findings_bytes = 0
         self._lock = threading.Lock()
         self.last_error: BaseException | None = None  # why the last _get got no answer
         if config.pyspy is None:
@@ -190,7 +196,9 @@ class ServeWatcher:
                 return r.status, r.read(32 * 1024 * 1024)
         except urllib.error.HTTPError as e:
             return e.code, b""
-        except (OSError, ValueError) as e:  # refused, timeout, reset, bad URL
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            # refused, timeout, reset, bad URL; a reply cut short or no HTTP at all (IncompleteRead,
+            # BadStatusLine: HTTPException, no OSError) escaped and ended every pass, for every server
             log.debug("GET %s failed: %r", url, e)
             self.last_error = e
             return None
@@ -474,8 +482,9 @@ class ServeWatcher:
         stuck = report.get("stuck") or {}
         return make_finding(
             "stall", rank=0, step=None,  # data.subject: each stall is its own episode (its own dump)
-            summary=stall_summary(report) + (f"; stacks in {report['dir']}" if "dir" in report else ""),
-            data={**info, "dir": report.get("dir"), "dumped": report.get("dumped", 0),
+            summary=stall_summary(report) + (f"; stacks in {report['dir']}" if "dir" in report else "")
+            + (f"; {report['note']}" if report.get("note") else ""),
+            data={**info, "dir": report.get("dir"), "dumped": report.get("dumped", 0), "note": report.get("note"),
                   "stuck_pid": stuck.get("pid"), "stuck_name": stuck.get("name"), "stuck_state": stuck.get("state"),
                   "why": stuck.get("why"), "where": (stuck.get("where") or {}).get("frames", [None])[:3],
                   "subject": f"stall {n}"},
