@@ -726,3 +726,27 @@ def test_a_stall_without_dumps_says_why_in_its_summary(standin, tmp_path):
     (stall,) = [f for f in w.tick().findings if f.kind == "stall"]
     assert "no server pid (attach with --pid PID to get stacks)" in stall.summary, stall.summary
     assert stall.data["note"] == "no server pid (attach with --pid PID to get stacks)"
+
+
+def test_a_server_that_died_is_not_exported_as_busy(tmp_path):
+    """After an attached server died (connection refused), ``--prometheus-port`` kept serving its
+    last values (``requests_running 4``, tokens/s) with no end: a dashboard saw a busy server. Its
+    series are set to NaN once (no data, as an empty window's), and come back when it answers."""
+    s = StandIn()
+    s.metrics = text("metrics-0.32.0-midflight.txt")
+    mem = InMemoryExporter()
+    w = ServeWatcher(WatchConfig(urls=[s.url], run_dir=str(tmp_path), stall_timeout_s=1000), exporters=[mem])
+    def of_server(batch):  # its series (not the watch's own: scrape errors, in flight)
+        return [x for x in batch.samples if x["labels"].get("server") == s.url and N.OUT_SCRAPE_ERRORS not in x]
+
+    mine = of_server(w.tick())
+    assert mine and any(x.get(N.OUT_RUNNING) == 8.0 for x in mine), mine
+    s.close()  # the server dies
+    after = w.tick()
+    gone = of_server(after)
+    # the watch's own in-flight count: unknown with every server gone, not the last one left served
+    (own,) = [x for x in after.samples if N.OUT_SCRAPE_ERRORS in x]
+    assert math.isnan(own[N.OUT_IN_FLIGHT]), own
+    assert gone and {tuple(sorted(x["labels"].items())) for x in gone} == {tuple(sorted(x["labels"].items())) for x in mine}
+    assert all(math.isnan(v) for x in gone for k, v in x.items() if k not in ("source", "time", "labels")), gone
+    assert not of_server(w.tick())  # once

@@ -108,6 +108,9 @@ class _Server:
         self.warned_mono: float | None = None
         self.outage_warned = False  # this outage was warned about (then its end is said too)
         self.gone_warned = False
+        # The series last exported for this server: (labels, value names), set to NaN once when
+        # it stops answering (a dead server's last values stayed served: "4 requests running").
+        self.emitted: list[tuple[dict[str, str], list[str]]] = []
 
     def add(self, s: Scrape) -> None:
         self.history.append(s)
@@ -161,6 +164,7 @@ class ServeWatcher:
         # them to NaN from then on, not leaving the last burst's value served (_samples).
         self._had_value: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
         self.stall_reports: list[dict[str, Any]] = []
+        self._in_flight_shown = False  # the last pass exported an in-flight count
         self.findings: deque[Finding] = deque(maxlen=FINDINGS_KEPT)
         # The same rate limit as a training session's (analysis/ratelimit.py), in seconds: one
         # finding per episode, repeated at most every 20 SLO windows, with its count.
@@ -318,6 +322,11 @@ class ServeWatcher:
         counted = 0  # servers whose in-flight count is known, or unknown but not refused
         for srv in self.servers:
             sc = self.scrape(srv)
+            if sc is None and srv.emitted:  # no data: its series read NaN, as an empty window's
+                t = time.time()
+                batch.samples.extend({"source": "serving", "time": t, "labels": labels, **dict.fromkeys(keys, math.nan)}
+                                     for labels, keys in srv.emitted)
+                srv.emitted = []
             if sc is None and srv.refused:
                 continue  # nothing listens there: no requests in flight at it, and no /load to ask
             load = self.in_flight(srv, sc)
@@ -331,7 +340,9 @@ class ServeWatcher:
             progress[1] += sum(w.gauge(N.PROMPT_TOKENS).values())
             progress[2] += sum(w.gauge(tuple(b + "_count" for b in N.ITERATION_TOKENS)).values())
             progress_known = True
-            batch.samples.extend(self._samples(srv, load))
+            got = self._samples(srv, load)
+            srv.emitted = [(x["labels"], [k for k in x if k not in ("source", "time", "labels")]) for x in got]
+            batch.samples.extend(got)
             latest = srv.window(self.cfg.interval_s)
             slo = srv.window(self.cfg.slo_window_s)
             if latest is not None and slo is not None:
@@ -346,11 +357,14 @@ class ServeWatcher:
         began = self.stall.update(now, in_flight=in_flight, progress=tuple(progress) if progress_known else None,
                                   unreachable=unreachable)
         since = self.stall.seconds_since_progress(now)
+        # in flight unknown (every server gone): NaN once, not the last count left served
+        flight = in_flight if in_flight is not None else (math.nan if self._in_flight_shown else None)
+        self._in_flight_shown = in_flight is not None
         batch.samples.append({
             "source": "serving", "time": time.time(), "labels": {"server": ",".join(s.url for s in self.servers)},
             N.OUT_SCRAPE_ERRORS: float(self.parse_errors.count + self.scrape_failures),
             **({N.OUT_SINCE_PROGRESS: since} if since is not None else {}),
-            **({N.OUT_IN_FLIGHT: in_flight} if in_flight is not None else {}),
+            **({N.OUT_IN_FLIGHT: flight} if flight is not None else {}),
         })
         if began:
             batch.findings.append(self._on_stall(in_flight, since or 0.0))
