@@ -458,3 +458,22 @@ def test_values_inside_a_graph_capture_are_unknown_not_captured(sw, monkeypatch)
     assert mem.records[0].scalars == {"loss": None, "lr": 0.5}
     c = _count_nonzero(_CapturedCudaTensor())
     assert (c.samples, c.tokens, c._pending) == (None, None, None)
+
+
+def test_a_phase_name_per_step_keeps_nothing_once_closed(sw):
+    """``stepwatch.phase(f"p{i}")`` (a user's bug, as a new scalar name each step): the tracker kept
+    one entry per name ever opened (42,000 after 42,000 steps; 18.7 MB over 200k), where the
+    scalars' names are capped. A closed phase's name is dropped; nested ones still count."""
+    stepwatch, mem, start = sw
+    s = start()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for i in range(300):
+        with stepwatch.phase(f"p{i}"):
+            with stepwatch.phase(f"p{i}"):  # reentrant: the outer one times it
+                m(torch.randn(2, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert s.tracker._phase_depth == {} and s.tracker._phase_t0 == {}
+    stepwatch.shutdown()
+    assert [r.phases for r in mem.records[-2:]] and all(len(r.phases) == 1 for r in mem.records[1:])

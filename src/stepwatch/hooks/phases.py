@@ -894,9 +894,12 @@ class _Methods:
             depth = self._phase_depth.get(name, 0) - 1
             if depth < 0:
                 return
-            self._phase_depth[name] = depth
             if depth:
+                self._phase_depth[name] = depth
                 return
+            # closed: its name goes (one entry per name ever used grew without bound with
+            # phase(f"p{i}"), 18.7 MB over 200k steps)
+            del self._phase_depth[name]
             d = _now() - self._phase_t0.pop(name)
             if self._phases is None:
                 self._phases = {}

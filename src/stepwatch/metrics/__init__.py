@@ -124,6 +124,7 @@ class TrainingMetrics:
 
     def stop(self) -> None:
         self.grads.uninstall()
+        self.throughput.detach()
 
     def status(self) -> dict[str, Any]:
         peaks = self.mfu.peaks

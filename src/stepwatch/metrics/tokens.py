@@ -591,6 +591,10 @@ class _ThroughputMethods(Collector):
         self._opened: list[Any] | None = None  # the step's items when the model took its role
         # Per root (by id): a weak reference and which of its parameters required grad (recheck).
         self._roots: dict[int, tuple[Any, tuple[bool, ...]]] = {}
+        # Each root's finalizer (_forget when the module dies), detached at the session's stop:
+        # weakref.finalize keeps its callback, and so this collector and the whole session, for as
+        # long as the module lives (a notebook's model outlived every session that timed it).
+        self._finalizers: list[Any] = []
         # Called once, when a root with frozen parameters is first seen: its caller makes
         # ``recheck`` a step-end listener (a job whose roots all train pays nothing a step).
         self._watch_trainable = watch_trainable
@@ -781,7 +785,9 @@ class _ThroughputMethods(Collector):
         if follower:
             self._followers.add(mid)
         try:
-            weakref.finalize(module, self._forget, mid).atexit = False
+            fin = weakref.finalize(module, self._forget, mid)
+            fin.atexit = False
+            self._finalizers.append(fin)
             if trainable is not None:
                 self._roots[mid] = (weakref.ref(module), trainable)
                 if self._watch_trainable is not None and not all(trainable):
@@ -898,6 +904,12 @@ class _ThroughputMethods(Collector):
         first = next((m for m in unwrap_module(root).modules() if isinstance(m, nn.Linear)), None)
         if first is not None and first.in_features == x.shape[0]:
             counts.samples = 1
+
+    def detach(self) -> None:
+        """The session stops: its roots' finalizers let go of it (:attr:`_finalizers`)."""
+        fins, self._finalizers = self._finalizers, []
+        for fin in fins:
+            fin.detach()
 
     def _forget(self, mid: int) -> None:
         """A root was freed (any thread, from its finalizer): drop what is kept under its id."""
