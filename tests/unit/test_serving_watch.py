@@ -33,7 +33,20 @@ def text(name: str) -> str:
         return f.read()
 
 
-class StandIn:
+class _Loopback:
+    """A threaded HTTP server on 127.0.0.1 (``url``) with the handler a subclass gives."""
+
+    def _start(self, handler) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class StandIn(_Loopback):
     """A loopback HTTP server with vLLM's /metrics and /load."""
 
     def __init__(self) -> None:
@@ -59,13 +72,7 @@ class StandIn:
             def log_message(self, *a) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._start(H)
 
 
 @pytest.fixture
@@ -649,7 +656,7 @@ def test_on_gone_replaces_the_gone_warning(tmp_path, caplog):
 # -- the forty-first session's defects ----------------------------------------------------------
 
 
-class BrokenHTTP:
+class BrokenHTTP(_Loopback):
     """A loopback port that answers /metrics with a chunked body cut short (a proxy, a server
     dying mid-reply): http.client raises IncompleteRead, an HTTPException."""
 
@@ -668,13 +675,7 @@ class BrokenHTTP:
             def log_message(self, *a) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._start(H)
 
 
 def test_a_server_that_answers_broken_http_blinds_only_itself(standin, tmp_path):
