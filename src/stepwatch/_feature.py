@@ -119,6 +119,12 @@ class Hub:
         return self._tracker._pending_end is not None
 
     @property
+    def last_step_trained(self) -> int:
+        """The newest step whose work has ended: the pending one (its record not made yet), else
+        the last one made (``step - 1``; -1 before any)."""
+        return self.step if self.step_pending else self.step - 1
+
+    @property
     def between_steps(self) -> bool:
         """No step's work is under way: the last step has ended (its end may be pending) and the
         next one's first fetch, forward or backward has not begun."""

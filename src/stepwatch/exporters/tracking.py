@@ -277,7 +277,7 @@ def wait_for_steps(sink: Any, hub: Any, wait_s: float) -> None:
     ``SummaryWriter``'s ``close``): the pending step's record is made now, and this waits,
     ``wait_s`` at most, until ``sink._through`` (the last step it has handled) reaches the last
     step trained. No wait before the first step (nothing can come)."""
-    last = hub.step if hub.step_pending else hub.step - 1
+    last = hub.last_step_trained
     hub.end_pending_step()
     if last < 0:
         return
@@ -296,7 +296,7 @@ def settling(orig: Callable[..., Any], probe: RunProbe, hub: Any) -> Callable[..
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             if hub.on_training_thread():
-                probe.settle(hub.step if hub.step_pending else hub.step - 1)
+                probe.settle(hub.last_step_trained)
         except Exception:  # noqa: BLE001 - never in the way of the user's call
             pass
         return orig(*args, **kwargs)

@@ -268,7 +268,7 @@ class WandbExporter(TrackingExporter):
         made now, and this waits until they are logged into it, ``FINISH_WAIT_S`` at most."""
         if self.off or _noop(run) or getattr(sys.modules.get("wandb"), "run", None) is not run:
             return
-        self.probe.settle(hub.step if hub.step_pending else hub.step - 1)
+        self.probe.settle(hub.last_step_trained)
         wait_for_steps(self, hub, FINISH_WAIT_S)
 
     def wrap_finish(self, hub: "Hub") -> None:
