@@ -207,3 +207,32 @@ def test_junk_is_not_fatal(junk):
     errs = ParseErrors()
     s = parse_metrics(junk, errs)  # type: ignore[arg-type]
     assert isinstance(s, dict)
+
+
+def test_a_server_restarted_mid_window_counts_before_and_after_the_restart():
+    """PromQL's increase() and rate() look for a reset at every sample in the range. Scrapes
+    midflight -> idle -> (restart) midflight -> idle: the ends alone read idle - midflight, one
+    burst, and missed the other two; the whole window holds (idle - midflight) + midflight +
+    (idle - midflight). The window's histogram deltas add up the same way."""
+    a_txt, b_txt = "metrics-0.32.0-midflight.txt", "metrics-0.32.0-idle-after-load.txt"
+    a, b = parse_metrics(text(a_txt)), parse_metrics(text(b_txt))
+    chain = [Scrape(0.0, 0.0, a), Scrape(10.0, 10.0, b), Scrape(20.0, 20.0, a), Scrape(30.0, 30.0, b)]
+    w = Window(chain[0], chain[-1], chain[1:-1])
+    ga, gb = raw(a_txt, "vllm:generation_tokens_total"), raw(b_txt, "vllm:generation_tokens_total")
+    assert ga < gb
+    assert w.increase(N.GEN_TOKENS)[ENGINE0] == pytest.approx(2 * gb - ga)
+    assert w.rate(N.GEN_TOKENS)[ENGINE0] == pytest.approx((2 * gb - ga) / 30.0)
+    base = "vllm:time_to_first_token_seconds"
+    bounds, _ = bucket_deltas(base)
+    deltas = [2 * raw(b_txt, base + "_bucket", le=_le(x)) - raw(a_txt, base + "_bucket", le=_le(x)) for x in bounds]
+    got = w.quantiles(N.TTFT, (0.5, 0.99))[ENGINE0]
+    for q in (0.5, 0.99):
+        assert got[q] == pytest.approx(promql_quantile(q, bounds, deltas))
+    # The watcher's windows hand over the scrapes between their ends.
+    from stepwatch.serving.watcher import _Server
+
+    srv = _Server("http://127.0.0.1:1", keep_s=600.0)
+    for s in chain:
+        srv.add(s)
+    assert srv.window(60.0).increase(N.GEN_TOKENS)[ENGINE0] == pytest.approx(2 * gb - ga)
+    assert srv.window(10.0).increase(N.GEN_TOKENS)[ENGINE0] == pytest.approx(gb - ga)  # the last two only

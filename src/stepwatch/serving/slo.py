@@ -5,7 +5,8 @@
   promql/quantile.go: lower bound 0 for the first bucket, the highest finite bound when the rank
   falls in +Inf);
 - rates and ratios from counter deltas (``rate``/``increase``), a counter that went down counts as
-  a restart from zero (Prometheus' reset rule);
+  a restart from zero (Prometheus' reset rule), checked at every scrape in the window, as PromQL
+  does: a server restarted mid-window adds what it counted before and after the restart;
 - everything per series (``engine``, ``model_name``), so several engines stay apart.
 
 Unknown stays ``None`` (no requests in the window has no P99), never a plausible wrong number.
@@ -14,6 +15,7 @@ Unknown stays ``None`` (no requests in the window has no P99), never a plausible
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .parse import Labels, Samples, first_present, series_key
@@ -99,11 +101,15 @@ def _buckets(samples: Samples, base: str) -> dict[Labels, dict[float, float]]:
 
 class Window:
     """What changed between two scrapes of one server. ``old=None`` means "since the server
-    started" (every counter began at zero); rates are then unknown (no duration)."""
+    started" (every counter began at zero); rates are then unknown (no duration). ``between``: the
+    scrapes taken between the two, oldest first: a counter reset is looked for at each (the ends
+    alone miss a restart whose new counts passed the old ones, and count none of what came before
+    it)."""
 
-    def __init__(self, old: Scrape | None, new: Scrape) -> None:
+    def __init__(self, old: Scrape | None, new: Scrape, between: Sequence[Scrape] = ()) -> None:
         self.old, self.new = old, new
         self.seconds = (new.mono - old.mono) if old is not None else 0.0
+        self._chain = (old, *between, new) if old is not None else (new,)
 
     def series(self) -> set[Labels]:
         """Every engine series seen in the newest scrape."""
@@ -119,8 +125,17 @@ class Window:
         new = sum_by_series(self.new.samples, names, where)
         if self.old is None:
             return dict(new)  # since the server started: its counters began at zero
-        old = sum_by_series(self.old.samples, names, where)
-        return {k: counter_increase(old.get(k, 0.0), v) for k, v in new.items()}
+        chain = [sum_by_series(s.samples, names, where) for s in self._chain[:-1]]
+        out: dict[Labels, float] = {}
+        for k, v in new.items():
+            total, prev = 0.0, chain[0].get(k, 0.0)
+            for sums in chain[1:]:
+                cur = sums.get(k)
+                if cur is not None:  # a scrape without the series (a restarted server's first) adds nothing
+                    total += counter_increase(prev, cur)
+                    prev = cur
+            out[k] = total + counter_increase(prev, v)
+        return out
 
     def rate(self, names: tuple[str, ...], where: dict[str, set[str]] | None = None) -> dict[Labels, float | None]:
         inc = self.increase(names, where)
@@ -141,15 +156,20 @@ class Window:
         if base is None:
             return {}
         base = base[: -len("_bucket")]
-        new = _buckets(self.new.samples, base)
-        old = _buckets(self.old.samples, base) if self.old is not None else {}
+        chain = [_buckets(s.samples, base) for s in self._chain]
         out: dict[Labels, dict[float, float | None]] = {}
-        for key, nb in new.items():
-            ob = old.get(key, {})
-            total_new = nb.get(math.inf, 0.0)
-            total_old = ob.get(math.inf, 0.0)
-            # A restarted server's histogram counts from zero again: take it whole.
-            reset = total_new < total_old
-            deltas = sorted((le, c if reset else c - ob.get(le, 0.0)) for le, c in nb.items())
-            out[key] = {q: histogram_quantile(q, deltas) for q in qs}
+        for key, nb in chain[-1].items():
+            acc = dict.fromkeys(nb, 0.0) if len(chain) > 1 else dict(nb)  # one scrape: since the start
+            prev = chain[0].get(key, {})
+            for per in chain[1:]:
+                cur = per.get(key)
+                if cur is None:
+                    continue
+                # A restarted server's histogram counts from zero again: take it whole.
+                reset = cur.get(math.inf, 0.0) < prev.get(math.inf, 0.0)
+                for le in acc:
+                    c = cur.get(le, 0.0)
+                    acc[le] += c if reset else c - prev.get(le, 0.0)
+                prev = cur
+            out[key] = {q: histogram_quantile(q, sorted(acc.items())) for q in qs}
         return out

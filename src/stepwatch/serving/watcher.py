@@ -121,15 +121,14 @@ class _Server:
         """From the oldest scrape no more than ``seconds`` back (plus half a tick) to the newest."""
         if not self.history:
             return None
-        new = self.history[-1]
-        old = None
-        for s in self.history:
-            if s is not new and new.mono - s.mono <= seconds * 1.05:
-                old = s
-                break
-        if old is None and len(self.history) >= 2:
-            old = self.history[-2]
-        return Window(old, new)
+        hist = list(self.history)
+        new = hist[-1]
+        i = next((i for i, s in enumerate(hist[:-1]) if new.mono - s.mono <= seconds * 1.05), None)
+        if i is None and len(hist) >= 2:
+            i = len(hist) - 2
+        if i is None:
+            return Window(None, new)
+        return Window(hist[i], new, hist[i + 1:-1])
 
 
 class ServeWatcher:
