@@ -109,6 +109,21 @@ def private_subdir(path: str) -> str:
     return path
 
 
+def numbered_subdir(run_dir: str, prefix: str) -> tuple[str, int]:
+    """The first ``<prefix><n>`` (n = 1, 2, ...) in ``run_dir`` that does not exist yet, created
+    0700 atomically: ranks, and a watcher started again on the same run dir, share the numbers,
+    and none writes into another's episode."""
+    make_private_dir(run_dir)
+    n = 1
+    while True:
+        d = os.path.join(run_dir, f"{prefix}{n}")
+        try:
+            os.mkdir(d, 0o700)
+            return d, n
+        except FileExistsError:
+            n += 1
+
+
 def private_run_dir(path: str, *, warn: bool = True) -> str:
     """The directory to write a run into: ``path`` itself when it does not exist yet or is ours
     and writable by us alone; else (another user's, or group/world-writable: anyone there could

@@ -751,3 +751,58 @@ def test_a_server_that_died_is_not_exported_as_busy(tmp_path):
     assert gone and {tuple(sorted(x["labels"].items())) for x in gone} == {tuple(sorted(x["labels"].items())) for x in mine}
     assert all(math.isnan(v) for x in gone for k, v in x.items() if k not in ("source", "time", "labels")), gone
     assert not of_server(w.tick())  # once
+
+
+def test_a_watcher_started_again_on_a_run_dir_keeps_the_last_ones_stall_dumps(standin, tmp_path):
+    """Each watcher numbered its stalls from 1: a serve-vllm started again with the same --run-dir
+    (a supervisor's restart) wrote its first stall's stacks and report.json over the last one's
+    stall-1/. The next free stall-<k> is taken now, as oom-<n> is."""
+    import subprocess
+    import sys
+
+    standin.metrics = text("metrics-0.32.0-midflight.txt")
+    standin.load = 40
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        reports = []
+        for _ in range(2):
+            w = ServeWatcher(WatchConfig(urls=[standin.url], run_dir=str(tmp_path), stall_timeout_s=0.3,
+                                         interval_s=0.1, pyspy=str(tmp_path / "no-py-spy")), root_pid=server.pid)
+            w.tick()
+            time.sleep(0.2)
+            w.tick()
+            time.sleep(0.4)
+            (stall,) = [f for f in w.tick().findings if f.kind == "stall"]
+            reports.append(stall.data["dir"])
+            assert stall.data["stall"] == 1  # this watcher's first
+    finally:
+        server.kill()
+        server.wait()
+    assert reports == [str(tmp_path / "stall-1"), str(tmp_path / "stall-2")]
+    first = json.loads((tmp_path / "stall-1" / "report.json").read_text())
+    second = json.loads((tmp_path / "stall-2" / "report.json").read_text())
+    assert first["time"] < second["time"]
+
+
+def test_a_stall_whose_dumps_cannot_be_written_is_still_a_finding(standin, tmp_path, monkeypatch):
+    """A full disk at the stall (simulated: the dump directory cannot be made) raised out of the
+    pass, and the stall's finding was lost with it; it is a finding that says why no stacks."""
+    import errno
+
+    from stepwatch.serving import watcher as W
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(W, "numbered_subdir", full)
+    standin.metrics = text("metrics-0.32.0-midflight.txt")
+    standin.load = 40
+    w = ServeWatcher(WatchConfig(urls=[standin.url], run_dir=str(tmp_path), stall_timeout_s=0.3, interval_s=0.1),
+                     root_pid=os.getpid())
+    w.tick()
+    time.sleep(0.2)
+    w.tick()
+    time.sleep(0.4)
+    (stall,) = [f for f in w.tick().findings if f.kind == "stall"]
+    assert "stacks not written" in stall.summary and "No space left" in stall.summary, stall.summary
+    assert stall.data["dumped"] == 0 and stall.data["dir"] is None

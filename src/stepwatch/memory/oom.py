@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .._files import make_private_dir, write_json_private, write_private
+from .._files import numbered_subdir, write_json_private, write_private
 from ..analysis.kinds import make_finding
 from ..record import Finding
 
@@ -73,19 +73,6 @@ def is_oom(exc: BaseException) -> bool:
         return any(_CPU_OOM.search(str(e)) is not None for e in (exc, cause) if isinstance(e, RuntimeError))
     except Exception:  # noqa: BLE001 - an exception whose __str__ fails is not ours to judge
         return False
-
-
-def _free_dir(run_dir: str) -> tuple[str, int]:
-    """The first ``oom-<n>`` that does not exist yet, created (atomically: ranks share the run dir)."""
-    make_private_dir(run_dir)
-    n = 1
-    while True:
-        d = os.path.join(run_dir, f"oom-{n}")
-        try:
-            os.mkdir(d, 0o700)
-            return d, n
-        except FileExistsError:
-            n += 1
 
 
 class OomForensics:
@@ -159,7 +146,7 @@ class OomForensics:
         where = None
         if len(self.dumps) < self.max_dumps:
             try:
-                where, n = _free_dir(self.run_dir)
+                where, n = numbered_subdir(self.run_dir, "oom-")
                 report["files"] = sorted(files) + ["records.jsonl", "report.json"]
                 for name, body in files.items():
                     write_private(os.path.join(where, name), body)

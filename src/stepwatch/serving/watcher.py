@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .._files import make_private_dir, open_private
+from .._files import make_private_dir, numbered_subdir, open_private
 from .._log import warn_once
 from ..exporters.base import Batch, Exporter
 from ..record import Finding
@@ -488,9 +488,12 @@ class ServeWatcher:
         elif n > self.cfg.max_stall_dumps:
             report = {**info, "stuck": None, "dumped": 0, "note": f"more than {self.cfg.max_stall_dumps} stalls: no more dumps"}
         else:
-            out_dir = os.path.join(self.cfg.run_dir, f"stall-{n}")
-            report = capture_stall(root, out_dir, pyspy=self.pyspy, info=info)
-            report["dir"] = out_dir
+            try:  # the next free stall-<k>: a watcher started again on this run dir keeps the last one's
+                out_dir = numbered_subdir(self.cfg.run_dir, "stall-")[0]
+                report = capture_stall(root, out_dir, pyspy=self.pyspy, info=info)
+                report["dir"] = out_dir
+            except OSError as e:  # a full disk, a run dir gone: the finding still says there was a stall
+                report = {**info, "stuck": None, "dumped": 0, "note": f"stacks not written: {e}"}
         self.stall_reports.append(report)
         stuck = report.get("stuck") or {}
         return make_finding(
