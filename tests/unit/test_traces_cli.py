@@ -378,3 +378,36 @@ def test_capture_finds_the_job_in_the_private_subfolder_of_a_shared_run_dir(tmp_
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=60)
+
+
+@needs_traces
+def test_a_trace_saved_with_a_byte_order_mark_is_read(tmp_path, capsys):
+    """A trace re-saved by a Windows tool starts with a UTF-8 BOM: it was "expected one of '{'
+    near character 0, got '\\ufeff'". The BOM is not the trace: the same analysis as without it."""
+    import gzip
+
+    with gzip.open(os.path.join(TRACES, V100), "rb") as f:
+        body = f.read()
+    plain, bom = tmp_path / "plain.json", tmp_path / "bom.json"
+    plain.write_bytes(body)
+    bom.write_bytes(b"\xef\xbb\xbf" + body)
+    assert main(["trace", "--json", str(plain)]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert main(["trace", "--json", str(bom)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    for s in want + got:  # the same but for the file's name and each finding's time
+        s.pop("trace")
+        for f in s["findings"]:
+            f.pop("time")
+            f["data"].pop("trace", None)
+    assert got == want and want[0]["events"] > 0
+
+
+def test_json_output_is_a_list_even_when_no_trace_could_be_read(tmp_path, capsys):
+    """``--json`` with every file failing printed nothing at all to stdout: a script reading it
+    (``| jq``) got no JSON. It prints ``[]``, the errors on stderr and exit 1 as before."""
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["trace", "--json", str(bad)]) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out) == [] and f"{bad}:" in out.err

@@ -92,7 +92,7 @@ def run_trace(args: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001 - a trace this analysis did not foresee: say so, go on with the others
             print(f"stepwatch trace: error: {p}: could not be analysed ({type(e).__name__}: {e})", file=sys.stderr)
             rc = 1
-    if out:
+    if out or args.json:  # --json: a JSON list always, empty when no trace could be read
         _print(out, args.json)
     return rc
 

@@ -51,7 +51,7 @@ class EventReader:
         self._pos = 0
         self._eof = False
         self._f: IO[bytes] | None = None
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._dec = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")  # a BOM (Windows tools write one) is not the trace
 
     # -- buffer ---------------------------------------------------------------------------------
 
