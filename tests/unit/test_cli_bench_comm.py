@@ -104,3 +104,19 @@ def test_a_fractional_stepfactor_measures_each_size_once(one_rank, capsys):
     assert sizes(4, 32, 1.5, elem=4) == [4, 8, 12, 20, 28]
     assert sizes(1, 16, 1.1, elem=2) == [2, 4, 6, 8, 10, 12, 14]  # below one element: one element
     assert sizes(1024, 4096, 2) == [1024, 2048, 4096]
+
+
+def test_a_stepfactor_too_close_to_one_is_refused_at_once(one_rank, capsys):
+    """``-f 1.0000001`` from 1 B to 1 GB planned 2e8 steps of the size loop (minutes, no output)
+    before the first row. It is one line naming -f and the least factor the range allows."""
+    import time
+
+    t0 = time.monotonic()
+    assert main(["bench-comm", "-b", "1", "-e", "1G", "-f", "1.0000001"]) == 2
+    assert time.monotonic() - t0 < 5.0
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert "-f/--stepfactor 1.0000001 is too close to 1" in err and "use -f 1.000208" in err, err
+    assert main(["bench-comm", "-b", "1K", "-e", "2K", "-f", "1.001"]) == 0  # a fine sweep still runs
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
+    assert len(rows) == 256, len(rows)  # every whole float32 count from 1 KiB to 2 KiB, each once

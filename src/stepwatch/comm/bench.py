@@ -13,6 +13,7 @@ printed by then).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -24,6 +25,7 @@ from .spans import ALLREDUCE
 
 _SUFFIX = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 _BACKENDS = ("nccl", "gloo")
+MAX_STEPS = 100_000  # of the size sweep: a factor closer to 1 than this allows is refused, not looped on
 _DTYPES = {"float": "float32", "float32": "float32", "half": "float16", "float16": "float16", "bfloat16": "bfloat16"}
 
 
@@ -66,6 +68,11 @@ def sizes(begin: int, end: int, factor: float, elem: int = 1) -> list[int]:
         raise ValueError(f"-e/--maxbytes ({end}) must be >= -b/--minbytes ({begin})")
     if not factor > 1:  # not `factor <= 1`: nan compares false with everything, and passed it
         raise ValueError(f"-f/--stepfactor must be > 1, got {factor}")
+    steps = math.log(end / begin) / math.log(factor) if end > begin else 0.0
+    if steps > MAX_STEPS:  # -f 1.0000001 from 1 B to 1 GB: 2e8 steps of this loop before any output
+        least = (end / begin) ** (1 / MAX_STEPS)
+        raise ValueError(f"-f/--stepfactor {factor} is too close to 1: from -b {begin} to -e {end} bytes that is "
+                         f"{steps:.3g} steps (at most {MAX_STEPS}); use -f {least:.7g} or more")
     out: list[int] = []
     s = float(begin)
     while s <= end:
