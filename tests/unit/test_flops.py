@@ -1367,7 +1367,7 @@ class _Counted:
         self.calls: list[tuple[int, ...]] = []
 
     def __call__(self, module, args, kwargs, **kw):
-        self.calls.append(tuple(args[0].shape))
+        self.calls.append(tuple(args[0].shape) if args else tuple(tuple(v.shape) for v in kwargs.values()))
         return count_step_flops(module, args, kwargs, **kw)
 
 
@@ -1417,16 +1417,64 @@ def test_a_law_that_a_replay_contradicts_is_dropped_and_every_length_replayed():
     assert len(counter.calls) == 8 and cache.predicted == 0
 
 
-def test_batch_and_length_changing_together_are_replayed_not_guessed():
-    """Two sizes that change independently (a token-budget sampler): no one-variable law fits."""
+def test_batch_and_length_changing_together_follow_a_two_size_law_once_it_is_checked():
+    """Two sizes that change independently (a token-budget sampler): no one-size law fits, and
+    the work is a batch times a length squared (attention), degree 3 in all. The two-size law
+    (degree <= 2 in each) is determined by 9 replays and checked by a 10th; until then every
+    shape is replayed, after it every count is the replay's own number."""
     torch.manual_seed(0)
     model, counter = TinyLM(), _Counted()
     cache = FlopCache(counter=counter)
-    shapes = [(4, 8), (4, 9), (2, 10), (3, 11), (2, 12), (5, 13), (4, 14)]
+    shapes = [(4, 8), (4, 9), (2, 10), (3, 11), (2, 12), (5, 13), (4, 14), (3, 9), (5, 10), (2, 14),
+              (3, 13), (4, 12), (5, 9), (2, 8)]
     for b, t in shapes:
         ids = torch.randint(0, 96, (b, t))
         assert _same_count(cache.get(model, (ids,)), count_step_flops(model, (ids,))), (b, t)
-    assert len(counter.calls) == len(shapes) and cache.predicted == 0
+    assert counter.calls == [(b, t) for b, t in shapes[:10]]
+    assert cache.predicted == len(shapes) - 10
+
+
+class _Seq2Seq(nn.Module):
+    """An encoder-decoder as HF's are called: ``input_ids``/``attention_mask`` of the source length,
+    ``labels`` of the target length, padded apart (DataCollatorForSeq2Seq)."""
+
+    def __init__(self, vocab=96, d=32, h=4) -> None:
+        super().__init__()
+        self.h, self.hd = h, d // h
+        self.emb = nn.Embedding(vocab, d)
+        self.enc, self.dec = Block(d, h), Block(d, h)
+        self.q, self.kv, self.o = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids, attention_mask, labels):
+        src = self.enc(self.emb(input_ids))
+        tgt = self.dec(self.emb(labels))
+        b, s, d = src.shape
+        t = tgt.shape[1]
+        q = self.q(tgt).view(b, t, self.h, self.hd).transpose(1, 2)
+        k, v = self.kv(src).view(b, s, 2, self.h, self.hd).permute(2, 0, 3, 1, 4)
+        mask = attention_mask[:, None, None, :].bool()
+        x = tgt + self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, d))
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_source_and_target_lengths_padded_apart_follow_a_two_size_law():
+    """Seq2seq fine-tuning pads the source and the target to their own longest: a replay per
+    (source, target) pair, and after 32 of them (about 30 steps) FLOPs and MFU were null for every
+    new pair. The counts are a polynomial in the two lengths (self-attention squares each, cross-
+    attention multiplies them): after 10 replays they are computed, each the replay's own."""
+    import random
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model, counter = _Seq2Seq(), _Counted()
+    cache = FlopCache(counter=counter)
+    pairs = [(rng.randint(6, 40), rng.randint(3, 20)) for _ in range(30)]
+    for s, t in pairs:
+        kw = dict(input_ids=torch.randint(0, 96, (4, s)), attention_mask=torch.ones(4, s, dtype=torch.long),
+                  labels=torch.randint(0, 96, (4, t)))
+        assert _same_count(cache.get(model, (), kw), count_step_flops(model, (), kw)), (s, t)
+    assert cache.replays == 10 and cache.predicted == len(set(pairs)) - 10, (cache.replays, cache.predicted)
 
 
 def test_a_training_loop_with_dynamic_padding_gets_every_steps_flops(tmp_path):

@@ -1498,100 +1498,182 @@ def _shape_parts(key: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[int, ...]
 
 
 class _Law:
-    """The FLOPs of one call along one size that changes while all else stays (the sequence
-    length under dynamic padding: every place it appears, ``input_ids``, ``attention_mask`` and
-    ``labels`` alike, holds the same value): each count a polynomial of degree <= 2 in it (matmuls
-    linear, attention's score matrix quadratic). Replays give points; the quadratic through the
-    first three must give the fourth replay's count exactly before the law computes any. Then a
-    size within a factor 2 of the checked range is computed; one further out is replayed, and
-    must agree again (the range grows to it), or the law is dropped for good (a model whose work
-    jumps at some length: every size is replayed from then on, as without a law). A jump between
-    two checked sizes is not seen: there the law's number stands (docs/mfu.md)."""
+    """The FLOPs of one call along the sizes that change while all else stays: the sequence length
+    under dynamic padding (every place it appears, ``input_ids``, ``attention_mask`` and
+    ``labels`` alike, holds the same value), or two, a seq2seq batch's source and target lengths
+    padded apart, or a token-budget sampler's batch and length. Each count is a polynomial of
+    degree <= 2 in each size (matmuls linear in a length, attention's score matrix quadratic,
+    cross-attention the product of the two, a batch times a length squared): 3 coefficients for
+    one size, 9 for two. Replays give points; once the points determine the polynomial (3, or 9
+    that no lower-degree curve passes through), one more replay must get its count exactly from
+    it before the law computes any. Then sizes each within a factor 2 of its checked range are
+    computed; a call further out is replayed, and must agree again (the range grows to it), or
+    the law is dropped for good (a model whose work jumps at some size: every size is replayed
+    from then on, as without a law). A jump between two checked sizes is not seen: there the
+    law's number stands (docs/mfu.md)."""
 
-    __slots__ = ("where", "fixed", "points", "lo", "hi", "checked", "broken")
+    __slots__ = ("groups", "fixed", "points", "lo", "hi", "basis", "inverse", "checked", "broken")
 
-    def __init__(self, where: tuple[int, ...], fixed: tuple[int | None, ...]) -> None:
-        self.where = where  # the positions of the changing size among the key's sizes
+    MAX_POINTS = 32  # kept while the polynomial is not yet determined (the replay budget's size)
+
+    def __init__(self, groups: tuple[tuple[int, ...], ...], fixed: tuple[int | None, ...]) -> None:
+        self.groups = groups  # per changing size: its positions among the key's sizes
         self.fixed = fixed  # every other size, None at those positions
-        self.points: dict[int, FlopCount] = {}
-        self.lo = self.hi = 0  # the checked range
+        self.points: list[tuple[tuple[int, ...], FlopCount]] = []
+        self.lo: tuple[int, ...] = ()  # the checked range, per size
+        self.hi: tuple[int, ...] = ()
+        self.basis: list[int] = []  # the points the polynomial is solved from
+        self.inverse: list[list[Any]] | None = None  # of their monomial matrix
         self.checked = self.broken = False
 
     @classmethod
-    def between(cls, a: tuple[int, ...], fa: FlopCount, b: tuple[int, ...], fb: FlopCount) -> "_Law | None":
-        """A law from two replays whose sizes differ in one value alone (all the positions that
-        differ hold one value in ``a`` and one in ``b``), else None."""
+    def between(cls, a: tuple[int, ...], b: tuple[int, ...]) -> "_Law | None":
+        """A law from two replays whose sizes differ in one or two values (the positions that
+        differ, grouped by their pair of values: one group per changing size), else None."""
         if len(a) != len(b):
             return None
-        where = tuple(i for i in range(len(a)) if a[i] != b[i])
-        if not where or len({a[i] for i in where}) != 1 or len({b[i] for i in where}) != 1:
+        pairs: dict[tuple[int, int], list[int]] = {}
+        for i in range(len(a)):
+            if a[i] != b[i]:
+                pairs.setdefault((a[i], b[i]), []).append(i)
+        if not 1 <= len(pairs) <= 2:
             return None
-        law = cls(where, tuple(None if i in where else v for i, v in enumerate(a)))
-        law.points[a[where[0]]] = fa
-        law.points[b[where[0]]] = fb
-        return law
+        groups = tuple(tuple(g) for g in pairs.values())
+        moving = {i for g in groups for i in g}
+        return cls(groups, tuple(None if i in moving else v for i, v in enumerate(a)))
 
-    def size_of(self, dims: tuple[int, ...]) -> int | None:
-        """The changing size in these sizes, or None when they are not on this law's line."""
+    def size_of(self, dims: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The changing sizes in these sizes, or None when they are not on this law's plane."""
         if len(dims) != len(self.fixed):
             return None
-        x = dims[self.where[0]]
-        for i in self.where:
-            if dims[i] != x:
-                return None
         for i, v in enumerate(self.fixed):
             if v is not None and dims[i] != v:
                 return None
-        return x
+        xs = []
+        for g in self.groups:
+            x = dims[g[0]]
+            for i in g:
+                if dims[i] != x:
+                    return None
+            xs.append(x)
+        return tuple(xs)
 
-    def covers(self, x: int) -> bool:
-        return self.checked and not self.broken and 2 * x >= self.lo and x <= 2 * self.hi
+    def covers(self, xs: tuple[int, ...]) -> bool:
+        return (self.checked and not self.broken
+                and all(2 * x >= lo and x <= 2 * hi for x, lo, hi in zip(xs, self.lo, self.hi)))
 
-    def add(self, x: int, count: FlopCount) -> None:
-        """A replay's count at size ``x``: a point, the fourth one checks the law, a later one
-        (outside the range computed) checks it again."""
+    def add(self, xs: tuple[int, ...], count: FlopCount) -> None:
+        """A replay's count at sizes ``xs``: a point; once the polynomial is determined, each
+        further point checks it (the first one makes the law usable; a later one, outside the
+        range computed, checks it again and grows the range)."""
         if self.broken:
             return
-        if len(self.points) < 3:
-            self.points[x] = count
+        if self.inverse is not None:
+            guess = self.predict(xs)
+            if guess is None or any(getattr(guess, b) != getattr(count, b) for b in _BUCKETS):
+                self._break()
+                return
+            self.points.append((xs, count))
+            del self.points[self.MAX_POINTS:]
+            self._checked_range(xs)
             return
-        guess = self.predict(x)
-        if guess is None or any(getattr(guess, b) != getattr(count, b) for b in _BUCKETS):
-            self.broken = True
-            self.points.clear()
+        if len(self.points) >= self.MAX_POINTS:  # sizes that never determine it: no law
+            self._break()
             return
-        sizes = [*self.points, x] if not self.checked else [self.lo, self.hi, x]
-        self.lo, self.hi, self.checked = min(sizes), max(sizes), True
+        self.points.append((xs, count))
+        self._solve()
 
-    def predict(self, x: int) -> FlopCount | None:
-        """The count at size ``x`` from the quadratic through the first three points; None where
-        it is not a whole number >= 0 (no such law), or before there are three. Whether the law
-        may be trusted there is ``covers``'s."""
+    def _break(self) -> None:
+        self.broken = True
+        self.points.clear()
+        self.inverse = None
+
+    def _monomials(self, xs: tuple[int, ...]) -> list[int]:
+        """x^i (one size), or x^i * y^j (two), for i, j in 0..2."""
+        if len(xs) == 1:
+            return [1, xs[0], xs[0] * xs[0]]
+        x, y = xs
+        return [x**i * y**j for i in range(3) for j in range(3)]
+
+    def _solve(self) -> None:
+        """Choose points whose monomial rows are independent (in order), and, once they determine
+        the polynomial, invert their matrix exactly; the points after them check it."""
         from fractions import Fraction
 
-        if len(self.points) < 3:
+        n = 3 ** len(self.groups)
+        rows: list[list[Fraction]] = []  # the chosen rows, reduced (echelon form, for the rank)
+        basis: list[int] = []
+        for k, (xs, _) in enumerate(self.points):
+            r = [Fraction(v) for v in self._monomials(xs)]
+            for row in rows:
+                lead = next(j for j, v in enumerate(row) if v)
+                if r[lead]:
+                    f = r[lead] / row[lead]
+                    r = [u - f * v for u, v in zip(r, row)]
+            if any(r):
+                rows.append(r)
+                basis.append(k)
+                if len(basis) == n:
+                    break
+        if len(basis) < n:
+            return
+        m = [[Fraction(v) for v in self._monomials(self.points[k][0])] for k in basis]
+        inv = [[Fraction(int(i == j)) for j in range(n)] for i in range(n)]
+        for c in range(n):  # Gauss-Jordan on [m | I]: m is invertible (its rows are independent)
+            p = next(r for r in range(c, n) if m[r][c])
+            m[c], m[p], inv[c], inv[p] = m[p], m[c], inv[p], inv[c]
+            f = m[c][c]
+            m[c] = [v / f for v in m[c]]
+            inv[c] = [v / f for v in inv[c]]
+            for r in range(n):
+                if r != c and m[r][c]:
+                    g = m[r][c]
+                    m[r] = [u - g * v for u, v in zip(m[r], m[c])]
+                    inv[r] = [u - g * v for u, v in zip(inv[r], inv[c])]
+        self.basis, self.inverse = basis, inv
+        checks = [p for k, p in enumerate(self.points) if k not in basis]
+        for xs, count in checks:  # replays already taken: each must agree
+            guess = self.predict(xs)
+            if guess is None or any(getattr(guess, b) != getattr(count, b) for b in _BUCKETS):
+                self._break()
+                return
+        for xs, _ in checks:
+            self._checked_range(xs)
+
+    def _checked_range(self, xs: tuple[int, ...]) -> None:
+        """A check passed at ``xs``: the law is usable, over a range that takes in every point."""
+        if not self.checked:
+            self.checked = True
+            pts = [p[0] for p in self.points]
+            self.lo = tuple(min(c) for c in zip(*pts))
+            self.hi = tuple(max(c) for c in zip(*pts))
+        self.lo = tuple(min(a, b) for a, b in zip(self.lo, xs))
+        self.hi = tuple(max(a, b) for a, b in zip(self.hi, xs))
+
+    def predict(self, xs: tuple[int, ...]) -> FlopCount | None:
+        """The count at sizes ``xs`` from the polynomial; None where it is not a whole number >= 0
+        (no such law), or before it is determined. Whether the law may be trusted there is
+        ``covers``'s."""
+        if self.inverse is None:
             return None
-        pts = list(self.points.items())[:3]
-        weights = []
-        for i, (xi, _) in enumerate(pts):
-            w = Fraction(1)
-            for j, (xj, _) in enumerate(pts):
-                if j != i:
-                    w *= Fraction(x - xj, xi - xj)
-            weights.append(w)
+        v = self._monomials(xs)
+        n = len(v)
+        # The count is a weighted sum of the basis points' counts: weights = v . inverse.
+        weights = [sum(v[i] * self.inverse[i][j] for i in range(n)) for j in range(n)]
+        pts = [self.points[k][1] for k in self.basis]
         out: dict[str, dict[str, int]] = {}
         for b in _BUCKETS:
-            keys = {k for _, c in pts for k in getattr(c, b)}
+            keys = {k for c in pts for k in getattr(c, b)}
             got: dict[str, int] = {}
             for k in sorted(keys):
-                v = sum(w * getattr(c, b).get(k, 0) for w, (_, c) in zip(weights, pts))
-                if v.denominator != 1 or v < 0:
+                total = sum(w * getattr(c, b).get(k, 0) for w, c in zip(weights, pts))
+                if total.denominator != 1 or total < 0:
                     return None
-                if v:
-                    got[k] = int(v)
+                if total:
+                    got[k] = int(total)
             out[b] = got
         return FlopCount(out["forward"], out["backward"], out["recompute"], (),
-                         any(c.tf32_sensitive for _, c in pts))
+                         any(c.tf32_sensitive for c in pts))
 
 
 class FlopCache:
@@ -1600,9 +1682,9 @@ class FlopCache:
     The key is the module, the shapes/dtypes of the tensor arguments, small scalar arguments, the
     autocast state and the TF32 switches, and grad mode. Shapes that never repeat (dynamic padding
     to the longest sequence) would mean a replay every step, ~1 s each for a 12-layer GPT-2 on
-    fakes: where one size alone changes (the same value in every place it appears), the counts
-    follow a :class:`_Law` once four replays agree with it, and new sizes are computed instead of
-    replayed. Past ``max_misses`` replays new signatures that no law covers are not counted (their
+    fakes: where one or two sizes alone change (each the same value in every place it appears),
+    the counts follow a :class:`_Law` once a replay agrees with it (the 4th with one size, the
+    10th or so with two), and new sizes are computed instead of replayed. Past ``max_misses`` replays new signatures that no law covers are not counted (their
     FLOPs are None) and one line says how to give the FLOPs instead. A signature whose count
     failed is remembered as None (no retry). ``replays``, ``replay_ns`` and ``predicted`` say what
     it cost (run.json's ``training_metrics``).
@@ -1627,7 +1709,7 @@ class FlopCache:
         self.errors = 0
         self._unsaid: dict[tuple[Any, ...], str] = {}  # failed counts, said at their signature's next call
         self._gen: dict[int, int] = {}  # per module: how often its trainable parameters changed (retrain)
-        # One-size laws (see _Law), by the key's skeleton (its shapes as their ranks), and the
+        # Laws of one or two sizes (see _Law), by the key's skeleton (its shapes as their ranks), and the
         # replays of each skeleton a new law is looked for among (the last _SEEN).
         self._laws: dict[tuple[Any, ...], list[_Law]] = {}
         self._seen: dict[tuple[Any, ...], list[tuple[tuple[int, ...], FlopCount]]] = {}
@@ -1679,10 +1761,8 @@ class FlopCache:
                 self._remember(mid, args, kwargs, value)
             return value
         shape = _shape_parts(key)
-        law = x = None
         if shape is not None:
-            law, x = self._law_for(*shape)
-            value = law.predict(x) if law is not None and law.covers(x) else None
+            value = self._computed_by_law(*shape)
             if value is not None:
                 self.predicted += 1
                 if len(self._entries) < _MAX_ENTRIES:
@@ -1733,7 +1813,7 @@ class FlopCache:
         self.misses += 1
         self._entries[key] = value
         if shape is not None and isinstance(value, FlopCount):
-            self._learn(shape, law, x, value)
+            self._learn(shape, value)
         if not count_kwargs:
             self._remember(mid, args, kwargs, value)
         return value
@@ -1742,28 +1822,39 @@ class FlopCache:
         self.replays += 1
         self.replay_ns += time.perf_counter_ns() - t0
 
-    def _law_for(self, skeleton: tuple[Any, ...], dims: tuple[int, ...]) -> tuple["_Law | None", int | None]:
+    def _computed_by_law(self, skeleton: tuple[Any, ...], dims: tuple[int, ...]) -> FlopCount | None:
+        """The count a checked law computes for these sizes, or None."""
         for law in self._laws.get(skeleton, ()):
-            x = law.size_of(dims)
-            if x is not None:
-                return law, x
-        return None, None
+            xs = law.size_of(dims)
+            if xs is not None and law.covers(xs):
+                got = law.predict(xs)
+                if got is not None:
+                    return got
+        return None
 
-    def _learn(self, shape: tuple[tuple[Any, ...], tuple[int, ...]], law: "_Law | None", x: int | None,
-               value: FlopCount) -> None:
-        """A replay's count: a point of the law it falls under, or with an earlier replay of the
-        same skeleton that differs from it in one size alone, the first two points of a new law."""
-        if law is not None and x is not None:
-            law.add(x, value)
-            return
+    def _learn(self, shape: tuple[tuple[Any, ...], tuple[int, ...]], value: FlopCount) -> None:
+        """A replay's count: a point of each law it lies on; on none, with an earlier replay of
+        the same skeleton that differs from it in one or two sizes, the first points of a new law
+        (with the earlier replays that lie on it too)."""
         skeleton, dims = shape
         seen = self._seen.setdefault(skeleton, [])
         laws = self._laws.setdefault(skeleton, [])
-        for dims0, value0 in reversed(seen):
-            new = _Law.between(dims0, value0, dims, value)
-            if new is not None and len(laws) < _SEEN:
-                laws.append(new)
-                break
+        on_one = False
+        for law in laws:
+            xs = law.size_of(dims)
+            if xs is not None and not law.broken:
+                law.add(xs, value)
+                on_one = True
+        if not on_one and len(laws) < _SEEN:
+            for dims0, _ in reversed(seen):
+                new = _Law.between(dims0, dims)
+                if new is not None:
+                    for d, v in [*seen, (dims, value)]:
+                        xs = new.size_of(d)
+                        if xs is not None:
+                            new.add(xs, v)
+                    laws.append(new)
+                    break
         seen.append((dims, value))
         del seen[:-_SEEN]
 
