@@ -368,10 +368,46 @@ def test_mlflow_failure_is_counted_and_turns_the_sink_off(sw, mlflow_store, tmp_
     manifest = json.load(open(tmp_path / "run" / "run.json"))
     assert manifest["internal_errors"] == {"exporter.mlflow": 1}
     assert "mlflow" in manifest["exporters"]
+    # Every step is counted as dropped, the failing batch's too (it went uncounted).
+    assert manifest["exporter_drops"]["mlflow"] == {"points": 30}, manifest["exporter_drops"]
     assert len([m for m in seen if "mlflow" in m]) == 1, seen
     with open(tmp_path / "run" / "steps.rank0.jsonl") as f:
         assert len(f.readlines()) == 30
     assert len(mem.records) == 30
+
+
+def test_mlflow_takes_every_name_a_user_logs_and_stays_on(sw, mlflow_store, tmp_path):
+    """``stepwatch.log(**{"/loss": ...})``: the key ``stepwatch/scalars//loss`` is no normalized
+    path, MLflow refused it, and the refusal turned the sink off for the rest of the run (10 of 20
+    steps in MLflow). Each such name gets a key MLflow takes, apart from the others."""
+    mlflow = mlflow_store
+    from mlflow import MlflowClient
+
+    stepwatch, mem, start = sw
+    names = ["/loss", "loss/", "a//b", "", ".", "..", "./x", "a/../b", "loss"]
+    with mlflow.start_run() as run:
+        start()
+        torch.manual_seed(0)
+        model = nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for i in range(20):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            stepwatch.log(**{n: float(i + k) for k, n in enumerate(names)})
+        stepwatch.shutdown()
+    manifest = json.load(open(tmp_path / "run" / "run.json"))
+    assert not manifest["internal_errors"] and not manifest["exporter_drops"].get("mlflow"), manifest
+    client = MlflowClient()
+    keys = [k for k in client.get_run(run.info.run_id).data.metrics if k.startswith("stepwatch/scalars/")]
+    assert len(keys) == len(names), keys
+    got = {}
+    for key in keys:
+        hist = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        assert [s for s, _ in hist] == list(range(20)), (key, hist)
+        got[hist[0][1]] = key  # step 0's value says which name it is
+    assert sorted(got) == [float(k) for k in range(len(names))]
+    assert got[float(names.index("loss"))] == "stepwatch/scalars/loss"  # a plain name keeps its key
 
 
 # -- W&B ---------------------------------------------------------------------------------------

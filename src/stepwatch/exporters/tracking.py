@@ -53,9 +53,18 @@ _MAX_KEYS = 10_000
 _holder: dict[str, str] = {}
 
 
+def _clean(name: str) -> str:
+    """``name`` as a key's last part: unsafe characters replaced, at most 200 of them, and a path
+    MLflow takes as it is (its keys must be normalized paths): no empty part (``/loss``, ``a//b``,
+    ``loss/``, the empty name), no ``.`` or ``..`` part (``./x``, ``a/../b``). MLflow refused such
+    a key, and the refusal turned the sink off for the rest of the run."""
+    parts = [p if p not in (".", "..") else "_" * len(p) for p in _UNSAFE.sub("_", name)[:200].split("/") if p]
+    return "/".join(parts) or "_"
+
+
 def _key(group: str, name: str) -> str:
     name = str(name)
-    key = f"{PREFIX}{group}/{_UNSAFE.sub('_', name)[:200]}"
+    key = f"{PREFIX}{group}/{_clean(name)}"
     held = _holder.get(key)
     if held is None:
         if len(_holder) >= _MAX_KEYS:
@@ -336,6 +345,7 @@ class TrackingExporter(Exporter):
             self._export(batch)
         except Exception:
             self.off = True
+            self._dropped += len(batch.records)  # the batch that failed is not in the tool either
             raise
 
     def _export(self, batch: Batch) -> None:  # pragma: no cover - abstract
