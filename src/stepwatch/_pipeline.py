@@ -62,12 +62,22 @@ def to_float(v: Any) -> float | None:
     read with one call (``float``); no graph is kept."""
     if type(v) is float:
         return v
+    if isinstance(v, (str, bytes, bytearray)):  # float("0.25") would take a string for a number, silently
+        return None
     try:
         if getattr(v, "requires_grad", False):
             v = v.detach()  # float() of a tensor in a graph warns in the user's job
+        elif _is_ndarray(v):
+            v = v.item()  # one value, as a one-value tensor (more: ValueError, null); numpy 2 refuses float()
         return float(v)
     except Exception:  # noqa: BLE001 - OverflowError (10**400), TypeError, or whatever a user's value raises
         return None
+
+
+def _is_ndarray(v: Any) -> bool:
+    """A numpy array (numpy is never imported for it)."""
+    t = type(v)
+    return t.__name__ == "ndarray" and t.__module__ == "numpy"
 
 
 _TENSOR: list[Any] = [None]  # torch.Tensor, once a tensor was logged (torch is never imported for it)
@@ -653,10 +663,11 @@ class Pipeline:
             self.null_scalars[key] = self.null_scalars.get(key, 0) + 1
             if self.null_scalars[key] == 1:
                 what = v.what if isinstance(v, _NotOneNumber) else type(v).__name__
-                several = isinstance(v, (list, tuple)) or (isinstance(v, _NotOneNumber) and not v.what.startswith("tensor of 0"))
+                several = (isinstance(v, (list, tuple)) or (isinstance(v, _NotOneNumber) and not v.what.startswith("tensor of 0"))
+                           or (_is_ndarray(v) and getattr(v, "size", 0) > 1))
                 logger.warning(
-                    "stepwatch.log(%s=...): a %s is not a number that fits a float; recorded as null "
-                    "(counted in run.json's null_scalars)%s", name, what,
+                    "stepwatch.log(%s=...): %s %s is not a number that fits a float; recorded as null "
+                    "(counted in run.json's null_scalars)%s", name, "an" if what[:1] in "aeiou" or what.startswith("nd") else "a", what,
                     # scheduler.get_last_lr() is a list, one value per parameter group
                     f"; log one value a name: {name}=values[0], or {name}_0=..., {name}_1=..." if several else "",
                 )

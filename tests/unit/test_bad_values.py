@@ -90,3 +90,20 @@ def test_a_complex_value_is_null_and_counted(sw, tmp_path, caplog, both_tracker_
     assert all(r.scalars == {"ctensor": None, "csub": None, "cpy": None, "loss": 1.5} for r in records)
     assert manifest["null_scalars"] == {"ctensor": 3, "csub": 3, "cpy": 3}
     assert any("ctensor" in r.getMessage() and "complex" in r.getMessage() for r in caplog.records)
+
+
+def test_a_string_is_null_even_when_it_reads_as_a_number_and_a_numpy_array_of_one_value_is_read(sw, tmp_path, caplog):
+    """``"0.25"`` became 0.25, ``b"7"`` 7.0 and ``"nan"`` NaN, silently, while ``"hello"`` was null
+    with a line: a string is not a number logged (the README: null for a value that is not a
+    scalar), whatever it reads as. A one-value numpy array is read as a one-value tensor is (it
+    was null with no hint); one of several values says what to log instead."""
+    import numpy as np
+
+    records, manifest = _log_each_step(sw, tmp_path, caplog, 3, lambda: dict(
+        s="0.25", b=b"7", n="nan", word="hello", one=np.array([5.5]), two=np.array([1.0, 2.0]), i=3))
+    assert all(r.scalars == {"s": None, "b": None, "n": None, "word": None, "one": 5.5, "two": None, "i": 3.0}
+               for r in records), [r.scalars for r in records]
+    assert manifest["null_scalars"] == {"s": 3, "b": 3, "n": 3, "word": 3, "two": 3}
+    lines = {r.getMessage().split("(")[1].split("=")[0]: r.getMessage() for r in caplog.records if "stepwatch.log(" in r.getMessage()}
+    assert "a str is not a number" in lines["s"] and "a bytes is not a number" in lines["b"], lines
+    assert "an ndarray is not a number" in lines["two"] and "two=values[0]" in lines["two"], lines

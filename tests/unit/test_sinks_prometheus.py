@@ -73,7 +73,7 @@ def test_every_family_of_a_full_batch_has_help_and_type():
         rec = StepRecord(
             step=1, rank=0, time=time.time(), step_s=0.2, data_wait_s=0.01, forward_s=0.05, backward_s=0.1,
             optimizer_s=0.02, mfu=0.4, hfu=0.5, tokens=4096, grad_norm=1.5, comm_s=0.02, comm_exposed_s=0.01,
-            overlap=0.5, allreduce_s=0.01, phases={"fetch": 0.003}, scalars={"loss": 2.0, "busbw_gbps": 100.0},
+            overlap=0.5, allreduce_s=0.01, busbw_gbps=100.0, phases={"fetch": 0.003}, scalars={"loss": 2.0},
         )
         finding = Finding(time=time.time(), step=1, rank=0, kind="data_loading", severity="warning",
                           summary="s", diagnosis="d", action="a")
@@ -83,5 +83,32 @@ def test_every_family_of_a_full_batch_has_help_and_type():
             body = r.read().decode()
         families = _check_families(body)
         assert N.STEP_SECONDS.name in families and "DCGM_FI_DEV_GPU_TEMP" in families, families
+    finally:
+        e.shutdown()
+
+
+def test_a_name_that_is_not_valid_utf8_leaves_every_scrape_whole():
+    """``stepwatch.log(**{os.fsdecode(b"acc_shard_\\xff.bin"): ...})`` (a file name read back as a
+    lone surrogate): every /metrics scrape answered 500 from then on, the step series gone with
+    it. Such a name is served escaped, beside everything else."""
+    import os
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    bad = os.fsdecode(b"acc_shard_\xff.bin")
+    ctx = RunContext(rank=0, local_rank=0, world_size=1, host="h", run_id="r", run_dir="/nonexistent", pid=1)
+    e = OTelExporter(ctx, readers=[], prometheus_port=_free_port(), environ={})
+    try:
+        for step in (1, 2):
+            e.export(Batch(records=[StepRecord(step=step, rank=0, time=time.time(), step_s=0.2, phases={bad: 0.01},
+                                               scalars={"loss": 2.0, bad: 1.0})]))
+            with urllib.request.urlopen(e.prometheus.url, timeout=10) as r:
+                assert r.status == 200
+                body = r.read().decode()
+        fams = {f.name: f for f in text_string_to_metric_families(body)}
+        names = {s.labels["name"]: s.value for s in fams[N.SCALAR.name].samples}
+        assert names == {"loss": 2.0, "acc_shard_\\udcff.bin": 1.0}, names
+        assert any(s.labels.get("phase") == "acc_shard_\\udcff.bin" for s in fams["training_phase_seconds"].samples)
+        assert fams["training_steps"].samples[0].value == 2
     finally:
         e.shutdown()

@@ -52,15 +52,6 @@ def _field(name: str, scale: float = 1.0) -> Callable[[StepRecord], float | None
     return get
 
 
-def _busbw(r: StepRecord) -> float | None:
-    # The comm feature reports bus bandwidth per step in GB/s (nccl-tests' unit) either as a
-    # record field or, until it has one, as the scalar ``busbw_gbps``.
-    v = getattr(r, "busbw_gbps", None)
-    if v is None:
-        v = r.scalars.get("busbw_gbps") if r.scalars else None
-    return None if v is None else float(v)
-
-
 def _tokens_per_s(r: StepRecord) -> float | None:
     if r.tokens is None or not r.step_s or r.step_s <= 0:
         return None
@@ -139,7 +130,7 @@ OVERLAP = MetricName(
 BUSBW = MetricName(
     "training_allreduce_busbw_gbps", GAUGE, "",
     "AllReduce bus bandwidth of the last step in GB/s (nccl-tests' busbw = algbw x 2(n-1)/n).",
-    "busbw_gbps", _busbw,
+    "busbw_gbps", _field("busbw_gbps"),
 )
 MEM_PEAK = MetricName(
     "training_memory_peak_bytes", GAUGE, "",
@@ -192,9 +183,15 @@ MEM_OOMS = MetricName(
     "CUDA out-of-memory errors the caching allocator raised (num_ooms).",
     "mem_ooms", _field("mem_ooms"),
 )
+# Bounds on user-chosen attribute values, so a loop that logs a new name per step cannot grow
+# memory without limit.
+MAX_PHASE_NAMES = 64
+MAX_SCALAR_NAMES = 64
+MAX_EXTRA_SAMPLE_NAMES = 256
+
 SCALAR = MetricName(
     "training_scalar", GAUGE, "",
-    "Scalars logged with stepwatch.log() (attribute ``name``; at most MAX_SCALAR_NAMES names).",
+    f"Scalars logged with stepwatch.log() (attribute ``name``; at most {MAX_SCALAR_NAMES} names).",
 )
 
 # --- stepwatch's own health ------------------------------------------------------------------
@@ -223,12 +220,6 @@ RECORD_COUNTERS: tuple[MetricName, ...] = (DATA_WAIT, TOKENS_TOTAL, COMM_SECONDS
 
 # The phases that are StepRecord fields (the rest come from ``StepRecord.phases``).
 BUILTIN_PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "other", "eval", "checkpoint")
-
-# Bounds on user-chosen attribute values, so a loop that logs a new name per step cannot grow
-# memory without limit.
-MAX_PHASE_NAMES = 64
-MAX_SCALAR_NAMES = 64
-MAX_EXTRA_SAMPLE_NAMES = 256
 
 # --- GPU fields under the DCGM exporter's names ----------------------------------------------
 # Source: NVIDIA/dcgm-exporter etc/dcp-metrics-included.csv and default-counters.csv (names and
