@@ -1593,3 +1593,39 @@ def test_a_sparse_matmul_counts_the_work_of_its_stored_elements(sw):
     # forward: x @ w and adj @ support; backward: adj^T @ grad and x^T @ grad (x takes no grad)
     want = 2 * (2 * n * f * h) + 2 * (2 * nnz * h)
     assert [r.flops for r in mem.records if not r.tail] == [want] * 4, (want, 2 * (2 * n * f * h + 2 * n * n * h))
+
+
+def test_a_global_full_backward_hook_of_the_jobs_gets_no_warning_from_the_replay():
+    """``register_module_full_backward_hook`` in the job: torch warned "For backward hooks to be
+    called, module output should be a Tensor ... received <class 'NoneType'>" at each replay (the
+    replay's own wrapper module returned None), a warning the job without stepwatch never shows."""
+    import warnings
+
+    from torch.nn.modules.module import register_module_full_backward_hook
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    handle = register_module_full_backward_hook(lambda m, gi, go: None)
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            c = count_step_flops(model, (torch.randn(8, 16, requires_grad=True),))
+    finally:
+        handle.remove()
+    assert c.forward == {"fp32": mm(8, 16, 32) + mm(8, 32, 4)}
+    assert not [str(w.message) for w in got if "backward hooks" in str(w.message)], [str(w.message) for w in got]
+
+
+def test_the_replay_inside_the_jobs_own_profiler_is_one_range_that_says_whose_it_is():
+    """The job's ``torch.profiler`` saw the replay's fake forward and backward as the job's work
+    (523 events where the step has 34, addmm three times over). torch has no way to keep them
+    out; they come inside one range that names them stepwatch's."""
+    from torch.profiler import profile
+
+    model, x = nn.Linear(4, 4), torch.randn(2, 4)
+    with profile() as prof:
+        count_step_flops(model, (x,))
+    events = prof.events()
+    (rng,) = [e for e in events if e.name == fl.REPLAY_RANGE]
+    ops = [e for e in events if e.name.startswith("aten::")]
+    assert ops and all(rng.time_range.start <= e.time_range.start and e.time_range.end <= rng.time_range.end
+                       for e in ops), [e.name for e in ops]

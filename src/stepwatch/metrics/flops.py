@@ -986,7 +986,8 @@ def count_step_flops(
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     fake_log.addFilter(_QUIET_REPLAY)
     try:
-        with torch.autograd.set_detect_anomaly(False), _disable_current_modes(), _own_saved_tensors():
+        with torch.autograd.set_detect_anomaly(False), _disable_current_modes(), _labelled_for_the_jobs_profiler(), \
+                _own_saved_tensors():
             return _in_autograd_node(
                 lambda: _count(module, args, kwargs, loss_fn=loss_fn, backward=backward, lint_devices=lint_devices, real=real)
             )
@@ -1206,6 +1207,22 @@ def _replay(
     return FlopCount(b["forward"], b["backward"], b["recompute"], tuple(counter.alignment), counter.tf32_sensitive)
 
 
+REPLAY_RANGE = "stepwatch: FLOP count (a replay of the forward and backward, not the job's work)"
+
+
+def _labelled_for_the_jobs_profiler() -> Any:
+    """While the job's own profiler records (``torch.profiler.profile`` around its loop), the
+    replay's ops land in its trace: torch offers no way to keep them out. They are put inside one
+    range, :data:`REPLAY_RANGE`, that says whose they are. Otherwise nothing (no cost)."""
+    import contextlib
+
+    import torch
+
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return contextlib.nullcontext()
+    return torch.autograd.profiler.record_function(REPLAY_RANGE)
+
+
 def _replay_call(root: Any, loss_fn: Callable[[Any], Any] | None, backward: bool, counter: Any) -> Any:
     """A module holding ``root`` whose call is the whole replay: the forward, ``loss_fn``, and the
     backward from ``ones_like`` of every differentiable output. Given to ``functional_call``
@@ -1232,22 +1249,24 @@ def _replay_call_class() -> type:
             self.root = root  # its state is the replay's under "root."
             self.how = how  # (loss_fn, backward, counter) in a tuple: a loss module is no child of this one
 
-        def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            """The replay; returns an empty tensor, no FLOPs: with a global full backward hook of
+            the user's, torch warned in the job's log that this module's output was None."""
             loss_fn, backward, counter = self.how
             out = self.root(*args, **kwargs)
             if loss_fn is not None:
                 out = loss_fn(out)
-            if not backward:
-                return
-            outs: list[Any] = []
-            _grad_outputs(out, outs)
-            if outs:
-                counter.phase = "backward"
-                seeds = [torch.ones_like(o) for o in outs]
-                # Every leaf in this graph is one of the replay's: grads accumulate there, never
-                # into a real .grad. The engine is called directly so that wrappers of
-                # torch.autograd.backward (stepwatch's own backward timer) do not see the replay.
-                _run_backward(outs, seeds)
+            if backward:
+                outs: list[Any] = []
+                _grad_outputs(out, outs)
+                if outs:
+                    counter.phase = "backward"
+                    seeds = [torch.ones_like(o) for o in outs]
+                    # Every leaf in this graph is one of the replay's: grads accumulate there, never
+                    # into a real .grad. The engine is called directly so that wrappers of
+                    # torch.autograd.backward (stepwatch's own backward timer) do not see the replay.
+                    _run_backward(outs, seeds)
+            return torch.empty(0)
 
     return ReplayCall
 
