@@ -138,6 +138,37 @@ def test_a_resume_into_a_fresh_model_after_an_unstepped_micro_batch_counts_the_n
     assert len({r.flops for r in recs}) == 1
 
 
+def test_a_head_switched_on_mid_run_adds_its_flops_to_the_models(sw):
+    """An auxiliary head first used at step 6, fed the model's output, its parameters added to
+    the optimizer: step 6 recorded the head's FLOPs alone (768 of 23296), the model's dropped as
+    an unstepped micro-batch of a model before it. The head's input was computed in this step:
+    it continues the model's micro-batch."""
+    stepwatch, mem, start = sw
+    start()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    head = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(10):
+        out = model(torch.randn(8, 16))
+        if i >= 6:
+            out = head(out)
+        loss = out.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if i == 5:
+            opt.add_param_group({"params": head.parameters()})
+    stepwatch.shutdown()
+    recs = _steps(mem)
+    fwd = 2 * 8 * (16 * 32 + 32 * 4)  # batch of 8
+    body = 2 * fwd + 2 * 8 * 32 * 4  # backward: both weights' grads, the input grad of the second layer only
+    head = 3 * 2 * 8 * 4 * 4  # its input (the model's output) needs a grad too
+    assert (body, head) == (22528, 768)
+    assert [r.flops for r in recs] == [body] * 6 + [body + head] * 4, [r.flops for r in recs]
+    assert [r.samples for r in recs] == [8] * 10
+
+
 class Tokenize(nn.Module):
     """A text transform as an nn.Module (torchtext's are): strings in, padded ids out; no parameters."""
 

@@ -620,7 +620,7 @@ class _ThroughputMethods(Collector):
     def _on_forward_full(self, module: Any, args: Any, kwargs: Any) -> None:
         mid = id(module)
         if mid not in self._known:
-            self._first_call(module, mid)
+            self._first_call(module, mid, args, kwargs)
         elif (mid != self._token_root and not self._items and getattr(module, "training", True) is not False
               and mid not in self._followers):
             self._take_over(module, mid)
@@ -751,7 +751,7 @@ class _ThroughputMethods(Collector):
             if counts is not None:
                 items[i] = (fc, None)
 
-    def _first_call(self, module: Any, mid: int) -> None:
+    def _first_call(self, module: Any, mid: int, args: Any = (), kwargs: Any = None) -> None:
         """A root's first call. The model (whose calls give the step's samples and tokens) is the
         first root called in a step; a root never called before that opens a step is a new model
         (the next fold, a model loaded from a checkpoint, the next in a sweep) and takes over from
@@ -771,7 +771,9 @@ class _ThroughputMethods(Collector):
           ended within an accumulation), which is no part of the new model's step. Its calls are
           dropped, FLOPs with samples, so that the two agree. A second model first called in the
           step that the first one opened (a GAN's other network, co-teaching's second network)
-          leaves the role where it is.
+          leaves the role where it is; so does one whose input was computed in this step (a tensor
+          with autograd history: a head switched on mid-run, fed the model's output), which
+          continues the model's micro-batch: it dropped the model's FLOPs from that step.
 
         Which roots are followers is decided here, once per root. When a root is freed, what was
         kept under its id goes with it: a new module may get the same id."""
@@ -809,7 +811,8 @@ class _ThroughputMethods(Collector):
             return
         if token is not None and token in self._followers:
             self._uncount()
-        elif trains and getattr(module, "training", True) is not False and self._opened is not self._items:
+        elif (trains and getattr(module, "training", True) is not False and self._opened is not self._items
+              and not _computed_in_a_graph(args, kwargs)):
             self._items = []  # the last model's unstepped micro-batch
         elif token is not None:
             return
@@ -1064,3 +1067,19 @@ def _tensor_type() -> Any:
     import torch
 
     return torch.Tensor
+
+
+def _computed_in_a_graph(args: Any, kwargs: Any) -> bool:
+    """A tensor argument (or one in a list, tuple or dict argument) carries autograd history: it
+    was computed in this step, not fetched as a batch."""
+    def history(v: Any) -> bool:
+        return getattr(v, "grad_fn", None) is not None
+
+    for v in (*args, *(kwargs.values() if kwargs else ())):
+        if history(v):
+            return True
+        if type(v) in (list, tuple) and any(history(x) for x in v):
+            return True
+        if type(v) is dict and any(history(x) for x in v.values()):
+            return True
+    return False
