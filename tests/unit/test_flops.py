@@ -1411,10 +1411,13 @@ def test_a_law_that_a_replay_contradicts_is_dropped_and_every_length_replayed():
     torch.manual_seed(0)
     model, counter = _Branchy(), _Counted()
     cache = FlopCache(counter=counter)
-    for t in (8, 9, 10, 11, 30, 14, 20, 13):  # 30 lies beyond twice the checked 11: replayed, and breaks the law
+    # 30 lies beyond twice the checked 11: replayed, and breaks the law; from then on every length
+    # is replayed, those over 12 too (a new law of those alone would have computed 11 and 10 wrong)
+    lengths = (8, 9, 10, 11, 30, 14, 20, 13, 15, 16, 17, 18, 19, 21, 7, 6)
+    for t in lengths:
         x = torch.randn(2, t, 16)
         assert _same_count(cache.get(model, (x,)), count_step_flops(model, (x,))), t
-    assert len(counter.calls) == 8 and cache.predicted == 0
+    assert len(counter.calls) == len(lengths) and cache.predicted == 0
 
 
 def test_batch_and_length_changing_together_follow_a_two_size_law_once_it_is_checked():

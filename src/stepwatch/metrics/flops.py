@@ -1858,10 +1858,10 @@ class FlopCache:
         skeleton, dims = shape
         seen = self._seen.setdefault(skeleton, [])
         laws = self._laws.setdefault(skeleton, [])
-        on_one = False
+        on_one = False  # on a law, broken ones too: a dropped law stays dropped (no new one in its place)
         for law in laws:
             xs = law.size_of(dims)
-            if xs is not None and not law.broken:
+            if xs is not None:
                 law.add(xs, value)
                 on_one = True
         if not on_one and len(laws) < _SEEN:
