@@ -48,16 +48,18 @@ def _train(stepwatch, steps=STEPS, *, slow_data_s=0.0, log_loss=None):
     return [float(l) for l in losses]
 
 
-def _train_plain(steps):
+def _train_plain(steps, each=None):
     """A loop without a DataLoader (a step's record is made when the next one begins, or at
-    shutdown: no fetch ends the loop)."""
+    shutdown: no fetch ends the loop); ``each(i)`` after step ``i``'s optimizer step."""
     torch.manual_seed(0)
     model = nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for _ in range(steps):
+    for i in range(steps):
         model(torch.randn(4, 8)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+        if each is not None:
+            each(i)
 
 
 def _clean_env(monkeypatch):
@@ -387,14 +389,7 @@ def test_mlflow_takes_every_name_a_user_logs_and_stays_on(sw, mlflow_store, tmp_
     names = ["/loss", "loss/", "a//b", "", ".", "..", "./x", "a/../b", "loss"]
     with mlflow.start_run() as run:
         start()
-        torch.manual_seed(0)
-        model = nn.Linear(8, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        for i in range(20):
-            model(torch.randn(4, 8)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            stepwatch.log(**{n: float(i + k) for k, n in enumerate(names)})
+        _train_plain(20, lambda i: stepwatch.log(**{n: float(i + k) for k, n in enumerate(names)}))
         stepwatch.shutdown()
     manifest = json.load(open(tmp_path / "run" / "run.json"))
     assert not manifest["internal_errors"] and not manifest["exporter_drops"].get("mlflow"), manifest
