@@ -80,6 +80,18 @@ def log(msg: str) -> None:
         pass
 
 
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (unix seconds), from /proc; None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -178,6 +190,7 @@ class Watchdog:
         # while rank 0 worked alone, ended once rank 0 reports a hang after that start.
         self._awaiting: tuple[float, str] | None = None
         self._others_ckpt: tuple[float, bool] | None = None  # (monotonic s when asked, answer)
+        self._launch = self._launch_tag()
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -407,9 +420,32 @@ class Watchdog:
     # -- a hang -----------------------------------------------------------------------------------
 
     def hang_dir(self, n: int) -> str:
-        """``hang-<n>``; after an elastic restart ``hang-<n>.attempt<A>``, beside the earlier ones."""
+        """``hang-<n>``; after an elastic restart ``hang-<n>.attempt<A>``, and in a later launch
+        into the same run dir ``...launch<L>`` (:meth:`_launch_tag`), beside the earlier ones."""
+        return self._hang_dir(n, self._launch)
+
+    def _hang_dir(self, n: int, tag: str) -> str:
         name = f"hang-{n}" if not self.a.attempt else f"hang-{n}.attempt{self.a.attempt}"
-        return os.path.join(self.run_dir, name)
+        return os.path.join(self.run_dir, name + tag)
+
+    def _launch_tag(self) -> str:
+        """This launch's suffix of its hang directories: "" for the first launch into the run
+        dir, ``.launch<L>`` for the L-th after it, taken at start-up, before this launch can
+        have a hang: the first whose episode 1 directory does not exist yet, or was made by this
+        launch (written since its trainer started: a rank whose sidecar started late). Every
+        rank of a launch takes the same one. A relaunch (a requeued job, the same run id) wrote
+        its hangs into the last launch's ``hang-<n>/`` over its dumps, and took that report for
+        its own."""
+        started = _process_start(self.pid)
+        for k in range(10_000):
+            tag = f".launch{k}" if k else ""
+            try:
+                st = os.stat(self._hang_dir(1, tag))
+            except OSError:
+                return tag
+            if started is not None and st.st_mtime >= started:
+                return tag
+        return f".launch{os.getpid()}"
 
     def on_hang(self, n: int, snap: dict[str, Any], stalled: float, limit: float) -> None:
         d = private_subdir(self.hang_dir(n))
