@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class Manifest:
                 "argv": list(sys.argv),
                 "versions": versions(),
                 "world_size": ctx.world_size,
-                "hosts": sorted({ctx.host} | set(hosts_in(ctx.run_dir))),
+                "hosts": sorted({ctx.host} | set(hosts_in(ctx.run_dir, _launch_of(self._rank_path)))),
                 "attempt": ctx.attempt,
                 "start_time": self.start_time,
                 "end_time": time.time() if final else None,
@@ -123,7 +124,9 @@ class Manifest:
     def _keep_reserve(self) -> None:
         """Rank 0, after its first manifest: ``RESERVE_BYTES`` of the disk taken now, given back
         right before the final manifest (a disk full by then still takes it)."""
-        path = os.path.join(self.ctx.run_dir, f".reserve.rank{self.ctx.rank}.{self.pid}")
+        host = _SAFE.sub("_", self.ctx.host)
+        _drop_dead_reserves(self.ctx.run_dir, self.ctx.rank, host)
+        path = os.path.join(self.ctx.run_dir, f".reserve.rank{self.ctx.rank}.{host}.{self.pid}")
         self._reserve = path
         try:
             fd = create_private(path)
@@ -148,15 +151,56 @@ class Manifest:
                 pass
 
 
-def hosts_in(run_dir: str) -> list[str]:
-    """The hosts named by the rank files in ``run_dir`` (one unreadable file is skipped)."""
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+_RANK_FILE = re.compile(r"rank\d+(\.\d+)?\.json")
+
+
+def _launch_of(rank_path: str | None) -> str | None:
+    """The launch suffix of a rank file's name: "" for ``rank<R>.json``, ``.<K>`` for
+    ``rank<R>.<K>.json`` (a relaunch's); None when unknown."""
+    m = _RANK_FILE.fullmatch(os.path.basename(rank_path)) if rank_path else None
+    return (m.group(1) or "") if m else None
+
+
+def _drop_dead_reserves(run_dir: str, rank: int, host: str) -> None:
+    """Remove the reserves of this host's earlier rank-``rank`` processes that are gone: one
+    SIGKILLed (the OOM killer, a scheduler's kill after its grace period) gave its 64 KiB back
+    never, and each such launch left one more. Another host's are left alone (its pids are not
+    ours to judge)."""
+    prefix = f".reserve.rank{rank}.{host}."
+    try:
+        names = [n for n in os.listdir(run_dir) if n.startswith(prefix)]
+    except OSError:
+        return
+    for n in names:
+        pid = n[len(prefix):]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to signal): kept
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.unlink(os.path.join(run_dir, n))
+        except OSError:
+            pass
+
+
+def hosts_in(run_dir: str, launch: str | None = None) -> list[str]:
+    """The hosts named by the rank files in ``run_dir`` (one unreadable file is skipped); with
+    ``launch`` (see :func:`_launch_of`), those of that launch's rank files only: a relaunch's
+    ``run.<K>.json`` listed the hosts of every earlier launch."""
     out = []
     try:
         names = os.listdir(run_dir)
     except OSError:
         return out
     for n in names:
-        if n.startswith("rank") and n.endswith(".json"):
+        m = _RANK_FILE.fullmatch(n)
+        if m and (launch is None or (m.group(1) or "") == launch):
             try:
                 out.append(read_json_private(os.path.join(run_dir, n))["host"])
             except (OSError, ValueError, KeyError, TypeError):

@@ -24,7 +24,7 @@ for _ in range(int(sys.argv[2])):
 print("trained", flush=True)
 if sys.argv[3] == "sleep":
     time.sleep(120)  # killed here, as torchrun or a scheduler would
-else:
+elif sys.argv[3] != "exit":
     # stuck in C++ with the GIL released, as a rank in a collective whose peer died: a Python
     # signal handler would not run before this returns (60 s)
     import datetime
@@ -145,6 +145,30 @@ def test_a_second_launch_in_the_same_dir_keeps_the_first_ones_rank_file(sw, tmp_
     second = json.loads((run / "rank0.1.json").read_text())
     assert second["start_time"] > first["start_time"]
     assert sorted(n for n in os.listdir(run) if n.startswith("run")) == ["run.1.json", "run.json"]
+
+
+def test_a_killed_launchs_disk_reserve_is_given_back_by_the_next_and_hosts_are_the_launchs_own(tmp_path):
+    """A rank 0 SIGKILLed (the OOM killer, a scheduler's kill after its grace period) left its
+    64 KiB ``.reserve.rank0.<pid>`` for good, one more each such launch; the next launch on the
+    host removes a dead process's. And a relaunch's ``run.<K>.json`` listed the hosts of every
+    earlier launch (a rank file of another host's launch here)."""
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-c", TRAIN, str(run), "3", "sleep"], env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "trained"
+        time.sleep(0.3)
+    finally:
+        p.kill()
+        p.wait()
+    left = [n for n in os.listdir(run) if n.startswith(".reserve")]
+    assert len(left) == 1 and left[0].endswith(f".{p.pid}"), left  # the killed launch's
+    (run / "rank1.json").write_text(json.dumps({"rank": 1, "host": "old-node-7"}))  # another host, that launch
+    r = subprocess.run([sys.executable, "-c", TRAIN, str(run), "3", "exit"], env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert "trained" in r.stdout, r.stderr[-2000:]
+    assert not [n for n in os.listdir(run) if n.startswith(".reserve")], os.listdir(run)
+    hosts = json.loads((run / "run.1.json").read_text())["hosts"]
+    assert "old-node-7" not in hosts and len(hosts) == 1, hosts
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
