@@ -256,6 +256,12 @@ def test_the_ranks_that_crashed_or_were_killed_are_named_for_every_attempt(tmp_p
     assert "ranks that stopped attempt 0 rank 0: uncaught RuntimeError: Connection closed by peer;" in out
     assert "attempt 0 rank 1: uncaught RuntimeError: injected failure rank 1 step 30;" in out
     assert "attempt 1 rank 1: no end written: killed (SIGKILL, the OOM killer), or still running" in out
+    # A second launch into the directory (torchrun counts its attempts from 0 again): its ends
+    # read "attempt 2" as its files do, not a second "attempt 0".
+    rank_file("rank0.2.json", 0, 0, "uncaught RuntimeError: boom at step 45")
+    assert load_run(str(tmp_path)).rank_ends[-1] == (2, 0, "uncaught RuntimeError: boom at step 45")
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    assert "attempt 2 rank 0: uncaught RuntimeError: boom at step 45" in " ".join(capsys.readouterr().out.split())
 
 
 def test_slow_rank_is_marked_only_when_it_stands_out(tmp_path):

@@ -318,10 +318,11 @@ def _read_rank_info(path: str, names: list[str], notes: list[str]
         if obj := _read_json(os.path.join(path, n), notes):
             out[rank] = obj
             if "end_time" in obj and (obj.get("end_time") is None or obj.get("ended_by") not in ("shutdown", None)):
-                # the file name's K where the attempt is no count (an attempt of 40 digits filled the table)
-                attempt = obj.get("attempt") if is_count(obj.get("attempt"), hi=2**31) else k
+                # By the file name's K, as the records' attempts are: an elastic restart and a
+                # relaunch each get the next K, while torchrun's count starts at 0 again in every
+                # launch (two launches' ends both read "attempt 0").
                 how = obj.get("ended_by") if obj.get("end_time") is not None else None
-                ends.append((attempt, rank, str(how) if how is not None else None))
+                ends.append((k, rank, str(how) if how is not None else None))
     return out, sorted(ends)
 
 
