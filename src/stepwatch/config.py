@@ -321,7 +321,7 @@ class Config:
         default=1024,
         metadata=_opt(
             "STEPWATCH_DISK_BUDGET_MB",
-            "Disk budget for the whole run directory (all ranks); each rank's records rotate within its share.",
+            "Disk budget for one launch's files in the run directory (all ranks; a relaunch's files come beside the earlier ones); each rank's records rotate within its share.",
             _int_range(1, 10**7),
         ),
     )

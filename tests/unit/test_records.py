@@ -46,6 +46,31 @@ def test_a_restart_writes_beside_the_old_files_never_over_them(tmp_path):
     assert old == [0, 1] and new == [2]
 
 
+def test_a_relaunch_says_when_the_earlier_launches_records_pass_the_budget_and_keeps_them(tmp_path, caplog):
+    """The budget bounds each launch's own files: a directory resumed into four times held 2.3 MB
+    against a 1 MiB budget, and nothing said so (the README said the budget covered the
+    directory). The earlier launches' files are kept, and one line says the directory holds more."""
+    import logging
+
+    budget = 64 * 1024
+    c = ctx(tmp_path)
+    first = RecordsExporter(c, budget_bytes=budget)
+    for i in range(0, 3000, 10):
+        first.export(Batch(records=[rec(s) for s in range(i, i + 10)]))
+    first.shutdown()
+    run = tmp_path / "run"
+    before = {n: (run / n).read_bytes() for n in os.listdir(run)}
+    with caplog.at_level(logging.INFO, logger="stepwatch"):
+        RecordsExporter(c, budget_bytes=budget).shutdown()
+    assert not [r for r in caplog.records if "earlier launches" in r.getMessage()]  # within the budget: quiet
+    (run / "steps.rank0.jsonl.old").write_bytes(b"x" * budget)  # an earlier launch's that passed it
+    with caplog.at_level(logging.INFO, logger="stepwatch"):
+        RecordsExporter(c, budget_bytes=budget).shutdown()
+    (said,) = [r.getMessage() for r in caplog.records if "earlier launches" in r.getMessage()]
+    assert "STEPWATCH_DISK_BUDGET_MB" in said and "kept" in said, said
+    assert all((run / n).read_bytes() == b for n, b in before.items())
+
+
 def test_rotation_keeps_a_rank_within_its_share_of_the_budget(tmp_path):
     budget = 64 * 1024
     c = ctx(tmp_path, rank=1, world=2)  # share = 32 KiB

@@ -416,6 +416,26 @@ class _PartlyWritten(Exception):
 _LOSS_RUNS_SAID = 5
 
 
+def _say_earlier_launches(run_dir: str, budget_bytes: int) -> None:
+    """One line when the run directory's record files from earlier launches (a resumed or
+    requeued job with the same run id) already pass the disk budget, which bounds each launch's
+    own files: they are kept, never rotated out by a later launch, so the directory holds more."""
+    held = 0
+    try:
+        with os.scandir(run_dir) as it:
+            for e in it:
+                if e.name.startswith(("steps.", "findings.")) and e.is_file(follow_symlinks=False):
+                    held += e.stat(follow_symlinks=False).st_size
+    except OSError:
+        return
+    if held > budget_bytes:
+        logger.info(
+            "stepwatch: %s already holds %.1f MB of records from earlier launches, more than the disk budget "
+            "(STEPWATCH_DISK_BUDGET_MB, %.1f MB), which bounds each launch's own files: the earlier ones are kept "
+            "beside this launch's", run_dir, held / 1e6, budget_bytes / 1e6,
+        )
+
+
 class RecordsExporter(Exporter):
     name = "records"
 
@@ -428,6 +448,8 @@ class RecordsExporter(Exporter):
         self.findings = _RotatingFile(
             free_name(ctx.run_dir, f"findings.{stem}", "jsonl"), int(self.share * _FINDINGS_SHARE)
         )
+        if ctx.rank == 0:
+            _say_earlier_launches(ctx.run_dir, budget_bytes)
 
     def export(self, batch: Batch) -> None:
         if batch.records:
