@@ -25,7 +25,12 @@ What is hooked, and why this way:
   ``_RootCall`` there times the module's ``_call_impl`` around it, so the module keeps torch's
   no-hook fast path (forward hooks, even no-ops, send every call down the slow one). A module
   compiled in place (``model.compile()``, before or after the scan) has its compiled callable
-  wrapped instead, so timing stays outside compiled code. Framework adapters may
+  wrapped instead, so timing stays outside compiled code. A ``torch.compile``'d *function* that
+  calls the model (``@torch.compile def train_step(x, y)``) inlines the model's call, which its
+  ``_compiled_call_impl`` never sees: the function's dynamo context gets an enter hook instead
+  (``_CompiledCall``; ``OptimizeContext.__call__`` wrapped, and the contexts made before ``init``
+  found by its scan), which tells the tracker of each call made at the top of the loop
+  (``StepTracker.compiled_begin``). Framework adapters may
   declare more roots, or wrappers that are not model calls (:meth:`Instrumentation.declare_roots`).
   ``init`` scans, and so does the first optimizer's construction (``Optimizer.__init__``,
   wrapped): a loop without a DataLoader has its roots hooked before its first forward, whether
@@ -111,6 +116,16 @@ class Instrumentation:
         self._st_patched = False
         self._hf_patched = False
         self._wrapper_patched = False  # torch.compile's OptimizedModule.__init__ (_patch_compiled_wrapper)
+        # torch.compile'd functions (_patch_compiled_functions): the dynamo contexts given an enter
+        # hook (context -> its _CompiledCall), whether the next scan looks for contexts made before
+        # the patch, and the depth of torch.compile(module) calls (whose context is a root's).
+        self._fn_patched = False
+        self._fn_contexts: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        self._contexts_due = False
+        self._compiling_module = 0
+        self._eval_roots: tuple[Any, list[Any]] | None = None  # _trained_in_eval's roots, and when
+        self._compiled_said = False  # _compiled_unseen's line
+        self._compiled_col: _CompiledForward | None = None  # rootless_compiled's collector
         self._import_watch: ImportWatch | None = None  # _watch_imports
         # The bytes of the saves inside one that reports what its saves wrote (save_pretrained's
         # safetensors files); None when no such save is open.
@@ -352,6 +367,11 @@ class Instrumentation:
         if self._import_watch is not None:
             self._import_watch.stop()
         self._unwrap_calls()
+        for ctx, call in list(self._fn_contexts.items()):
+            hooks = getattr(ctx, "enter_exit_hooks", None)
+            if type(hooks) is list:
+                hooks[:] = [h for h in hooks if h is not call]
+        self._fn_contexts.clear()
         for h in self._handles:
             try:
                 h.remove()
@@ -699,12 +719,15 @@ class Instrumentation:
             import torch.nn as nn
             from torch.optim import Optimizer
 
+            if not self._fn_patched and DYNAMO_MODULE in sys.modules:
+                # dynamo imported with no word from the import watch (imported before it started,
+                # half way, on another thread): patched now, its contexts looked for below
+                self._patch_compiled_wrapper()
             objects = gc.get_objects()
             if gc.get_freeze_count():  # gc.freeze() hid the objects it froze from get_objects()
                 seen = {id(o) for o in objects}
                 objects += [o for o in _reachable(sys._getframe(1), (nn.Module, Optimizer)) if id(o) not in seen]
             modules, optimizers = _instances(objects, nn.Module, Optimizer)
-            del objects
             # stepwatch's own modules (the FLOP count's replay, alive while another thread's scan
             # runs) are neither roots nor parents: the model they hold stays a root.
             # A module whose __init__ never ran (a deepcopy or an unpickling that failed half way)
@@ -713,6 +736,9 @@ class Instrumentation:
             # module it holds (_actual_script_module), which holds the parameters and submodules.
             # That one is its child here, so the traced module, which the script calls, is the root.
             modules = [m for m in modules if _has_children_dict(m) and not is_replay_module(m)]
+            if self._contexts_due:
+                self._contexts_due = False
+                self._hook_old_contexts(objects, modules)
             children: set[int] = set()
             for m in modules:
                 for c in _children(m):
@@ -721,6 +747,7 @@ class Instrumentation:
             for m in modules:
                 if id(m) not in children and m not in self._hooked and id(m) not in self._not_roots:
                     self._hook_root(m)
+            del objects
             self._optimizers_alive = _steps_a_root(optimizers, list(self._hooked))
             self._optimizers_exist = bool(optimizers)
         except Exception as e:
@@ -777,6 +804,7 @@ class Instrumentation:
         evaluation. The wrapper becomes the root instead, as when the scan finds it (compiling
         before the optimizer): stepwatch's call runs outside compiled code, the model's own is
         torch's again."""
+        self._patch_compiled_functions()
         if self._wrapper_patched:
             return
         cls = getattr(sys.modules.get(DYNAMO_MODULE), "OptimizedModule", None)
@@ -807,6 +835,132 @@ class Instrumentation:
         now = m.__dict__.get("_compiled_call_impl")
         if now is not None and not isinstance(now, _RootCallBase) and m in self._hooked:
             self._wrap_call(m)
+
+    def _patch_compiled_functions(self) -> None:
+        """``torch.compile(fn)`` of a function (not a module): dynamo inlines the model's call
+        inside it, where no root call sees it (the model's forward went untimed, the step's end
+        stayed pending through it, and a value logged after it went to the step before). Each
+        such function's dynamo context (``OptimizeContext``, one per ``torch.compile`` call) gets
+        a :class:`_CompiledCall` among its ``enter_exit_hooks``, which its compiled wrapper runs
+        around every call, outside dynamo's tracing: nothing is traced, guarded or recompiled, and
+        a loop that calls no compiled function runs nothing of it. A module's context
+        (``torch.compile(model)``, ``model.compile()``) gets none: the root call times those.
+        Contexts made before this patch (a function compiled before ``init``) are looked for by
+        the next scan (:meth:`_hook_old_contexts`)."""
+        if self._fn_patched:
+            return
+        mod = sys.modules.get(DYNAMO_MODULE)
+        cls = getattr(mod, "OptimizeContext", None)
+        if not isinstance(cls, type) or not callable(getattr(cls, "__call__", None)):
+            return
+        self._fn_patched = True
+        self._contexts_due = True
+        orig = cls.__call__
+        import torch.nn as nn
+
+        @functools.wraps(orig)
+        def __call__(ctx: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+            module = isinstance(fn, nn.Module)
+            if module:  # its OptimizedModule compiles the module's __call__ with this context
+                self._compiling_module += 1
+            try:
+                out = orig(ctx, fn, *args, **kwargs)
+            finally:
+                if module:
+                    self._compiling_module -= 1
+            try:
+                if self.tracker.enabled and not module and not self._compiling_module and _compiles_a_function(fn):
+                    self._hook_context(ctx, _function_name(fn) or "")
+            except Exception as e:
+                self._on_error("hooks.compile", e)
+            return out
+
+        self._patch(cls, "__call__", __call__)
+
+    def _hook_context(self, ctx: Any, name: str | None) -> None:
+        """Give a compiled function's dynamo context its enter hook (once)."""
+        hooks = getattr(ctx, "enter_exit_hooks", None)
+        if type(hooks) is not list or ctx in self._fn_contexts or getattr(ctx, "export", False) is True:
+            return  # (torch.export's tracing call is no step's work)
+        call = _CompiledCall(self, name)
+        hooks.append(call)
+        self._fn_contexts[ctx] = call
+
+    def _hook_old_contexts(self, objects: list[Any], modules: list[Any]) -> None:
+        """The scan's heap pass (the first one after the patch): the compiled functions' contexts
+        made before it (``@torch.compile`` at import, ``stepwatch.init()`` in ``main()``). A
+        module's context gets no hook: the one an ``OptimizedModule`` holds (``torch.compile(model)``),
+        and the one of a module compiled in place (``model.compile()``: its compiled call's)."""
+        cls = getattr(sys.modules.get(DYNAMO_MODULE), "OptimizeContext", None)
+        if not isinstance(cls, type):
+            return
+        contexts, _ = _instances(objects, cls, _Never)
+        if not contexts:
+            return
+        of_modules = set()
+        for m in modules:
+            d = getattr(m, "__dict__", _NO_DICT)
+            if "dynamo_ctx" in d:
+                of_modules.add(id(d["dynamo_ctx"]))
+            impl = d.get("_compiled_call_impl")
+            if isinstance(impl, _RootCallBase) and not impl.bound:
+                impl = impl.inner
+            if impl is not None:
+                of_modules.add(id(_context_of(impl)))
+        for ctx in contexts:
+            if id(ctx) not in of_modules:
+                self._hook_context(ctx, None)
+
+    def _trained_in_eval(self) -> bool:
+        """The roots an optimizer has stepped are all in eval mode (``model.eval()``): a compiled
+        function called now evaluates the model (a compiled call cannot say which module it calls)."""
+        if not self._seen_optimizers:
+            return False
+        key = (len(self.roots), len(self._seen_optimizers))
+        cached = self._eval_roots
+        if cached is None or cached[0] != key:  # new roots, or an optimizer's first step
+            cached = self._eval_roots = (key, [weakref.ref(m) for m in list(self._hooked) if self._trained(m)])
+        trained = False
+        for ref in cached[1]:
+            m = ref()
+            if m is None:
+                continue
+            if getattr(m, "training", True) is not False:
+                return False
+            trained = True
+        return trained
+
+    def rootless_compiled(self, step: int) -> None:
+        """Step ``step``'s forward ran in a compiled function that no root's forward came before:
+        its FLOPs and samples are not counted, and a count of the modules called outside it (a
+        loss module: 0 FLOPs) would read as the step's (MFU 0, a false low-MFU finding). Its
+        record says so (``extras["compiled_forward"]``, read by the FLOP enricher), through a
+        collector added at the first such call: a loop without compiled functions has none."""
+        col = self._compiled_col
+        if col is None:
+            col = self._compiled_col = _CompiledForward(self.tracker)
+            self.tracker.collectors.append(col)
+        col.steps.add(step)
+
+    def _compiled_unseen(self, name: str | None) -> None:
+        """A compiled function's call was a step's forward, with no root's forward timed before it
+        in the step: what it computes is not counted (said once). ``name``: the function's, "" when
+        it has none, None for a context found by the scan."""
+        from .._log import warn_once
+
+        self._compiled_said = True
+        warn_once(
+            "compiled-function",
+            "stepwatch: %s runs the step's forward: its time up to the first "
+            "backward or optimizer step inside it is forward_s, but torch.compile inlines the module calls "
+            "inside it, out of stepwatch's reach, so their FLOPs and samples are not counted: FLOPs, MFU and "
+            "samples are null (or count only modules called outside it), and stepwatch.init(flops=...) is "
+            "not applied to it either. To count them, compile the model instead of a function around it: "
+            "torch.compile(model) or model.compile(), called in the function or the loop "
+            "(docs/frameworks.md, 'Compiled functions').",
+            f"the torch.compile'd function '{name}'" if name else
+            "a torch.compile'd function" + (" (compiled before stepwatch started)" if name is None else ""),
+        )
 
     def _unwrap_calls(self) -> None:
         for ref, call_ref, before in reversed(self._calls):
@@ -1255,6 +1409,125 @@ class _PyRootCallCore:
             raise
 
 
+class _CompiledCall:
+    """The enter hook of a ``torch.compile``'d function's dynamo context
+    (``Instrumentation._patch_compiled_functions``). The function's compiled wrapper calls it
+    before each call, outside dynamo's tracing, and calls what it returns after the call, raised
+    or not. A call made on the training thread at the top of the loop is the step's training work
+    (``StepTracker.compiled_begin``); one inside a root's forward (a compiled attention function
+    in the model), a backward, a fetch, the optimizer's own step, or stepwatch's FLOP replay is
+    that work's, and passes untouched. A call with grad disabled, or while the trained model is in
+    eval mode, is an evaluation call, as a root's would be. Never raises into the user's call."""
+
+    __slots__ = ("inst", "name", "grad_enabled", "replay")
+
+    def __init__(self, inst: Instrumentation, name: str | None) -> None:
+        import torch
+
+        from .replay import REPLAY
+
+        self.inst = inst
+        self.name = name
+        self.grad_enabled = torch.is_grad_enabled
+        self.replay = REPLAY
+
+    def __call__(self) -> Callable[[], None]:
+        inst = self.inst
+        tr = inst.tracker
+        if not tr.enabled or tr._fwd_depth or tr._bwd_depth or tr.in_data or _get_ident() != tr._thread:
+            return _nothing
+        try:
+            if self.replay.active and self.replay.mine():
+                return _nothing
+            grad = self.grad_enabled()
+            judged = False
+            if inst._trained_in_eval():
+                judged = not grad  # without grad, the trained model: evaluation (_no_grad_call)
+                grad = False
+            span = tr.compiled_begin(grad, judged)
+        except Exception as e:
+            inst._on_error("hooks.compiled_call", e)
+            return _nothing
+        if span is None:
+            return _nothing
+        return functools.partial(self._end, span)
+
+    def _end(self, span: Any) -> None:
+        inst = self.inst
+        try:
+            inst.tracker.compiled_end(span)
+            if span.rootless and span.counted:
+                inst.rootless_compiled(span.step)
+                if not inst._compiled_said:
+                    inst._compiled_unseen(self.name)
+        except Exception as e:
+            inst._on_error("hooks.compiled_call", e)
+
+
+class _CompiledForward(Collector):
+    """``extras["compiled_forward"]``: True on a step whose forward ran in a compiled function
+    with no root's forward before it (``Instrumentation.rootless_compiled``), else None."""
+
+    name = "compiled_forward"
+
+    def __init__(self, tr: StepTracker) -> None:
+        self.tr = tr
+        self.steps: set[int] = set()
+
+    def take(self) -> bool | None:
+        steps = self.steps
+        if not steps:
+            return None
+        step = self.tr.step
+        out = True if step in steps else None
+        steps.difference_update([s for s in steps if s <= step])
+        return out
+
+
+def _nothing() -> None:
+    """What :class:`_CompiledCall` returns for a call that is not the tracker's: nothing after it."""
+    return None
+
+
+class _Never:
+    """A type nothing is an instance of (``_instances`` takes two)."""
+
+
+def _compiles_a_function(fn: Any) -> bool:
+    """``torch.compile(fn)`` compiles a function or a method (``model.forward`` too), not a module:
+    not a class, not a module's own call (``model.compile()`` compiles ``model._call_impl``;
+    ``torch.compile(model)``'s wrapper, its ``__call__``, or a function wrapping the module)."""
+    import torch.nn as nn
+
+    if isinstance(fn, (type, nn.Module)) or isinstance(getattr(fn, "__wrapped__", None), nn.Module):
+        return False
+    owner = getattr(fn, "__self__", None)
+    return not (isinstance(owner, nn.Module) and getattr(fn, "__name__", None) in _MODULE_CALLS)
+
+
+_MODULE_CALLS = ("__call__", "_call_impl", "_wrapped_call_impl")
+
+
+def _context_of(wrapper: Any) -> Any:
+    """The dynamo context a compiled callable (torch's ``compile_wrapper``) calls through (its
+    closure's ``self``), or None."""
+    code = getattr(wrapper, "__code__", None)
+    cells = getattr(wrapper, "__closure__", None)
+    if code is None or not cells or "self" not in code.co_freevars:
+        return None
+    try:
+        return cells[code.co_freevars.index("self")].cell_contents
+    except (IndexError, ValueError):  # an empty cell
+        return None
+
+
+def _function_name(fn: Any) -> str | None:
+    """A compiled function's name for the log: ``Trainer.train_step``; ``fwd`` for a function
+    defined inside another (not ``main.<locals>.fwd``)."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return name.rpartition("<locals>.")[2] if isinstance(name, str) else None
+
+
 # Frames above a root's own call (``Module._wrapped_call_impl`` first) searched for a reentrant
 # checkpoint's forward: a lambda or a function of the user's between them is found too.
 CHECKPOINT_CALLER_DEPTH = 4
@@ -1492,7 +1765,10 @@ class _UnseenForward(Collector):
 
     def take(self) -> None:
         tr = self.inst.tracker
-        self.state = "forward" if tr._fwd else "unseen" if tr._bwd else None
+        # A compiled function's call (StepTracker.compiled_begin) is forward time, but no root's:
+        # a model called through its methods beside it is still looked for.
+        fwd = tr._fwd - tr.compiled_forward_ns() if tr._fwd else 0
+        self.state = "forward" if fwd else "unseen" if tr._bwd else None
         return None
 
     def step_ended(self, step: int) -> None:

@@ -43,6 +43,16 @@ Two cores. The hot methods (the hooks' begin/end calls, ``log``, the step's hand
 the same attributes (``_STATE``). ``StepTracker`` takes the C one when it imports, ``PyStepTracker``
 is always the Python; every other method (``_Methods``) is shared. Change a hot method in both.
 
+Compiled functions. A ``torch.compile``'d function (``@torch.compile def train_step(x, y)``)
+that calls the model: dynamo inlines the model's call, which no root call sees. Its call at the
+top of the loop is told to the tracker (``compiled_begin``/``compiled_end``, from hooks/install.py's
+``_CompiledCall``): it is training work (a pending step end is final at its start, as at a
+root's forward), and its time up to the first phase timed inside it (a backward: a compiled
+step's ``loss.backward()`` runs eagerly) is the step's ``forward_s``; without grad it is an
+evaluation call, as a root's. No hot method reads anything of it: while its forward runs, the
+span stands in for the device timer (``device``), whose ``begin`` every forward, backward and
+optimizer phase calls, and so learns where the first of them begins.
+
 Closures. ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS) runs forward and
 backward *inside* the optimizer phase. The optimizer phase is paused while the closure runs
 (``pause_optimizer``, from the hooks' closure wrapper) and while an outermost forward or backward
@@ -1010,6 +1020,8 @@ class _Methods:
         # backward's unless an optimizer inside it paused it, a forward's (timed outside a backward).
         if self._fwd_depth and not self._bwd_depth:
             self._fwd_t0 += ns
+        elif self.__dict__.get("_compiled") is not None and not self.__dict__["_compiled"].closed:
+            self.__dict__["_compiled"].t0 += ns  # a compiled function's forward (the first backward's scan)
         elif self._opt_depth and not self._opt_paused:
             self._opt_t0 += ns
         elif self._bwd_depth:
@@ -1071,6 +1083,107 @@ class _Methods:
         if self.enabled and self._eval_open:
             self._eval_judged = True
 
+    # -- torch.compile'd functions (hooks/install.py ``_CompiledCall``) -------------------------
+
+    def compiled_begin(self, grad: bool, judged: bool = False) -> "_CompiledSpan | None":
+        """A ``torch.compile``'d function is called at the top of the loop (hooks/install.py's
+        ``_CompiledCall`` calls this before the function runs, outside dynamo's tracing). dynamo
+        inlines the model's call inside it, which no root call sees: the call is the step's
+        training work, as a root's forward. A pending step end is final now (a value logged
+        after the call is this step's, not the one before's), and the call's time up to the
+        first phase timed inside it is ``forward_s``: the first backward (a compiled step's
+        ``loss.backward()``, which runs eagerly), or the call's end (see :meth:`_compiled_part`).
+        ``grad`` False (grad disabled, or the trained model in eval mode): an evaluation call, as
+        a root's (``judged``: evaluation however few its calls, ``eval_span_is_evaluation``).
+
+        Not the tracker's (None): a call inside a root's forward (a compiled attention function
+        in the model), a backward, a fetch, a checkpoint, another compiled call, or the
+        optimizer's own step (a compiled Newton-Schulz in Muon's ``step``): that work's own time.
+        Inside ``optimizer.step(closure)``'s closure it pauses the optimizer phase, as a forward
+        does. Runs once per call, never in a loop without compiled functions."""
+        if (not self.enabled or self.in_data or self._fwd_depth or self._bwd_depth or self._ckpt_depth
+                or (self._opt_depth and not self._opt_paused) or self.__dict__.get("_compiled") is not None):
+            return None
+        try:
+            t = self._begin_work()
+            span = _CompiledSpan(self, t, grad)
+            span.paused_opt = self._pause_opt(t) if self._opt_depth else False
+            if grad:
+                if self._eval_open:
+                    self._close_eval_for_work(t)
+                self._last_fetch_t0 = None
+                real = span.real = self.device
+                if real is not None:
+                    span.slot = real.begin(PHASE_FORWARD)
+                self.device = span  # until the first phase inside the call begins (_CompiledSpan.begin)
+            else:
+                self._open_eval(t)
+                self._eval_calls += 1
+                span.calls = self._eval_calls
+                if judged:
+                    self.eval_span_is_evaluation()
+            span.data0, span.ckpt0 = self._data, self._ckpt
+            self.__dict__["_compiled"] = span
+            if self.progress is not None:
+                self.progress.set_phase(PHASE_FORWARD if grad else PHASE_EVAL)
+            return span
+        except Exception as e:
+            self._fail("compiled_begin", e)
+            return None
+
+    def compiled_end(self, span: "_CompiledSpan") -> None:
+        """The compiled function's call returned (or raised): the span of :meth:`compiled_begin`
+        closes; its forward, if no phase inside it closed that first, ends here."""
+        if self.__dict__.get("_compiled") is span:
+            del self.__dict__["_compiled"]
+        if self.device is span:
+            self.device = span.real
+        if not self.enabled:
+            return
+        try:
+            t = _now()
+            if span.grad:
+                self._compiled_part(span, t, True)
+            elif (self._eval_open and self._eval_calls == span.calls and self.step == span.step
+                  and not span.closed):
+                span.closed = True
+                self._eval_fwd += max(t - span.t0, 0)
+                self._eval_last = t
+            if span.paused_opt:
+                self._resume_opt(t)
+            elif self.progress is not None:
+                self.progress.set_phase(PHASE_OTHER)
+        except Exception as e:
+            self._fail("compiled_end", e)
+
+    def _compiled_part(self, span: "_CompiledSpan", t: int, counts: bool) -> None:
+        """A grad-enabled compiled call's forward ends at ``t``: where the first phase inside it
+        begins, or where the call returns. ``counts``: its time is ``forward_s``, when that phase
+        is a backward or there was none. Not when it is a root's forward (the call ran eagerly,
+        ``set_stance("force_eager")``, a fallback: the model's call is timed as ever) nor an
+        optimizer step (PyTorch's compiled optimizer step recipe: dynamo's entry before the
+        step's hooks, no forward). The fetches and checkpoints inside it are their own time, and a
+        step that ended inside it (several steps in one compiled call) is not given it."""
+        if span.closed:
+            return
+        span.closed = True
+        if span.real is not None:
+            span.real.end(span.slot)
+        if not counts or self.step != span.step:
+            return
+        ns = max(t - span.t0 - (self._data - span.data0) - (self._ckpt - span.ckpt0), 0)
+        done = self.__dict__.get("_compiled_fwd")
+        before = done[1] if done is not None and done[0] == self.step else 0
+        span.rootless = self._fwd == before  # no root's forward timed in this step so far
+        self._fwd += ns
+        self.__dict__["_compiled_fwd"] = (self.step, before + ns)
+        span.counted = ns
+
+    def compiled_forward_ns(self) -> int:
+        """The part of this step's ``forward_s`` (ns, so far) that compiled functions' calls make."""
+        done = self.__dict__.get("_compiled_fwd")
+        return done[1] if done is not None and done[0] == self.step else 0
+
     def phase_now(self) -> str:
         """The phase the training thread is in, by name (for a report of what was running when an
         exception escaped: a phase the exception left never ended)."""
@@ -1078,12 +1191,59 @@ class _Methods:
             return "backward"
         if self._fwd_depth:
             return "forward" if self._fwd_grad else "eval"
+        span = self.__dict__.get("_compiled")
+        if span is not None:
+            return "forward" if span.grad else "eval"
         if self._opt_depth:
             return "optimizer"
         if self._ckpt_depth:
             return "checkpoint"
         return "other"
 
+
+
+class _CompiledSpan:
+    """One top-level call of a ``torch.compile``'d function (:meth:`_Methods.compiled_begin`).
+
+    While its forward runs (grad enabled, no phase inside it begun yet) it is the tracker's
+    ``device``: the forward, backward and optimizer phases all call ``device.begin(code)`` as they
+    begin (hooks/_ctracker.c as the Python core), so the first phase inside the compiled call
+    tells it where the call's forward ends, with no check added to those hot methods. It then
+    hands the real device timer (or None, on CPU) back and begins that phase's interval there."""
+
+    __slots__ = ("tr", "t0", "step", "grad", "real", "slot", "closed", "paused_opt", "data0", "ckpt0",
+                 "calls", "counted", "rootless")
+
+    def __init__(self, tr: Any, t0: int, grad: bool) -> None:
+        self.tr = tr
+        self.t0 = t0
+        self.step = tr.step
+        self.grad = grad
+        self.real: Any = None  # the device timer the span stands in for
+        self.slot: Any = -1  # its interval of the call's forward
+        self.closed = False  # its forward has ended (the first phase inside it began)
+        self.paused_opt = False
+        self.data0 = self.ckpt0 = 0
+        self.calls = 0  # the eval span's calls with this one (no grad)
+        self.counted = 0  # ns it added to forward_s
+        self.rootless = False  # ... in a step with no root's forward timed before it
+
+    def begin(self, code: int) -> Any:
+        """``device.begin``: the first phase inside the compiled call begins."""
+        tr = self.tr
+        real = self.real
+        try:
+            if tr.device is self:
+                tr.device = real
+            tr._compiled_part(self, _now(), code == PHASE_BACKWARD)
+        except Exception as e:  # inside a hot method: never raise there
+            tr._fail("compiled_part", e)
+        return real.begin(code) if real is not None else -1
+
+    def end(self, slot: Any) -> None:
+        """``device.end``: handed on (no interval ends while the span stands in for the timer)."""
+        if self.real is not None:
+            self.real.end(slot)
 
 
 class StepTracker(_Methods, _Core):  # type: ignore[misc,valid-type]

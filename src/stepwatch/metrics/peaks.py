@@ -421,6 +421,11 @@ class MfuEnricher:
         tp = extras.get("throughput")
         if tp is None:
             return True
+        if extras.get("compiled_forward"):
+            # The step's forward ran in a torch.compile'd function, whose modules no count sees
+            # (hooks/install.py's rootless_compiled): what was counted (a loss module's 0 FLOPs,
+            # its batch) is not the step's. Null, not MFU 0.
+            return True
         got = tp.resolve()
         if got is None:
             if not force:
