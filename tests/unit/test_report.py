@@ -1067,3 +1067,16 @@ def test_summary_with_many_and_long_scalar_names_keeps_its_numbers_and_the_loss(
     assert re.search(r"last loss\s+4", out), out
     assert "12 more scalars" in out, out
     assert "last " + "x" * 39 + "…" in out and "x" * 41 not in out  # a long name is cut, with an ellipsis
+
+
+def test_a_logged_name_that_is_a_records_own_says_it_was_logged(tmp_path, capsys):
+    """``stepwatch.log(step=100 + i)``: the Summary said "last step 109" beside "step range 0–9",
+    as if the run's steps went to 109. A logged name that is a record field's says "(logged)"."""
+    rows = [StepRecord(step=i, rank=0, time=100.0 + i, step_s=0.1,
+                       scalars={"step": 100.0 + i, "loss": 1.0}).to_dict() for i in range(10)]
+    write_jsonl(tmp_path / "steps.rank0.jsonl", rows)
+    write_manifest(tmp_path, 1)
+    assert cli(["report", str(tmp_path), "--no-html"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"last step \(logged\)\s+109", out) and re.search(r"last loss\s+1", out), out
+    assert not re.search(r"last step\s+109", out), out

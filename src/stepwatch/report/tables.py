@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from .._table import Table
+from ..record import STEP_FIELDS
 from . import fmt
 from .load import is_count, is_time
 from .summary import (
@@ -182,7 +183,9 @@ def overview(s: Summary) -> Table:
     names = sorted(o.scalars_last, key=lambda k: ("loss" not in k.lower(), k))
     for k in names[:SUMMARY_SCALARS]:
         label = k if len(k) <= SCALAR_LABEL_CHARS else k[: SCALAR_LABEL_CHARS - 1] + "…"
-        rows.append([f"last {label}", fmt.num(o.scalars_last[k])])
+        # A logged name that is also a record's own (stepwatch.log(step=...)): "last step 109"
+        # read as the run's last step beside its step range 0-9.
+        rows.append([f"last {label}" + (" (logged)" if k in STEP_FIELDS else ""), fmt.num(o.scalars_last[k])])
     t = Table("Summary (all ranks)", ["", ""], rows)
     t.notes.append(
         "Percentiles and mean leave out skipped steps; steps/s is the slowest rank's; "
