@@ -72,6 +72,10 @@ EXPORT_WAIT_S = 120.0
 # At the job's end, the last pass waits this long for analyses still running; later ones are read
 # by `stepwatch report` from their files.
 FINAL_WAIT_S = 10.0
+# Why a capture was not taken, as counted in run.json's ``features.capture.captures.skipped``.
+BUSY = "busy: the job's own profiler is running"
+TAKEN_OVER = "taken over: the job's own profiler started inside a captured step"
+LOST = "lost: torch no longer held the capture's profiler session"
 
 
 class _Scheduled:
@@ -81,6 +85,22 @@ class _Scheduled:
         self.k, self.first, self.reason, self.steps = k, first, reason, steps
         self.pyspy_req: int | None = None
         self.t = time.time()
+
+
+def _results_held(prof: Any) -> bool:
+    """Whether a stopped ``torch.profiler.profile`` holds the results of a session. torch 2.13's
+    ``_disable_profiler`` without a session of its own (another profiler took it over and ended
+    it) warns and returns an empty ``_ProfilerResult``: no trace, start time 0, and its ``save``
+    (``export_chrome_trace``) dereferences the missing trace (a segmentation fault). The start
+    time is a plain field: reading it calls nothing that can crash."""
+    res = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if res is None:
+        return True  # torch without Kineto results: exported through its own event list
+    start = getattr(res, "trace_start_ns", None)
+    try:
+        return not callable(start) or start() != 0
+    except Exception:
+        return False
 
 
 class CaptureManager:
@@ -124,6 +144,7 @@ class CaptureManager:
         # The job's own profiler (follow_job_profilers): prepared and not stopped yet; ``_own``
         # while our profiler starts or stops (training thread), whose calls are not the job's.
         self._job_profiler = False
+        self._job_since = 0  # the step the job's profiler was prepared in (``_job_profiling``)
         self._own = False
         self._patched: list[tuple[Any, str, Any, Any]] = []  # (module, name, torch's, ours)
 
@@ -259,6 +280,15 @@ class CaptureManager:
         if self.scheduled is not None or self.active is not None:
             return  # busy: the request waits for the next pass
         rid, steps = reqs[0]
+        if self._job_profiling(across_steps=True):
+            # The job's profiler wins (``_start`` would skip the capture at its first step): say so
+            # to the one who asked now, not after the command's whole --timeout.
+            self._skip(BUSY)
+            rundir.answer_request(self.ctx.run_dir, rid, {
+                "refused": "the job's own profiler is running (torch.profiler: a capture would take its session "
+                           "over, and the job's profiler wins); ask again once it has stopped",
+                "skipped": BUSY})
+            return
         if self._over_budget():
             rundir.answer_request(self.ctx.run_dir, rid, {"refused": "the captures' disk budget is spent "
                                                           "(STEPWATCH_CAPTURE_BUDGET_MB)"})
@@ -294,11 +324,51 @@ class CaptureManager:
     def _skip(self, why: str) -> None:
         self.skipped[why] = self.skipped.get(why, 0) + 1
 
+    def _job_profiling(self, *, across_steps: bool = False) -> bool:
+        """Whether the job's own profiler is prepared or running (any thread): ours neither
+        scheduled nor recording. torch's ``_profiler_enabled()`` answers for the calling thread only
+        (False on the background thread while the training thread profiles), so torch's
+        process-wide flag, which every torch profiler sets as it starts and clears as it stops,
+        is asked too (a profiler the wrapped functions did not see: started before stepwatch).
+
+        ``across_steps`` (a request, answered between two step boundaries): only a profiler of the
+        job's that has stayed on since an earlier step counts; one prepared and stopped inside each
+        step (a scheduled profiler stepped per micro-batch, a ``with profile():`` around the
+        backward) is off at the boundary where the capture starts, which then decides."""
+        if self._job_profiler:
+            return not across_steps or self.hub.step > self._job_since
+        try:
+            import torch
+            import torch.autograd.profiler as ap
+
+            if bool(getattr(ap, "_is_profiler_enabled", False)):
+                return True
+            return self.hub.on_training_thread() and bool(torch.autograd._profiler_enabled())
+        except Exception:
+            return False
+
+    def _note_not_taken(self, sc: _Scheduled, why: str, detail: str | None = None) -> None:
+        """``captures/skipped-<k>.rank<R>.json``: capture ``k`` was not taken on this rank,
+        and why. `stepwatch capture` waits for each rank's analysis or this note (``rundir``), so
+        it says why at once instead of waiting for its whole --timeout."""
+        from ..traces import rundir
+
+        try:
+            private_subdir(self.dir)
+            write_json_private(rundir.skipped_path(self.dir, sc.k, self.ctx.rank),
+                               {"capture": sc.k, "rank": self.ctx.rank, "reason": sc.reason, "skipped": why,
+                                "detail": detail, "planned_first_step": sc.first,
+                                "planned_last_step": sc.first + sc.steps - 1, "time": time.time()})
+        except OSError as e:
+            warn_once("capture.skipped_note", "captures: cannot write why capture %d was not taken (%s)", sc.k, e)
+
     def _schedule(self, sc: _Scheduled, *, forced: bool = False) -> None:
         if sc.reason.startswith("on demand"):
             forced = True  # another rank's on-demand request: the same exemption as on rank 0
         if (self.count >= self.max_count and not forced) or self._over_budget():
-            return  # this rank's own limits still hold
+            # this rank's own limits still hold
+            self._note_not_taken(sc, "max_count" if self.count >= self.max_count and not forced else "disk_budget")
+            return
         self.count += 1
         self._last_decision = time.monotonic()
         if self.board is not None:
@@ -322,6 +392,11 @@ class CaptureManager:
             elif not a.get("standing_down"):
                 self._open_range(ended + 1)
             return
+        if self._rf is not None:  # the range of a capture dropped from another thread (``_drop``)
+            try:
+                self._close_range()
+            except Exception as e:
+                self.hub.report_error("capture.drop", e)
         sc = self.scheduled
         if sc is None or ended + 1 < sc.first:
             return
@@ -386,6 +461,8 @@ class CaptureManager:
 
         def _prepare_profiler(*args: Any, **kwargs: Any) -> Any:
             if not self._own:
+                if not self._job_profiler:
+                    self._job_since = self.hub.step
                 self._job_profiler = True
                 try:
                     if self.active is not None:
@@ -398,6 +475,14 @@ class CaptureManager:
         def _disable_profiler(*args: Any, **kwargs: Any) -> Any:
             if not self._own:
                 self._job_profiler = False
+                a = self.active
+                if a is not None:
+                    # Someone else ends the session our capture records in: it is not ours to stop
+                    # (nor to export) any more.
+                    try:
+                        self._drop(a, TAKEN_OVER, f"the job's own profiler stopped in step {self.hub.step}")
+                    except Exception as e:
+                        self.hub.report_error("capture.job_profiler", e)
             return disable(*args, **kwargs)
 
         self._patched = [(ap, "_prepare_profiler", prepare, _prepare_profiler),
@@ -426,20 +511,18 @@ class CaptureManager:
 
         Between steps (on the training thread) the capture stops now, with the steps it recorded
         whole (a step whose end is pending is made final first, so its end is the capture's),
-        and says why in ``cut_short``. Inside a step it is left to run to its planned end, as
-        before: the job's ``record_function`` ranges opened in the step are still open, and torch
-        2.13 crashes (kineto's ``processCpuTrace``, or a later op) when a profiler stops, or is
-        taken over, with such ranges open. There the job's trace may come back without those
-        steps (said once; docs/hang.md)."""
+        and says why in ``cut_short``. Inside a step it cannot stop: the job's ``record_function``
+        ranges opened in the step are still open, and torch 2.13 crashes (kineto's
+        ``processCpuTrace``, or a later op) when a profiler stops with such ranges open. And it
+        cannot run on: the job's prepare takes torch's one profiler session over, which ends the
+        capture's recording there and then, and a stop of ours later would end the job's session
+        (or, with none left, hand back results that crash the export): the capture is dropped
+        (``_drop``)."""
         a = self.active
         if a is None:
             return
         if not self.hub.between_steps or not self.hub.on_training_thread():
-            warn_once("capture.job_profiler_in_step",
-                      "captures: the job's own profiler started inside step %d while stepwatch's capture %d "
-                      "recorded: the capture runs to its end (step %s), and the job's trace may lack the steps "
-                      "before it. Start your profiler between steps (where the capture stands down), or set "
-                      "STEPWATCH_CAPTURE=off.", self.hub.step, a["sc"].k, a["last"])
+            self._drop(a, TAKEN_OVER, f"the job's own profiler started inside step {self.hub.step}")
             return
         if self.hub.step_pending:
             a["standing_down"] = True  # no range opens for the step after it
@@ -454,15 +537,43 @@ class CaptureManager:
         logger.info("captures: capture %d cut short: %s", a["sc"].k, a["cut_short"])
         self._stop()
 
+    def _drop(self, a: dict[str, Any], why: str, detail: str) -> None:
+        """Give capture ``a`` up without a call into torch's profiler: its session is, or is about
+        to be, someone else's. Its step range is closed first where the caller is the training
+        thread (the job's prepare has not run yet: the range ends in the capture's own session,
+        not in the job's); from another thread it is closed at the next step's end, as before.
+        Nothing is exported (torch holds no results of it), ``skipped`` counts it, one line says
+        so, and `stepwatch capture` is told (``_note_not_taken``)."""
+        if self.active is not a:
+            return
+        self.active = None
+        try:
+            if self.hub.on_training_thread():
+                self._close_range()
+            if self.nsys is not None:
+                self.nsys.stop()  # nsys's range (cudaProfilerStop), not torch's profiler
+        except Exception as e:
+            self.hub.report_error("capture.drop", e)
+        finally:
+            a["span"][1] = max(self.hub.step, a["first"])  # our profiler records no more
+            a["prof"] = None  # never stopped nor exported: its session is not ours any more
+        self._skip(why)
+        self._note_not_taken(a["sc"], why, detail)
+        logger.warning("captures: capture %d (steps %d-%d) dropped: %s and took torch's profiler session over, "
+                       "ending the capture's recording; nothing is written for it, and the job's profiler keeps "
+                       "its trace. Start your profiler between steps (the capture then stops first and keeps its "
+                       "steps), or set STEPWATCH_CAPTURE=off.", a["sc"].k, a["first"], a["last"], detail)
+
     def _start(self, sc: _Scheduled, first: int) -> None:
         import torch
         from torch.profiler import profile
 
         self.scheduled = None
-        if self._job_profiler or torch.autograd._profiler_enabled():
+        if self._job_profiling() or torch.autograd._profiler_enabled():
             # The job profiles itself (torch.profiler, a Trainer's profiler): a second profiler
             # would take its session over and leave the job's trace empty. The job's wins.
-            self._skip("busy: the job's own profiler is running")
+            self._skip(BUSY)
+            self._note_not_taken(sc, BUSY)
             return
         self._wait_exports("a capture")  # the last one's, where the cooldown is short
         prof = profile(activities=self._activities())
@@ -513,6 +624,16 @@ class CaptureManager:
         finally:
             with self._ours_calling():
                 a["prof"].stop()  # whatever failed above, the profiler stops recording
+        if not _results_held(a["prof"]):
+            # torch ended our session behind our back (a profiler whose start or stop we did not
+            # see): it hands back results without a trace, whose export crashes the process.
+            a["span"][1] = a["last"] + 1
+            self._skip(LOST)
+            self._note_not_taken(a["sc"], LOST)
+            logger.warning("captures: capture %d (steps %d-%d) dropped: torch no longer held its profiler session "
+                           "(another profiler took it over); nothing is written for it",
+                           a["sc"].k, a["first"], a["last"])
+            return
         th = threading.Thread(target=self._export, args=(a,), name="stepwatch-capture-export", daemon=True)
         try:
             th.start()

@@ -173,11 +173,16 @@ def run_capture(args: argparse.Namespace) -> int:
         print(f"stepwatch capture: the job refused the capture: {answer['refused']}", file=sys.stderr)
         return 1
     k = answer["capture"]
-    print(f"capture {k}: steps {answer['first_step']}-{answer['last_step']} on {world} rank(s)", file=sys.stderr)
+    planned = (answer["first_step"], answer["last_step"])
+    print(f"capture {k}: steps {planned[0]}-{planned[1]} on {world} rank(s)", file=sys.stderr)
     got: list[dict] = []
+    skips: list[dict] = []
     while time.monotonic() < deadline:
         got = rundir.capture_analyses(run_dir).get(k, [])
-        if len(got) >= world:
+        # A rank that did not take the capture (the job's own profiler, its limits) says so: no
+        # analysis of it will come.
+        skips = rundir.capture_skips(run_dir, k)
+        if len(got) + len(skips) >= world:
             break
         if time.monotonic() - checked >= ENDED_POLL_S:
             checked = time.monotonic()
@@ -185,16 +190,35 @@ def run_capture(args: argparse.Namespace) -> int:
             ended = rundir.run_ended(run_dir)
             if ended and not rundir.analyses_pending(run_dir, k):
                 got = rundir.capture_analyses(run_dir).get(k, [])
+                skips = rundir.capture_skips(run_dir, k)
                 break
         time.sleep(0.5)
-    within = f"({ended})" if ended and len(got) < world else f"within {args.timeout:.0f} s"
+    for s in skips:
+        why = s.get("skipped") or "no reason given"
+        if s.get("detail"):
+            why = f"{s['detail']} ({why})"
+        print(f"stepwatch capture: rank {s['rank']} did not take capture {k}: {why}", file=sys.stderr)
+    within = f"({ended})" if ended and len(got) + len(skips) < world else f"within {args.timeout:.0f} s"
     if not got:
-        print(f"stepwatch capture: error: capture {k} not analysed {within}", file=sys.stderr)
+        if skips and len(skips) >= world:
+            print(f"stepwatch capture: error: capture {k} was not taken", file=sys.stderr)
+        else:
+            print(f"stepwatch capture: error: capture {k} not analysed {within}", file=sys.stderr)
         return 1
     for s in got:
         s.pop("_capture", None)
     _print(got, args.json)
+    # What was captured, where it differs from what was planned (a capture cut short).
+    for m in rundir.capture_metas(run_dir, k):
+        steps = (m.get("first_step"), m.get("last_step"))
+        if steps != planned or m.get("cut_short"):
+            cut = f": cut short ({m['cut_short']})" if m.get("cut_short") else ""
+            print(f"capture {k}: rank {m['rank']} captured steps {steps[0]}-{steps[1]} of {planned[0]}-{planned[1]}"
+                  f"{cut}", file=sys.stderr)
     if len(got) < world:
-        print(f"stepwatch capture: only {len(got)} of {world} ranks analysed {within}", file=sys.stderr)
+        if len(got) + len(skips) >= world:  # the others said why above
+            print(f"stepwatch capture: only {len(got)} of {world} ranks took capture {k}", file=sys.stderr)
+        else:
+            print(f"stepwatch capture: only {len(got)} of {world} ranks analysed {within}", file=sys.stderr)
         return 1
     return 0

@@ -10,7 +10,9 @@ On-demand captures (``stepwatch capture RUN_DIR``): the command drops
 ``<run_dir>/requests/capture-<id>.json`` (``{"id", "steps"}``); rank 0's capture manager takes it
 (at most once a second), publishes the capture to every rank through the store like an anomaly
 trigger, and answers in ``capture-<id>.taken.json`` (``{"capture", "first_step", "last_step"}``
-or ``{"refused"}``).
+or ``{"refused"}``). A rank that then does not take capture ``k`` (the job's own profiler runs or
+took the capture over, the rank's limits) says why in ``captures/skipped-<k>.rank<R>.json``
+(``capture_skips``), so the command tells it at once.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ REQUESTS = "requests"
 _ANALYSIS_RE = re.compile(r"^capture-(\d+)-steps(-?\d+)-(-?\d+)\.rank(\d+)" + re.escape(ANALYSIS_SUFFIX) + "$")
 _TRACE_RE = re.compile(r"^(capture-(\d+)-steps-?\d+--?\d+\.rank\d+)\.trace\.json(?:\.gz)?$")
 _REQUEST_RE = re.compile(r"^capture-([A-Za-z0-9_-]{1,64})\.json$")
+_SKIPPED_RE = re.compile(r"^skipped-(\d+)\.rank(\d+)\.json$")
+_META_RE = re.compile(r"^capture-(\d+)-steps(-?\d+)-(-?\d+)\.rank(\d+)\.json$")
 MAX_STEPS = 100
 
 
@@ -83,6 +87,42 @@ def capture_tables(run_dir: str) -> list[Any]:
         fs = [Finding.from_dict(f) for s in summaries for f in s.get("findings", [])]
         fs += across_ranks(summaries, step=c["first_step"], context={"capture": k})
         out.append(findings_table(fs, f"Capture {k}: findings"))
+    return out
+
+
+def skipped_path(captures_dir: str, capture: int, rank: int) -> str:
+    """Where a rank says it did not take capture ``capture`` (written by capture/profiler.py)."""
+    return os.path.join(captures_dir, f"skipped-{capture}.rank{rank}.json")
+
+
+def capture_skips(run_dir: str, capture: int) -> list[dict[str, Any]]:
+    """The ranks that did not take capture ``capture``, and why (``{"rank", "skipped", "detail"...}``),
+    sorted by rank."""
+    return _per_rank(run_dir, capture, _SKIPPED_RE)
+
+
+def capture_metas(run_dir: str, capture: int) -> list[dict[str, Any]]:
+    """The metadata the ranks wrote beside their traces of ``capture`` (the steps each one
+    recorded, ``cut_short``), sorted by rank."""
+    return _per_rank(run_dir, capture, _META_RE)
+
+
+def _per_rank(run_dir: str, capture: int, pattern: "re.Pattern[str]") -> list[dict[str, Any]]:
+    d = os.path.join(run_dir, "captures")
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    out = []
+    for n in sorted(names):
+        m = pattern.match(n)
+        if not m or int(m.group(1)) != capture:
+            continue
+        s = _read(os.path.join(d, n))
+        if isinstance(s, dict):
+            s["rank"] = int(m.group(m.lastindex or 1))
+            out.append(s)
+    out.sort(key=lambda s: s["rank"])
     return out
 
 
