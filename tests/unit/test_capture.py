@@ -412,6 +412,28 @@ def _manager(tmp_path, **kw):
     return CaptureManager(hub, **args), pipeline.failures.counts
 
 
+def test_a_later_launch_numbers_its_captures_and_dumps_after_the_earlier_ones(tmp_path):
+    """A relaunch into the run dir (a resumed job with the same run id) numbered its captures and
+    stack dumps from 1 again: its capture-1-steps3-5.rank0.* replaced the last launch's (os.replace),
+    its pyspy-1.rank0.txt likewise. They are numbered on from the highest the folder holds."""
+    from stepwatch.analysis.kinds import make_finding
+
+    cap = tmp_path / "captures"
+    cap.mkdir()
+    for name in ("capture-1-steps3-5.rank0.json", "capture-2-steps9-10.rank0.trace.json.gz",
+                 "skipped-4.rank1.json", "pyspy-3.rank0.txt", "pyspy-9.rank1.txt"):
+        (cap / name).write_text("{}")
+    board = progress.Board(str(tmp_path / "board"), rank=0)
+    try:
+        m, errors = _manager(tmp_path, board=board)
+        m.on_pass([make_finding("step_time_spike", rank=0, step=1, summary="s")])
+        assert m.scheduled is not None and m.scheduled.k == 5, m.scheduled
+        assert m.scheduled.pyspy_req == 4  # the capture's stack dump: after this rank's own pyspy-3
+        assert not errors
+    finally:
+        board.close()
+
+
 def test_capture_limits_cooldown_and_max_count(tmp_path):
     from stepwatch.analysis.kinds import make_finding
 

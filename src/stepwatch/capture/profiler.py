@@ -87,6 +87,18 @@ class _Scheduled:
         self.t = time.time()
 
 
+def _highest_number(d: str, pattern: str) -> int:
+    """The highest number ``pattern``'s group takes among the names in folder ``d`` (0 for none)."""
+    import re
+
+    rx = re.compile(pattern)
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return 0
+    return max((int(m.group(1)) for n in names if (m := rx.match(n))), default=0)
+
+
 def _results_held(prof: Any) -> bool:
     """Whether a stopped ``torch.profiler.profile`` holds the results of a session. torch 2.13's
     ``_disable_profiler`` without a session of its own (another profiler took it over and ended
@@ -124,7 +136,14 @@ class CaptureManager:
         self.skipped: dict[str, int] = {}
         self.done: list[dict[str, Any]] = []
         self._last_decision = -math.inf
-        self._next_k = 1
+        # Captures are numbered on from the highest this run dir holds (a relaunch into it, a
+        # resumed or requeued job with the same run id: its capture 1 was written over the last
+        # launch's). Rank 0 numbers them; the other ranks take its first number from the store
+        # (``_k_synced``) before they look for its decisions.
+        self._next_k = _highest_number(self.dir, r"(?:capture|skipped)-(\d+)[-.]") + 1
+        self._k_synced = self.ctx.rank == 0
+        if board is not None:  # the stack dumps' numbers (pyspy-<n>.rank<R>.txt) likewise
+            board.number_dumps_after(_highest_number(self.dir, rf"pyspy-(\d+)\.rank{self.ctx.rank}\.txt$"))
         self._req_seen = 0
         self._store: Any = None
         self._store_state = "unresolved"
@@ -210,6 +229,9 @@ class CaptureManager:
             return
         self._polled = now
         if rank == 0:
+            if self._k_synced is True:
+                store.set(self._key("first"), str(self._next_k))
+                self._k_synced = "published"
             if reason:
                 self._decide(reason, store)
             n = int(store.add(self._key("req"), 0))
@@ -220,6 +242,11 @@ class CaptureManager:
             if reason and self._allowed(time.monotonic()) is None:
                 store.add(self._key("req"), 1)
                 self._last_decision = time.monotonic()  # do not ask again within the cooldown
+            if not self._k_synced:
+                if not store.check([self._key("first")]):
+                    return  # rank 0 has not said its first number yet
+                self._next_k = int(store.get(self._key("first")).decode())
+                self._k_synced = True
             key = self._key(str(self._next_k))
             if store.check([key]):
                 first, _, rest = store.get(key).decode().partition(":")

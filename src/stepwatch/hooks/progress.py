@@ -278,6 +278,11 @@ class Board:
         """The default process group's timeout: the sidecar must act before it ends the job."""
         self._l[_L_PG_TIMEOUT] = min(max(int(seconds), 1), 2**31 - 1)
 
+    def number_dumps_after(self, n: int) -> None:
+        """The next :meth:`request_dump` is numbered ``n + 1`` or more (the dumps of an earlier
+        launch into the run dir keep their files). Not written to the board: no request is made."""
+        self._dump_req = max(self._dump_req, min(int(n), 2**31 - 2))
+
     def request_dump(self) -> int:
         """Ask the sidecar for a stack dump; returns the request number it will answer."""
         self._dump_req = self._dump_req % (2**31 - 1) + 1
