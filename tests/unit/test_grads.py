@@ -999,7 +999,9 @@ class _GuardedSGD(torch.optim.SGD):
 def test_one_optimizer_probed_twice_in_a_record_reports_its_last_norm(sw, shape):
     """The same optimizer probed twice before a record ends: stepped twice on the same
     gradients (the two squares summed gave sqrt(2) times the norm), or a step that raised and was
-    skipped by the loop, merged into the next record (both iterations' squares summed). Also in
+    skipped by the loop, merged into the next record (both iterations' squares summed; that
+    iteration is now a record of its own, ``skipped``, with the norm its step was refused on,
+    of that optimizer's parameters alone: the other never stepped). Also in
     every record here: the subclass's step calls SGD.step, which torch wraps too once an SGD
     exists (opt2), so the pre-hook ran twice a step. A record's norm is each optimizer's last
     probe; two optimizers' (disjoint parameters) still add up."""
@@ -1018,6 +1020,7 @@ def test_one_optimizer_probed_twice_in_a_record_reports_its_last_norm(sw, shape)
             if shape == "stepped twice":
                 opt.step()
         except _Refuse:
+            truth.append(float(torch.nn.utils.get_total_norm([p.grad for p in m.parameters()])))
             opt.zero_grad()
             other.zero_grad()
             continue
@@ -1028,6 +1031,7 @@ def test_one_optimizer_probed_twice_in_a_record_reports_its_last_norm(sw, shape)
     stepwatch.shutdown()
     got = [r.grad_norm for r in mem.records if not r.tail]
     assert got == pytest.approx(truth, rel=1e-5)
+    assert [r.skipped for r in mem.records if not r.tail] == [False, shape == "a step that raised", False, False]
 
 
 @pytest.mark.parametrize("bad", [["nan", "inf"], ["inf"], ["nan"], ["inf", "inf"]])

@@ -2010,7 +2010,10 @@ def test_an_optimizer_step_that_raises_and_is_skipped_keeps_every_later_step(sw,
     """torch runs no step post-hook when ``step()`` raises: the optimizer phase stayed open for
     good, each later step extended it, and no later step ever ended (9 steps, 2 records). Now a
     step that begins while a stale one is open drops it; an optimizer stepping another inside its
-    own step (nested: two of torch's step wrappers on the stack) is still one step."""
+    own step (nested: two of torch's step wrappers on the stack) is still one step. The failed
+    iteration is a record of its own, ``skipped``, with no optimizer time (it merged into the
+    next one's, until ``_opt_raised``); in ``step(closure)`` the step raised before its closure
+    ran: that iteration did nothing else."""
     stepwatch, mem, start = sw
     start()
     model = _model()
@@ -2040,9 +2043,15 @@ def test_an_optimizer_step_that_raises_and_is_skipped_keeps_every_later_step(sw,
     stepwatch.shutdown()
     recs = [r for r in mem.records if not r.tail]
     assert done == (10 if how == "nested" else 9)
-    assert len(recs) == done, [r.step for r in recs]
+    assert len(recs) == 10, [r.step for r in recs]
     _all_identity(recs)
-    assert all(r.forward_s > 0 and r.samples for r in recs), recs
+    failed = [] if how == "nested" else [2]
+    assert [i for i, r in enumerate(recs) if r.skipped] == failed, recs
+    assert all(r.optimizer_s == 0 for i, r in enumerate(recs) if i in failed), recs
+    assert all(r.forward_s > 0 for i, r in enumerate(recs) if i not in failed or how == "step"), recs
+    # every forward's batch counted once (the one that found the stale phase was observed before
+    # it did: its batch is in the failed step's samples, and the next step has none)
+    assert sum(r.samples or 0 for r in recs) == 8 * (9 if how == "closure" else 10), [r.samples for r in recs]
 
 
 def test_flops_follow_the_layers_that_train_after_unfreezing(sw):

@@ -47,6 +47,15 @@ class DeviceTiming:
         if slot >= 0 and not self.timer.end(slot, self.stream):
             self._begun -= 1
 
+    def cancel(self, slot: int) -> None:
+        """An interval given up before its end (an optimizer step that raised: its end is not
+        known, phases.py ``_opt_raised``): not expected, its time in no phase."""
+        give_up = getattr(self.timer, "cancel", None)  # every ring has it (cuda_ext)
+        if give_up is None:
+            self.end(slot)
+        elif slot >= 0 and give_up(slot):
+            self._begun -= 1
+
     def take(self) -> tuple[int, int]:
         """At step end (training thread): (step, intervals begun in it); then the next step."""
         out = (self.step, self._begun)

@@ -8,7 +8,10 @@ Step boundaries. A step ends at the *last* ``optimizer.step()`` of an iteration:
 *pending* after an optimizer step, and becomes final when the next iteration's work starts (a
 data fetch, a forward, a backward, a checkpoint, a user phase) or on ``stepwatch.step()`` or at
 shutdown. A second optimizer stepping before that extends the same step. A GradScaler step that
-skips the optimizer still ends a step, marked ``skipped``.
+skips the optimizer still ends a step, marked ``skipped``. So does an optimizer step that raised
+(torch runs no post-hook; the loop caught it): the next work that finds its phase open, with no
+step running, ends that step where the failed call began (``_Methods._opt_raised``), on the cold
+paths that already looked at an open phase (no hot method reads anything more for it).
 
 Loops without a torch optimizer (``p.data.add_(p.grad, alpha=-lr)``). ``boundary`` says what
 ends a step: ``"optimizer"`` (the default), ``"backward"`` (set by the hooks when no
@@ -579,6 +582,19 @@ def nested_optimizer_step() -> bool:
     return False
 
 
+def optimizer_step_running() -> bool:
+    """An optimizer's ``step`` runs on this thread: torch's step wrapper is on the stack. Asked
+    only where an optimizer phase is open with nothing pausing it (``_pause_opt``): no closure's
+    forward, no step of a loop whose optimizer steps end, ever walks the stack for it."""
+    code = _step_wrapper_code()
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
 def _tracked(obj: Any) -> Any:
     return obj
 
@@ -710,22 +726,67 @@ class _Methods:
         """An optimizer step begins while one is open (``_opt_depth`` > 1 now). Nested (an
         optimizer that steps another, as Lookahead does): two of torch's step wrappers are on the
         stack. Else the open one is stale: its ``step()`` raised (an OOM the loop caught and
-        skipped), and torch runs no post-hook then. That phase is dropped (its time stays in the
-        step's ``other_s``) and this step's opens in its place; it used to stay open for good,
-        and no later step ended."""
+        skipped), and torch runs no post-hook then (:meth:`_opt_raised`); this step's phase opens
+        in its place. It used to stay open for good, and no later step ended."""
         if nested_optimizer_step():
             return False
-        self._drop_opt()
+        self._opt_raised(_now(), False)
         self._opt_depth = 1
         return True
 
-    def _drop_opt(self) -> None:
+    def _opt_raised(self, t: int, reopen: bool) -> None:
+        """The open optimizer phase is stale: its ``step()`` raised and the loop went on (an OOM
+        it caught and skipped, a step pre-hook of the job's that refused the step); torch runs no
+        post-hook then, and no hook of stepwatch's sees the exception. The first work that finds
+        the phase open and no optimizer step running (:func:`optimizer_step_running`) tells, at
+        ``t``: a forward or backward (``_pause_opt``), the next optimizer step (``_opt_stale``),
+        a checkpoint. (The phase used to stay open until then: the loop's work after the failed
+        step was ``optimizer_s``, and the failed iteration and the next were one record.)
+
+        The phase is dropped: when the step raised is not known, so none of its time is
+        ``optimizer_s`` (it is ``other_s``). Under the optimizer boundary the step the failed call
+        was to end ends where that call began (``_opt_t0``; where a closure raised, for
+        ``step(closure)``), marked ``skipped`` (no update was made, or not all of it): the loop's
+        work after it is the next step's, as after any step, and so is the batch fetched since
+        (the next step's data wait). When more was fetched since than that batch (an epoch's
+        end: its loader's last fetch, the next ``iter()``), that time is in no known place: the
+        step ends where that batch's fetch began, or at ``t``, rather than count a fetch after
+        its end. A step that already ended (``GradScaler.step``'s end, seeing no optimizer step
+        finish; ``stepwatch.step()``), and any under the explicit boundary: the phase is dropped,
+        nothing more. ``reopen``: the work at ``t`` is inside a step (a forward, a backward),
+        whose NVTX range opens again. Never in a loop whose optimizer steps end."""
+        t_end = self._opt_t0
+        self._drop_opt(True)
+        prev = self._prev_end
+        if self.boundary == "explicit" or prev is None or t_end < prev or self._pending_end is not None:
+            return
+        lf = self._last_fetch_t0
+        moved = self._last_fetch_ns if lf is not None and lf >= t_end else 0
+        if self._data - moved + self._fwd + self._bwd + self._opt > t_end - prev - self._eval - self._ckpt - self._own:
+            t_end = lf if moved else t  # type: ignore[assignment]
+        # An eval span open now opened after the failed call (the optimizer step closed any before
+        # it): it goes on into the next step.
+        span = self._eval_open
+        self._eval_open = False
+        self._data -= moved
+        self._finalize(t_end, True)
+        self._data += moved
+        self._eval_open = span
+        if reopen:
+            self._start_work(t)
+
+    def _drop_opt(self, cancel: bool = False) -> None:
         """The open optimizer phase is stale (see :meth:`_opt_stale`), or began inside the
         backward ending now and raised out of it (torch runs no post-hook): it is dropped; in a
-        backward, its time is the backward's (:meth:`_pause_bwd`)."""
+        backward, its time is the backward's (:meth:`_pause_bwd`). ``cancel``: its device
+        interval is given up (``_opt_raised``: it would run to now, past the raise)."""
         if not self._opt_paused:
             if self.device is not None:
-                self.device.end(self._dslot_opt)
+                give_up = getattr(self.device, "cancel", None) if cancel else None
+                if give_up is not None:
+                    give_up(self._dslot_opt)
+                else:
+                    self.device.end(self._dslot_opt)
             if self._nvtx is not None:
                 self._nvtx.pop_range()
         self._opt_depth = 0
@@ -749,11 +810,19 @@ class _Methods:
             self.progress.set_phase(PHASE_BACKWARD)
 
     def _pause_opt(self, t: int) -> bool:
-        """A forward/backward starts inside the optimizer phase: close the optimizer's segment."""
+        """A forward/backward starts inside the optimizer phase: close the optimizer's segment.
+        One on the training thread that finds the phase open with nothing pausing it (no
+        closure's) and no optimizer step running comes after a step that raised: the phase is stale
+        (:meth:`_opt_raised`), nothing to pause. (A closure's forward finds it paused already:
+        no look at the stack.)"""
         if not self._opt_depth:
             return False
         self._opt_paused += 1
         if self._opt_paused == 1:
+            if threading.get_ident() == self._thread and not optimizer_step_running():
+                self._opt_paused = 0
+                self._opt_raised(t, True)
+                return False
             self._opt += t - self._opt_t0
             if self.device is not None:
                 self.device.end(self._dslot_opt)
@@ -774,7 +843,16 @@ class _Methods:
         if not self.enabled:
             return False
         try:
-            return self._pause_opt(_now())
+            # _pause_opt's, without its look for a stale phase: a closure runs inside the step
+            t = _now()
+            if not self._opt_depth:
+                return False
+            self._opt_paused += 1
+            if self._opt_paused == 1:
+                self._opt += t - self._opt_t0
+                if self.device is not None:
+                    self.device.end(self._dslot_opt)
+            return True
         except Exception as e:
             self._fail("pause_optimizer", e)
             return False
@@ -841,6 +919,9 @@ class _Methods:
             if self._ckpt_depth > 1:
                 return 0
             t = _now()
+            if self._opt_depth and not self._opt_paused and not optimizer_step_running():
+                self._opt_raised(t, False)  # a save after an optimizer step that raised
+                t = _now()
             if self._pending_end is not None:
                 self._finalize(self._pending_end, self._pending_skipped)
                 t = _now()  # after the step end's listeners (see _begin_work)
@@ -952,7 +1033,12 @@ class _Methods:
     def flush(self) -> None:
         """At shutdown: a pending step is complete; a step with no optimizer yet is dropped, but
         evaluation and checkpoints after the last step are kept in one *tail* record (no training
-        step: every training phase and ``step_s`` are 0) so that the run's totals count them."""
+        step: every training phase and ``step_s`` are 0) so that the run's totals count them.
+        A save still open (a SIGTERM, a preemption, whose shutdown runs while the training thread
+        is inside ``torch.save``) is cut short here: its time so far is the tail's
+        ``checkpoint_s``, its bytes unknown, and the tail's extras say ``checkpoint_interrupted``
+        (it was in no record: a job killed mid-save showed no save at all, while an interrupt,
+        whose exception ends the save first, showed it)."""
         if not self.enabled:
             return
         try:
@@ -964,8 +1050,14 @@ class _Methods:
                 # does after it until shutdown (plots, uploads, wandb.finish(), the DataLoader
                 # workers' exit) is no evaluation (it was, up to the thirty-ninth session).
                 self._close_eval(min(max(self._eval_last, self._eval_t0), t))
+            cut = False
+            if self._ckpt_depth > 0 and self._ckpt_t0:
+                cut = True
+                self._ckpt_depth = 0
+                self._ckpt += max(t - self._ckpt_t0, 0)
+                self._ckpt_bytes = None  # what it wrote before it was cut short: unknown
             if self._eval or self._ckpt:
-                self._emit_tail(t)
+                self._emit_tail(t, cut)
             if self._step_open:
                 self._step_open = False
                 if self._nvtx is not None:
@@ -973,10 +1065,12 @@ class _Methods:
         except Exception as e:
             self._fail("flush", e)
 
-    def _emit_tail(self, t_end: int) -> None:
+    def _emit_tail(self, t_end: int, cut: bool = False) -> None:
         extras: dict[str, Any] = {}
         if self._ckpt:
             extras["checkpoint_bytes"] = self._ckpt_bytes
+        if cut:
+            extras["checkpoint_interrupted"] = True
         self._emit(RawStep(self.step, t_end, 0, 0, 0, 0, 0, self._eval, self._ckpt, {}, self._scalars, False, None, extras, True))
         self._reset_step()
 
