@@ -163,7 +163,7 @@ FAKE_JOB = textwrap.dedent("""\
         r = StepRecord(step=step, rank=rank, time=time.time(), step_s=0.05 + 0.01 * rank, data_wait_s=0.002,
                        forward_s=0.01, backward_s=0.02, optimizer_s=0.005, mfu=0.3 + 0.1 * rank, grad_norm=1.0 + step % 3,
                        allreduce_s=0.004, comm_s=0.006, comm_exposed_s=0.001, overlap=0.8, tokens=1024,
-                       scalars={"busbw_gbps": 42.0})
+                       busbw_gbps=42.0, scalars={"loss": 2.0})
         sample = {"gpu": rank, "uuid": f"GPU-{rank}", "DCGM_FI_PROF_SM_ACTIVE": 0.7, "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": 0.5,
                   "DCGM_FI_PROF_DRAM_ACTIVE": 0.3, "DCGM_FI_DEV_GPU_TEMP": 60, "DCGM_FI_DEV_POWER_USAGE": 250,
                   "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": 0x4, "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": step,
