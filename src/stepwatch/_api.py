@@ -92,6 +92,10 @@ def init(**config: Any) -> "Session":
         # started by `stepwatch run`'s shim (import stepwatch.auto with no argument, in the process
         # it marked): a script's own init(...) with other settings replaces it (above)
         _session.by_run = not config and os.environ.get(_env.RUN_ACTIVE) == str(os.getpid())
+        global _step_before_init
+        if _step_before_init is not None:
+            n, _step_before_init = _step_before_init, None
+            _session.set_step(n)
         return _session
 
 
@@ -182,14 +186,23 @@ def step() -> None:
 def set_step(n: int) -> None:
     """Number the next step ``n`` (e.g. after resuming from a checkpoint): the values
     ``STEPWATCH_STEP_OFFSET`` takes (a numpy integer too; not past 2**53, which a record's float
-    consumers could not hold)."""
+    consumers could not hold). Called before :func:`init` (or after :func:`shutdown`), the next
+    session's first step is ``n``."""
     try:
         n = step_number(n)  # what STEPWATCH_STEP_OFFSET takes
     except ValueError as e:
         raise ConfigError(f"stepwatch.set_step(n={n!r}): n must be {str(e).removeprefix('expected ')}") from None
     s = _session
-    if s is not None:
+    if s is not None and not s._closed:
         s.set_step(n)
+    else:  # before init (a resume that numbers its steps first): the next init numbers from it
+        global _step_before_init
+        _step_before_init = n
+
+
+# set_step(n) called with no session running, for the next init() (it was dropped, silently:
+# a resumed job's records numbered from 0).
+_step_before_init: int | None = None
 
 
 def log(**scalars: Any) -> None:

@@ -91,7 +91,9 @@ class _NotOneNumber:
     __slots__ = ("what",)
 
     def __init__(self, t: Any) -> None:
-        self.what = f"tensor of {t.numel()} values"
+        # a meta tensor holds no data, however many values it has (the "log one value a name"
+        # advice was wrong for it)
+        self.what = "meta tensor (no data)" if getattr(t, "is_meta", False) else f"tensor of {t.numel()} values"
 
     def __eq__(self, other: object) -> bool:
         return type(other) is _NotOneNumber and other.what == self.what
@@ -663,7 +665,8 @@ class Pipeline:
             self.null_scalars[key] = self.null_scalars.get(key, 0) + 1
             if self.null_scalars[key] == 1:
                 what = v.what if isinstance(v, _NotOneNumber) else type(v).__name__
-                several = (isinstance(v, (list, tuple)) or (isinstance(v, _NotOneNumber) and not v.what.startswith("tensor of 0"))
+                several = (isinstance(v, (list, tuple)) or (isinstance(v, _NotOneNumber) and v.what.startswith("tensor of ")
+                                                             and not v.what.startswith("tensor of 0"))
                            or (_is_ndarray(v) and getattr(v, "size", 0) > 1))
                 logger.warning(
                     "stepwatch.log(%s=...): %s %s is not a number that fits a float; recorded as null "

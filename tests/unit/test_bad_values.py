@@ -107,3 +107,12 @@ def test_a_string_is_null_even_when_it_reads_as_a_number_and_a_numpy_array_of_on
     lines = {r.getMessage().split("(")[1].split("=")[0]: r.getMessage() for r in caplog.records if "stepwatch.log(" in r.getMessage()}
     assert "a str is not a number" in lines["s"] and "a bytes is not a number" in lines["b"], lines
     assert "an ndarray is not a number" in lines["two"] and "two=values[0]" in lines["two"], lines
+
+
+def test_a_meta_tensor_is_said_to_hold_no_data(sw, tmp_path, caplog):
+    """``stepwatch.log(x=torch.empty(1, device="meta"))`` said "a tensor of 1 values ... log one
+    value a name: x=values[0]", advice for a tensor of several values; a meta tensor holds none."""
+    records, manifest = _log_each_step(sw, tmp_path, caplog, 2, lambda: dict(x=torch.empty(1, device="meta"), y=1.0))
+    assert all(r.scalars == {"x": None, "y": 1.0} for r in records)
+    (line,) = [r.getMessage() for r in caplog.records if "stepwatch.log(x=" in r.getMessage()]
+    assert "meta tensor (no data)" in line and "values[0]" not in line, line

@@ -441,3 +441,94 @@ def test_a_sigterm_during_a_save_leaves_the_save_in_the_tail_record(tmp_path):
     tail = recs[-1]
     assert tail["tail"] is True and tail["checkpoint_s"] >= 0.25 and tail["checkpoint_bytes"] is None, tail
     assert json.load(open(run / "run.json"))["ended_by"] == "SIGTERM"
+
+
+# ----------------------------------------------------------------------------- phases of other threads, phases after the last step
+
+
+@pytest.mark.usefixtures("both_tracker_cores")
+def test_a_phase_on_another_thread_neither_moves_the_steps_values_nor_stops_the_tracker(sw, caplog):
+    """A background thread running ``with stepwatch.phase("bg"): ...`` while the loop trains:
+    each phase ended the training thread's pending step from that thread, so 199 of 200 values
+    logged after ``optimizer.step()`` went to the next step; its time went into the training
+    step's phases; and, racing the step's end, ``phase_end`` raised and turned the tracker off
+    (27 of 300 steps recorded). Another thread's phase is not timed, and said once."""
+    import logging
+    import threading
+
+    stepwatch, mem, start = sw
+    start()
+    stop = threading.Event()
+
+    def side():
+        while not stop.is_set():
+            with stepwatch.phase("bg"):
+                pass
+
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        th = threading.Thread(target=side, daemon=True)
+        th.start()
+        try:
+            for i in range(150):
+                m(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                stepwatch.log(i=i)
+        finally:
+            stop.set()
+            th.join(10)
+        stepwatch.shutdown()
+    recs = [r for r in mem.records if not r.tail]
+    assert [r.scalars.get("i") for r in recs] == list(range(150)), [(r.step, r.scalars) for r in recs][:5]
+    assert not any("bg" in (r.phases or {}) for r in recs)
+    said = [r.getMessage() for r in caplog.records if "other than the training thread" in r.getMessage()]
+    assert len(said) == 1 and "'bg'" in said[0], said
+    assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+
+
+@pytest.mark.usefixtures("both_tracker_cores")
+def test_a_phase_and_a_value_after_the_last_step_are_kept_in_the_tail(sw):
+    """``with stepwatch.phase("export_model"): ...`` then ``stepwatch.log(final_acc=0.93)`` after
+    the last step: the phase's start ended that step, and both went with the unstepped step
+    dropped at shutdown, silently (a no-grad evaluation there was kept in a tail record)."""
+    stepwatch, mem, start = sw
+    start()
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(3):
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    with stepwatch.phase("export_model"):
+        time.sleep(0.01)
+    stepwatch.log(final_acc=0.93)
+    stepwatch.shutdown()
+    steps = [r for r in mem.records if not r.tail]
+    (tail,) = [r for r in mem.records if r.tail]
+    assert len(steps) == 3 and tail.scalars == {"final_acc": 0.93}
+    assert tail.phases["export_model"] >= 0.01 and tail.step_s == 0
+
+
+def test_set_step_before_init_numbers_the_sessions_first_step(sw):
+    """A resume that numbers its steps before ``stepwatch.init()``: the value was dropped and the
+    records numbered 0, 1, 2 with no word. The session init starts numbers from it."""
+    stepwatch, mem, start = sw
+    stepwatch.set_step(1000)
+    start()
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(3):
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert [r.step for r in mem.records] == [1000, 1001, 1002]
+    start()  # the next session: numbered from 0 again (the value was used once)
+    for _ in range(2):
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    stepwatch.shutdown()
+    assert [r.step for r in mem.records][-2:] == [0, 1]

@@ -582,6 +582,19 @@ def nested_optimizer_step() -> bool:
     return False
 
 
+def _other_threads_phase(name: str) -> None:
+    """``stepwatch.phase()`` on a thread other than the training thread: not timed, said once. It
+    ended the training thread's pending step from that thread (a value logged after
+    ``optimizer.step()`` went to the next step), put its time in the training step's ``phases``,
+    and, racing the step's end, turned the tracker off for the rest of the run."""
+    from .._log import warn_once
+
+    warn_once("phase.other_thread",
+              "stepwatch: stepwatch.phase(%r) on a thread other than the training thread is not timed: a phase "
+              "times the training loop's own work (its time is in the step's phases). Time another thread's work "
+              "yourself and log it with stepwatch.log(name=seconds)", name)
+
+
 def optimizer_step_running() -> bool:
     """An optimizer's ``step`` runs on this thread: torch's step wrapper is on the stack. Asked
     only where an optimizer phase is open with nothing pausing it (``_pause_opt``): no closure's
@@ -966,6 +979,9 @@ class _Methods:
     def phase_begin(self, name: str) -> None:
         if not self.enabled:
             return
+        if threading.get_ident() != self._thread:
+            _other_threads_phase(name)
+            return
         try:
             depth = self._phase_depth.get(name, 0) + 1
             self._phase_depth[name] = depth
@@ -979,7 +995,7 @@ class _Methods:
             self._fail("phase_begin", e)
 
     def phase_end(self, name: str) -> None:
-        if not self.enabled:
+        if not self.enabled or threading.get_ident() != self._thread:
             return
         try:
             depth = self._phase_depth.get(name, 0) - 1
@@ -1032,8 +1048,9 @@ class _Methods:
 
     def flush(self) -> None:
         """At shutdown: a pending step is complete; a step with no optimizer yet is dropped, but
-        evaluation and checkpoints after the last step are kept in one *tail* record (no training
-        step: every training phase and ``step_s`` are 0) so that the run's totals count them.
+        evaluation, checkpoints, user phases and logged values after the last step are kept in one
+        *tail* record (no training step: every training phase and ``step_s`` are 0) so that the
+        run's totals count them.
         A save still open (a SIGTERM, a preemption, whose shutdown runs while the training thread
         is inside ``torch.save``) is cut short here: its time so far is the tail's
         ``checkpoint_s``, its bytes unknown, and the tail's extras say ``checkpoint_interrupted``
@@ -1056,7 +1073,9 @@ class _Methods:
                 self._ckpt_depth = 0
                 self._ckpt += max(t - self._ckpt_t0, 0)
                 self._ckpt_bytes = None  # what it wrote before it was cut short: unknown
-            if self._eval or self._ckpt:
+            # A user phase or a logged value after the last step (an export, a final metric,
+            # whose start ended that step) is kept too: they went with the dropped step, silently.
+            if self._eval or self._ckpt or self._phases or self._scalars:
                 self._emit_tail(t, cut)
             if self._step_open:
                 self._step_open = False
@@ -1071,7 +1090,8 @@ class _Methods:
             extras["checkpoint_bytes"] = self._ckpt_bytes
         if cut:
             extras["checkpoint_interrupted"] = True
-        self._emit(RawStep(self.step, t_end, 0, 0, 0, 0, 0, self._eval, self._ckpt, {}, self._scalars, False, None, extras, True))
+        self._emit(RawStep(self.step, t_end, 0, 0, 0, 0, 0, self._eval, self._ckpt, self._phases or {}, self._scalars,
+                           False, None, extras, True))
         self._reset_step()
 
     def remove_listener(self, fn: Callable[[int], None]) -> None:
