@@ -58,19 +58,9 @@ def _check_steps(recs, n=STEPS):
     assert not bad, bad[:2]
 
 
-def _lines(caplog):
-    return [r.getMessage() for r in caplog.records if LINE in r.getMessage()]
-
-
-@pytest.mark.parametrize("shape", ["forward", "train_step", "whole_step"])
-def test_each_logged_value_lands_on_its_own_step(sw, caplog, shape):
-    """The user's loop: ``loss = lossf(fwd(x), y); stepwatch.log(loss=loss, i=i)``; a compiled
-    ``train_step(x, y)`` returning the loss; and a compiled step that runs backward and the
-    optimizer step too."""
-    stepwatch, mem, start = sw
-    start()
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def _compiled(model, opt):
+    """The three compiled functions of the loops under test: ``fwd(x)``, ``train_step(x, y)``
+    (forward and loss), and ``whole_step(x, y)`` (with its backward and optimizer step)."""
 
     @torch.compile(backend=BACKEND)
     def fwd(x):
@@ -88,6 +78,24 @@ def test_each_logged_value_lands_on_its_own_step(sw, caplog, shape):
         opt.zero_grad()
         return loss
 
+    return fwd, train_step, whole_step
+
+
+def _lines(caplog):
+    return [r.getMessage() for r in caplog.records if LINE in r.getMessage()]
+
+
+@pytest.mark.parametrize("shape", ["forward", "train_step", "whole_step"])
+def test_each_logged_value_lands_on_its_own_step(sw, caplog, shape):
+    """The user's loop: ``loss = lossf(fwd(x), y); stepwatch.log(loss=loss, i=i)``; a compiled
+    ``train_step(x, y)`` returning the loss; and a compiled step that runs backward and the
+    optimizer step too."""
+    stepwatch, mem, start = sw
+    start()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    fwd, train_step, whole_step = _compiled(model, opt)
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
         for i in range(STEPS):
             x, y = _batch()
@@ -436,18 +444,7 @@ def test_the_device_clock_times_the_compiled_forward_until_the_backward(sw, shap
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    @torch.compile(backend=BACKEND)
-    def train_step(x, y):
-        return F.mse_loss(model(x), y)
-
-    @torch.compile(backend=BACKEND)
-    def whole_step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    _, train_step, whole_step = _compiled(model, opt)
     tracker = stepwatch.get_session().tracker
     timer = _Timer()
     tracker.device = timer

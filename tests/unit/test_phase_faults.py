@@ -495,12 +495,7 @@ def test_a_phase_and_a_value_after_the_last_step_are_kept_in_the_tail(sw):
     dropped at shutdown, silently (a no-grad evaluation there was kept in a tail record)."""
     stepwatch, mem, start = sw
     start()
-    m = nn.Linear(4, 1)
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    for _ in range(3):
-        m(torch.randn(2, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _train_plain(nn.Linear(4, 1), 3)
     with stepwatch.phase("export_model"):
         time.sleep(0.01)
     stepwatch.log(final_acc=0.93)
@@ -518,17 +513,19 @@ def test_set_step_before_init_numbers_the_sessions_first_step(sw):
     stepwatch.set_step(1000)
     start()
     m = nn.Linear(4, 1)
-    opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    for _ in range(3):
-        m(torch.randn(2, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _train_plain(m, 3)
     stepwatch.shutdown()
     assert [r.step for r in mem.records] == [1000, 1001, 1002]
     start()  # the next session: numbered from 0 again (the value was used once)
-    for _ in range(2):
+    _train_plain(m, 2)
+    stepwatch.shutdown()
+    assert [r.step for r in mem.records][-2:] == [0, 1]
+
+
+def _train_plain(m, steps):
+    """``steps`` plain SGD steps of ``m`` (a Linear(4, 1)), no DataLoader."""
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(steps):
         m(torch.randn(2, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
-    stepwatch.shutdown()
-    assert [r.step for r in mem.records][-2:] == [0, 1]
