@@ -21,7 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-pytestmark = pytest.mark.usefixtures("both_tracker_cores")  # tests/conftest.py
+# Both tracker cores (tests/conftest.py) where the phases' times are read; the hooks' other
+# checks (no graph break, which contexts get a hook, FLOPs) do not depend on the core.
+both_cores = pytest.mark.usefixtures("both_tracker_cores")
 
 BACKEND = "eager"
 STEPS = 5
@@ -85,6 +87,7 @@ def _lines(caplog):
     return [r.getMessage() for r in caplog.records if LINE in r.getMessage()]
 
 
+@both_cores
 @pytest.mark.parametrize("shape", ["forward", "train_step", "whole_step"])
 def test_each_logged_value_lands_on_its_own_step(sw, caplog, shape):
     """The user's loop: ``loss = lossf(fwd(x), y); stepwatch.log(loss=loss, i=i)``; a compiled
@@ -120,6 +123,7 @@ def test_each_logged_value_lands_on_its_own_step(sw, caplog, shape):
     assert f"'{name}'" in said[0] and "torch.compile(model)" in said[0] and "model.compile()" in said[0]
 
 
+@both_cores
 def test_the_compiled_call_is_forward_time_up_to_its_backward(sw):
     """A compiled step: what runs before its backward is ``forward_s``; its backward and
     optimizer step are their own phases; what it runs after its optimizer step (here a sleep
@@ -180,6 +184,7 @@ def test_a_function_compiled_before_init_is_seen(sw, caplog):
     assert len(said) == 1 and "compiled before stepwatch started" in said[0], said
 
 
+@both_cores
 def test_a_compiled_call_inside_the_closure_is_forward(sw):
     """``optimizer.step(closure)`` (LBFGS) whose closure calls the compiled function: the
     optimizer phase pauses for it, as for a root's forward."""
@@ -212,6 +217,7 @@ def test_a_compiled_call_inside_the_closure_is_forward(sw):
         assert r.optimizer_s < r.forward_s, r  # the closure's compiled call is not the optimizer's
 
 
+@both_cores
 def test_an_evaluation_through_a_compiled_function_is_eval_time(sw):
     """A validation after some steps, through a compiled function under ``torch.no_grad()`` with
     the model in eval mode: ``eval_s``, out of ``step_s``, as an evaluation through the model's
@@ -433,6 +439,7 @@ class _Timer:
         self.events.append(("end", self.open.pop(slot)))
 
 
+@both_cores
 @pytest.mark.parametrize("shape", ["train_step", "whole_step"])
 def test_the_device_clock_times_the_compiled_forward_until_the_backward(sw, shape):
     """On a GPU the phases are device intervals (begun and ended through the tracker's
