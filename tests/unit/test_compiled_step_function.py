@@ -162,11 +162,7 @@ def test_a_function_compiled_before_init_is_seen(sw, caplog):
     dynamo context predates stepwatch's patch; the init scan finds it."""
     stepwatch, mem, start = sw
     model = _model()
-
-    @torch.compile(backend=BACKEND)
-    def train_step(x, y):
-        return F.mse_loss(model(x), y)
-
+    _, train_step, _ = _compiled(model, None)
     start()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
@@ -226,10 +222,7 @@ def test_an_evaluation_through_a_compiled_function_is_eval_time(sw):
     start()
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    @torch.compile(backend=BACKEND)
-    def train_step(x, y):
-        return F.mse_loss(model(x), y)
+    _, train_step, _ = _compiled(model, opt)
 
     @torch.compile(backend=BACKEND)
     def evaluate(x):
@@ -482,11 +475,7 @@ def test_a_loss_module_outside_the_compiled_forward_does_not_read_as_the_steps_f
     start(peak_tflops=1.0)
     model, lossf = _model(), nn.MSELoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    @torch.compile(backend=BACKEND)
-    def fwd(x):
-        return model(x)
-
+    fwd, _, _ = _compiled(model, opt)
     for i in range(STEPS):
         x, y = _batch()
         loss = lossf(fwd(x), y)

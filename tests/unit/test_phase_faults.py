@@ -69,15 +69,20 @@ class _Device:
         self.cancelled.append(slot)
 
 
+def _fwd_bwd(tr, at, fwd_end, bwd_end):
+    """A forward from now to ``fwd_end``, then a backward to ``bwd_end``."""
+    tr.forward_begin(True)
+    at(fwd_end)
+    tr.forward_end()
+    tr.backward_begin()
+    at(bwd_end)
+    tr.backward_end()
+
+
 def _step0(tr, at):
     """Step 0: work from 1000, its optimizer step ends at 1300."""
     at(1000)
-    tr.forward_begin(True)
-    at(1100)
-    tr.forward_end()
-    tr.backward_begin()
-    at(1200)
-    tr.backward_end()
+    _fwd_bwd(tr, at, 1100, 1200)
     tr.optimizer_begin()
     at(1300)
     tr.optimizer_end()
@@ -90,12 +95,7 @@ def _failed_iteration(tr, at, scaler=False):
     t0 = tr.data_begin()
     at(2100)
     tr.data_end(t0)
-    tr.forward_begin(True)
-    at(2200)
-    tr.forward_end()
-    tr.backward_begin()
-    at(2250)
-    tr.backward_end()
+    _fwd_bwd(tr, at, 2200, 2250)
     s0 = tr.scaler_begin() if scaler else 0
     at(2300)
     tr.optimizer_begin()  # raises in step(): no optimizer_end
@@ -122,21 +122,11 @@ def _next_iteration(tr, at, first):
     if first == "optimizer":  # optimizer.step(closure): the closure's forward and backward inside
         tr.optimizer_begin()
         paused = tr.pause_optimizer()
-        tr.forward_begin(True)
-        at(3300)
-        tr.forward_end()
-        tr.backward_begin()
-        at(3400)
-        tr.backward_end()
+        _fwd_bwd(tr, at, 3300, 3400)
         if paused:
             tr.resume_optimizer()
     else:
-        tr.forward_begin(True)
-        at(3300)
-        tr.forward_end()
-        tr.backward_begin()
-        at(3400)
-        tr.backward_end()
+        _fwd_bwd(tr, at, 3300, 3400)
         tr.optimizer_begin()
     at(3500)
     tr.optimizer_end()
@@ -347,21 +337,8 @@ def test_an_optimizer_step_that_raises_is_its_own_record(sw, loop):
         else:
             x, y = torch.randn(8, 16), torch.randn(8, 4)
 
-        def closure():
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            return loss
-
-        try:
-            if loop == "closure":
-                opt.step(closure)
-            else:
-                closure()
-                opt.step()
-        except RuntimeError:
-            if loop == "save":
-                torch.save(model.state_dict(), io.BytesIO())
+        if not step_or_fail(model, opt, x, y, closure=loop == "closure") and loop == "save":
+            torch.save(model.state_dict(), io.BytesIO())
         time.sleep(SLEEP)
         if loop == "explicit":
             stepwatch.step()
@@ -529,3 +506,23 @@ def _train_plain(m, steps):
         m(torch.randn(2, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
+
+
+def step_or_fail(model, opt, x, y, *, closure):
+    """One iteration's forward, backward and ``opt.step()`` (with them in its closure, or after
+    them), as a loop that catches a step that raises writes it: False when the step raised."""
+    def run():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    try:
+        if closure:
+            opt.step(run)
+        else:
+            run()
+            opt.step()
+    except RuntimeError:
+        return False
+    return True

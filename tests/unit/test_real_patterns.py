@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
+from test_phase_faults import step_or_fail  # one iteration that may raise in opt.step()
+
 pytestmark = pytest.mark.usefixtures("both_tracker_cores")  # tests/conftest.py
 
 
@@ -2024,22 +2026,7 @@ def test_an_optimizer_step_that_raises_and_is_skipped_keeps_every_later_step(sw,
     done = 0
     for _ in range(10):
         x, y = torch.randn(8, 16), torch.randn(8, 4)
-
-        def closure():
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            return loss
-
-        try:
-            if how == "closure":
-                opt.step(closure)
-            else:
-                closure()
-                opt.step()
-            done += 1
-        except RuntimeError:
-            pass
+        done += step_or_fail(model, opt, x, y, closure=how == "closure")
     stepwatch.shutdown()
     recs = [r for r in mem.records if not r.tail]
     assert done == (10 if how == "nested" else 9)

@@ -13,6 +13,7 @@ import pytest
 
 from stepwatch.hooks import phases
 from stepwatch.record import RawStep
+from test_phase_faults import _step0  # step 0 on the fake clock: work 1000-1300
 
 _ctracker = pytest.importorskip("stepwatch.hooks._ctracker", reason="the C tracker is not built here (no C compiler)")
 
@@ -285,16 +286,7 @@ def test_a_sequence_without_failures_hands_over_every_step(restore_clock):
 def _validation_then(tr, at, closer):
     """Step 0 ends at 1300; a validation of 5 fetches and calls (grad disabled) from 2000 to 3000;
     its metric until 4000; then ``closer``."""
-    at(1000)
-    tr.forward_begin(True)
-    at(1100)
-    tr.forward_end()
-    tr.backward_begin()
-    at(1200)
-    tr.backward_end()
-    tr.optimizer_begin()
-    at(1300)
-    tr.optimizer_end()
+    _step0(tr, at)
     at(2000)
     for i in range(5):
         t0 = tr.data_begin()
