@@ -140,7 +140,9 @@ class CaptureManager:
         # resumed or requeued job with the same run id: its capture 1 was written over the last
         # launch's). Rank 0 numbers them; the other ranks take its first number from the store
         # (``_k_synced``) before they look for its decisions.
-        self._next_k = _highest_number(self.dir, r"(?:capture|skipped)-(\d+)[-.]") + 1
+        from ..traces import rundir
+
+        self._next_k = rundir.highest_capture(self.dir) + 1
         self._k_synced = self.ctx.rank == 0
         if board is not None:  # the stack dumps' numbers (pyspy-<n>.rank<R>.txt) likewise
             board.number_dumps_after(_highest_number(self.dir, rf"pyspy-(\d+)\.rank{self.ctx.rank}\.txt$"))

@@ -107,6 +107,17 @@ def capture_metas(run_dir: str, capture: int) -> list[dict[str, Any]]:
     return _per_rank(run_dir, capture, _META_RE)
 
 
+def highest_capture(captures_dir: str) -> int:
+    """The highest capture number any file in ``captures_dir`` holds (a trace, its metadata or
+    analysis, a skip note), 0 for none: a later launch into the run dir numbers on from it."""
+    try:
+        names = os.listdir(captures_dir)
+    except OSError:
+        return 0
+    return max((int(m.group(1 if rx is not _TRACE_RE else 2)) for n in names
+                for rx in (_META_RE, _ANALYSIS_RE, _SKIPPED_RE, _TRACE_RE) if (m := rx.match(n))), default=0)
+
+
 def _per_rank(run_dir: str, capture: int, pattern: "re.Pattern[str]") -> list[dict[str, Any]]:
     d = os.path.join(run_dir, "captures")
     try:
