@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 import tempfile
 from typing import IO, Any
@@ -25,6 +26,9 @@ from typing import IO, Any
 from ._log import logger, warn_once
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# A rank's manifest: ``rank<R>.json``, or ``rank<R>.<K>.json`` of a relaunch in the same directory
+# (groups: R, K). Written by _manifest.py; read by the report, `stepwatch capture` and the manifest.
+RANK_FILE_RE = re.compile(r"^rank(\d+)(?:\.(\d+))?\.json$")
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._files import create_private, make_private_dir, read_json_private, say_unwritable, write_json_private
+from ._files import RANK_FILE_RE, create_private, make_private_dir, read_json_private, say_unwritable, write_json_private
 from ._version import __version__
 from .config import Config
 from .context import RunContext
@@ -152,14 +152,13 @@ class Manifest:
 
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
-_RANK_FILE = re.compile(r"rank\d+(\.\d+)?\.json")
 
 
 def _launch_of(rank_path: str | None) -> str | None:
     """The launch suffix of a rank file's name: "" for ``rank<R>.json``, ``.<K>`` for
     ``rank<R>.<K>.json`` (a relaunch's); None when unknown."""
-    m = _RANK_FILE.fullmatch(os.path.basename(rank_path)) if rank_path else None
-    return (m.group(1) or "") if m else None
+    m = RANK_FILE_RE.match(os.path.basename(rank_path)) if rank_path else None
+    return f".{m.group(2)}" if m and m.group(2) else ("" if m else None)
 
 
 def _drop_dead_reserves(run_dir: str, rank: int, host: str) -> None:
@@ -199,8 +198,8 @@ def hosts_in(run_dir: str, launch: str | None = None) -> list[str]:
     except OSError:
         return out
     for n in names:
-        m = _RANK_FILE.fullmatch(n)
-        if m and (launch is None or (m.group(1) or "") == launch):
+        m = RANK_FILE_RE.match(n)
+        if m and (launch is None or (f".{m.group(2)}" if m.group(2) else "") == launch):
             try:
                 out.append(read_json_private(os.path.join(run_dir, n))["host"])
             except (OSError, ValueError, KeyError, TypeError):

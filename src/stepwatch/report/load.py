@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
-from .._files import READ_MAX_BYTES, job_dir
+from .._files import RANK_FILE_RE, READ_MAX_BYTES, job_dir
 from ..record import Finding
 from .columns import RankColumns
 from .ingest import RankBuilder, _is_num, add_step
@@ -35,7 +35,6 @@ _WATCHDOG_RE = re.compile(r"^findings\.watchdog\.rank(\d+)\.jsonl$")
 _MANIFEST_RE = re.compile(r"^run(?:\.(\d+))?\.json$")
 # Each rank's own line of the manifest: host, pid, attempt.
 # rank<R>.<K>.json: a relaunch, or another job in the same directory (never overwritten).
-_RANK_INFO_RE = re.compile(r"^rank(\d+)(?:\.(\d+))?\.json$")
 
 
 class ReportError(Exception):
@@ -311,7 +310,7 @@ def _read_rank_info(path: str, names: list[str], notes: list[str]
     """Each rank's info from its latest launch's file (the highest K), and the ranks of every
     launch that did not end with a shutdown (``Run.rank_ends``; files from before the twenty-ninth
     session carry no end and are not counted)."""
-    found = sorted((int(m.group(2) or 0), int(m.group(1)), n) for n in names if (m := _RANK_INFO_RE.match(n)))
+    found = sorted((int(m.group(2) or 0), int(m.group(1)), n) for n in names if (m := RANK_FILE_RE.match(n)))
     out: dict[int, dict[str, Any]] = {}
     ends: list[tuple[int, int, str | None]] = []
     for k, rank, n in found:

@@ -22,6 +22,7 @@ import os
 import re
 from typing import Any
 
+from .._files import RANK_FILE_RE
 from . import ANALYSIS_SUFFIX
 
 REQUESTS = "requests"
@@ -178,7 +179,6 @@ def pending_requests(run_dir: str) -> list[tuple[str, int]]:
 
 
 _RUN_RE = re.compile(r"^run(?:\.\d+)?\.json$")  # run.json, and run.<K>.json of a relaunch in the same directory
-_RANK_RE = re.compile(r"^rank\d+(?:\.\d+)?\.json$")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -218,7 +218,7 @@ def run_ended(run_dir: str) -> str | None:
     host = socket.gethostname()
     pids = []
     for n in sorted(names):
-        if not _RANK_RE.match(n):
+        if not RANK_FILE_RE.match(n):
             continue
         m = _read(os.path.join(run_dir, n))
         if not isinstance(m, dict) or m.get("host") != host or not isinstance(m.get("pid"), int):
